@@ -1,0 +1,499 @@
+//! Typed requests and responses of the methods moongate understands.
+//!
+//! A closed set: the methods that carry policy decisions, liveness and the client's
+//! lifecycle. Every other method is relayed as raw bytes ([`Request::decode`] returns
+//! `None` for it). Each method's argument root is its single argument, or a tuple of
+//! all arguments in C++ declaration order (spec §4.1); the tuples are the `*Args`
+//! structs below, which encode exactly like a `std::tuple`.
+
+use std::sync::OnceLock;
+
+use bytes::{Bytes, BytesMut};
+
+use super::error::DecodeError;
+use super::frame::errc;
+use super::method::Method;
+use super::pack::{BodyStyle, Pack, Reader, RootSchema, Writer, decode_message, encode_message};
+use super::types::*;
+use crate::pack_struct;
+
+/// The argument root of a method without arguments: no body at all on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct NoArgs;
+
+impl Pack for NoArgs {
+    fn write_literal(_out: &mut Vec<u8>) {}
+    fn encode(&self, _w: &mut Writer<'_>) {}
+    fn decode(_r: &mut Reader) -> Result<Self, DecodeError> {
+        Ok(NoArgs)
+    }
+}
+
+pack_struct! {
+    /// `MountSegment(segment, client_id)`.
+    pub struct MountSegmentArgs { pub segment: Segment, pub client_id: Uuid }
+}
+pack_struct! {
+    /// `ReMountSegment(segments, client_id)`.
+    pub struct ReMountSegmentArgs { pub segments: Vec<Segment>, pub client_id: Uuid }
+}
+pack_struct! {
+    /// `UnmountSegment(segment_id, client_id)`.
+    pub struct UnmountSegmentArgs { pub segment_id: Uuid, pub client_id: Uuid }
+}
+pack_struct! {
+    /// `FetchTasks(client_id, batch_size)`.
+    pub struct FetchTasksArgs { pub client_id: Uuid, pub batch_size: u64 }
+}
+pack_struct! {
+    /// `PutStart` / `UpsertStart(client_id, key, slice_length, config, tenant_id)`.
+    pub struct PutStartArgs {
+        pub client_id: Uuid,
+        pub key: Bytes,
+        /// Must never be changed: the client writes exactly this many bytes.
+        pub slice_length: u64,
+        pub config: ReplicateConfig,
+        pub tenant_id: Bytes,
+    }
+}
+pack_struct! {
+    /// `PutEnd` / `UpsertEnd(client_id, object_meta, replica_type, tenant_id)`.
+    pub struct PutEndArgs {
+        pub client_id: Uuid,
+        pub object_meta: ObjectMeta,
+        pub replica_type: ReplicaType,
+        pub tenant_id: Bytes,
+    }
+}
+pack_struct! {
+    /// `PutRevoke(client_id, key, replica_type, tenant_id)`.
+    pub struct PutRevokeArgs {
+        pub client_id: Uuid,
+        pub key: Bytes,
+        pub replica_type: ReplicaType,
+        pub tenant_id: Bytes,
+    }
+}
+pack_struct! {
+    /// `BatchPutStart` / `BatchUpsertStart(client_id, keys, slice_lengths, config, tenant_id)`.
+    pub struct BatchPutStartArgs {
+        pub client_id: Uuid,
+        pub keys: Vec<Bytes>,
+        pub slice_lengths: Vec<u64>,
+        pub config: ReplicateConfig,
+        pub tenant_id: Bytes,
+    }
+}
+pack_struct! {
+    /// `BatchPutEnd(client_id, object_metas, replica_type, tenant_id)`.
+    pub struct BatchPutEndArgs {
+        pub client_id: Uuid,
+        pub object_metas: Vec<ObjectMeta>,
+        pub replica_type: ReplicaType,
+        pub tenant_id: Bytes,
+    }
+}
+pack_struct! {
+    /// `BatchUpsertEnd(client_id, object_metas, tenant_id)`: no replica type.
+    pub struct BatchUpsertEndArgs {
+        pub client_id: Uuid,
+        pub object_metas: Vec<ObjectMeta>,
+        pub tenant_id: Bytes,
+    }
+}
+pack_struct! {
+    /// `BatchPutRevoke(client_id, keys, replica_type, tenant_id)`.
+    pub struct BatchPutRevokeArgs {
+        pub client_id: Uuid,
+        pub keys: Vec<Bytes>,
+        pub replica_type: ReplicaType,
+        pub tenant_id: Bytes,
+    }
+}
+pack_struct! {
+    /// `ExistKey` / `GetReplicaList(key, tenant_id)`.
+    pub struct KeyArgs { pub key: Bytes, pub tenant_id: Bytes }
+}
+pack_struct! {
+    /// `BatchExistKey` / `BatchGetReplicaList(keys, tenant_id)`.
+    pub struct KeysArgs { pub keys: Vec<Bytes>, pub tenant_id: Bytes }
+}
+pack_struct! {
+    /// `Remove(key, force, tenant_id)`.
+    pub struct RemoveArgs { pub key: Bytes, pub force: bool, pub tenant_id: Bytes }
+}
+pack_struct! {
+    /// `RemoveAll(force, tenant_id)`.
+    pub struct RemoveAllArgs { pub force: bool, pub tenant_id: Bytes }
+}
+
+/// One static schema per concrete root type, built on first use.
+macro_rules! schema {
+    ($t:ty) => {{
+        static S: OnceLock<RootSchema> = OnceLock::new();
+        S.get_or_init(RootSchema::of::<$t>)
+    }};
+}
+
+macro_rules! typed_methods {
+    ($( $m:ident ( $req:ty ) -> $resp:ty ; )*) => {
+        /// A decoded request of a method moongate understands.
+        #[derive(Debug, Clone, PartialEq, Eq)]
+        pub enum Request { $( $m($req), )* }
+
+        /// The decoded body of a successful (`err_code == 0`) response.
+        #[derive(Debug, Clone, PartialEq, Eq)]
+        pub enum Response { $( $m($resp), )* }
+
+        impl Request {
+            pub fn method(&self) -> Method {
+                match self { $( Request::$m(_) => Method::$m, )* }
+            }
+
+            /// Decodes `body` as a request of `method`; `None` for a method without a
+            /// typed form (relay it raw).
+            pub fn decode(method: Method, body: &Bytes)
+                -> Option<Result<(Request, BodyStyle), DecodeError>> {
+                match method {
+                    $( Method::$m => Some(decode_root::<$req>(body, schema!($req))
+                        .map(|(v, s)| (Request::$m(v), s))), )*
+                    _ => None,
+                }
+            }
+
+            /// Appends the body (no header) in `style`.
+            pub fn encode_body(&self, style: BodyStyle, out: &mut BytesMut) {
+                match self { $( Request::$m(v) => encode_root(v, schema!($req), style, out), )* }
+            }
+        }
+
+        impl Response {
+            pub fn method(&self) -> Method {
+                match self { $( Response::$m(_) => Method::$m, )* }
+            }
+
+            /// Decodes the body of a successful response to a `method` request.
+            pub fn decode(method: Method, body: &Bytes)
+                -> Option<Result<(Response, BodyStyle), DecodeError>> {
+                match method {
+                    $( Method::$m => Some(decode_message::<$resp>(body, schema!($resp))
+                        .map(|(v, s)| (Response::$m(v), s))), )*
+                    _ => None,
+                }
+            }
+
+            pub fn encode_body(&self, style: BodyStyle, out: &mut BytesMut) {
+                match self { $( Response::$m(v) => encode_message(v, schema!($resp), style, out), )* }
+            }
+
+            /// The reply the master gives when it refuses a request of `method` with
+            /// `code` as a whole (for batch methods: `code` for every one of `keys` keys).
+            /// `None` for methods whose reply cannot carry an `ErrorCode`.
+            pub fn error(method: Method, code: ErrorCode, keys: usize) -> Option<Response> {
+                match method {
+                    $( Method::$m => <$resp as ErrorReply>::error(code, keys).map(Response::$m), )*
+                    _ => None,
+                }
+            }
+        }
+
+        /// Whether a method has a typed form here.
+        pub fn is_typed(method: Method) -> bool {
+            matches!(method, $( Method::$m )|*)
+        }
+    };
+}
+
+typed_methods! {
+    ServiceReady(NoArgs) -> Expected<Bytes>;
+    GetStorageConfig(NoArgs) -> Expected<GetStorageConfigResponse>;
+    MountSegment(MountSegmentArgs) -> Expected<()>;
+    ReMountSegment(ReMountSegmentArgs) -> Expected<()>;
+    UnmountSegment(UnmountSegmentArgs) -> Expected<()>;
+    Ping(Uuid) -> Expected<PingResponse>;
+    FetchTasks(FetchTasksArgs) -> Expected<Vec<TaskAssignment>>;
+    PutStart(PutStartArgs) -> Expected<Vec<ReplicaDescriptor>>;
+    PutEnd(PutEndArgs) -> Expected<()>;
+    PutRevoke(PutRevokeArgs) -> Expected<()>;
+    BatchPutStart(BatchPutStartArgs) -> Vec<Expected<Vec<ReplicaDescriptor>>>;
+    BatchPutEnd(BatchPutEndArgs) -> Vec<Expected<()>>;
+    BatchPutRevoke(BatchPutRevokeArgs) -> Vec<Expected<()>>;
+    UpsertStart(PutStartArgs) -> Expected<Vec<ReplicaDescriptor>>;
+    UpsertEnd(PutEndArgs) -> Expected<()>;
+    BatchUpsertStart(BatchPutStartArgs) -> Vec<Expected<Vec<ReplicaDescriptor>>>;
+    BatchUpsertEnd(BatchUpsertEndArgs) -> Vec<Expected<()>>;
+    GetReplicaList(KeyArgs) -> Expected<GetReplicaListResponse>;
+    BatchGetReplicaList(KeysArgs) -> Vec<Expected<GetReplicaListResponse>>;
+    ExistKey(KeyArgs) -> Expected<bool>;
+    BatchExistKey(KeysArgs) -> Vec<Expected<bool>>;
+    Remove(RemoveArgs) -> Expected<()>;
+    RemoveAll(RemoveAllArgs) -> i64;
+}
+
+/// Zero-argument requests carry no body (not even an empty message); a body sent anyway
+/// is ignored, as the master does.
+fn decode_root<T: Pack>(body: &Bytes, schema: &RootSchema) -> Result<(T, BodyStyle), DecodeError> {
+    if schema.literal.is_empty() {
+        let mut r = Reader::new(Bytes::new(), 0, super::pack::SizeWidth::W1);
+        return Ok((T::decode(&mut r)?, BodyStyle::MOONCAKE));
+    }
+    decode_message(body, schema)
+}
+
+fn encode_root<T: Pack>(v: &T, schema: &RootSchema, style: BodyStyle, out: &mut BytesMut) {
+    if !schema.literal.is_empty() {
+        encode_message(v, schema, style, out);
+    }
+}
+
+/// Replies that can say "refused with this ErrorCode".
+trait ErrorReply: Sized {
+    fn error(code: ErrorCode, keys: usize) -> Option<Self>;
+}
+
+impl<T> ErrorReply for Expected<T> {
+    fn error(code: ErrorCode, _keys: usize) -> Option<Self> {
+        Some(Err(code))
+    }
+}
+
+impl<T> ErrorReply for Vec<Expected<T>> {
+    fn error(code: ErrorCode, keys: usize) -> Option<Self> {
+        Some((0..keys).map(|_| Err(code)).collect())
+    }
+}
+
+impl ErrorReply for i64 {
+    fn error(_code: ErrorCode, _keys: usize) -> Option<Self> {
+        None
+    }
+}
+
+/// A transport-level error reply (`err_code` 1..=254: a string body; 255: a
+/// `(u16 code, string)` pair). The Mooncake client maps any of them to `RPC_FAIL`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RpcError {
+    pub code: u16,
+    pub message: Bytes,
+}
+
+pack_struct! {
+    /// Body of an `err_code == 255` reply.
+    pub struct ExtendedRpcError { pub code: u16, pub message: Bytes }
+}
+
+impl RpcError {
+    pub fn decode(err_code: u8, body: &Bytes) -> Result<(RpcError, BodyStyle), DecodeError> {
+        if err_code == errc::EXTENDED {
+            let (e, s) = decode_message::<ExtendedRpcError>(body, schema!(ExtendedRpcError))?;
+            Ok((
+                RpcError {
+                    code: e.code,
+                    message: e.message,
+                },
+                s,
+            ))
+        } else {
+            let (m, s) = decode_message::<Bytes>(body, schema!(Bytes))?;
+            Ok((
+                RpcError {
+                    code: u16::from(err_code),
+                    message: m,
+                },
+                s,
+            ))
+        }
+    }
+
+    /// The header `err_code` byte for this error.
+    pub fn err_code(&self) -> u8 {
+        u8::try_from(self.code)
+            .ok()
+            .filter(|&c| c != errc::OK && c != errc::EXTENDED)
+            .unwrap_or(errc::EXTENDED)
+    }
+
+    pub fn encode_body(&self, style: BodyStyle, out: &mut BytesMut) {
+        if self.err_code() == errc::EXTENDED {
+            let e = ExtendedRpcError {
+                code: self.code,
+                message: self.message.clone(),
+            };
+            encode_message(&e, schema!(ExtendedRpcError), style, out);
+        } else {
+            encode_message(&self.message, schema!(Bytes), style, out);
+        }
+    }
+}
+
+impl Request {
+    /// Number of keys a batch request names (1 for single-key methods, 0 for others).
+    pub fn key_count(&self) -> usize {
+        match self {
+            Request::BatchPutStart(a) | Request::BatchUpsertStart(a) => a.keys.len(),
+            Request::BatchPutEnd(a) => a.object_metas.len(),
+            Request::BatchUpsertEnd(a) => a.object_metas.len(),
+            Request::BatchPutRevoke(a) => a.keys.len(),
+            Request::BatchGetReplicaList(a) | Request::BatchExistKey(a) => a.keys.len(),
+            Request::PutStart(_)
+            | Request::UpsertStart(_)
+            | Request::PutEnd(_)
+            | Request::UpsertEnd(_)
+            | Request::PutRevoke(_)
+            | Request::GetReplicaList(_)
+            | Request::ExistKey(_)
+            | Request::Remove(_) => 1,
+            _ => 0,
+        }
+    }
+}
+
+impl Response {
+    /// Number of application-level (`ErrorCode`) errors in the reply: 0 or 1 for single
+    /// calls, one per failed key for batch calls.
+    pub fn error_count(&self) -> usize {
+        fn one<T>(r: &Expected<T>) -> usize {
+            usize::from(r.is_err())
+        }
+        fn many<T>(v: &[Expected<T>]) -> usize {
+            v.iter().filter(|r| r.is_err()).count()
+        }
+        match self {
+            Response::ServiceReady(r) => one(r),
+            Response::GetStorageConfig(r) => one(r),
+            Response::MountSegment(r)
+            | Response::ReMountSegment(r)
+            | Response::UnmountSegment(r)
+            | Response::PutEnd(r)
+            | Response::PutRevoke(r)
+            | Response::UpsertEnd(r)
+            | Response::Remove(r) => one(r),
+            Response::Ping(r) => one(r),
+            Response::FetchTasks(r) => one(r),
+            Response::PutStart(r) | Response::UpsertStart(r) => one(r),
+            Response::BatchPutStart(v) | Response::BatchUpsertStart(v) => many(v),
+            Response::BatchPutEnd(v) | Response::BatchPutRevoke(v) | Response::BatchUpsertEnd(v) => {
+                many(v)
+            }
+            Response::GetReplicaList(r) => one(r),
+            Response::BatchGetReplicaList(v) => many(v),
+            Response::ExistKey(r) => one(r),
+            Response::BatchExistKey(v) => many(v),
+            Response::RemoveAll(_) => 0,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn argument_type_codes_match_the_method_table() {
+        let cases: [(Method, u32); 8] = [
+            (Method::PutStart, 0xe385_bd0e),
+            (Method::BatchPutStart, 0x5870_c0a4),
+            (Method::BatchExistKey, 0x00f7_8d62),
+            (Method::ExistKey, 0x7cf9_1ed8),
+            (Method::Ping, 0x3c6d_83e0),
+            (Method::MountSegment, 0x9ef7_0dae),
+            (Method::BatchUpsertEnd, 0xdce9_3710),
+            (Method::RemoveAll, 0x48a6_c274),
+        ];
+        for (m, code) in cases {
+            let req = sample_request(m);
+            let mut out = BytesMut::new();
+            req.encode_body(BodyStyle::MOONCAKE, &mut out);
+            let head = u32::from_le_bytes([out[0], out[1], out[2], out[3]]);
+            assert_eq!(head & !1, code, "{m}");
+        }
+    }
+
+    fn sample_request(m: Method) -> Request {
+        let id = Uuid {
+            first: 1,
+            second: 2,
+        };
+        let t = Bytes::from_static(b"default");
+        match m {
+            Method::PutStart => Request::PutStart(PutStartArgs {
+                client_id: id,
+                key: Bytes::from_static(b"k"),
+                slice_length: 3,
+                config: ReplicateConfig::default(),
+                tenant_id: t,
+            }),
+            Method::BatchPutStart => Request::BatchPutStart(BatchPutStartArgs {
+                client_id: id,
+                keys: vec![],
+                slice_lengths: vec![],
+                config: ReplicateConfig::default(),
+                tenant_id: t,
+            }),
+            Method::BatchExistKey => Request::BatchExistKey(KeysArgs {
+                keys: vec![],
+                tenant_id: t,
+            }),
+            Method::ExistKey => Request::ExistKey(KeyArgs {
+                key: Bytes::new(),
+                tenant_id: t,
+            }),
+            Method::Ping => Request::Ping(id),
+            Method::MountSegment => Request::MountSegment(MountSegmentArgs {
+                segment: Segment {
+                    id,
+                    name: Bytes::new(),
+                    base: 0,
+                    size: 0,
+                    te_endpoint: Bytes::new(),
+                    protocol: Bytes::new(),
+                    host_id: Bytes::new(),
+                },
+                client_id: id,
+            }),
+            Method::BatchUpsertEnd => Request::BatchUpsertEnd(BatchUpsertEndArgs {
+                client_id: id,
+                object_metas: vec![],
+                tenant_id: t,
+            }),
+            Method::RemoveAll => Request::RemoveAll(RemoveAllArgs {
+                force: false,
+                tenant_id: t,
+            }),
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn error_replies_encode_like_the_master() {
+        // session_extended #53: GetReplicaList("missing-key") -> has_value 0, -704
+        let r = Response::error(Method::GetReplicaList, ErrorCode::OBJECT_NOT_FOUND, 1).unwrap();
+        let mut out = BytesMut::new();
+        r.encode_body(BodyStyle::MOONCAKE, &mut out);
+        assert_eq!(&out[..4], &0x88c6_276du32.to_le_bytes());
+        assert_eq!(&out[out.len() - 5..], &[0x00, 0x40, 0xfd, 0xff, 0xff]);
+        let v = Response::error(Method::BatchPutStart, ErrorCode::NO_AVAILABLE_HANDLE, 3).unwrap();
+        assert_eq!(v.error_count(), 3);
+        assert!(Response::error(Method::RemoveAll, ErrorCode::INTERNAL_ERROR, 0).is_none());
+    }
+
+    #[test]
+    fn rpc_error_round_trips() {
+        let e = RpcError {
+            code: 11,
+            message: Bytes::from_static(b"the rpc function not registered"),
+        };
+        let mut out = BytesMut::new();
+        e.encode_body(BodyStyle::MOONCAKE, &mut out);
+        let (back, _) = RpcError::decode(e.err_code(), &out.freeze()).unwrap();
+        assert_eq!(back, e);
+        let wide = RpcError {
+            code: 4000,
+            message: Bytes::from_static(b"x"),
+        };
+        assert_eq!(wide.err_code(), 255);
+        let mut out = BytesMut::new();
+        wide.encode_body(BodyStyle::MOONCAKE, &mut out);
+        assert_eq!(RpcError::decode(255, &out.freeze()).unwrap().0, wide);
+    }
+}

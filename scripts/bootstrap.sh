@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Installs everything moongate's demo, tests and benchmarks need on a fresh Debian
+# machine, and nothing else. Idempotent: a second run only checks.
+#
+#   - Debian: libibverbs1 and librdmacm1 (the Mooncake wheel links against them even
+#     when no RDMA device exists).
+#   - A Python virtualenv in .venv with the pinned Mooncake wheel, which ships the real
+#     `mooncake_master` binary and the real store client.
+#
+# Env: MOONGATE_VENV overrides the virtualenv path.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+venv=${MOONGATE_VENV:-$root/.venv}
+MOONCAKE_PKG="mooncake-transfer-engine-non-cuda==0.3.13.post1"
+
+need_apt=()
+for p in libibverbs1 librdmacm1; do
+  dpkg -s "$p" >/dev/null 2>&1 || need_apt+=("$p")
+done
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "bootstrap: installing Debian packages: ${need_apt[*]}"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+if [ ! -x "$venv/bin/python" ]; then
+  echo "bootstrap: creating virtualenv $venv"
+  python3 -m venv "$venv"
+fi
+if ! "$venv/bin/python" -c "import mooncake.store" >/dev/null 2>&1 \
+   || [ "$("$venv/bin/pip" show mooncake-transfer-engine-non-cuda 2>/dev/null | sed -n 's/^Version: //p')" != "0.3.13.post1" ]; then
+  echo "bootstrap: installing $MOONCAKE_PKG"
+  "$venv/bin/pip" install -q --disable-pip-version-check "$MOONCAKE_PKG"
+fi
+
+master=$("$venv/bin/python" - <<'PY'
+import os, mooncake
+print(os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master"))
+PY
+)
+if [ ! -x "$master" ]; then
+  echo "bootstrap: mooncake_master not found at $master" >&2
+  exit 1
+fi
+echo "bootstrap: ok (python: $venv/bin/python, master: $master)"
