@@ -9,3 +9,9 @@
 //! - [`metrics`]: metric handles, registered once at start-up.
 
 pub mod codec;
+pub mod config;
+pub mod master_face;
+pub mod metrics;
+pub mod admin;
+pub mod server;
+pub mod upstream;

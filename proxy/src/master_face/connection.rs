@@ -1,0 +1,307 @@
+//! One client connection and its own upstream connection (never shared: seq numbers are
+//! per connection). Two halves run concurrently:
+//!
+//! - client -> master: split request frames, record `(seq, method, start)` in a bounded
+//!   in-flight queue, forward;
+//! - master -> client: split response frames, pop the matching in-flight entry (the
+//!   master answers in request order), observe, forward.
+//!
+//! Both halves read whatever is available and forward all complete frames in one write,
+//! so pipelined requests stay pipelined. The in-flight queue is a bounded channel: when
+//! it is full the client half stops reading (backpressure), it never fails a request.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::Shared;
+use super::intercept::{forward_request, forward_response};
+use crate::codec::frame::{check_request, check_response};
+use crate::codec::{FrameError, Method, RequestFrame, ResponseFrame};
+use crate::metrics::{FrameErrorKind, Side};
+
+const READ_CHUNK: usize = 64 << 10;
+
+/// A request forwarded and not yet answered.
+struct InFlight {
+    seq: u32,
+    method: Option<Method>,
+    sent: Instant,
+}
+
+/// Why a connection ended; logged once per connection.
+enum End {
+    ClientClosed,
+    ClientIo(std::io::Error),
+    ClientFrame(FrameError),
+    UpstreamClosed { pending: usize },
+    UpstreamIo(std::io::Error),
+    UpstreamFrame(FrameError),
+    Idle(Duration),
+    Drained,
+    /// The client half stopped for shutdown; the master half decides the final end.
+    Draining,
+}
+
+/// Milliseconds since the connection started at which a byte last moved.
+struct Activity {
+    start: Instant,
+    last_ms: AtomicU64,
+}
+
+impl Activity {
+    fn touch(&self) {
+        self.last_ms
+            .store(self.start.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+    fn idle_for(&self) -> Duration {
+        let now = self.start.elapsed().as_millis() as u64;
+        Duration::from_millis(now.saturating_sub(self.last_ms.load(Ordering::Relaxed)))
+    }
+}
+
+/// Serves one accepted client connection until either side closes, it idles out, or
+/// shutdown drains it.
+pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Shared>) {
+    let cfg = &shared.cfg;
+    let upstream = match tokio::time::timeout(
+        cfg.connect_timeout(),
+        TcpStream::connect(cfg.upstream.as_str()),
+    )
+    .await
+    {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            shared.metrics.connection(crate::metrics::ConnOutcome::upstream_failed);
+            tracing::warn!(%peer, upstream = %cfg.upstream, error = %e,
+                "upstream master unreachable; closing client connection");
+            return;
+        }
+        Err(_) => {
+            shared.metrics.connection(crate::metrics::ConnOutcome::upstream_failed);
+            tracing::warn!(%peer, upstream = %cfg.upstream, timeout_ms = cfg.connect_timeout_ms,
+                "upstream master connect timed out; closing client connection");
+            return;
+        }
+    };
+    shared.metrics.connection(crate::metrics::ConnOutcome::accepted);
+    let _ = client.set_nodelay(true);
+    let _ = upstream.set_nodelay(true);
+    shared.metrics.upstream_connections_open.inc();
+    tracing::debug!(%peer, "client connected");
+
+    let (cr, cw) = client.into_split();
+    let (ur, uw) = upstream.into_split();
+    let (tx, rx) = mpsc::channel(cfg.max_inflight_per_connection);
+    let activity = Activity {
+        start: Instant::now(),
+        last_ms: AtomicU64::new(0),
+    };
+    let client_done = CancellationToken::new();
+
+    let c2s = async {
+        let _done = client_done.clone().drop_guard();
+        client_to_master(cr, uw, tx, &shared, &activity).await
+    };
+    let s2c = master_to_client(ur, cw, rx, &shared, &activity, &client_done);
+    let idle = idle_watch(&activity, cfg.idle_timeout());
+    tokio::pin!(c2s, s2c, idle);
+
+    let end = tokio::select! {
+        e = &mut c2s => match e {
+            End::Draining => tokio::select! { e = &mut s2c => e, e = &mut idle => e },
+            e => e,
+        },
+        e = &mut s2c => e,
+        e = &mut idle => e,
+    };
+    shared.metrics.upstream_connections_open.dec();
+    match end {
+        End::ClientClosed => tracing::debug!(%peer, "client closed the connection"),
+        End::Drained => tracing::debug!(%peer, "connection drained for shutdown"),
+        End::Draining => tracing::debug!(%peer, "connection closed while draining"),
+        End::ClientIo(e) => tracing::info!(%peer, error = %e, "client connection failed"),
+        End::UpstreamIo(e) => tracing::warn!(%peer, error = %e, "upstream connection failed; closing client"),
+        End::UpstreamClosed { pending } => {
+            tracing::warn!(%peer, pending, "upstream master closed the connection; closing client")
+        }
+        End::ClientFrame(e) => {
+            tracing::warn!(%peer, error = %e, "malformed client frame; closing this connection")
+        }
+        End::UpstreamFrame(e) => {
+            tracing::warn!(%peer, error = %e, "malformed master frame; closing this connection")
+        }
+        End::Idle(d) => tracing::info!(%peer, idle_ms = d.as_millis() as u64, "idle connection closed"),
+    }
+}
+
+async fn idle_watch(activity: &Activity, limit: Option<Duration>) -> End {
+    let Some(limit) = limit else {
+        return std::future::pending().await;
+    };
+    loop {
+        let idle = activity.idle_for();
+        if idle >= limit {
+            return End::Idle(idle);
+        }
+        tokio::time::sleep(limit - idle).await;
+    }
+}
+
+async fn client_to_master(
+    mut cr: OwnedReadHalf,
+    mut uw: OwnedWriteHalf,
+    tx: mpsc::Sender<InFlight>,
+    shared: &Shared,
+    activity: &Activity,
+) -> End {
+    let cfg = &shared.cfg;
+    let mut buf = BytesMut::with_capacity(READ_CHUNK);
+    let mut out = BytesMut::with_capacity(READ_CHUNK);
+    loop {
+        let n = tokio::select! {
+            biased;
+            _ = shared.shutdown.cancelled() => return End::Draining,
+            r = cr.read_buf(&mut buf) => match r {
+                Ok(0) => return End::ClientClosed,
+                Ok(n) => n,
+                Err(e) => return End::ClientIo(e),
+            },
+        };
+        activity.touch();
+        loop {
+            let h = match check_request(&buf, cfg.max_frame_bytes) {
+                Ok(Some(h)) => h,
+                Ok(None) => break,
+                Err(e) => {
+                    let kind = match e {
+                        FrameError::TooLarge { .. } => FrameErrorKind::too_large,
+                        _ => FrameErrorKind::bad_header,
+                    };
+                    shared.metrics.frame_error(Side::client, kind);
+                    // Forward what was complete before the bad frame, then close.
+                    if !out.is_empty() {
+                        let _ = uw.write_all(&out).await;
+                    }
+                    return End::ClientFrame(e);
+                }
+            };
+            // Queue the in-flight entry before the request can reach the master, so its
+            // answer always finds it.
+            let permit = match tx.try_reserve() {
+                Ok(p) => p,
+                Err(mpsc::error::TrySendError::Full(())) => {
+                    // In-flight limit reached: push what we have, then wait for answers.
+                    if let Err(e) = uw.write_all(&out).await {
+                        return End::UpstreamIo(e);
+                    }
+                    shared.metrics.bytes_to_master.inc_by(out.len() as u64);
+                    out.clear();
+                    match tx.reserve().await {
+                        Ok(p) => p,
+                        Err(_) => return End::Drained,
+                    }
+                }
+                Err(mpsc::error::TrySendError::Closed(())) => return End::Drained,
+            };
+            let (frame, raw) = RequestFrame::split(&mut buf, h);
+            let method = Method::from_function_id(h.function_id);
+            permit.send(InFlight {
+                seq: h.seq_num,
+                method,
+                sent: Instant::now(),
+            });
+            let m = shared.metrics.method(method);
+            forward_request(&frame, &raw, method, m, cfg.reencode, &mut out);
+        }
+        if !out.is_empty() {
+            if let Err(e) = uw.write_all(&out).await {
+                return End::UpstreamIo(e);
+            }
+            shared.metrics.bytes_to_master.inc_by(out.len() as u64);
+            out.clear();
+        }
+        if buf.capacity() - buf.len() < 4096 {
+            buf.reserve(READ_CHUNK.max(n));
+        }
+    }
+}
+
+async fn master_to_client(
+    mut ur: OwnedReadHalf,
+    mut cw: OwnedWriteHalf,
+    mut rx: mpsc::Receiver<InFlight>,
+    shared: &Shared,
+    activity: &Activity,
+    client_done: &CancellationToken,
+) -> End {
+    let cfg = &shared.cfg;
+    let mut buf = BytesMut::with_capacity(READ_CHUNK);
+    let mut out = BytesMut::with_capacity(READ_CHUNK);
+    let mut client_gone = false;
+    loop {
+        if client_gone && rx.is_empty() {
+            // The client half stopped (shutdown) and every forwarded call is answered.
+            return End::Drained;
+        }
+        tokio::select! {
+            _ = client_done.cancelled(), if !client_gone => {
+                client_gone = true;
+                continue;
+            }
+            r = ur.read_buf(&mut buf) => match r {
+                Ok(0) => return End::UpstreamClosed { pending: rx.len() },
+                Ok(_) => {}
+                Err(e) => return End::UpstreamIo(e),
+            },
+        }
+        activity.touch();
+        loop {
+            let h = match check_response(&buf, cfg.max_frame_bytes) {
+                Ok(Some(h)) => h,
+                Ok(None) => break,
+                Err(e) => {
+                    shared.metrics.frame_error(Side::upstream, FrameErrorKind::too_large);
+                    if !out.is_empty() {
+                        let _ = cw.write_all(&out).await;
+                    }
+                    return End::UpstreamFrame(e);
+                }
+            };
+            let (frame, raw) = ResponseFrame::split(&mut buf, h);
+            let method = match rx.try_recv() {
+                Ok(f) if f.seq == h.seq_num => {
+                    let m = shared.metrics.method(f.method);
+                    m.latency.observe(f.sent.elapsed().as_secs_f64());
+                    f.method
+                }
+                other => {
+                    // Not what the master does; relay and let the client judge (it closes
+                    // the connection on a seq it does not know).
+                    shared.metrics.frame_error(Side::upstream, FrameErrorKind::unmatched_seq);
+                    tracing::warn!(seq = h.seq_num, expected = other.ok().map(|f| f.seq),
+                        "response out of request order");
+                    None
+                }
+            };
+            forward_response(&frame, &raw, method, shared.metrics.method(method), cfg.reencode, &mut out);
+        }
+        if !out.is_empty() {
+            if let Err(e) = cw.write_all(&out).await {
+                return End::ClientIo(e);
+            }
+            shared.metrics.bytes_to_client.inc_by(out.len() as u64);
+            out.clear();
+        }
+        if buf.capacity() - buf.len() < 4096 {
+            buf.reserve(READ_CHUNK);
+        }
+    }
+}

@@ -1,0 +1,63 @@
+//! The master face: a transparent coro_rpc endpoint for unmodified Mooncake clients.
+//!
+//! Each accepted client connection gets exactly one upstream connection to the master
+//! ([`connection`]); frames of methods moongate understands are decoded on the way
+//! ([`intercept`]), all others are relayed byte for byte. Bounded: connection count,
+//! frame size, in-flight requests per connection, connect and idle timeouts.
+
+pub mod connection;
+pub mod intercept;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::MasterFaceConfig;
+use crate::metrics::{ConnOutcome, Metrics};
+
+/// What every connection of the face shares.
+pub struct Shared {
+    pub cfg: MasterFaceConfig,
+    pub metrics: Arc<Metrics>,
+    /// Cancelled on SIGTERM: connections stop reading requests and drain.
+    pub shutdown: CancellationToken,
+}
+
+/// Accepts client connections until `shared.shutdown` is cancelled. Connection tasks are
+/// spawned on `tracker` so the caller can wait for them to drain.
+pub async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, tracker: TaskTracker) {
+    let limit = Arc::new(Semaphore::new(shared.cfg.max_connections));
+    loop {
+        let accepted = tokio::select! {
+            _ = shared.shutdown.cancelled() => return,
+            r = listener.accept() => r,
+        };
+        let (sock, peer) = match accepted {
+            Ok(a) => a,
+            Err(e) => {
+                // Usually out of file descriptors: back off instead of spinning.
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = limit.clone().try_acquire_owned() else {
+            shared.metrics.connection(ConnOutcome::rejected_limit);
+            tracing::warn!(%peer, max = shared.cfg.max_connections,
+                "connection limit reached; closing new connection");
+            drop(sock);
+            continue;
+        };
+        let shared = shared.clone();
+        tracker.spawn(async move {
+            shared.metrics.connections_open.inc();
+            connection::serve(sock, peer, shared.clone()).await;
+            shared.metrics.connections_open.dec();
+            drop(permit);
+        });
+    }
+}
