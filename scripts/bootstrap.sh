@@ -14,7 +14,7 @@ venv=${MOONGATE_VENV:-$root/.venv}
 MOONCAKE_PKG="mooncake-transfer-engine-non-cuda==0.3.13.post1"
 
 need_apt=()
-for p in libibverbs1 librdmacm1; do
+for p in libibverbs1 librdmacm1 curl; do
   dpkg -s "$p" >/dev/null 2>&1 || need_apt+=("$p")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then

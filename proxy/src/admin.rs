@@ -93,7 +93,10 @@ fn route(state: &AdminState, req: &Request<Incoming>) -> Response<Full<Bytes>> {
             );
             r
         }
-        _ => text(StatusCode::NOT_FOUND, "not found; try /live, /ready, /metrics\n"),
+        _ => text(
+            StatusCode::NOT_FOUND,
+            "not found; try /live, /ready, /metrics\n",
+        ),
     }
 }
 

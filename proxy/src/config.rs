@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use thiserror::Error;
 
-#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     pub master_face: MasterFaceConfig,
@@ -129,17 +129,6 @@ impl Default for LogConfig {
     }
 }
 
-impl Default for Config {
-    fn default() -> Self {
-        Config {
-            master_face: MasterFaceConfig::default(),
-            admin: AdminConfig::default(),
-            shutdown: ShutdownConfig::default(),
-            log: LogConfig::default(),
-        }
-    }
-}
-
 #[derive(Debug, Error)]
 pub enum ConfigError {
     #[error("cannot read {path}: {source}")]
@@ -184,7 +173,11 @@ impl Config {
         check_addr(&mut errs, "master_face.listen", &mf.listen);
         check_addr(&mut errs, "master_face.upstream", &mf.upstream);
         check_addr(&mut errs, "admin.listen", &self.admin.listen);
-        positive(&mut errs, "master_face.max_connections", mf.max_connections as u64);
+        positive(
+            &mut errs,
+            "master_face.max_connections",
+            mf.max_connections as u64,
+        );
         if mf.max_frame_bytes < 1024 {
             errs.push("master_face.max_frame_bytes: must be at least 1024".into());
         }
@@ -193,7 +186,11 @@ impl Config {
             "master_face.max_inflight_per_connection",
             mf.max_inflight_per_connection as u64,
         );
-        positive(&mut errs, "master_face.connect_timeout_ms", mf.connect_timeout_ms);
+        positive(
+            &mut errs,
+            "master_face.connect_timeout_ms",
+            mf.connect_timeout_ms,
+        );
         positive(
             &mut errs,
             "admin.ready_probe_interval_ms",

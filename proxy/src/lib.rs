@@ -8,10 +8,10 @@
 //! - [`config`]: the TOML file and its validation.
 //! - [`metrics`]: metric handles, registered once at start-up.
 
+pub mod admin;
 pub mod codec;
 pub mod config;
 pub mod master_face;
 pub mod metrics;
-pub mod admin;
 pub mod server;
 pub mod upstream;

@@ -91,8 +91,8 @@ pub enum Direction {
 
 /// Latency buckets (seconds): 25 us (a relayed metadata call's floor) to 10 s.
 const LATENCY_BUCKETS: [f64; 17] = [
-    25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25,
-    0.5, 1.0, 2.5, 10.0,
+    25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5,
+    1.0, 2.5, 10.0,
 ];
 
 /// Per-method handles: index = [`Method::index`], the last slot is "unknown".
@@ -275,15 +275,18 @@ mod tests {
     fn handles_feed_the_exposition() {
         let m = Metrics::new();
         m.method(Some(Method::ExistKey)).requests.inc();
-        m.method(Some(Method::ExistKey))
-            .latency
-            .observe(0.0001);
+        m.method(Some(Method::ExistKey)).latency.observe(0.0001);
         m.method(None).error(ErrorKind::rpc, 2);
         m.connection(ConnOutcome::rejected_limit);
         let s = m.encode();
-        assert!(s.contains("moongate_master_requests_total{method=\"ExistKey\"} 1"), "{s}");
+        assert!(
+            s.contains("moongate_master_requests_total{method=\"ExistKey\"} 1"),
+            "{s}"
+        );
         assert!(s.contains("moongate_master_errors_total{method=\"unknown\",kind=\"rpc\"} 2"));
         assert!(s.contains("moongate_master_connections_total{outcome=\"rejected_limit\"} 1"));
-        assert!(s.contains("moongate_master_request_duration_seconds_count{method=\"ExistKey\"} 1"));
+        assert!(
+            s.contains("moongate_master_request_duration_seconds_count{method=\"ExistKey\"} 1")
+        );
     }
 }

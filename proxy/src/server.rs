@@ -28,11 +28,13 @@ pub enum RunError {
 }
 
 async fn bind(what: &'static str, addr: &str) -> Result<TcpListener, RunError> {
-    TcpListener::bind(addr).await.map_err(|source| RunError::Bind {
-        what,
-        addr: addr.to_string(),
-        source,
-    })
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| RunError::Bind {
+            what,
+            addr: addr.to_string(),
+            source,
+        })
 }
 
 /// Runs until SIGTERM or SIGINT, then drains within `shutdown.grace_period_ms`.
@@ -81,8 +83,12 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
         _ = sigint.recv() => "SIGINT",
     };
     let grace = Duration::from_millis(cfg.shutdown.grace_period_ms);
-    tracing::info!(signal = sig, grace_ms = cfg.shutdown.grace_period_ms,
-        open = tracker.len(), "shutting down: no new connections, draining in-flight calls");
+    tracing::info!(
+        signal = sig,
+        grace_ms = cfg.shutdown.grace_period_ms,
+        open = tracker.len(),
+        "shutting down: no new connections, draining in-flight calls"
+    );
     shutdown.cancel();
     let _ = accept.await;
     tracker.close();

@@ -67,7 +67,9 @@ fn wrong_type_code_and_wrong_literal_are_told_apart() {
     let mut wrong_lit = body.to_vec();
     wrong_lit[6] ^= 0x01; // inside the literal, hash intact
     assert_eq!(
-        Request::decode(m, &Bytes::from(wrong_lit)).unwrap().unwrap_err(),
+        Request::decode(m, &Bytes::from(wrong_lit))
+            .unwrap()
+            .unwrap_err(),
         DecodeError::LiteralMismatch
     );
     // An ExistKey body sent under GetReplicaList's id has the same type: it decodes,
@@ -76,9 +78,17 @@ fn wrong_type_code_and_wrong_literal_are_told_apart() {
         .into_iter()
         .find(|(m, _, _)| *m == Method::ExistKey)
         .unwrap();
-    assert!(Request::decode(Method::GetReplicaList, &ek).unwrap().is_ok());
+    assert!(
+        Request::decode(Method::GetReplicaList, &ek)
+            .unwrap()
+            .is_ok()
+    );
     // ...but not as a response.
-    assert!(Response::decode(Method::GetReplicaList, &ek).unwrap().is_err());
+    assert!(
+        Response::decode(Method::GetReplicaList, &ek)
+            .unwrap()
+            .is_err()
+    );
 }
 
 #[test]
@@ -101,11 +111,11 @@ fn mutated_captured_frames_never_panic() {
         for _ in 0..1 + rng.next() % 4 {
             let i = (rng.next() as usize) % v.len();
             // keep the header sane most of the time so bodies get exercised
-            if i >= 20 || rng.next() % 8 == 0 {
+            if i >= 20 || rng.next().is_multiple_of(8) {
                 v[i] = rng.next() as u8;
             }
         }
-        if rng.next() % 4 == 0 {
+        if rng.next().is_multiple_of(4) {
             let keep = (rng.next() as usize) % v.len();
             v.truncate(keep);
         }

@@ -44,7 +44,10 @@ fn load(session: &str) -> Vec<Frame> {
     let entries = idx["frames"].as_array().unwrap();
     // Split every stream ourselves.
     let mut by_key: HashMap<(String, u64), Frame> = HashMap::new();
-    let mut conns: Vec<u64> = entries.iter().map(|e| e["conn"].as_u64().unwrap()).collect();
+    let mut conns: Vec<u64> = entries
+        .iter()
+        .map(|e| e["conn"].as_u64().unwrap())
+        .collect();
     conns.sort_unstable();
     conns.dedup();
     for conn in conns {
@@ -72,7 +75,10 @@ fn load(session: &str) -> Vec<Frame> {
                 },
             );
         }
-        assert!(buf.is_empty(), "{session} conn{conn}: trailing request bytes");
+        assert!(
+            buf.is_empty(),
+            "{session} conn{conn}: trailing request bytes"
+        );
         let mut buf = BytesMut::from(&s2c[..]);
         let mut off = 0u64;
         while let Some(h) = check_response(&buf, 1 << 30).unwrap() {
@@ -94,7 +100,10 @@ fn load(session: &str) -> Vec<Frame> {
                 },
             );
         }
-        assert!(buf.is_empty(), "{session} conn{conn}: trailing response bytes");
+        assert!(
+            buf.is_empty(),
+            "{session} conn{conn}: trailing response bytes"
+        );
     }
     let mut out = Vec::new();
     for e in entries {
@@ -170,20 +179,31 @@ fn every_captured_frame_round_trips_byte_identically() {
             };
             if let Some(again) = again {
                 typed += 1;
-                assert_eq!(again, f.raw, "{s} frame {} ({name}): typed re-encode", f.index);
+                assert_eq!(
+                    again, f.raw,
+                    "{s} frame {} ({name}): typed re-encode",
+                    f.index
+                );
             }
             if !f.body.is_empty() {
                 let g = GenericMessage::decode(&f.body)
                     .unwrap_or_else(|e| panic!("{s} frame {}: generic decode: {e}", f.index));
                 let mut out = BytesMut::new();
                 g.encode(&mut out);
-                assert_eq!(out, f.body, "{s} frame {} ({name}): generic re-encode", f.index);
+                assert_eq!(
+                    out, f.body,
+                    "{s} frame {} ({name}): generic re-encode",
+                    f.index
+                );
                 generic += 1;
             }
         }
     }
     assert_eq!(total, 574, "all captured frames");
-    assert_eq!(generic, 562, "every non-empty body decodes from its own literal");
+    assert_eq!(
+        generic, 562,
+        "every non-empty body decodes from its own literal"
+    );
     assert!(typed >= 450, "typed frames: {typed}");
 }
 
@@ -274,8 +294,7 @@ fn application_error_and_wide_batch() {
     assert_eq!(e, ErrorCode::OBJECT_NOT_FOUND);
 
     let f = frame("session_extended", 62);
-    let Some(Ok((Request::BatchPutStart(a), _))) =
-        Request::decode(Method::BatchPutStart, &f.body)
+    let Some(Ok((Request::BatchPutStart(a), _))) = Request::decode(Method::BatchPutStart, &f.body)
     else {
         panic!("not a BatchPutStart");
     };

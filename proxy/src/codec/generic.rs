@@ -18,7 +18,10 @@ const MAX_DEPTH: usize = 32;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Ty {
     /// Fixed-width scalar: literal code and byte size.
-    Scalar { code: u8, size: usize },
+    Scalar {
+        code: u8,
+        size: usize,
+    },
     Bool,
     Str,
     Vec(Box<Ty>),
@@ -30,7 +33,11 @@ pub enum Ty {
     /// Non-trivial struct or tuple: members in order.
     Struct(Vec<Ty>),
     /// Trivially-serializable struct: its raw memory image of `size` bytes.
-    Pod { fields: Vec<Ty>, size: usize, align: usize },
+    Pod {
+        fields: Vec<Ty>,
+        size: usize,
+        align: usize,
+    },
 }
 
 /// A decoded value of a [`Ty`].
@@ -186,11 +193,11 @@ impl Value {
             Ty::Scalar { size, .. } => Value::Scalar(r.take_bytes(*size)?),
             Ty::Bool => Value::Bool(r.flag()?),
             Ty::Str => {
-                let n = r.len()?;
+                let n = r.read_len()?;
                 Value::Str(r.take_bytes(n)?)
             }
             Ty::Vec(t) => {
-                let n = r.len()?;
+                let n = r.read_len()?;
                 let mut v = Vec::with_capacity(n);
                 for _ in 0..n {
                     v.push(Value::decode(t, r)?);
@@ -198,7 +205,7 @@ impl Value {
                 Value::Seq(v)
             }
             Ty::Map(k, v) => {
-                let n = r.len()?;
+                let n = r.read_len()?;
                 let mut m = Vec::with_capacity(n);
                 for _ in 0..n {
                     m.push((Value::decode(k, r)?, Value::decode(v, r)?));
@@ -256,15 +263,15 @@ impl Value {
             Value::Scalar(b) | Value::Pod(b) => w.bytes(b),
             Value::Bool(b) => w.u8(u8::from(*b)),
             Value::Str(s) => {
-                w.len(s.len());
+                w.write_len(s.len());
                 w.bytes(s);
             }
             Value::Seq(v) => {
-                w.len(v.len());
+                w.write_len(v.len());
                 v.iter().for_each(|x| x.encode(w));
             }
             Value::Map(m) => {
-                w.len(m.len());
+                w.write_len(m.len());
                 for (k, v) in m {
                     k.encode(w);
                     v.encode(w);
@@ -334,7 +341,14 @@ mod tests {
     #[test]
     fn uuid_literal_is_a_pod() {
         let t = Ty::parse(&[0xfd, 0x04, 0x04, 0x89, 0x89, 0xff]).unwrap();
-        assert!(matches!(t, Ty::Pod { size: 16, align: 8, .. }));
+        assert!(matches!(
+            t,
+            Ty::Pod {
+                size: 16,
+                align: 8,
+                ..
+            }
+        ));
     }
 
     #[test]

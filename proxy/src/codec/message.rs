@@ -372,9 +372,9 @@ impl Response {
             Response::FetchTasks(r) => one(r),
             Response::PutStart(r) | Response::UpsertStart(r) => one(r),
             Response::BatchPutStart(v) | Response::BatchUpsertStart(v) => many(v),
-            Response::BatchPutEnd(v) | Response::BatchPutRevoke(v) | Response::BatchUpsertEnd(v) => {
-                many(v)
-            }
+            Response::BatchPutEnd(v)
+            | Response::BatchPutRevoke(v)
+            | Response::BatchUpsertEnd(v) => many(v),
             Response::GetReplicaList(r) => one(r),
             Response::BatchGetReplicaList(v) => many(v),
             Response::ExistKey(r) => one(r),

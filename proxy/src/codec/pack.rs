@@ -139,7 +139,7 @@ impl Reader {
     /// A container length in the message's size width. Bounded by the bytes left, since
     /// every element of every container Mooncake sends takes at least one byte; this
     /// keeps a forged count from reserving gigabytes.
-    pub fn len(&mut self) -> Result<usize, DecodeError> {
+    pub fn read_len(&mut self) -> Result<usize, DecodeError> {
         let at = self.pos;
         let n = match self.width {
             SizeWidth::W1 => u64::from(self.u8()?),
@@ -174,7 +174,7 @@ impl<'a> Writer<'a> {
     pub fn u8(&mut self, v: u8) {
         self.out.put_u8(v);
     }
-    pub fn len(&mut self, n: usize) {
+    pub fn write_len(&mut self, n: usize) {
         match self.width {
             SizeWidth::W1 => self.out.put_u8(n as u8),
             SizeWidth::W2 => self.out.put_u16_le(n as u16),
@@ -235,11 +235,11 @@ impl Pack for Bytes {
         self.len()
     }
     fn encode(&self, w: &mut Writer<'_>) {
-        w.len(self.len());
+        w.write_len(self.len());
         w.bytes(self);
     }
     fn decode(r: &mut Reader) -> Result<Self, DecodeError> {
-        let n = r.len()?;
+        let n = r.read_len()?;
         r.take_bytes(n)
     }
 }
@@ -264,13 +264,13 @@ impl<T: Pack> Pack for Vec<T> {
         self.iter().fold(self.len(), |m, x| m.max(x.max_len()))
     }
     fn encode(&self, w: &mut Writer<'_>) {
-        w.len(self.len());
+        w.write_len(self.len());
         for x in self {
             x.encode(w);
         }
     }
     fn decode(r: &mut Reader) -> Result<Self, DecodeError> {
-        let n = r.len()?;
+        let n = r.read_len()?;
         let mut v = Vec::with_capacity(n);
         for _ in 0..n {
             v.push(T::decode(r)?);
@@ -608,7 +608,10 @@ mod tests {
         assert_eq!(p.width, SizeWidth::W2);
         assert_eq!(p.metainfo, Some(0x0c));
         // count (2 bytes) then the first key's length as 2 bytes as well
-        assert_eq!(&body[p.payload_at..p.payload_at + 4], &[0x2c, 0x01, 0x04, 0x00]);
+        assert_eq!(
+            &body[p.payload_at..p.payload_at + 4],
+            &[0x2c, 0x01, 0x04, 0x00]
+        );
         let (back, _): (Vec<Bytes>, _) = decode_message(&body, &schema).unwrap();
         assert_eq!(back, v);
     }

@@ -29,6 +29,10 @@ use crate::metrics::{FrameErrorKind, Side};
 
 const READ_CHUNK: usize = 64 << 10;
 
+/// After a malformed client frame: how long the requests forwarded before it may take to
+/// be answered before the connection closes anyway.
+const ANSWER_BEFORE_CLOSE: Duration = Duration::from_secs(5);
+
 /// A request forwarded and not yet answered.
 struct InFlight {
     seq: u32,
@@ -41,7 +45,9 @@ enum End {
     ClientClosed,
     ClientIo(std::io::Error),
     ClientFrame(FrameError),
-    UpstreamClosed { pending: usize },
+    UpstreamClosed {
+        pending: usize,
+    },
     UpstreamIo(std::io::Error),
     UpstreamFrame(FrameError),
     Idle(Duration),
@@ -79,19 +85,25 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
     {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
-            shared.metrics.connection(crate::metrics::ConnOutcome::upstream_failed);
+            shared
+                .metrics
+                .connection(crate::metrics::ConnOutcome::upstream_failed);
             tracing::warn!(%peer, upstream = %cfg.upstream, error = %e,
                 "upstream master unreachable; closing client connection");
             return;
         }
         Err(_) => {
-            shared.metrics.connection(crate::metrics::ConnOutcome::upstream_failed);
+            shared
+                .metrics
+                .connection(crate::metrics::ConnOutcome::upstream_failed);
             tracing::warn!(%peer, upstream = %cfg.upstream, timeout_ms = cfg.connect_timeout_ms,
                 "upstream master connect timed out; closing client connection");
             return;
         }
     };
-    shared.metrics.connection(crate::metrics::ConnOutcome::accepted);
+    shared
+        .metrics
+        .connection(crate::metrics::ConnOutcome::accepted);
     let _ = client.set_nodelay(true);
     let _ = upstream.set_nodelay(true);
     shared.metrics.upstream_connections_open.inc();
@@ -116,7 +128,14 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
 
     let end = tokio::select! {
         e = &mut c2s => match e {
+            // Shutdown: answers of forwarded calls still reach the client; the server
+            // bounds the whole drain by the grace period.
             End::Draining => tokio::select! { e = &mut s2c => e, e = &mut idle => e },
+            // Like the master, answer what came before the bad frame, then close.
+            End::ClientFrame(err) => {
+                let _ = tokio::time::timeout(ANSWER_BEFORE_CLOSE, &mut s2c).await;
+                End::ClientFrame(err)
+            }
             e => e,
         },
         e = &mut s2c => e,
@@ -128,7 +147,9 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
         End::Drained => tracing::debug!(%peer, "connection drained for shutdown"),
         End::Draining => tracing::debug!(%peer, "connection closed while draining"),
         End::ClientIo(e) => tracing::info!(%peer, error = %e, "client connection failed"),
-        End::UpstreamIo(e) => tracing::warn!(%peer, error = %e, "upstream connection failed; closing client"),
+        End::UpstreamIo(e) => {
+            tracing::warn!(%peer, error = %e, "upstream connection failed; closing client")
+        }
         End::UpstreamClosed { pending } => {
             tracing::warn!(%peer, pending, "upstream master closed the connection; closing client")
         }
@@ -138,7 +159,9 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
         End::UpstreamFrame(e) => {
             tracing::warn!(%peer, error = %e, "malformed master frame; closing this connection")
         }
-        End::Idle(d) => tracing::info!(%peer, idle_ms = d.as_millis() as u64, "idle connection closed"),
+        End::Idle(d) => {
+            tracing::info!(%peer, idle_ms = d.as_millis() as u64, "idle connection closed")
+        }
     }
 }
 
@@ -268,7 +291,9 @@ async fn master_to_client(
                 Ok(Some(h)) => h,
                 Ok(None) => break,
                 Err(e) => {
-                    shared.metrics.frame_error(Side::upstream, FrameErrorKind::too_large);
+                    shared
+                        .metrics
+                        .frame_error(Side::upstream, FrameErrorKind::too_large);
                     if !out.is_empty() {
                         let _ = cw.write_all(&out).await;
                     }
@@ -285,13 +310,25 @@ async fn master_to_client(
                 other => {
                     // Not what the master does; relay and let the client judge (it closes
                     // the connection on a seq it does not know).
-                    shared.metrics.frame_error(Side::upstream, FrameErrorKind::unmatched_seq);
-                    tracing::warn!(seq = h.seq_num, expected = other.ok().map(|f| f.seq),
-                        "response out of request order");
+                    shared
+                        .metrics
+                        .frame_error(Side::upstream, FrameErrorKind::unmatched_seq);
+                    tracing::warn!(
+                        seq = h.seq_num,
+                        expected = other.ok().map(|f| f.seq),
+                        "response out of request order"
+                    );
                     None
                 }
             };
-            forward_response(&frame, &raw, method, shared.metrics.method(method), cfg.reencode, &mut out);
+            forward_response(
+                &frame,
+                &raw,
+                method,
+                shared.metrics.method(method),
+                cfg.reencode,
+                &mut out,
+            );
         }
         if !out.is_empty() {
             if let Err(e) = cw.write_all(&out).await {

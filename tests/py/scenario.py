@@ -1,0 +1,249 @@
+#!/usr/bin/env python3
+"""Real Mooncake client workloads for moongate's integration tests and demo.
+
+Every store call goes through `master_server_address`, which the tests point either at
+the real mooncake_master or at moongate in front of it; the two runs must produce equal
+results. Results are JSON written to --out; values are checked byte for byte here.
+
+Roles:
+  owner   mounts a segment, writes o/* keys, prints "READY <endpoint>", waits for a
+          line on stdin, then reads back what the reader wrote and cleans up.
+  reader  mounts an empty segment, so every replica lives in the owner's segment and
+          every get/put crosses processes over the transfer engine's TCP path.
+  idle    setup, put, sleep --idle seconds doing nothing, then get/is_exist/close.
+  loop    repeat put/get/is_exist until stdin closes; exit 1 on the first failure.
+  demo    a small mixed workload (the README demo) printing a summary.
+"""
+import argparse
+import ctypes
+import hashlib
+import json
+import os
+import sys
+import time
+import zlib
+
+from mooncake.store import MooncakeDistributedStore
+
+MiB = 1 << 20
+
+
+def value(key, size):
+    """Deterministic bytes for a key: any corruption or mix-up changes the CRC."""
+    seed = hashlib.sha256(key.encode()).digest()
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+class Buf:
+    """A registered, page-aligned-enough buffer for the zero-copy APIs."""
+
+    def __init__(self, store, size):
+        self.raw = (ctypes.c_char * size)()
+        self.addr = ctypes.addressof(self.raw)
+        self.size = size
+        rc = store.register_buffer(self.addr, size)
+        if rc != 0:
+            raise SystemExit(f"register_buffer failed: {rc}")
+
+    def write(self, off, data):
+        ctypes.memmove(self.addr + off, data, len(data))
+
+    def read(self, off, n):
+        return ctypes.string_at(self.addr + off, n)
+
+    def poison(self):
+        ctypes.memset(self.addr, 0xA5, self.size)
+
+
+class Run:
+    def __init__(self, args):
+        self.args = args
+        self.results = []
+        self.s = MooncakeDistributedStore()
+        self.me = None
+
+    def rec(self, op, result):
+        self.results.append([op, result])
+
+    def setup(self, segment):
+        a = self.args
+        rc = self.s.setup("127.0.0.1", a.metadata, segment, 16 * MiB, "tcp", "", a.master)
+        self.rec("setup", rc)
+        if rc != 0:
+            self.finish()
+            raise SystemExit(f"setup failed: {rc}")
+        self.me = self.s.get_hostname()
+
+    def where(self, endpoint):
+        if endpoint == self.me:
+            return "self"
+        if endpoint == self.args.owner_host:
+            return "owner"
+        return "other"
+
+    def desc(self, reps):
+        out = []
+        for r in reps:
+            d = {"status": str(r.status)}
+            if r.is_memory_replica():
+                bd = r.get_memory_descriptor().buffer_descriptor
+                d.update(tier="memory", size=bd.size, at=self.where(bd.transport_endpoint))
+            elif r.is_disk_replica():
+                dd = r.get_disk_descriptor()
+                d.update(tier="disk", size=dd.object_size)
+            else:
+                d.update(tier="other")
+            out.append(d)
+        return out
+
+    def check_get(self, key, size):
+        v = self.s.get(key)
+        self.rec(f"get {key}", {"len": len(v), "ok": bytes(v) == value(key, size)})
+
+    def finish(self):
+        with open(self.args.out, "w") as f:
+            json.dump(self.results, f, indent=1)
+
+
+def owner(run):
+    s = run.s
+    run.setup(64 * MiB)
+    run.rec("put o/k1", s.put("o/k1", value("o/k1", 5000)))
+    buf = Buf(s, 4 * 65536)
+    keys = [f"o/b{i}" for i in range(4)]
+    for i, k in enumerate(keys):
+        buf.write(i * 65536, value(k, 65536))
+    run.rec("batch_put_from o/b*", s.batch_put_from(
+        keys, [buf.addr + i * 65536 for i in range(4)], [65536] * 4))
+    run.rec("put o/big", s.put("o/big", value("o/big", 3 * MiB)))
+    print(f"READY {run.me}", flush=True)
+    sys.stdin.readline()
+    # What the reader wrote, read back here from the owner's own segment.
+    run.check_get("r/k2", 20000)
+    for i in range(3):
+        run.check_get(f"r/b{i}", 4096)
+    run.rec("remove_all", s.remove_all(True))
+    run.rec("is_exist o/k1 after remove_all", s.is_exist("o/k1"))
+    run.rec("close", s.close())
+    run.finish()
+
+
+def reader(run):
+    s = run.s
+    run.setup(0)
+    run.check_get("o/k1", 5000)
+    run.check_get("o/big", 3 * MiB)
+    buf = Buf(s, 4 * MiB)
+    buf.poison()
+    n = s.get_into("o/k1", buf.addr, buf.size)
+    run.rec("get_into o/k1", {"n": n, "ok": buf.read(0, 5000) == value("o/k1", 5000)})
+    keys = [f"o/b{i}" for i in range(4)]
+    buf.poison()
+    ns = s.batch_get_into(keys, [buf.addr + i * 65536 for i in range(4)], [65536] * 4)
+    run.rec("batch_get_into o/b*", {
+        "n": list(ns),
+        "ok": [buf.read(i * 65536, 65536) == value(k, 65536) for i, k in enumerate(keys)]})
+    run.rec("is_exist o/k1", s.is_exist("o/k1"))
+    run.rec("is_exist missing", s.is_exist("missing"))
+    run.rec("batch_is_exist", list(s.batch_is_exist(keys + ["missing", "o/k1"])))
+    run.rec("get_replica_desc o/k1", run.desc(s.get_replica_desc("o/k1")))
+    d = s.batch_get_replica_desc(keys + ["missing"])
+    run.rec("batch_get_replica_desc", {k: run.desc(d.get(k, [])) for k in keys + ["missing"]})
+    run.rec("get missing", len(s.get("missing")))
+    # Writes from the reader land in the owner's segment (ours is empty): remote TCP writes.
+    run.rec("put r/k2", s.put("r/k2", value("r/k2", 20000)))
+    run.rec("put r/k2 again", s.put("r/k2", value("r/k2", 20000)))
+    wkeys = [f"r/b{i}" for i in range(3)]
+    for i, k in enumerate(wkeys):
+        buf.write(i * 4096, value(k, 4096))
+    run.rec("batch_put_from r/b*", list(s.batch_put_from(
+        wkeys, [buf.addr + i * 4096 for i in range(3)], [4096] * 3)))
+    run.rec("upsert o/k1", s.upsert("o/k1", value("o/k1 v2", 7000)))
+    v = s.get("o/k1")
+    run.rec("get o/k1 after upsert", {"len": len(v), "ok": bytes(v) == value("o/k1 v2", 7000)})
+    run.rec("get_replica_desc r/k2", run.desc(s.get_replica_desc("r/k2")))
+    run.rec("put r/k3", s.put("r/k3", b"x" * 100))
+    run.rec("remove r/k3 (never read)", s.remove("r/k3"))
+    run.rec("remove o/k1 (read lease held)", s.remove("o/k1"))
+    run.rec("is_exist r/k3", s.is_exist("r/k3"))
+    run.rec("close", s.close())
+    run.finish()
+
+
+def idle(run):
+    s = run.s
+    run.setup(16 * MiB)
+    run.rec("put", s.put("idle/k", value("idle/k", 1000)))
+    time.sleep(run.args.idle)
+    run.check_get("idle/k", 1000)
+    run.rec("is_exist", s.is_exist("idle/k"))
+    run.rec("get_replica_desc", run.desc(s.get_replica_desc("idle/k")))
+    run.rec("put after idle", s.put("idle/k2", b"y" * 10))
+    run.rec("close", s.close())
+    run.finish()
+
+
+def loop(run):
+    """Keeps calling until told to stop; any failure ends it with exit code 1."""
+    import select
+    s = run.s
+    run.setup(16 * MiB)
+    print(f"READY {run.me}", flush=True)
+    i = 0
+    failures = []
+    while True:
+        r, _, _ = select.select([sys.stdin], [], [], 0)
+        if r:
+            break
+        k = f"loop/{os.getpid()}/{i % 50}"
+        rc = s.upsert(k, value(k, 2048))
+        v = s.get(k)
+        e = s.is_exist(k)
+        if rc != 0 or bytes(v) != value(k, 2048) or e != 1:
+            failures.append({"i": i, "rc": rc, "len": len(v), "exist": e})
+            break
+        i += 1
+    run.rec("iterations", i)
+    run.rec("failures", failures)
+    run.rec("close", s.close())
+    run.finish()
+    sys.exit(1 if failures or i == 0 else 0)
+
+
+def demo(run):
+    s = run.s
+    t0 = time.time()
+    run.setup(64 * MiB)
+    keys = [f"demo/{i}" for i in range(200)]
+    ok = 0
+    for k in keys:
+        ok += s.put(k, value(k, 16384)) == 0
+    hits = sum(s.batch_is_exist(keys + [f"demo/miss/{i}" for i in range(50)]))
+    good = sum(bytes(s.get(k)) == value(k, 16384) for k in keys[:100])
+    desc = run.desc(s.get_replica_desc(keys[0]))
+    s.remove_all(True)
+    s.close()
+    print(f"demo: {ok}/200 puts ok, {hits}/250 keys found, {good}/100 gets byte-exact, "
+          f"replica of {keys[0]}: {desc}, {time.time() - t0:.2f}s", flush=True)
+    run.rec("summary", {"puts": ok, "hits": hits, "gets": good})
+    run.finish()
+    sys.exit(0 if ok == 200 and hits == 200 and good == 100 else 1)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--role", required=True,
+                   choices=["owner", "reader", "idle", "loop", "demo"])
+    p.add_argument("--master", required=True)
+    p.add_argument("--metadata", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--owner-host", default="")
+    p.add_argument("--idle", type=float, default=20.0)
+    a = p.parse_args()
+    run = Run(a)
+    {"owner": owner, "reader": reader, "idle": idle, "loop": loop, "demo": demo}[a.role](run)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    main()

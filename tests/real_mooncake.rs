@@ -1,0 +1,152 @@
+//! The real Mooncake Python client through moongate behaves exactly as against the real
+//! master: same results for every call, byte-exact data, the transfer-engine TCP path
+//! between two client processes, and a heartbeat that keeps an idle client mounted.
+
+mod support;
+
+use serde_json::Value;
+use support::*;
+
+/// Owner + reader against `master_addr` (the master itself or moongate in front of it).
+fn two_process_scenario(master_addr: &str, metadata: &str, logs: &[&Proc]) -> (Value, Value) {
+    let owner = Background::start("owner", master_addr, metadata, logs);
+    let reader = run_role(
+        "reader",
+        master_addr,
+        metadata,
+        &["--owner-host", owner.endpoint()],
+        logs,
+    );
+    let (st, owner_res) = owner.finish();
+    assert!(st.success(), "owner failed: {owner_res}");
+    (owner_res, reader)
+}
+
+fn assert_all_data_ok(v: &Value) {
+    // every {"ok": ...} in the results must be true (byte-for-byte checks)
+    match v {
+        Value::Object(m) => {
+            if let Some(ok) = m.get("ok") {
+                match ok {
+                    Value::Bool(b) => assert!(b, "data mismatch in {v}"),
+                    Value::Array(a) => assert!(a.iter().all(|x| x == &Value::Bool(true)), "{v}"),
+                    _ => {}
+                }
+            }
+            m.values().for_each(assert_all_data_ok);
+        }
+        Value::Array(a) => a.iter().for_each(assert_all_data_ok),
+        _ => {}
+    }
+}
+
+#[test]
+fn every_call_matches_the_direct_run() {
+    let direct_master = Master::start();
+    let direct = two_process_scenario(
+        &direct_master.rpc,
+        &direct_master.metadata,
+        &[&direct_master.proc],
+    );
+    assert_all_data_ok(&direct.0);
+    assert_all_data_ok(&direct.1);
+    drop(direct_master);
+
+    for reencode in ["on-change", "always"] {
+        let master = Master::start();
+        let mg = Moongate::start_with(&master.rpc, &format!("reencode = \"{reencode}\""));
+        mg.wait_ready(&master);
+        let via = two_process_scenario(&mg.listen, &master.metadata, &[&master.proc, &mg.proc]);
+        assert_eq!(
+            via.1, direct.1,
+            "reader results differ (reencode={reencode})"
+        );
+        assert_eq!(
+            via.0, direct.0,
+            "owner results differ (reencode={reencode})"
+        );
+
+        let m = mg.metrics();
+        for method in [
+            "ServiceReady",
+            "MountSegment",
+            "PutStart",
+            "PutEnd",
+            "BatchPutStart",
+            "BatchPutEnd",
+            "GetReplicaList",
+            "BatchGetReplicaList",
+            "ExistKey",
+            "BatchExistKey",
+            "UpsertStart",
+            "UpsertEnd",
+            "Remove",
+            "RemoveAll",
+            "UnmountSegment",
+            "Ping",
+        ] {
+            let n = metric_value(
+                &m,
+                &format!("moongate_master_requests_total{{method=\"{method}\"}}"),
+            );
+            assert!(n >= 1.0, "{method} not counted\n{m}");
+        }
+        for kind in ["decode", "rpc"] {
+            let bad: f64 = m
+                .lines()
+                .filter(|l| {
+                    l.starts_with("moongate_master_errors_total")
+                        && l.contains(&format!("kind=\"{kind}\""))
+                })
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum();
+            assert_eq!(
+                bad,
+                0.0,
+                "{kind} errors on clean traffic\n{m}\n{}",
+                mg.proc.log_text()
+            );
+        }
+        // The scenario's misses and the leased remove are application errors.
+        assert!(
+            metric_value(
+                &m,
+                "moongate_master_errors_total{method=\"Remove\",kind=\"app\"}"
+            ) >= 1.0
+        );
+        assert!(
+            metric_value(
+                &m,
+                "moongate_master_request_duration_seconds_count{method=\"GetReplicaList\"}"
+            ) >= 1.0
+        );
+        assert_eq!(metric_value(&m, "moongate_upstream_ready"), 1.0);
+    }
+}
+
+#[test]
+fn idle_client_stays_mounted_behind_moongate() {
+    let master = Master::start();
+    let mg = Moongate::start(&master.rpc);
+    mg.wait_ready(&master);
+    let r = run_role(
+        "idle",
+        &mg.listen,
+        &master.metadata,
+        &["--idle", "20"],
+        &[&master.proc, &mg.proc],
+    );
+    assert_all_data_ok(&r);
+    let ops: Vec<&Value> = r.as_array().unwrap().iter().collect();
+    let get = |name: &str| ops.iter().find(|o| o[0] == name).map(|o| o[1].clone());
+    assert_eq!(get("is_exist"), Some(Value::from(1)), "{r}");
+    assert_eq!(get("put after idle"), Some(Value::from(0)), "{r}");
+    assert_eq!(get("close"), Some(Value::from(0)), "{r}");
+    // The master's client TTL is 10 s: only heartbeats that got through keep the segment.
+    let pings = mg.metric("moongate_master_requests_total{method=\"Ping\"}");
+    assert!(pings >= 15.0, "only {pings} pings in 20 s");
+    assert_eq!(
+        mg.metric("moongate_master_errors_total{method=\"Ping\",kind=\"app\"}"),
+        0.0
+    );
+}

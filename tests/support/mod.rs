@@ -1,0 +1,455 @@
+//! Test harness: real `mooncake_master`, real moongate binary, real Mooncake Python
+//! client, all on free loopback ports.
+//!
+//! Every server is waited for with a real readiness probe (a `ServiceReady` answer, an
+//! HTTP answer), its log is captured into a file that failure messages quote, and it is
+//! stopped by PID (SIGTERM, then SIGKILL) when its handle drops.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Ipv4Addr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+/// The virtualenv Python with the pinned Mooncake wheel (`scripts/bootstrap.sh`).
+pub fn python() -> PathBuf {
+    let p = std::env::var_os("MOONGATE_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_root().join(".venv/bin/python"));
+    assert!(
+        p.exists(),
+        "{} not found: run scripts/bootstrap.sh (the test command does) to install the \
+         pinned Mooncake wheel",
+        p.display()
+    );
+    p
+}
+
+pub fn master_binary() -> PathBuf {
+    static P: OnceLock<PathBuf> = OnceLock::new();
+    P.get_or_init(|| {
+        let out = Command::new(python())
+            .args([
+                "-c",
+                "import os, mooncake; print(os.path.join(os.path.dirname(mooncake.__file__), 'mooncake_master'))",
+            ])
+            .output()
+            .expect("run python");
+        let p = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        assert!(p.exists(), "mooncake_master not at {}", p.display());
+        p
+    })
+    .clone()
+}
+
+pub fn scenario() -> PathBuf {
+    repo_root().join("tests/py/scenario.py")
+}
+
+/// A port that was free a moment ago (bind to 0, read it, release it).
+pub fn free_port() -> u16 {
+    TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+pub fn tempdir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("moongate-test-")
+        .tempdir()
+        .unwrap()
+}
+
+/// A child process stopped by PID on drop, with its output captured to `log`.
+pub struct Proc {
+    pub name: String,
+    pub child: Child,
+    pub log: PathBuf,
+}
+
+impl Proc {
+    pub fn spawn(name: &str, mut cmd: Command, log: PathBuf) -> Proc {
+        let f = std::fs::File::create(&log).unwrap();
+        cmd.stdout(f.try_clone().unwrap()).stderr(f);
+        cmd.env("MC_TCP_BIND_ADDRESS", "127.0.0.1");
+        let child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
+        Proc {
+            name: name.to_string(),
+            child,
+            log,
+        }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    pub fn log_text(&self) -> String {
+        let s = std::fs::read_to_string(&self.log).unwrap_or_default();
+        // keep failure messages readable: the last 6 KB
+        let cut = s.len().saturating_sub(6000);
+        let cut = (cut..s.len()).find(|&i| s.is_char_boundary(i)).unwrap_or(0);
+        format!(
+            "--- {} log ({}) ---\n{}",
+            self.name,
+            self.log.display(),
+            &s[cut..]
+        )
+    }
+
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) on our own child's pid has no memory effects.
+        unsafe {
+            libc::kill(self.pid(), sig);
+        }
+    }
+
+    /// Waits for exit up to `limit`; `None` if still running.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let end = Instant::now() + limit;
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                return Some(st);
+            }
+            if Instant::now() > end {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn stop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_some() {
+            return;
+        }
+        self.signal(libc::SIGTERM);
+        if self.wait_exit(Duration::from_secs(5)).is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Polls `probe` until it succeeds or `limit` passes; the panic quotes the logs.
+pub fn wait_for(what: &str, limit: Duration, procs: &[&Proc], mut probe: impl FnMut() -> bool) {
+    let end = Instant::now() + limit;
+    while Instant::now() < end {
+        if probe() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    let logs: Vec<String> = procs.iter().map(|p| p.log_text()).collect();
+    panic!("{what} not ready after {limit:?}\n{}", logs.join("\n"));
+}
+
+/// One `ServiceReady` round trip on a fresh connection: the master's own readiness.
+pub fn service_ready(addr: &str) -> bool {
+    let Ok(mut s) = TcpStream::connect(addr) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    let mut req = Vec::new();
+    req.extend_from_slice(&[21, 0, 0, 0]);
+    req.extend_from_slice(&0u32.to_le_bytes());
+    req.extend_from_slice(
+        &moongate::codec::Method::ServiceReady
+            .function_id()
+            .to_le_bytes(),
+    );
+    req.extend_from_slice(&[0; 8]);
+    if s.write_all(&req).is_err() {
+        return false;
+    }
+    let mut h = [0u8; 16];
+    s.read_exact(&mut h).is_ok() && h[2] == 0
+}
+
+/// Minimal HTTP/1.1 GET over loopback: (status, body).
+pub fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
+    let mut s = TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).ok()?;
+    let status = resp.split_whitespace().nth(1)?.parse().ok()?;
+    let body = resp.split_once("\r\n\r\n").map(|x| x.1).unwrap_or("");
+    Some((status, body.to_string()))
+}
+
+pub struct Master {
+    pub proc: Proc,
+    pub rpc: String,
+    pub rpc_port: u16,
+    pub http_port: u16,
+    pub metadata: String,
+    pub dir: tempfile::TempDir,
+}
+
+#[derive(Default, Clone)]
+pub struct MasterOpts {
+    /// `--root_fs_dir`: the master adds disk replicas.
+    pub root_fs_dir: Option<PathBuf>,
+    /// Reuse these ports (a restart).
+    pub ports: Option<(u16, u16)>,
+}
+
+impl Master {
+    pub fn start() -> Master {
+        Master::start_with(MasterOpts::default())
+    }
+
+    pub fn start_with(opts: MasterOpts) -> Master {
+        let dir = tempdir();
+        let (rpc_port, http_port) = opts.ports.unwrap_or_else(|| (free_port(), free_port()));
+        let mut cmd = Command::new(master_binary());
+        cmd.args([
+            format!("--rpc_port={rpc_port}"),
+            "--rpc_address=127.0.0.1".into(),
+            "--enable_http_metadata_server=true".into(),
+            "--http_metadata_server_host=127.0.0.1".into(),
+            format!("--http_metadata_server_port={http_port}"),
+            format!("--metrics_port={}", free_port()),
+            "--enable_metric_reporting=false".into(),
+        ]);
+        if let Some(root) = &opts.root_fs_dir {
+            cmd.arg(format!("--root_fs_dir={}", root.display()));
+        }
+        cmd.current_dir(dir.path());
+        let proc = Proc::spawn("mooncake_master", cmd, dir.path().join("master.log"));
+        let rpc = format!("127.0.0.1:{rpc_port}");
+        let http = format!("127.0.0.1:{http_port}");
+        wait_for("mooncake_master", Duration::from_secs(30), &[&proc], || {
+            service_ready(&rpc) && http_get(&http, "/metadata?key=probe").is_some()
+        });
+        Master {
+            proc,
+            rpc,
+            rpc_port,
+            http_port,
+            metadata: format!("http://127.0.0.1:{http_port}/metadata"),
+            dir,
+        }
+    }
+}
+
+pub struct Moongate {
+    pub proc: Proc,
+    pub listen: String,
+    pub admin: String,
+    pub dir: tempfile::TempDir,
+}
+
+impl Moongate {
+    pub fn start(upstream: &str) -> Moongate {
+        Moongate::start_with(upstream, "")
+    }
+
+    /// Starts moongate with `extra` TOML appended under `[master_face]` and waits for
+    /// `/live`. (Readiness depends on the master, which some tests keep down.)
+    pub fn start_with(upstream: &str, extra_master_face: &str) -> Moongate {
+        Moongate::start_config(&format!(
+            "[master_face]\nupstream = \"{upstream}\"\n{extra_master_face}\n"
+        ))
+    }
+
+    /// Starts moongate with `config` (without listen addresses, which are chosen here).
+    pub fn start_config(config: &str) -> Moongate {
+        let dir = tempdir();
+        let listen = format!("127.0.0.1:{}", free_port());
+        let admin = format!("127.0.0.1:{}", free_port());
+        let cfg = dir.path().join("moongate.toml");
+        std::fs::write(&cfg, config).unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_moongate"));
+        cmd.arg("run")
+            .arg("--config")
+            .arg(&cfg)
+            .args(["--listen", &listen, "--admin", &admin])
+            .env("RUST_LOG", "moongate=debug");
+        let proc = Proc::spawn("moongate", cmd, dir.path().join("moongate.log"));
+        wait_for("moongate /live", Duration::from_secs(20), &[&proc], || {
+            http_get(&admin, "/live").is_some_and(|(s, _)| s == 200)
+        });
+        Moongate {
+            proc,
+            listen,
+            admin,
+            dir,
+        }
+    }
+
+    pub fn wait_ready(&self, master: &Master) {
+        wait_for(
+            "moongate /ready",
+            Duration::from_secs(20),
+            &[&self.proc, &master.proc],
+            || http_get(&self.admin, "/ready").is_some_and(|(s, _)| s == 200),
+        );
+    }
+
+    pub fn metrics(&self) -> String {
+        http_get(&self.admin, "/metrics")
+            .map(|(_, b)| b)
+            .unwrap_or_default()
+    }
+
+    /// Value of one sample line (`name{labels}`), 0 when absent.
+    pub fn metric(&self, sample: &str) -> f64 {
+        metric_value(&self.metrics(), sample)
+    }
+}
+
+pub fn metric_value(text: &str, sample: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(sample)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Runs one scenario role to completion; returns its result JSON.
+pub fn run_role(
+    role: &str,
+    master: &str,
+    metadata: &str,
+    extra: &[&str],
+    logs: &[&Proc],
+) -> serde_json::Value {
+    let dir = tempdir();
+    let out = dir.path().join("out.json");
+    let mut cmd = Command::new(python());
+    cmd.arg(scenario())
+        .args(["--role", role, "--master", master, "--metadata", metadata])
+        .arg("--out")
+        .arg(&out)
+        .args(extra);
+    let mut p = Proc::spawn(role, cmd, dir.path().join("client.log"));
+    let st = p.wait_exit(Duration::from_secs(180));
+    let all: Vec<String> = logs.iter().map(|l| l.log_text()).collect();
+    let status = st.unwrap_or_else(|| panic!("{role} hung\n{}\n{}", p.log_text(), all.join("\n")));
+    let text = std::fs::read_to_string(&out).unwrap_or_else(|_| {
+        panic!(
+            "{role} wrote no result (exit {status})\n{}\n{}",
+            p.log_text(),
+            all.join("\n")
+        )
+    });
+    assert!(
+        status.success(),
+        "{role} exited {status}\n{text}\n{}",
+        p.log_text()
+    );
+    serde_json::from_str(&text).unwrap()
+}
+
+/// A scenario role kept running in the background, talking over stdin/stdout.
+pub struct Background {
+    pub proc: Proc,
+    pub stdin: Option<ChildStdin>,
+    pub ready_line: String,
+    pub out: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Background {
+    /// Starts `role` and waits for its `READY <endpoint>` line.
+    pub fn start(role: &str, master: &str, metadata: &str, logs: &[&Proc]) -> Background {
+        let dir = tempdir();
+        let out = dir.path().join("out.json");
+        let log = dir.path().join("client.log");
+        let mut cmd = Command::new(python());
+        cmd.arg(scenario())
+            .args(["--role", role, "--master", master, "--metadata", metadata])
+            .arg("--out")
+            .arg(&out)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .env("MC_TCP_BIND_ADDRESS", "127.0.0.1");
+        let mut child = cmd.spawn().expect("start python");
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if line.starts_with("READY") {
+                    let _ = tx.send(line);
+                }
+            }
+        });
+        let proc = Proc {
+            name: role.to_string(),
+            child,
+            log,
+        };
+        let ready_line = match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(l) => l,
+            Err(_) => {
+                let all: Vec<String> = logs.iter().map(|l| l.log_text()).collect();
+                panic!(
+                    "{role} never got ready\n{}\n{}",
+                    proc.log_text(),
+                    all.join("\n")
+                )
+            }
+        };
+        Background {
+            proc,
+            stdin,
+            ready_line,
+            out,
+            _dir: dir,
+        }
+    }
+
+    pub fn endpoint(&self) -> &str {
+        self.ready_line.trim_start_matches("READY").trim()
+    }
+
+    /// Tells the role to go on (one line), waits for it and returns its results.
+    pub fn finish(mut self) -> (std::process::ExitStatus, serde_json::Value) {
+        if let Some(mut s) = self.stdin.take() {
+            let _ = writeln!(s, "go");
+        }
+        let st = self
+            .proc
+            .wait_exit(Duration::from_secs(120))
+            .unwrap_or_else(|| {
+                panic!(
+                    "{} did not finish\n{}",
+                    self.proc.name,
+                    self.proc.log_text()
+                )
+            });
+        let text = std::fs::read_to_string(&self.out).unwrap_or_else(|_| {
+            panic!(
+                "{} wrote no result\n{}",
+                self.proc.name,
+                self.proc.log_text()
+            )
+        });
+        (st, serde_json::from_str(&text).unwrap())
+    }
+}
