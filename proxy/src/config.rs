@@ -17,6 +17,22 @@ pub struct Config {
     pub admin: AdminConfig,
     pub shutdown: ShutdownConfig,
     pub log: LogConfig,
+    pub runtime: RuntimeConfig,
+}
+
+/// The async runtime.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RuntimeConfig {
+    /// 1: a single-threaded runtime (lowest per-call latency; a sidecar serves one
+    /// rank's few connections). More: a multi-threaded runtime with that many workers.
+    pub worker_threads: usize,
+}
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        RuntimeConfig { worker_threads: 1 }
+    }
 }
 
 /// The master face: where Mooncake clients connect, and the master it fronts.
@@ -200,6 +216,11 @@ impl Config {
             &mut errs,
             "admin.ready_probe_timeout_ms",
             self.admin.ready_probe_timeout_ms,
+        );
+        positive(
+            &mut errs,
+            "runtime.worker_threads",
+            self.runtime.worker_threads as u64,
         );
         if tracing_subscriber::EnvFilter::try_new(&self.log.level).is_err() {
             errs.push(format!(

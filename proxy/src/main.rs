@@ -54,6 +54,22 @@ fn init_logging(cfg: &Config) {
     }
 }
 
+/// One worker: the thread sleeps in epoll itself, so a frame is relayed without a
+/// cross-thread wake-up (the master face's latency floor). More workers: a
+/// multi-threaded runtime for nodes with many busy ranks.
+fn build_runtime(workers: usize) -> std::io::Result<tokio::runtime::Runtime> {
+    if workers <= 1 {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(workers)
+            .enable_all()
+            .build()
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
@@ -94,7 +110,7 @@ fn main() -> ExitCode {
                 return ExitCode::from(2);
             }
             init_logging(&cfg);
-            let rt = match tokio::runtime::Runtime::new() {
+            let rt = match build_runtime(cfg.runtime.worker_threads) {
                 Ok(rt) => rt,
                 Err(e) => {
                     eprintln!("moongate: cannot start the runtime: {e}");

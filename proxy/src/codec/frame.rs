@@ -191,66 +191,84 @@ pub fn check_response(buf: &[u8], max_frame: u64) -> Result<Option<ResponseHeade
     Ok((buf.len() as u64 >= len).then_some(h))
 }
 
-/// A whole request: header, body and attachment as slices of one buffer.
+/// A coro_rpc header: what framing needs to know of it.
+pub trait Header: Copy {
+    /// Bytes before the body.
+    const LEN: usize;
+    fn length(&self) -> u32;
+    fn attach_length(&self) -> u32;
+    /// Sets the body and attachment lengths.
+    fn set_lengths(&mut self, length: u32, attach_length: u32);
+    fn write(&self, out: &mut BytesMut);
+}
+
+impl Header for RequestHeader {
+    const LEN: usize = REQUEST_HEADER_LEN;
+    fn length(&self) -> u32 {
+        self.length
+    }
+    fn attach_length(&self) -> u32 {
+        self.attach_length
+    }
+    fn set_lengths(&mut self, length: u32, attach_length: u32) {
+        self.length = length;
+        self.attach_length = attach_length;
+    }
+    fn write(&self, out: &mut BytesMut) {
+        RequestHeader::write(self, out)
+    }
+}
+
+impl Header for ResponseHeader {
+    const LEN: usize = RESPONSE_HEADER_LEN;
+    fn length(&self) -> u32 {
+        self.length
+    }
+    fn attach_length(&self) -> u32 {
+        self.attach_length
+    }
+    fn set_lengths(&mut self, length: u32, attach_length: u32) {
+        self.length = length;
+        self.attach_length = attach_length;
+    }
+    fn write(&self, out: &mut BytesMut) {
+        ResponseHeader::write(self, out)
+    }
+}
+
+/// A whole frame: header, body and attachment as slices of one buffer.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RequestFrame {
-    pub header: RequestHeader,
+pub struct Frame<H> {
+    pub header: H,
     pub body: Bytes,
     pub attachment: Bytes,
 }
 
-/// A whole response.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ResponseFrame {
-    pub header: ResponseHeader,
-    pub body: Bytes,
-    pub attachment: Bytes,
-}
+/// A whole request frame.
+pub type RequestFrame = Frame<RequestHeader>;
+/// A whole response frame.
+pub type ResponseFrame = Frame<ResponseHeader>;
 
-impl RequestFrame {
-    /// Cuts the frame announced by `h` (from [`check_request`]) off the front of `buf`.
-    pub fn split(buf: &mut BytesMut, h: RequestHeader) -> (RequestFrame, Bytes) {
-        let raw = buf.split_to(h.frame_len() as usize).freeze();
-        let body_end = REQUEST_HEADER_LEN + h.length as usize;
+impl<H: Header> Frame<H> {
+    /// Cuts the frame announced by `h` (from [`check_request`] / [`check_response`]) off
+    /// the front of `buf`; also returns the frame's raw bytes.
+    pub fn split(buf: &mut BytesMut, h: H) -> (Frame<H>, Bytes) {
+        let body_end = H::LEN + h.length() as usize;
+        let raw = buf.split_to(body_end + h.attach_length() as usize).freeze();
         (
-            RequestFrame {
+            Frame {
                 header: h,
-                body: raw.slice(REQUEST_HEADER_LEN..body_end),
+                body: raw.slice(H::LEN..body_end),
                 attachment: raw.slice(body_end..),
             },
             raw,
         )
     }
 
-    /// Writes the frame with `length` set to the body's actual length.
+    /// Writes the frame with the header's lengths set to the actual body and attachment.
     pub fn write(&self, out: &mut BytesMut) {
         let mut h = self.header;
-        h.length = self.body.len() as u32;
-        h.attach_length = self.attachment.len() as u32;
-        h.write(out);
-        out.extend_from_slice(&self.body);
-        out.extend_from_slice(&self.attachment);
-    }
-}
-
-impl ResponseFrame {
-    pub fn split(buf: &mut BytesMut, h: ResponseHeader) -> (ResponseFrame, Bytes) {
-        let raw = buf.split_to(h.frame_len() as usize).freeze();
-        let body_end = RESPONSE_HEADER_LEN + h.length as usize;
-        (
-            ResponseFrame {
-                header: h,
-                body: raw.slice(RESPONSE_HEADER_LEN..body_end),
-                attachment: raw.slice(body_end..),
-            },
-            raw,
-        )
-    }
-
-    pub fn write(&self, out: &mut BytesMut) {
-        let mut h = self.header;
-        h.length = self.body.len() as u32;
-        h.attach_length = self.attachment.len() as u32;
+        h.set_lengths(self.body.len() as u32, self.attachment.len() as u32);
         h.write(out);
         out.extend_from_slice(&self.body);
         out.extend_from_slice(&self.attachment);

@@ -178,6 +178,20 @@ async fn idle_watch(activity: &Activity, limit: Option<Duration>) -> End {
     }
 }
 
+/// Writes out everything gathered for one side and counts it; `out` is left empty.
+async fn flush(
+    w: &mut OwnedWriteHalf,
+    out: &mut BytesMut,
+    bytes: &prometheus_client::metrics::counter::Counter,
+) -> std::io::Result<()> {
+    if !out.is_empty() {
+        w.write_all(out).await?;
+        bytes.inc_by(out.len() as u64);
+        out.clear();
+    }
+    Ok(())
+}
+
 async fn client_to_master(
     mut cr: OwnedReadHalf,
     mut uw: OwnedWriteHalf,
@@ -210,9 +224,7 @@ async fn client_to_master(
                     };
                     shared.metrics.frame_error(Side::client, kind);
                     // Forward what was complete before the bad frame, then close.
-                    if !out.is_empty() {
-                        let _ = uw.write_all(&out).await;
-                    }
+                    let _ = flush(&mut uw, &mut out, &shared.metrics.bytes_to_master).await;
                     return End::ClientFrame(e);
                 }
             };
@@ -222,11 +234,10 @@ async fn client_to_master(
                 Ok(p) => p,
                 Err(mpsc::error::TrySendError::Full(())) => {
                     // In-flight limit reached: push what we have, then wait for answers.
-                    if let Err(e) = uw.write_all(&out).await {
+                    if let Err(e) = flush(&mut uw, &mut out, &shared.metrics.bytes_to_master).await
+                    {
                         return End::UpstreamIo(e);
                     }
-                    shared.metrics.bytes_to_master.inc_by(out.len() as u64);
-                    out.clear();
                     match tx.reserve().await {
                         Ok(p) => p,
                         Err(_) => return End::Drained,
@@ -244,12 +255,8 @@ async fn client_to_master(
             let m = shared.metrics.method(method);
             forward_request(&frame, &raw, method, m, cfg.reencode, &mut out);
         }
-        if !out.is_empty() {
-            if let Err(e) = uw.write_all(&out).await {
-                return End::UpstreamIo(e);
-            }
-            shared.metrics.bytes_to_master.inc_by(out.len() as u64);
-            out.clear();
+        if let Err(e) = flush(&mut uw, &mut out, &shared.metrics.bytes_to_master).await {
+            return End::UpstreamIo(e);
         }
         if buf.capacity() - buf.len() < 4096 {
             buf.reserve(READ_CHUNK.max(n));
@@ -294,9 +301,7 @@ async fn master_to_client(
                     shared
                         .metrics
                         .frame_error(Side::upstream, FrameErrorKind::too_large);
-                    if !out.is_empty() {
-                        let _ = cw.write_all(&out).await;
-                    }
+                    let _ = flush(&mut cw, &mut out, &shared.metrics.bytes_to_client).await;
                     return End::UpstreamFrame(e);
                 }
             };
@@ -330,12 +335,8 @@ async fn master_to_client(
                 &mut out,
             );
         }
-        if !out.is_empty() {
-            if let Err(e) = cw.write_all(&out).await {
-                return End::ClientIo(e);
-            }
-            shared.metrics.bytes_to_client.inc_by(out.len() as u64);
-            out.clear();
+        if let Err(e) = flush(&mut cw, &mut out, &shared.metrics.bytes_to_client).await {
+            return End::ClientIo(e);
         }
         if buf.capacity() - buf.len() < 4096 {
             buf.reserve(READ_CHUNK);
