@@ -43,4 +43,8 @@ if [ ! -x "$master" ]; then
   echo "bootstrap: mooncake_master not found at $master" >&2
   exit 1
 fi
+if ! rustup target list --installed 2>/dev/null | grep -qx wasm32-wasip2; then
+  echo "bootstrap: adding the wasm32-wasip2 target (policy plugins)"
+  rustup target add wasm32-wasip2
+fi
 echo "bootstrap: ok (python: $venv/bin/python, master: $master)"

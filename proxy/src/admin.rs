@@ -1,5 +1,9 @@
-//! The admin endpoint (HTTP/1.1, loopback by default): `GET /live`, `GET /ready`,
-//! `GET /metrics`. Read-only today, so it needs no token.
+//! The admin endpoint (HTTP/1.1, loopback by default).
+//!
+//! Read: `GET /live`, `GET /ready`, `GET /metrics`, `GET /plugins`, `GET /experiments`.
+//! Change (bearer token `admin.token`, or loopback when no token is set):
+//! `POST /plugins?name=NAME[&sha256=HEX][&path=FILE]` (component bytes as the body, or a
+//! path), `POST /plugins/NAME/activate`, `POST /plugins/rollback`, `PUT /experiments`.
 //!
 //! `/ready` is 200 only while the upstream master answers `ServiceReady`, probed in the
 //! background by [`ready_probe`]; a sidecar whose master is gone must not take traffic.
@@ -10,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::Full;
+use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
@@ -20,11 +24,18 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
+use crate::policy::registry::{ExperimentSpec, Registry, RegistryError};
+
+/// Largest plugin upload accepted.
+const MAX_PLUGIN_BYTES: usize = 32 << 20;
 
 /// State the admin endpoint reads.
 pub struct AdminState {
     pub metrics: Arc<Metrics>,
     pub ready: AtomicBool,
+    pub policy: Arc<Registry>,
+    /// Bearer token for mutating endpoints; empty = loopback only.
+    pub token: String,
 }
 
 /// Keeps `state.ready` (and the `moongate_upstream_ready` gauge) in step with whether the
@@ -67,42 +78,187 @@ fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
     r
 }
 
-fn route(state: &AdminState, req: &Request<Incoming>) -> Response<Full<Bytes>> {
-    if req.method() != Method::GET {
-        return text(StatusCode::METHOD_NOT_ALLOWED, "only GET is served\n");
+fn json(status: StatusCode, v: &impl serde::Serialize) -> Response<Full<Bytes>> {
+    let body = serde_json::to_vec_pretty(v).unwrap_or_default();
+    let mut r = Response::new(Full::new(Bytes::from(body)));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+fn error(status: StatusCode, msg: impl std::fmt::Display) -> Response<Full<Bytes>> {
+    json(status, &serde_json::json!({ "error": msg.to_string() }))
+}
+
+fn registry_error(e: &RegistryError) -> Response<Full<Bytes>> {
+    let status = match e {
+        RegistryError::UnknownPlugin(_) => StatusCode::NOT_FOUND,
+        RegistryError::NoLastGood => StatusCode::CONFLICT,
+        _ => StatusCode::UNPROCESSABLE_ENTITY,
+    };
+    error(status, e)
+}
+
+fn query(req: &Request<Incoming>) -> std::collections::HashMap<String, String> {
+    form_urlencoded::parse(req.uri().query().unwrap_or("").as_bytes())
+        .into_owned()
+        .collect()
+}
+
+fn authorized(state: &AdminState, req: &Request<Incoming>, loopback: bool) -> bool {
+    if state.token.is_empty() {
+        return loopback;
     }
-    match req.uri().path() {
-        "/live" => text(StatusCode::OK, "live\n"),
-        "/ready" => {
-            if state.ready.load(Ordering::Relaxed) {
-                text(StatusCode::OK, "ready\n")
-            } else {
-                text(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "not ready: the upstream master does not answer ServiceReady\n",
-                )
+    req.headers()
+        .get(hyper::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .is_some_and(|t| t == state.token)
+}
+
+fn experiments_view(policy: &Registry) -> serde_json::Value {
+    let set = policy.current();
+    let arms: Vec<_> = set
+        .arms
+        .iter()
+        .map(|a| {
+            serde_json::json!({
+                "name": a.name,
+                "plugin": a.plugin.name,
+                "version": a.plugin.version(),
+                "stopped": a.is_stopped(),
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "generation": set.generation,
+        "experiment": set.experiment,
+        "control": set.arms.get(set.control).map(|a| a.name.clone()),
+        "arms": arms,
+    })
+}
+
+async fn route(
+    state: Arc<AdminState>,
+    req: Request<Incoming>,
+    loopback: bool,
+) -> Response<Full<Bytes>> {
+    let path = req.uri().path().to_string();
+    let method = req.method().clone();
+    if method == Method::GET {
+        return match path.as_str() {
+            "/live" => text(StatusCode::OK, "live\n"),
+            "/ready" => {
+                if state.ready.load(Ordering::Relaxed) {
+                    text(StatusCode::OK, "ready\n")
+                } else {
+                    text(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "not ready: the upstream master does not answer ServiceReady\n",
+                    )
+                }
+            }
+            "/metrics" => {
+                let mut r = text(StatusCode::OK, state.metrics.encode());
+                r.headers_mut().insert(
+                    hyper::header::CONTENT_TYPE,
+                    hyper::header::HeaderValue::from_static(
+                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    ),
+                );
+                r
+            }
+            "/plugins" => json(StatusCode::OK, &state.policy.list()),
+            "/experiments" => json(StatusCode::OK, &experiments_view(&state.policy)),
+            _ => text(StatusCode::NOT_FOUND, "not found; see the admin section of docs/operations.md\n"),
+        };
+    }
+    let mutating = matches!(
+        (method.as_str(), path.as_str()),
+        ("POST", "/plugins") | ("POST", "/plugins/rollback") | ("PUT", "/experiments")
+    ) || (method == Method::POST && path.starts_with("/plugins/") && path.ends_with("/activate"));
+    if !mutating {
+        return text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed here\n");
+    }
+    if !authorized(&state, &req, loopback) {
+        return error(
+            StatusCode::UNAUTHORIZED,
+            "changing policies needs `Authorization: Bearer <admin.token>` (or a loopback admin address when no token is set)",
+        );
+    }
+    match (method.as_str(), path.as_str()) {
+        ("POST", "/plugins") => {
+            let q = query(&req);
+            let Some(name) = q.get("name").cloned() else {
+                return error(StatusCode::BAD_REQUEST, "missing ?name=NAME");
+            };
+            let body = match Limited::new(req.into_body(), MAX_PLUGIN_BYTES).collect().await {
+                Ok(b) => b.to_bytes(),
+                Err(e) => {
+                    return error(
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        format!("body unreadable or over {MAX_PLUGIN_BYTES} bytes: {e}"),
+                    );
+                }
+            };
+            let bytes = match (q.get("path"), body.is_empty()) {
+                (Some(p), true) => match tokio::fs::read(p).await {
+                    Ok(b) => Bytes::from(b),
+                    Err(e) => return error(StatusCode::BAD_REQUEST, format!("cannot read {p}: {e}")),
+                },
+                (None, false) => body,
+                _ => {
+                    return error(
+                        StatusCode::BAD_REQUEST,
+                        "send the component bytes as the body, or an empty body and ?path=FILE",
+                    );
+                }
+            };
+            let pin = q.get("sha256").cloned();
+            let policy = state.policy.clone();
+            match tokio::task::spawn_blocking(move || policy.load(&name, &bytes, pin.as_deref())).await {
+                Ok(Ok(info)) => json(StatusCode::OK, &info),
+                Ok(Err(e)) => registry_error(&e),
+                Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e),
             }
         }
-        "/metrics" => {
-            let mut r = text(StatusCode::OK, state.metrics.encode());
-            r.headers_mut().insert(
-                hyper::header::CONTENT_TYPE,
-                hyper::header::HeaderValue::from_static(
-                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                ),
-            );
-            r
+        ("POST", "/plugins/rollback") => match state.policy.rollback("requested by the admin API") {
+            Ok(g) => json(StatusCode::OK, &serde_json::json!({ "generation": g })),
+            Err(e) => registry_error(&e),
+        },
+        ("PUT", "/experiments") => {
+            let body = match Limited::new(req.into_body(), 1 << 20).collect().await {
+                Ok(b) => b.to_bytes(),
+                Err(e) => return error(StatusCode::PAYLOAD_TOO_LARGE, e),
+            };
+            let spec: ExperimentSpec = match serde_json::from_slice(&body) {
+                Ok(s) => s,
+                Err(e) => return error(StatusCode::BAD_REQUEST, format!("experiment JSON: {e}")),
+            };
+            match state.policy.set_experiment(spec) {
+                Ok(_) => json(StatusCode::OK, &experiments_view(&state.policy)),
+                Err(e) => registry_error(&e),
+            }
         }
-        _ => text(
-            StatusCode::NOT_FOUND,
-            "not found; try /live, /ready, /metrics\n",
-        ),
+        _ => {
+            let name = path
+                .trim_start_matches("/plugins/")
+                .trim_end_matches("/activate");
+            match state.policy.activate(name) {
+                Ok(g) => json(StatusCode::OK, &serde_json::json!({ "generation": g, "active": name })),
+                Err(e) => registry_error(&e),
+            }
+        }
     }
 }
 
 /// Serves the admin endpoint until shutdown. Each HTTP connection is its own task; a bad
 /// request affects only that connection.
 pub async fn serve(listener: TcpListener, state: Arc<AdminState>, shutdown: CancellationToken) {
+    let loopback = listener.local_addr().is_ok_and(|a| a.ip().is_loopback());
     loop {
         let (sock, _) = tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -118,8 +274,8 @@ pub async fn serve(listener: TcpListener, state: Arc<AdminState>, shutdown: Canc
         let state = state.clone();
         tokio::spawn(async move {
             let svc = service_fn(move |req| {
-                let r = route(&state, &req);
-                async move { Ok::<_, Infallible>(r) }
+                let state = state.clone();
+                async move { Ok::<_, Infallible>(route(state, req, loopback).await) }
             });
             if let Err(e) = http1::Builder::new()
                 .timer(hyper_util::rt::TokioTimer::new())

@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use thiserror::Error;
 
-#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     pub master_face: MasterFaceConfig,
@@ -18,6 +18,90 @@ pub struct Config {
     pub shutdown: ShutdownConfig,
     pub log: LogConfig,
     pub runtime: RuntimeConfig,
+    pub policy: PolicyConfig,
+    /// An experiment to start with (instead of `policy.active`).
+    pub experiment: Option<crate::policy::registry::ExperimentSpec>,
+}
+
+/// Policy plugins: which one serves, and the limits every plugin call runs under.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct PolicyConfig {
+    /// The plugin that decides when no experiment runs; `default` is embedded.
+    pub active: String,
+    /// What a failed plugin call (trap, timeout, out of memory, invalid answer) means:
+    /// `open` = Mooncake's own behaviour, `closed` = deny with `fail_closed_code`.
+    pub fail_mode: crate::policy::FailMode,
+    /// ErrorCode of fail-closed denials; -200 (NO_AVAILABLE_HANDLE) is what vLLM treats
+    /// as backpressure.
+    pub fail_closed_code: i32,
+    /// Deadline of one hook call.
+    pub call_timeout_ms: u64,
+    /// Linear memory one plugin instance may use.
+    pub memory_limit_bytes: u64,
+    /// Plugin instances alive at once (loaded generations, last-good, experiment arms).
+    pub max_instances: u32,
+    /// Directory watched for `NAME.wasm` files to load (empty: no watching).
+    pub watch_dir: String,
+    pub watch_interval_ms: u64,
+    pub rollback: RollbackConfig,
+    /// Plugins to load at start-up and their configs.
+    pub plugins: Vec<PluginSpec>,
+}
+
+/// Automatic return to the last-good policy after a bad activation.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RollbackConfig {
+    /// How long after an activation its failures are watched.
+    pub window_ms: u64,
+    /// Calls needed before a verdict.
+    pub min_calls: u64,
+    /// Share of failed plugin calls (trap, timeout, oom, invalid) that triggers rollback.
+    pub max_failure_ratio: f64,
+}
+
+/// A plugin to load.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct PluginSpec {
+    /// Catalog name; `default` configures the embedded plugin.
+    pub name: String,
+    /// Component file; without it only the config applies (for `default`, or for a
+    /// plugin that arrives later by the admin API or the watched directory).
+    pub path: Option<String>,
+    /// Refuse the file unless its sha256 (hex) matches.
+    pub sha256: Option<String>,
+    /// Config handed to the plugin's `configure` (usually JSON).
+    #[serde(default)]
+    pub config: String,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        PolicyConfig {
+            active: "default".into(),
+            fail_mode: crate::policy::FailMode::Open,
+            fail_closed_code: -200,
+            call_timeout_ms: 10,
+            memory_limit_bytes: 16 << 20,
+            max_instances: 64,
+            watch_dir: String::new(),
+            watch_interval_ms: 1_000,
+            rollback: RollbackConfig::default(),
+            plugins: Vec::new(),
+        }
+    }
+}
+
+impl Default for RollbackConfig {
+    fn default() -> Self {
+        RollbackConfig {
+            window_ms: 30_000,
+            min_calls: 20,
+            max_failure_ratio: 0.05,
+        }
+    }
 }
 
 /// The async runtime.
@@ -77,6 +161,9 @@ pub struct AdminConfig {
     pub ready_probe_interval_ms: u64,
     /// How long one readiness probe may take before it counts as a failure.
     pub ready_probe_timeout_ms: u64,
+    /// Bearer token the mutating endpoints (`POST /plugins`, `PUT /experiments`, ...)
+    /// require. Empty: they are refused unless the admin endpoint listens on loopback.
+    pub token: String,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
@@ -124,6 +211,7 @@ impl Default for AdminConfig {
             listen: "127.0.0.1:9150".into(),
             ready_probe_interval_ms: 1_000,
             ready_probe_timeout_ms: 1_000,
+            token: String::new(),
         }
     }
 }
@@ -222,6 +310,44 @@ impl Config {
             "runtime.worker_threads",
             self.runtime.worker_threads as u64,
         );
+        let p = &self.policy;
+        positive(&mut errs, "policy.call_timeout_ms", p.call_timeout_ms);
+        positive(&mut errs, "policy.max_instances", u64::from(p.max_instances));
+        positive(&mut errs, "policy.watch_interval_ms", p.watch_interval_ms);
+        if p.memory_limit_bytes < (1 << 20) {
+            errs.push("policy.memory_limit_bytes: must be at least 1 MiB".into());
+        }
+        if p.fail_closed_code >= 0 {
+            errs.push("policy.fail_closed_code: must be a negative Mooncake ErrorCode".into());
+        }
+        if !(0.0..=1.0).contains(&p.rollback.max_failure_ratio) {
+            errs.push("policy.rollback.max_failure_ratio: must be within [0, 1]".into());
+        }
+        let mut seen = std::collections::HashSet::new();
+        for spec in &p.plugins {
+            if !seen.insert(spec.name.as_str()) {
+                errs.push(format!("policy.plugins: {:?} is listed twice", spec.name));
+            }
+            if spec.name == "default" && spec.path.is_some() {
+                errs.push("policy.plugins: `default` is embedded; it takes no path".into());
+            }
+            if let Some(path) = &spec.path
+                && !Path::new(path).is_file()
+            {
+                errs.push(format!("policy.plugins.{}: {path:?} is not a file", spec.name));
+            }
+        }
+        let known = |n: &str| n == "default" || p.plugins.iter().any(|s| s.name == n);
+        if !known(&p.active) {
+            errs.push(format!("policy.active: no plugin named {:?}", p.active));
+        }
+        if let Some(exp) = &self.experiment {
+            for a in &exp.arms {
+                if !known(&a.plugin) {
+                    errs.push(format!("experiment.arms.{}: no plugin named {:?}", a.name, a.plugin));
+                }
+            }
+        }
         if tracing_subscriber::EnvFilter::try_new(&self.log.level).is_err() {
             errs.push(format!(
                 "log.level: {:?} is not a valid tracing filter",

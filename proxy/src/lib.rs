@@ -13,5 +13,6 @@ pub mod codec;
 pub mod config;
 pub mod master_face;
 pub mod metrics;
+pub mod policy;
 pub mod server;
 pub mod upstream;

@@ -110,6 +110,187 @@ impl MethodMetrics {
     }
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PluginMetricLabels {
+    plugin: String,
+    name: String,
+}
+
+/// Counters and gauges that plugins register during `configure`, exported as
+/// `moongate_plugin_counter_total{plugin,name}` and `moongate_plugin_gauge{plugin,name}`.
+pub struct PluginMetricsSink {
+    counters: Family<PluginMetricLabels, Counter>,
+    gauges: Family<PluginMetricLabels, Gauge>,
+}
+
+impl PluginMetricsSink {
+    fn valid(name: &str) -> Result<(), String> {
+        let ok = !name.is_empty()
+            && name.len() <= 64
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+        if ok {
+            Ok(())
+        } else {
+            Err(format!(
+                "metric name {name:?}: use 1-64 characters of [a-z0-9_]"
+            ))
+        }
+    }
+
+    pub fn counter(&self, plugin: &str, name: &str, _help: &str) -> Result<Counter, String> {
+        Self::valid(name)?;
+        Ok(self
+            .counters
+            .get_or_create(&PluginMetricLabels {
+                plugin: plugin.to_string(),
+                name: name.to_string(),
+            })
+            .clone())
+    }
+
+    pub fn gauge(&self, plugin: &str, name: &str, _help: &str) -> Result<Gauge, String> {
+        Self::valid(name)?;
+        Ok(self
+            .gauges
+            .get_or_create(&PluginMetricLabels {
+                plugin: plugin.to_string(),
+                name: name.to_string(),
+            })
+            .clone())
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PolicyCallLabels {
+    plugin: String,
+    version: String,
+    arm: String,
+    hook: String,
+    result: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PolicyLabels {
+    plugin: String,
+    version: String,
+    arm: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DecisionLabels {
+    plugin: String,
+    version: String,
+    arm: String,
+    decision: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ArmMethodLabels {
+    arm: String,
+    method: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ArmErrorLabels {
+    arm: String,
+    method: String,
+    kind: ErrorKind,
+}
+
+/// Hook call results, in label order.
+pub const CALL_RESULTS: [&str; 6] = ["ok", "trap", "timeout", "oom", "invalid", "unavailable"];
+/// Put decisions, in label order: unchanged, rewritten config, some keys denied, all denied.
+pub const DECISIONS: [&str; 4] = ["unchanged", "rewrite", "deny_some", "deny_all"];
+
+/// The metric handles of one experiment arm (or of the single active plugin), created
+/// when the arm is activated.
+pub struct ArmMetrics {
+    /// by [`CALL_RESULTS`] index
+    pub put_calls: [Counter; 6],
+    pub put_latency: Histogram,
+    /// by [`DECISIONS`] index
+    pub decisions: [Counter; 4],
+    /// Put-family requests served by this arm, by [`Method::index`].
+    pub requests: Vec<MethodMetrics>,
+}
+
+/// Handles for the policy layer's metric families.
+pub struct PolicyFamilies {
+    calls: Family<PolicyCallLabels, Counter>,
+    latency: Family<PolicyLabels, Histogram>,
+    decisions: Family<DecisionLabels, Counter>,
+    arm_requests: Family<ArmMethodLabels, Counter>,
+    arm_latency: Family<ArmMethodLabels, Histogram>,
+    arm_errors: Family<ArmErrorLabels, Counter>,
+    pub active_generation: Gauge,
+    pub swaps: Counter,
+    pub rollbacks: Counter,
+    pub guardrail_stops: Counter,
+}
+
+/// Policy-call latency buckets (seconds): 0.5 us to 25 ms.
+const POLICY_BUCKETS: [f64; 12] = [
+    0.5e-6, 1e-6, 2e-6, 5e-6, 10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 1e-3, 5e-3, 25e-3,
+];
+
+impl PolicyFamilies {
+    /// Creates the handles of one arm. Called on activation, never per request.
+    pub fn arm(&self, plugin: &str, version: &str, arm: &str) -> ArmMetrics {
+        let pl = |result: &str| PolicyCallLabels {
+            plugin: plugin.into(),
+            version: version.into(),
+            arm: arm.into(),
+            hook: "on-put".into(),
+            result: result.into(),
+        };
+        ArmMetrics {
+            put_calls: CALL_RESULTS.map(|r| self.calls.get_or_create(&pl(r)).clone()),
+            put_latency: self
+                .latency
+                .get_or_create(&PolicyLabels {
+                    plugin: plugin.into(),
+                    version: version.into(),
+                    arm: arm.into(),
+                })
+                .clone(),
+            decisions: DECISIONS.map(|d| {
+                self.decisions
+                    .get_or_create(&DecisionLabels {
+                        plugin: plugin.into(),
+                        version: version.into(),
+                        arm: arm.into(),
+                        decision: d.into(),
+                    })
+                    .clone()
+            }),
+            requests: Method::ALL
+                .iter()
+                .map(|m| {
+                    let l = ArmMethodLabels {
+                        arm: arm.into(),
+                        method: m.name().into(),
+                    };
+                    MethodMetrics {
+                        requests: self.arm_requests.get_or_create(&l).clone(),
+                        latency: self.arm_latency.get_or_create(&l).clone(),
+                        errors: ERROR_KINDS.map(|kind| {
+                            self.arm_errors
+                                .get_or_create(&ArmErrorLabels {
+                                    arm: arm.into(),
+                                    method: m.name().into(),
+                                    kind,
+                                })
+                                .clone()
+                        }),
+                    }
+                })
+                .collect(),
+        }
+    }
+}
+
 /// Every metric moongate exports.
 pub struct Metrics {
     pub registry: Registry,
@@ -121,6 +302,8 @@ pub struct Metrics {
     pub bytes_to_master: Counter,
     pub bytes_to_client: Counter,
     pub upstream_ready: Gauge,
+    pub plugins: std::sync::Arc<PluginMetricsSink>,
+    pub policy: PolicyFamilies,
 }
 
 impl Metrics {
@@ -222,8 +405,87 @@ impl Metrics {
             "1 while the upstream master answers ServiceReady, else 0",
             upstream_ready.clone(),
         );
+        let plugins = std::sync::Arc::new(PluginMetricsSink {
+            counters: Family::default(),
+            gauges: Family::default(),
+        });
+        registry.register(
+            "moongate_plugin_counter",
+            "Counters registered by policy plugins",
+            plugins.counters.clone(),
+        );
+        registry.register(
+            "moongate_plugin_gauge",
+            "Gauges registered by policy plugins",
+            plugins.gauges.clone(),
+        );
+        let policy = PolicyFamilies {
+            calls: Family::default(),
+            latency: Family::new_with_constructor(|| Histogram::new(POLICY_BUCKETS)),
+            decisions: Family::default(),
+            arm_requests: Family::default(),
+            arm_latency: Family::new_with_constructor(|| Histogram::new(LATENCY_BUCKETS)),
+            arm_errors: Family::default(),
+            active_generation: Gauge::default(),
+            swaps: Counter::default(),
+            rollbacks: Counter::default(),
+            guardrail_stops: Counter::default(),
+        };
+        registry.register(
+            "moongate_policy_calls",
+            "Policy hook calls by plugin, version, arm, hook and result (ok, trap, timeout, \
+             oom, invalid, unavailable)",
+            policy.calls.clone(),
+        );
+        registry.register(
+            "moongate_policy_call_duration_seconds",
+            "Time of one on-put decision through the plugin host",
+            policy.latency.clone(),
+        );
+        registry.register(
+            "moongate_policy_decisions",
+            "Put-family decisions: unchanged, rewrite, deny_some, deny_all",
+            policy.decisions.clone(),
+        );
+        registry.register(
+            "moongate_arm_requests",
+            "Put-family requests by the experiment arm that decided them",
+            policy.arm_requests.clone(),
+        );
+        registry.register(
+            "moongate_arm_request_duration_seconds",
+            "Master latency of put-family requests by arm",
+            policy.arm_latency.clone(),
+        );
+        registry.register(
+            "moongate_arm_errors",
+            "Failed put-family calls by arm (app: ErrorCode per key, incl. policy denials)",
+            policy.arm_errors.clone(),
+        );
+        registry.register(
+            "moongate_policy_generation",
+            "Generation number of the active policy set (rises with every swap)",
+            policy.active_generation.clone(),
+        );
+        registry.register(
+            "moongate_policy_swaps",
+            "Activations of a new policy set",
+            policy.swaps.clone(),
+        );
+        registry.register(
+            "moongate_policy_rollbacks",
+            "Returns to the last-good policy set (by request or automatic)",
+            policy.rollbacks.clone(),
+        );
+        registry.register(
+            "moongate_policy_guardrail_stops",
+            "Experiment arms stopped by their guardrail",
+            policy.guardrail_stops.clone(),
+        );
         Metrics {
             registry,
+            plugins,
+            policy,
             methods,
             connections_open,
             upstream_connections_open,

@@ -14,6 +14,26 @@ use crate::admin::{self, AdminState};
 use crate::config::Config;
 use crate::master_face::{self, Shared};
 use crate::metrics::Metrics;
+use crate::policy::registry::Registry;
+
+/// Polls `dir` for new or changed `NAME.wasm` files (a poll, not inotify: it works the
+/// same on every filesystem a ConfigMap or volume can be, and a second's delay is fine).
+async fn watch_plugins(
+    policy: Arc<Registry>,
+    dir: std::path::PathBuf,
+    every: Duration,
+    shutdown: CancellationToken,
+) {
+    tracing::info!(dir = %dir.display(), "watching for plugins");
+    loop {
+        let (p, d) = (policy.clone(), dir.clone());
+        let _ = tokio::task::spawn_blocking(move || p.scan_dir(&d)).await;
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(every) => {}
+        }
+    }
+}
 
 #[derive(Debug, Error)]
 pub enum RunError {
@@ -25,6 +45,8 @@ pub enum RunError {
     },
     #[error("cannot install signal handlers: {0}")]
     Signal(std::io::Error),
+    #[error("policy: {0}")]
+    Policy(#[from] crate::policy::registry::RegistryError),
 }
 
 async fn bind(what: &'static str, addr: &str) -> Result<TcpListener, RunError> {
@@ -40,6 +62,13 @@ async fn bind(what: &'static str, addr: &str) -> Result<TcpListener, RunError> {
 /// Runs until SIGTERM or SIGINT, then drains within `shutdown.grace_period_ms`.
 pub async fn run(cfg: Config) -> Result<(), RunError> {
     let metrics = Arc::new(Metrics::new());
+    // Compiling plugins takes tens of milliseconds each: off the async runtime.
+    let policy = {
+        let (p, e, m) = (cfg.policy.clone(), cfg.experiment.clone(), metrics.clone());
+        tokio::task::spawn_blocking(move || Registry::new(p, e, m))
+            .await
+            .expect("policy loading does not panic")?
+    };
     let master_listener = bind("master face", &cfg.master_face.listen).await?;
     let admin_listener = bind("admin", &cfg.admin.listen).await?;
     let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
@@ -52,7 +81,17 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
     let state = Arc::new(AdminState {
         metrics: metrics.clone(),
         ready: AtomicBool::new(false),
+        policy: policy.clone(),
+        token: cfg.admin.token.clone(),
     });
+    if !cfg.policy.watch_dir.is_empty() {
+        tokio::spawn(watch_plugins(
+            policy.clone(),
+            cfg.policy.watch_dir.clone().into(),
+            Duration::from_millis(cfg.policy.watch_interval_ms),
+            shutdown.clone(),
+        ));
+    }
     tokio::spawn(admin::ready_probe(
         state.clone(),
         cfg.master_face.upstream.clone(),
@@ -71,6 +110,7 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
         cfg: cfg.master_face.clone(),
         metrics,
         shutdown: shutdown.clone(),
+        policy,
     });
     let accept = tokio::spawn(master_face::accept_loop(
         master_listener,

@@ -1,28 +1,35 @@
 //! One client connection and its own upstream connection (never shared: seq numbers are
 //! per connection). Two halves run concurrently:
 //!
-//! - client -> master: split request frames, record `(seq, method, start)` in a bounded
-//!   in-flight queue, forward;
-//! - master -> client: split response frames, pop the matching in-flight entry (the
-//!   master answers in request order), observe, forward.
+//! - client -> master: split request frames, let [`intercept`] decide, queue an entry
+//!   per request in the bounded in-flight queue (forwarded, or answered by moongate),
+//!   forward;
+//! - master -> client: split response frames, pop the matching entry (the master answers
+//!   in request order), observe, forward; answers moongate gave itself go out when their
+//!   turn in the queue comes, so the client sees replies in request order.
 //!
 //! Both halves read whatever is available and forward all complete frames in one write,
-//! so pipelined requests stay pipelined. The in-flight queue is a bounded channel: when
-//! it is full the client half stops reading (backpressure), it never fails a request.
+//! so pipelined requests stay pipelined. When the queue is full the client half stops
+//! reading (backpressure); it never fails a request.
+//!
+//! [`intercept`]: super::intercept
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use bytes::BytesMut;
+use std::collections::VecDeque;
+use std::sync::Mutex;
+
+use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::sync::mpsc;
+use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::Shared;
-use super::intercept::{forward_request, forward_response};
+use super::intercept::{Decided, Queued, on_request, on_response};
 use crate::codec::frame::{check_request, check_response};
 use crate::codec::{FrameError, Method, RequestFrame, ResponseFrame};
 use crate::metrics::{FrameErrorKind, Side};
@@ -33,11 +40,54 @@ const READ_CHUNK: usize = 64 << 10;
 /// be answered before the connection closes anyway.
 const ANSWER_BEFORE_CLOSE: Duration = Duration::from_secs(5);
 
-/// A request forwarded and not yet answered.
-struct InFlight {
-    seq: u32,
-    method: Option<Method>,
-    sent: Instant,
+/// A request not yet answered to the client.
+enum InFlight {
+    Upstream {
+        seq: u32,
+        method: Option<Method>,
+        sent: Instant,
+        decided: Option<Decided>,
+    },
+    Local(Bytes),
+}
+
+/// The per-connection in-flight queue, in request order. Bounded by `space`: the client
+/// half takes a permit per request, the master half returns it when the reply is out.
+struct Queue {
+    q: Mutex<VecDeque<InFlight>>,
+    space: Semaphore,
+    /// A local answer was queued: the master half may have something to send.
+    local: Notify,
+}
+
+impl Queue {
+    fn push(&self, e: InFlight) {
+        let local = matches!(e, InFlight::Local(_));
+        self.q.lock().unwrap_or_else(|p| p.into_inner()).push_back(e);
+        if local {
+            self.local.notify_one();
+        }
+    }
+    fn pop(&self) -> Option<InFlight> {
+        let e = self.q.lock().unwrap_or_else(|p| p.into_inner()).pop_front();
+        if e.is_some() {
+            self.space.add_permits(1);
+        }
+        e
+    }
+    /// Moves the local answers at the head of the queue to `out`.
+    fn drain_local(&self, out: &mut BytesMut) {
+        let mut q = self.q.lock().unwrap_or_else(|p| p.into_inner());
+        while let Some(InFlight::Local(_)) = q.front() {
+            if let Some(InFlight::Local(b)) = q.pop_front() {
+                out.extend_from_slice(&b);
+                self.space.add_permits(1);
+            }
+        }
+    }
+    fn len(&self) -> usize {
+        self.q.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
 }
 
 /// Why a connection ended; logged once per connection.
@@ -111,7 +161,11 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
 
     let (cr, cw) = client.into_split();
     let (ur, uw) = upstream.into_split();
-    let (tx, rx) = mpsc::channel(cfg.max_inflight_per_connection);
+    let queue = Queue {
+        q: Mutex::new(VecDeque::new()),
+        space: Semaphore::new(cfg.max_inflight_per_connection),
+        local: Notify::new(),
+    };
     let activity = Activity {
         start: Instant::now(),
         last_ms: AtomicU64::new(0),
@@ -120,9 +174,9 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
 
     let c2s = async {
         let _done = client_done.clone().drop_guard();
-        client_to_master(cr, uw, tx, &shared, &activity).await
+        client_to_master(cr, uw, &queue, &shared, &activity).await
     };
-    let s2c = master_to_client(ur, cw, rx, &shared, &activity, &client_done);
+    let s2c = master_to_client(ur, cw, &queue, &shared, &activity, &client_done);
     let idle = idle_watch(&activity, cfg.idle_timeout());
     tokio::pin!(c2s, s2c, idle);
 
@@ -195,7 +249,7 @@ async fn flush(
 async fn client_to_master(
     mut cr: OwnedReadHalf,
     mut uw: OwnedWriteHalf,
-    tx: mpsc::Sender<InFlight>,
+    queue: &Queue,
     shared: &Shared,
     activity: &Activity,
 ) -> End {
@@ -228,32 +282,34 @@ async fn client_to_master(
                     return End::ClientFrame(e);
                 }
             };
-            // Queue the in-flight entry before the request can reach the master, so its
-            // answer always finds it.
-            let permit = match tx.try_reserve() {
-                Ok(p) => p,
-                Err(mpsc::error::TrySendError::Full(())) => {
+            // Take a queue slot before the request can reach the master, so its answer
+            // always finds its entry.
+            match queue.space.try_acquire() {
+                Ok(p) => p.forget(),
+                Err(_) => {
                     // In-flight limit reached: push what we have, then wait for answers.
                     if let Err(e) = flush(&mut uw, &mut out, &shared.metrics.bytes_to_master).await
                     {
                         return End::UpstreamIo(e);
                     }
-                    match tx.reserve().await {
-                        Ok(p) => p,
+                    match queue.space.acquire().await {
+                        Ok(p) => p.forget(),
                         Err(_) => return End::Drained,
                     }
                 }
-                Err(mpsc::error::TrySendError::Closed(())) => return End::Drained,
-            };
+            }
             let (frame, raw) = RequestFrame::split(&mut buf, h);
             let method = Method::from_function_id(h.function_id);
-            permit.send(InFlight {
-                seq: h.seq_num,
-                method,
-                sent: Instant::now(),
+            let sent = Instant::now();
+            queue.push(match on_request(&frame, &raw, method, shared, &mut out) {
+                Queued::Upstream(decided) => InFlight::Upstream {
+                    seq: h.seq_num,
+                    method,
+                    sent,
+                    decided,
+                },
+                Queued::Local(bytes) => InFlight::Local(bytes),
             });
-            let m = shared.metrics.method(method);
-            forward_request(&frame, &raw, method, m, cfg.reencode, &mut out);
         }
         if let Err(e) = flush(&mut uw, &mut out, &shared.metrics.bytes_to_master).await {
             return End::UpstreamIo(e);
@@ -267,7 +323,7 @@ async fn client_to_master(
 async fn master_to_client(
     mut ur: OwnedReadHalf,
     mut cw: OwnedWriteHalf,
-    mut rx: mpsc::Receiver<InFlight>,
+    queue: &Queue,
     shared: &Shared,
     activity: &Activity,
     client_done: &CancellationToken,
@@ -277,8 +333,12 @@ async fn master_to_client(
     let mut out = BytesMut::with_capacity(READ_CHUNK);
     let mut client_gone = false;
     loop {
-        if client_gone && rx.is_empty() {
-            // The client half stopped (shutdown) and every forwarded call is answered.
+        queue.drain_local(&mut out);
+        if let Err(e) = flush(&mut cw, &mut out, &shared.metrics.bytes_to_client).await {
+            return End::ClientIo(e);
+        }
+        if client_gone && queue.len() == 0 {
+            // The client half stopped (shutdown) and every call is answered.
             return End::Drained;
         }
         tokio::select! {
@@ -286,8 +346,9 @@ async fn master_to_client(
                 client_gone = true;
                 continue;
             }
+            _ = queue.local.notified() => continue,
             r = ur.read_buf(&mut buf) => match r {
-                Ok(0) => return End::UpstreamClosed { pending: rx.len() },
+                Ok(0) => return End::UpstreamClosed { pending: queue.len() },
                 Ok(_) => {}
                 Err(e) => return End::UpstreamIo(e),
             },
@@ -306,11 +367,18 @@ async fn master_to_client(
                 }
             };
             let (frame, raw) = ResponseFrame::split(&mut buf, h);
-            let method = match rx.try_recv() {
-                Ok(f) if f.seq == h.seq_num => {
-                    let m = shared.metrics.method(f.method);
-                    m.latency.observe(f.sent.elapsed().as_secs_f64());
-                    f.method
+            // Answers moongate gave itself for earlier requests go first.
+            queue.drain_local(&mut out);
+            match queue.pop() {
+                Some(InFlight::Upstream {
+                    seq,
+                    method,
+                    sent,
+                    decided,
+                }) if seq == h.seq_num => {
+                    let latency = sent.elapsed();
+                    shared.metrics.method(method).latency.observe(latency.as_secs_f64());
+                    on_response(&frame, &raw, method, decided.as_ref(), latency, shared, &mut out);
                 }
                 other => {
                     // Not what the master does; relay and let the client judge (it closes
@@ -318,22 +386,14 @@ async fn master_to_client(
                     shared
                         .metrics
                         .frame_error(Side::upstream, FrameErrorKind::unmatched_seq);
-                    tracing::warn!(
-                        seq = h.seq_num,
-                        expected = other.ok().map(|f| f.seq),
-                        "response out of request order"
-                    );
-                    None
+                    let expected = match other {
+                        Some(InFlight::Upstream { seq, .. }) => Some(seq),
+                        _ => None,
+                    };
+                    tracing::warn!(seq = h.seq_num, expected, "response out of request order");
+                    out.extend_from_slice(&raw);
                 }
-            };
-            forward_response(
-                &frame,
-                &raw,
-                method,
-                shared.metrics.method(method),
-                cfg.reencode,
-                &mut out,
-            );
+            }
         }
         if let Err(e) = flush(&mut cw, &mut out, &shared.metrics.bytes_to_client).await {
             return End::ClientIo(e);

@@ -1,72 +1,158 @@
 //! What happens to one frame on its way through the master face: decode (typed methods),
-//! account, and choose the bytes to forward.
+//! ask the policy (put family), account, and choose the bytes to forward or the answer
+//! to give.
 //!
-//! Pure functions over frames and metrics: no sockets, no tasks. This is where policy
-//! decisions (rewrite a `ReplicateConfig`, deny a put, reorder replicas) plug in; today
-//! every frame is forwarded as received, or re-encoded from its decoded value when
-//! `master_face.reencode = "always"`.
+//! Pure functions over frames, decoded values and metric handles: no sockets, no tasks.
 //!
 //! Phase order for a request: accept -> check/split (connection) -> classify (method) ->
-//! decode -> policy -> forward. For a response: check/split -> match seq -> decode ->
-//! observe (latency, errors) -> forward.
+//! decode -> policy (PutStart, BatchPutStart, UpsertStart, BatchUpsertStart) -> forward
+//! (received bytes, re-encoded rewrite) or answer locally (denied). For a response:
+//! check/split -> match seq -> decode -> merge denied keys back (partial batch denial) ->
+//! observe (latency, errors, arm guardrail) -> forward.
+
+use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 
+use super::Shared;
 use crate::codec::frame::errc;
 use crate::codec::message::{Request, Response, RpcError, is_typed};
-use crate::codec::{Method, RequestFrame, ResponseFrame};
+use crate::codec::{BodyStyle, Method, RequestFrame, ResponseFrame, ResponseHeader};
 use crate::config::Reencode;
 use crate::metrics::{ErrorKind, MethodMetrics};
+use crate::policy::registry::ActiveSet;
+use crate::policy::{Fixup, PutAction};
 
-/// Appends the bytes to forward for one client request to `out`.
-pub fn forward_request(
-    frame: &RequestFrame,
-    raw: &Bytes,
-    method: Option<Method>,
-    m: &MethodMetrics,
-    reencode: Reencode,
-    out: &mut BytesMut,
-) {
-    m.requests.inc();
-    let decoded = match method {
-        Some(method) if is_typed(method) => match Request::decode(method, &frame.body) {
-            Some(Ok(d)) => Some(d),
-            Some(Err(e)) => {
-                // The master will answer invalid_rpc_arguments itself; relay untouched.
-                m.error(ErrorKind::decode, 1);
-                tracing::debug!(%method, error = %e, "request body did not decode; relaying raw");
-                None
-            }
-            None => None,
-        },
-        _ => None,
-    };
-    match decoded {
-        Some((req, style)) if reencode == Reencode::Always => {
-            let mut body = BytesMut::with_capacity(frame.body.len());
-            req.encode_body(style, &mut body);
-            RequestFrame {
-                header: frame.header,
-                body: body.freeze(),
-                attachment: frame.attachment.clone(),
-            }
-            .write(out);
+/// A put-family call the policy decided: the set and arm that decided it (kept alive
+/// until the answer arrives, so a swap meanwhile changes nothing for this call).
+pub struct Decided {
+    pub set: Arc<ActiveSet>,
+    pub arm: usize,
+    pub fixup: Option<Fixup>,
+}
+
+/// What the connection queues for one request, in request order.
+pub enum Queued {
+    /// Forwarded; the master answers it.
+    Upstream(Option<Decided>),
+    /// Answered by moongate: these bytes go to the client when its turn comes.
+    Local(Bytes),
+}
+
+fn decode_request(frame: &RequestFrame, method: Option<Method>, m: &MethodMetrics) -> Option<(Request, BodyStyle)> {
+    let method = method.filter(|m| is_typed(*m))?;
+    match Request::decode(method, &frame.body)? {
+        Ok(d) => Some(d),
+        Err(e) => {
+            // The master will answer invalid_rpc_arguments itself; relay untouched.
+            m.error(ErrorKind::decode, 1);
+            tracing::debug!(%method, error = %e, "request body did not decode; relaying raw");
+            None
         }
-        _ => out.extend_from_slice(raw),
     }
 }
 
-/// Appends the bytes to forward for one master response to `out`, accounting errors.
-pub fn forward_response(
+fn write_request(frame: &RequestFrame, req: &Request, style: BodyStyle, out: &mut BytesMut) {
+    let mut body = BytesMut::with_capacity(frame.body.len() + 64);
+    req.encode_body(style, &mut body);
+    RequestFrame {
+        header: frame.header,
+        body: body.freeze(),
+        attachment: frame.attachment.clone(),
+    }
+    .write(out);
+}
+
+/// Handles one client request: appends what goes upstream to `out`, returns what to queue.
+pub fn on_request(
+    frame: &RequestFrame,
+    raw: &Bytes,
+    method: Option<Method>,
+    shared: &Shared,
+    out: &mut BytesMut,
+) -> Queued {
+    let m = shared.metrics.method(method);
+    m.requests.inc();
+    let Some((req, style)) = decode_request(frame, method, m) else {
+        out.extend_from_slice(raw);
+        return Queued::Upstream(None);
+    };
+    let set = shared.policy.current();
+    let Some((action, arm)) = shared.policy.decide_put(&set, &req) else {
+        if shared.cfg.reencode == Reencode::Always {
+            write_request(frame, &req, style, out);
+        } else {
+            out.extend_from_slice(raw);
+        }
+        return Queued::Upstream(None);
+    };
+    let am = &set.arms[arm].metrics.requests[req.method().index()];
+    am.requests.inc();
+    match action {
+        PutAction::Forward => {
+            if shared.cfg.reencode == Reencode::Always {
+                write_request(frame, &req, style, out);
+            } else {
+                out.extend_from_slice(raw);
+            }
+            Queued::Upstream(Some(Decided {
+                set,
+                arm,
+                fixup: None,
+            }))
+        }
+        PutAction::Rewrite { request, fixup } => {
+            write_request(frame, &request, style, out);
+            Queued::Upstream(Some(Decided { set, arm, fixup }))
+        }
+        PutAction::Answer(resp) => {
+            let denied = resp.error_count() as u64;
+            m.error(ErrorKind::app, denied);
+            am.error(ErrorKind::app, denied);
+            shared
+                .policy
+                .note_arm_outcome(&set, &set.arms[arm], true, None);
+            let mut body = BytesMut::new();
+            resp.encode_body(style, &mut body);
+            let mut bytes = BytesMut::with_capacity(16 + body.len());
+            ResponseFrame {
+                header: ResponseHeader::new(frame.header.seq_num, errc::OK, 0),
+                body: body.freeze(),
+                attachment: Bytes::new(),
+            }
+            .write(&mut bytes);
+            Queued::Local(bytes.freeze())
+        }
+    }
+}
+
+/// Handles one master response: appends what goes to the client to `out`.
+pub fn on_response(
     frame: &ResponseFrame,
     raw: &Bytes,
     method: Option<Method>,
-    m: &MethodMetrics,
-    reencode: Reencode,
+    decided: Option<&Decided>,
+    latency: Duration,
+    shared: &Shared,
     out: &mut BytesMut,
 ) {
+    let m = shared.metrics.method(method);
+    let arm = decided.map(|d| (&d.set, &d.set.arms[d.arm]));
+    let am = arm
+        .zip(method)
+        .map(|((_, a), method)| &a.metrics.requests[method.index()]);
+    if let Some(am) = am {
+        am.latency.observe(latency.as_secs_f64());
+    }
     if frame.header.err_code != errc::OK {
         m.error(ErrorKind::rpc, 1);
+        if let Some(am) = am {
+            am.error(ErrorKind::rpc, 1);
+        }
+        if let Some((set, a)) = arm {
+            shared.policy.note_arm_outcome(set, a, true, Some(latency));
+        }
         if tracing::enabled!(tracing::Level::DEBUG) {
             let msg = RpcError::decode(frame.header.err_code, &frame.body)
                 .map(|(e, _)| String::from_utf8_lossy(&e.message).into_owned())
@@ -89,22 +175,34 @@ pub fn forward_response(
         },
         _ => None,
     };
-    match decoded {
-        Some((resp, style)) => {
-            m.error(ErrorKind::app, resp.error_count() as u64);
-            if reencode == Reencode::Always {
-                let mut body = BytesMut::with_capacity(frame.body.len());
-                resp.encode_body(style, &mut body);
-                ResponseFrame {
-                    header: frame.header,
-                    body: body.freeze(),
-                    attachment: frame.attachment.clone(),
-                }
-                .write(out);
-            } else {
-                out.extend_from_slice(raw);
-            }
+    let Some((mut resp, style)) = decoded else {
+        out.extend_from_slice(raw);
+        return;
+    };
+    let fixup = decided.and_then(|d| d.fixup.as_ref());
+    if let Some(f) = fixup {
+        resp = f.apply(resp);
+    }
+    let errors = resp.error_count() as u64;
+    m.error(ErrorKind::app, errors);
+    if let Some(am) = am {
+        am.error(ErrorKind::app, errors);
+    }
+    if let Some((set, a)) = arm {
+        shared
+            .policy
+            .note_arm_outcome(set, a, errors > 0, Some(latency));
+    }
+    if fixup.is_some() || shared.cfg.reencode == Reencode::Always {
+        let mut body = BytesMut::with_capacity(frame.body.len() + 64);
+        resp.encode_body(style, &mut body);
+        ResponseFrame {
+            header: frame.header,
+            body: body.freeze(),
+            attachment: frame.attachment.clone(),
         }
-        None => out.extend_from_slice(raw),
+        .write(out);
+    } else {
+        out.extend_from_slice(raw);
     }
 }

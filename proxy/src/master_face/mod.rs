@@ -25,6 +25,8 @@ pub struct Shared {
     pub metrics: Arc<Metrics>,
     /// Cancelled on SIGTERM: connections stop reading requests and drain.
     pub shutdown: CancellationToken,
+    /// The policies deciding on put-family calls.
+    pub policy: Arc<crate::policy::registry::Registry>,
 }
 
 /// Accepts client connections until `shared.shutdown` is cancelled. Connection tasks are

@@ -1,0 +1,154 @@
+//! The guest SDK for moongate policy plugins.
+//!
+//! Implement [`Policy`] (every hook has a default that keeps Mooncake's own behaviour, so
+//! an empty plugin compiles) and call [`export_policy!`] once:
+//!
+//! ```ignore
+//! use moongate_policy_sdk::*;
+//! struct Mine;
+//! impl Policy for Mine {
+//!     fn new(_config: &[u8]) -> Result<(Self, Interest), String> {
+//!         Ok((Mine, Interest::PUT))
+//!     }
+//!     fn on_put(&mut self, call: PutCall) -> PutDecision {
+//!         PutDecision::admit_all()
+//!     }
+//! }
+//! export_policy!(Mine);
+//! ```
+//!
+//! Build with `cargo build --release --target wasm32-wasip2`; the output `.wasm` is a
+//! component moongate loads. Plugins see metadata only, never KV bytes.
+
+#[doc(hidden)]
+pub mod bindings {
+    wit_bindgen::generate!({
+        path: "../../wit",
+        world: "policy",
+        pub_export_macro: true,
+        default_bindings_module: "moongate_policy_sdk::bindings",
+    });
+}
+
+pub use bindings::moongate::policy::host;
+pub use bindings::moongate::policy::types::{
+    Admission, BudgetState, EvictCall, Interest, LookupCall, Observation, PackedKeys,
+    PutCall, PutDecision, PutKind, ReplicateConfig, SoftPinAction, SplitCall, Tier,
+};
+
+/// A policy. One value lives per plugin instance; moongate calls the hooks named in the
+/// [`Interest`] returned by [`Policy::new`] and never the others.
+pub trait Policy: Sized + 'static {
+    /// Builds the policy from its config (JSON bytes from moongate's config, or empty).
+    fn new(config: &[u8]) -> Result<(Self, Interest), String>;
+
+    /// Placement and admission of a put-family call. Default: unchanged, all admitted.
+    fn on_put(&mut self, _call: PutCall) -> PutDecision {
+        PutDecision::admit_all()
+    }
+
+    /// Order or drop replicas per key. Default: keep the master's answer.
+    fn on_lookup(&mut self, _call: LookupCall) -> Vec<Vec<u32>> {
+        Vec::new()
+    }
+
+    /// Split points of a batch under a byte budget. Default: no split.
+    fn split(&mut self, _call: SplitCall) -> Vec<u32> {
+        Vec::new()
+    }
+
+    /// Eviction victims (indexes into the candidates). Default: none.
+    fn evict(&mut self, _call: EvictCall) -> Vec<u32> {
+        Vec::new()
+    }
+
+    /// Outcome and latency of a call. Default: ignored.
+    fn observe(&mut self, _event: Observation) {}
+}
+
+impl PutDecision {
+    /// Keep the config, admit every key.
+    pub fn admit_all() -> Self {
+        PutDecision {
+            config: None,
+            admissions: Vec::new(),
+        }
+    }
+    /// Refuse every one of `keys` keys with `code`.
+    pub fn deny_all(keys: usize, code: i32) -> Self {
+        PutDecision {
+            config: None,
+            admissions: vec![Admission::Deny(code); keys],
+        }
+    }
+}
+
+impl PackedKeys {
+    pub fn len(&self) -> usize {
+        self.ends.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.ends.is_empty()
+    }
+    /// Key `i` as bytes.
+    pub fn get(&self, i: usize) -> &[u8] {
+        let start = if i == 0 { 0 } else { self.ends[i - 1] as usize };
+        &self.bytes[start..self.ends[i] as usize]
+    }
+    pub fn iter(&self) -> impl Iterator<Item = &[u8]> {
+        (0..self.len()).map(|i| self.get(i))
+    }
+}
+
+/// Mooncake error codes a policy commonly answers with.
+pub mod error_code {
+    /// vLLM's connector skips stores on this one: the backpressure signal.
+    pub const NO_AVAILABLE_HANDLE: i32 = -200;
+    pub const INVALID_PARAMS: i32 = -600;
+}
+
+/// Logs through moongate's logger.
+pub fn log(level: host::Level, message: &str) {
+    host::log(level, message)
+}
+
+/// Exports `$t: Policy` as the plugin's implementation.
+#[macro_export]
+macro_rules! export_policy {
+    ($t:ty) => {
+        mod __moongate_export {
+            use super::*;
+            use $crate::Policy as _;
+            thread_local! {
+                static STATE: ::std::cell::RefCell<Option<$t>> = const { ::std::cell::RefCell::new(None) };
+            }
+            fn with<R>(f: impl FnOnce(&mut $t) -> R) -> R {
+                STATE.with(|s| f(s.borrow_mut().as_mut().expect("configure runs first")))
+            }
+            pub struct Export;
+            impl $crate::bindings::Guest for Export {
+                fn configure(config: Vec<u8>) -> Result<$crate::Interest, String> {
+                    let (p, interest) = <$t as $crate::Policy>::new(&config)?;
+                    STATE.with(|s| *s.borrow_mut() = Some(p));
+                    Ok(interest)
+                }
+                fn on_put(call: $crate::PutCall) -> $crate::PutDecision {
+                    with(|p| p.on_put(call))
+                }
+                fn on_lookup(call: $crate::LookupCall) -> Vec<Vec<u32>> {
+                    with(|p| p.on_lookup(call))
+                }
+                fn split(call: $crate::SplitCall) -> Vec<u32> {
+                    with(|p| p.split(call))
+                }
+                fn evict(call: $crate::EvictCall) -> Vec<u32> {
+                    with(|p| p.evict(call))
+                }
+                fn observe(event: $crate::Observation) {
+                    with(|p| p.observe(event))
+                }
+            }
+            $crate::bindings::export!(Export with_types_in $crate::bindings);
+        }
+    };
+}

@@ -1,0 +1,523 @@
+//! The WebAssembly policy host: compiles plugin components once, keeps one instance per
+//! plugin generation, and calls hooks under a deadline and a memory cap.
+//!
+//! Knows no frames and no sockets: it takes the host-side views in [`super`] and returns
+//! decisions. A trap, a timeout, running out of memory or an answer that breaks the
+//! contract is a plugin failure: the instance is discarded (a trapped store is poisoned),
+//! the caller gets [`CallError`], and the next call instantiates afresh.
+//!
+//! Capabilities: none. The plugins are built for wasm32-wasip2, so their components
+//! import WASI interfaces that Rust's standard library references; the linker defines
+//! every such import as a trap. A plugin can reach only the `host` interface of the WIT
+//! package (log, metrics registered during configure, monotonic time).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use sha2::{Digest, Sha256};
+use thiserror::Error;
+use wasmtime::component::{Component, HasSelf, Linker};
+use wasmtime::{
+    Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, ResourceLimiter, Store,
+    Trap,
+};
+
+use crate::metrics::PluginMetricsSink;
+
+wasmtime::component::bindgen!({
+    path: "../wit",
+    world: "policy",
+});
+
+pub use moongate::policy::types as wit;
+
+/// How often the epoch advances; call deadlines are whole ticks.
+const EPOCH_TICK: Duration = Duration::from_millis(1);
+
+/// Engine-wide limits.
+#[derive(Debug, Clone)]
+pub struct HostLimits {
+    /// Longest a single hook call may run.
+    pub call_timeout: Duration,
+    /// Linear memory one plugin instance may grow to.
+    pub memory_bytes: usize,
+    /// Plugin instances alive at once (pooling allocator slots).
+    pub max_instances: u32,
+}
+
+#[derive(Debug, Error)]
+pub enum LoadError {
+    #[error("not a valid policy component: {0}")]
+    Compile(String),
+    #[error("component does not fit the moongate:policy@0.1.0 world: {0}")]
+    Link(String),
+    #[error("instantiation failed: {0}")]
+    Instantiate(String),
+    #[error("configure refused the config: {0}")]
+    Refused(String),
+    #[error("configure failed: {0}")]
+    Configure(CallError),
+    #[error("sha256 is {actual}, the pin says {expected}")]
+    ShaMismatch { expected: String, actual: String },
+    #[error("conformance call {call} failed: {error}")]
+    Conformance { call: &'static str, error: CallError },
+}
+
+/// Why a hook call produced no decision.
+#[derive(Debug, Clone, Error, PartialEq, Eq)]
+pub enum CallError {
+    #[error("trapped: {0}")]
+    Trap(String),
+    #[error("ran past its {0:?} deadline")]
+    Timeout(Duration),
+    #[error("ran out of memory")]
+    OutOfMemory,
+    #[error("answer breaks the contract: {0}")]
+    Invalid(String),
+    #[error("could not be instantiated: {0}")]
+    Unavailable(String),
+}
+
+impl CallError {
+    /// Metric label.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            CallError::Trap(_) => "trap",
+            CallError::Timeout(_) => "timeout",
+            CallError::OutOfMemory => "oom",
+            CallError::Invalid(_) => "invalid",
+            CallError::Unavailable(_) => "unavailable",
+        }
+    }
+}
+
+/// Per-store state: the memory cap and the plugin's registered metrics.
+pub struct HostState {
+    memory_cap: usize,
+    /// A memory or table grow was refused: the trap that follows is reported as
+    /// out-of-memory, not as a plugin bug.
+    refused_grow: bool,
+    plugin: String,
+    sink: Arc<PluginMetricsSink>,
+    configuring: bool,
+    counters: Vec<Counter>,
+    gauges: Vec<Gauge>,
+    started: Instant,
+}
+
+impl ResourceLimiter for HostState {
+    fn memory_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        let ok = desired <= self.memory_cap;
+        self.refused_grow |= !ok;
+        Ok(ok)
+    }
+
+    fn table_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        let ok = desired <= 100_000;
+        self.refused_grow |= !ok;
+        Ok(ok)
+    }
+}
+
+impl moongate::policy::types::Host for HostState {}
+
+impl moongate::policy::host::Host for HostState {
+    fn log(&mut self, level: moongate::policy::host::Level, message: String) {
+        use moongate::policy::host::Level;
+        let plugin = self.plugin.as_str();
+        // Bounded: a plugin cannot flood the log with megabyte lines.
+        let msg = message.get(..message.floor_char_boundary(1024)).unwrap_or("");
+        match level {
+            Level::Error => tracing::error!(plugin, "{msg}"),
+            Level::Warn => tracing::warn!(plugin, "{msg}"),
+            Level::Info => tracing::info!(plugin, "{msg}"),
+            Level::Debug => tracing::debug!(plugin, "{msg}"),
+        }
+    }
+
+    fn register_counter(&mut self, name: String, help: String) -> Result<u32, String> {
+        if !self.configuring {
+            return Err("metrics can only be registered during configure".into());
+        }
+        let c = self.sink.counter(&self.plugin, &name, &help)?;
+        self.counters.push(c);
+        Ok(self.counters.len() as u32 - 1)
+    }
+
+    fn register_gauge(&mut self, name: String, help: String) -> Result<u32, String> {
+        if !self.configuring {
+            return Err("metrics can only be registered during configure".into());
+        }
+        let g = self.sink.gauge(&self.plugin, &name, &help)?;
+        self.gauges.push(g);
+        Ok(self.gauges.len() as u32 - 1)
+    }
+
+    fn counter_add(&mut self, handle: u32, value: u64) {
+        if let Some(c) = self.counters.get(handle as usize) {
+            c.inc_by(value);
+        }
+    }
+
+    fn gauge_set(&mut self, handle: u32, value: i64) {
+        if let Some(g) = self.gauges.get(handle as usize) {
+            g.set(value);
+        }
+    }
+
+    fn now_ns(&mut self) -> u64 {
+        self.started.elapsed().as_nanos() as u64
+    }
+}
+
+/// The engine and what every plugin shares. Create one per process.
+pub struct PolicyEngine {
+    engine: Engine,
+    limits: HostLimits,
+    sink: Arc<PluginMetricsSink>,
+    stop_ticker: Arc<AtomicBool>,
+}
+
+impl Drop for PolicyEngine {
+    fn drop(&mut self) {
+        self.stop_ticker.store(true, Ordering::Relaxed);
+    }
+}
+
+impl PolicyEngine {
+    pub fn new(limits: HostLimits, sink: Arc<PluginMetricsSink>) -> Result<Arc<Self>, LoadError> {
+        let mut cfg = Config::new();
+        cfg.wasm_component_model(true);
+        cfg.epoch_interruption(true);
+        let mut pool = PoolingAllocationConfig::default();
+        pool.total_component_instances(limits.max_instances);
+        // wasip2 components carry a few core instances (module, adapter, shims).
+        pool.total_core_instances(limits.max_instances * 8);
+        pool.total_memories(limits.max_instances * 2);
+        pool.total_tables(limits.max_instances * 8);
+        pool.max_memory_size(limits.memory_bytes);
+        cfg.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+        let engine = Engine::new(&cfg).map_err(|e| LoadError::Compile(e.to_string()))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        {
+            let engine = engine.clone();
+            let stop = stop.clone();
+            // The epoch clock: a looping plugin is stopped within a tick of its deadline.
+            std::thread::Builder::new()
+                .name("moongate-epoch".into())
+                .spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        std::thread::sleep(EPOCH_TICK);
+                        engine.increment_epoch();
+                    }
+                })
+                .map_err(|e| LoadError::Compile(format!("epoch thread: {e}")))?;
+        }
+        Ok(Arc::new(PolicyEngine {
+            engine,
+            limits,
+            sink,
+            stop_ticker: stop,
+        }))
+    }
+
+    pub fn limits(&self) -> &HostLimits {
+        &self.limits
+    }
+
+    /// Compiles and links `bytes`, instantiates it, runs `configure` and the conformance
+    /// calls. Only a plugin that passes all of them is returned.
+    pub fn load(
+        self: &Arc<Self>,
+        name: &str,
+        bytes: &[u8],
+        config: &[u8],
+        sha256_pin: Option<&str>,
+    ) -> Result<Arc<Plugin>, LoadError> {
+        let sha = hex(&Sha256::digest(bytes));
+        if let Some(pin) = sha256_pin
+            && !pin.eq_ignore_ascii_case(&sha)
+        {
+            return Err(LoadError::ShaMismatch {
+                expected: pin.to_string(),
+                actual: sha,
+            });
+        }
+        let component =
+            Component::new(&self.engine, bytes).map_err(|e| LoadError::Compile(format!("{e:#}")))?;
+        let mut linker: Linker<HostState> = Linker::new(&self.engine);
+        Policy::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)
+            .map_err(|e| LoadError::Link(format!("{e:#}")))?;
+        linker
+            .define_unknown_imports_as_traps(&component)
+            .map_err(|e| LoadError::Link(format!("{e:#}")))?;
+        let pre = linker
+            .instantiate_pre(&component)
+            .map_err(|e| LoadError::Link(format!("{e:#}")))?;
+        let pre = PolicyPre::new(pre).map_err(|e| LoadError::Link(format!("{e:#}")))?;
+        let plugin = Arc::new(Plugin {
+            name: name.to_string(),
+            sha256: sha,
+            config: config.to_vec(),
+            engine: self.clone(),
+            pre,
+            interest: Mutex::new(Interest::empty()),
+            slot: Mutex::new(None),
+        });
+        let interest = plugin.instantiate_now()?;
+        *plugin.interest.lock().unwrap_or_else(|p| p.into_inner()) = interest;
+        plugin.conformance()?;
+        Ok(plugin)
+    }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+struct Live {
+    store: Store<HostState>,
+    bindings: Policy,
+}
+
+/// One loaded plugin generation: its compiled form and its single live instance.
+///
+/// One instance per generation, behind a mutex, so a stateful plugin (a budget, a
+/// table) sees every call; hook calls take microseconds, so they do not contend.
+pub struct Plugin {
+    pub name: String,
+    pub sha256: String,
+    config: Vec<u8>,
+    engine: Arc<PolicyEngine>,
+    pre: PolicyPre<HostState>,
+    interest: Mutex<Interest>,
+    slot: Mutex<Option<Live>>,
+}
+
+impl std::fmt::Debug for Plugin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Plugin")
+            .field("name", &self.name)
+            .field("sha256", &self.sha256)
+            .finish()
+    }
+}
+
+impl Plugin {
+    pub fn interest(&self) -> Interest {
+        *self.interest.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Short version label for metrics: the first 12 hex digits of the sha256.
+    pub fn version(&self) -> &str {
+        &self.sha256[..12]
+    }
+
+    fn new_store(&self) -> Store<HostState> {
+        let state = HostState {
+            memory_cap: self.engine.limits.memory_bytes,
+            refused_grow: false,
+            plugin: self.name.clone(),
+            sink: self.engine.sink.clone(),
+            configuring: false,
+            counters: Vec::new(),
+            gauges: Vec::new(),
+            started: Instant::now(),
+        };
+        let mut store = Store::new(&self.engine.engine, state);
+        store.limiter(|s| s as &mut dyn ResourceLimiter);
+        store
+    }
+
+    /// Instantiates and configures a fresh instance into the slot.
+    fn instantiate_now(&self) -> Result<Interest, LoadError> {
+        let mut store = self.new_store();
+        store.set_epoch_deadline(self.deadline_ticks());
+        let bindings = self
+            .pre
+            .instantiate(&mut store)
+            .map_err(|e| LoadError::Instantiate(format!("{e:#}")))?;
+        store.data_mut().configuring = true;
+        let r = bindings.call_configure(&mut store, &self.config);
+        store.data_mut().configuring = false;
+        let interest = match r {
+            Ok(Ok(i)) => i,
+            Ok(Err(msg)) => return Err(LoadError::Refused(msg)),
+            Err(e) => return Err(LoadError::Configure(classify(&e, &store, self))),
+        };
+        *self.slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(Live { store, bindings });
+        Ok(interest)
+    }
+
+    fn deadline_ticks(&self) -> u64 {
+        (self.engine.limits.call_timeout.as_millis() as u64 / EPOCH_TICK.as_millis() as u64).max(1)
+    }
+
+    /// Runs `f` on the live instance under a fresh deadline. On any failure the instance
+    /// is dropped; the next call re-instantiates it.
+    fn with_instance<R>(
+        &self,
+        f: impl FnOnce(&Policy, &mut Store<HostState>) -> wasmtime::Result<R>,
+    ) -> Result<R, CallError> {
+        let mut slot = self.slot.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_none() {
+            drop(slot);
+            self.instantiate_now()
+                .map_err(|e| CallError::Unavailable(e.to_string()))?;
+            slot = self.slot.lock().unwrap_or_else(|p| p.into_inner());
+        }
+        let live = slot.as_mut().ok_or_else(|| CallError::Unavailable("no instance".into()))?;
+        live.store.set_epoch_deadline(self.deadline_ticks());
+        match f(&live.bindings, &mut live.store) {
+            Ok(r) => Ok(r),
+            Err(e) => {
+                let err = classify(&e, &live.store, self);
+                *slot = None;
+                Err(err)
+            }
+        }
+    }
+
+    pub fn on_put(&self, call: &wit::PutCall) -> Result<wit::PutDecision, CallError> {
+        let keys = call.keys.ends.len();
+        let d = self.with_instance(|b, s| b.call_on_put(s, call))?;
+        if !d.admissions.is_empty() && d.admissions.len() != keys {
+            return Err(CallError::Invalid(format!(
+                "{} admissions for {keys} keys",
+                d.admissions.len()
+            )));
+        }
+        Ok(d)
+    }
+
+    pub fn on_lookup(&self, call: &wit::LookupCall) -> Result<Vec<Vec<u32>>, CallError> {
+        let d = self.with_instance(|b, s| b.call_on_lookup(s, call))?;
+        if !d.is_empty() && d.len() != call.counts.len() {
+            return Err(CallError::Invalid(format!(
+                "{} replica lists for {} keys",
+                d.len(),
+                call.counts.len()
+            )));
+        }
+        for (k, keep) in d.iter().enumerate() {
+            if keep.iter().any(|&i| i >= call.counts[k]) {
+                return Err(CallError::Invalid(format!("replica index out of range for key {k}")));
+            }
+        }
+        Ok(d)
+    }
+
+    pub fn split(&self, call: &wit::SplitCall) -> Result<Vec<u32>, CallError> {
+        let d = self.with_instance(|b, s| b.call_split(s, call))?;
+        if d.windows(2).any(|w| w[0] >= w[1]) || d.iter().any(|&i| i as usize >= call.sizes.len()) {
+            return Err(CallError::Invalid("split points must rise and stay in range".into()));
+        }
+        Ok(d)
+    }
+
+    pub fn evict(&self, call: &wit::EvictCall) -> Result<Vec<u32>, CallError> {
+        let d = self.with_instance(|b, s| b.call_evict(s, call))?;
+        if d.iter().any(|&i| i as usize >= call.sizes.len()) {
+            return Err(CallError::Invalid("victim index out of range".into()));
+        }
+        Ok(d)
+    }
+
+    pub fn observe(&self, event: &wit::Observation) -> Result<(), CallError> {
+        self.with_instance(|b, s| b.call_observe(s, event))
+    }
+
+    /// Conformance: one call of each hook the plugin asked for, on small synthetic input.
+    fn conformance(&self) -> Result<(), LoadError> {
+        let interest = self.interest();
+        let keys = wit::PackedKeys {
+            bytes: b"conformance/a conformance/b".to_vec(),
+            ends: vec![13, 27],
+        };
+        if interest.contains(Interest::PUT) {
+            let call = wit::PutCall {
+                kind: wit::PutKind::BatchPut,
+                client: "0-0".into(),
+                keys: keys.clone(),
+                sizes: vec![4096, 1 << 20],
+                config: default_wit_config(),
+            };
+            self.on_put(&call)
+                .map_err(|error| LoadError::Conformance { call: "on-put", error })?;
+        }
+        if interest.contains(Interest::LOOKUP) {
+            let call = wit::LookupCall {
+                keys: keys.clone(),
+                counts: vec![2, 0],
+                tiers: vec![wit::Tier::Memory, wit::Tier::Disk],
+                sizes: vec![4096, 4096],
+            };
+            self.on_lookup(&call)
+                .map_err(|error| LoadError::Conformance { call: "on-lookup", error })?;
+        }
+        if interest.contains(Interest::BATCH_SPLIT) {
+            let call = wit::SplitCall {
+                sizes: vec![4096, 1 << 20],
+                budget: wit::BudgetState {
+                    in_flight_bytes: 0,
+                    limit_bytes: 1 << 30,
+                },
+            };
+            self.split(&call)
+                .map_err(|error| LoadError::Conformance { call: "split", error })?;
+        }
+        if interest.contains(Interest::EVICT) {
+            let call = wit::EvictCall {
+                keys,
+                sizes: vec![4096, 4096],
+                tiers: vec![wit::Tier::Memory, wit::Tier::Memory],
+                age_ms: vec![10, 20],
+                hits: vec![1, 0],
+                bytes_needed: 4096,
+            };
+            self.evict(&call)
+                .map_err(|error| LoadError::Conformance { call: "evict", error })?;
+        }
+        Ok(())
+    }
+}
+
+/// The WIT form of Mooncake's default `ReplicateConfig`.
+pub fn default_wit_config() -> wit::ReplicateConfig {
+    wit::ReplicateConfig {
+        replica_num: 1,
+        nof_replica_num: 0,
+        dfs_replica_num: 0,
+        soft_pin_action: wit::SoftPinAction::Preserve,
+        soft_pin_ttl_ms: None,
+        with_hard_pin: false,
+        preferred_segments: Vec::new(),
+        preferred_segment: String::new(),
+        prefer_alloc_in_same_node: false,
+    }
+}
+
+fn classify(e: &wasmtime::Error, store: &Store<HostState>, plugin: &Plugin) -> CallError {
+    // Rust guests abort when an allocation fails, so a refused grow shows up as a trap.
+    if store.data().refused_grow {
+        return CallError::OutOfMemory;
+    }
+    match e.downcast_ref::<Trap>() {
+        Some(Trap::Interrupt) => CallError::Timeout(plugin.engine.limits.call_timeout),
+        Some(t) => CallError::Trap(t.to_string()),
+        None => CallError::Trap(format!("{e:#}")),
+    }
+}
