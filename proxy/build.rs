@@ -25,11 +25,17 @@ fn main() {
     let wasm_dir = target_root.join("wasm");
 
     let mut cmd = Command::new(env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
-    cmd.args(["build", "--release", "--locked", "--target", "wasm32-wasip2"])
-        .arg("--manifest-path")
-        .arg(plugins.join("Cargo.toml"))
-        .arg("--target-dir")
-        .arg(&wasm_dir);
+    cmd.args([
+        "build",
+        "--release",
+        "--locked",
+        "--target",
+        "wasm32-wasip2",
+    ])
+    .arg("--manifest-path")
+    .arg(plugins.join("Cargo.toml"))
+    .arg("--target-dir")
+    .arg(&wasm_dir);
     // The outer build's flags and target settings are not the plugins'.
     for (k, _) in env::vars_os() {
         let k = k.to_string_lossy().into_owned();
@@ -79,7 +85,10 @@ fn main() {
         }
     }
     // Tests and tools find the built plugins here.
-    println!("cargo:rustc-env=MOONGATE_PLUGIN_DIR={}", out_plugins.display());
+    println!(
+        "cargo:rustc-env=MOONGATE_PLUGIN_DIR={}",
+        out_plugins.display()
+    );
     let out = PathBuf::from(env::var("OUT_DIR").unwrap());
     copy(&built.join("default.wasm"), &out.join("default.wasm"));
 }

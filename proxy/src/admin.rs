@@ -173,13 +173,18 @@ async fn route(
             }
             "/plugins" => json(StatusCode::OK, &state.policy.list()),
             "/experiments" => json(StatusCode::OK, &experiments_view(&state.policy)),
-            _ => text(StatusCode::NOT_FOUND, "not found; see the admin section of docs/operations.md\n"),
+            _ => text(
+                StatusCode::NOT_FOUND,
+                "not found; see the admin section of docs/operations.md\n",
+            ),
         };
     }
     let mutating = matches!(
         (method.as_str(), path.as_str()),
         ("POST", "/plugins") | ("POST", "/plugins/rollback") | ("PUT", "/experiments")
-    ) || (method == Method::POST && path.starts_with("/plugins/") && path.ends_with("/activate"));
+    ) || (method == Method::POST
+        && path.starts_with("/plugins/")
+        && path.ends_with("/activate"));
     if !mutating {
         return text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed here\n");
     }
@@ -195,7 +200,10 @@ async fn route(
             let Some(name) = q.get("name").cloned() else {
                 return error(StatusCode::BAD_REQUEST, "missing ?name=NAME");
             };
-            let body = match Limited::new(req.into_body(), MAX_PLUGIN_BYTES).collect().await {
+            let body = match Limited::new(req.into_body(), MAX_PLUGIN_BYTES)
+                .collect()
+                .await
+            {
                 Ok(b) => b.to_bytes(),
                 Err(e) => {
                     return error(
@@ -207,7 +215,9 @@ async fn route(
             let bytes = match (q.get("path"), body.is_empty()) {
                 (Some(p), true) => match tokio::fs::read(p).await {
                     Ok(b) => Bytes::from(b),
-                    Err(e) => return error(StatusCode::BAD_REQUEST, format!("cannot read {p}: {e}")),
+                    Err(e) => {
+                        return error(StatusCode::BAD_REQUEST, format!("cannot read {p}: {e}"));
+                    }
                 },
                 (None, false) => body,
                 _ => {
@@ -219,16 +229,20 @@ async fn route(
             };
             let pin = q.get("sha256").cloned();
             let policy = state.policy.clone();
-            match tokio::task::spawn_blocking(move || policy.load(&name, &bytes, pin.as_deref())).await {
+            match tokio::task::spawn_blocking(move || policy.load(&name, &bytes, pin.as_deref()))
+                .await
+            {
                 Ok(Ok(info)) => json(StatusCode::OK, &info),
                 Ok(Err(e)) => registry_error(&e),
                 Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e),
             }
         }
-        ("POST", "/plugins/rollback") => match state.policy.rollback("requested by the admin API") {
-            Ok(g) => json(StatusCode::OK, &serde_json::json!({ "generation": g })),
-            Err(e) => registry_error(&e),
-        },
+        ("POST", "/plugins/rollback") => {
+            match state.policy.rollback("requested by the admin API") {
+                Ok(g) => json(StatusCode::OK, &serde_json::json!({ "generation": g })),
+                Err(e) => registry_error(&e),
+            }
+        }
         ("PUT", "/experiments") => {
             let body = match Limited::new(req.into_body(), 1 << 20).collect().await {
                 Ok(b) => b.to_bytes(),
@@ -248,7 +262,10 @@ async fn route(
                 .trim_start_matches("/plugins/")
                 .trim_end_matches("/activate");
             match state.policy.activate(name) {
-                Ok(g) => json(StatusCode::OK, &serde_json::json!({ "generation": g, "active": name })),
+                Ok(g) => json(
+                    StatusCode::OK,
+                    &serde_json::json!({ "generation": g, "active": name }),
+                ),
                 Err(e) => registry_error(&e),
             }
         }

@@ -312,7 +312,11 @@ impl Config {
         );
         let p = &self.policy;
         positive(&mut errs, "policy.call_timeout_ms", p.call_timeout_ms);
-        positive(&mut errs, "policy.max_instances", u64::from(p.max_instances));
+        positive(
+            &mut errs,
+            "policy.max_instances",
+            u64::from(p.max_instances),
+        );
         positive(&mut errs, "policy.watch_interval_ms", p.watch_interval_ms);
         if p.memory_limit_bytes < (1 << 20) {
             errs.push("policy.memory_limit_bytes: must be at least 1 MiB".into());
@@ -334,7 +338,10 @@ impl Config {
             if let Some(path) = &spec.path
                 && !Path::new(path).is_file()
             {
-                errs.push(format!("policy.plugins.{}: {path:?} is not a file", spec.name));
+                errs.push(format!(
+                    "policy.plugins.{}: {path:?} is not a file",
+                    spec.name
+                ));
             }
         }
         let known = |n: &str| n == "default" || p.plugins.iter().any(|s| s.name == n);
@@ -344,7 +351,10 @@ impl Config {
         if let Some(exp) = &self.experiment {
             for a in &exp.arms {
                 if !known(&a.plugin) {
-                    errs.push(format!("experiment.arms.{}: no plugin named {:?}", a.name, a.plugin));
+                    errs.push(format!(
+                        "experiment.arms.{}: no plugin named {:?}",
+                        a.name, a.plugin
+                    ));
                 }
             }
         }

@@ -13,6 +13,10 @@ Roles:
   idle    setup, put, sleep --idle seconds doing nothing, then get/is_exist/close.
   loop    repeat put/get/is_exist until stdin closes; exit 1 on the first failure.
   demo    a small mixed workload (the README demo) printing a summary.
+  hold    mount a segment, print "READY <endpoint>", wait for a line on stdin, close.
+  place   put each of --count keys (--prefix) one call at a time (so a per-key policy
+          decides each), then report every put's return code and where each replica
+          landed (segment endpoint, from batch_get_replica_desc).
 """
 import argparse
 import ctypes
@@ -230,18 +234,49 @@ def demo(run):
     sys.exit(0 if ok == 200 and hits == 200 and good == 100 else 1)
 
 
+def hold(run):
+    run.setup(64 * MiB)
+    print(f"READY {run.me}", flush=True)
+    sys.stdin.readline()
+    run.rec("close", run.s.close())
+    run.finish()
+
+
+def place(run):
+    s = run.s
+    a = run.args
+    run.setup(0)
+    keys = [f"{a.prefix}{i}" for i in range(a.count)]
+    rcs = {k: s.put(k, value(k, 1024)) for k in keys}
+    at = {}
+    for i in range(0, len(keys), 500):
+        chunk = keys[i:i + 500]
+        d = s.batch_get_replica_desc(chunk)
+        for k in chunk:
+            reps = d.get(k) or []
+            at[k] = [r.get_memory_descriptor().buffer_descriptor.transport_endpoint
+                     for r in reps if r.is_memory_replica()]
+    run.rec("rc", rcs)
+    run.rec("at", at)
+    run.rec("close", s.close())
+    run.finish()
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--role", required=True,
-                   choices=["owner", "reader", "idle", "loop", "demo"])
+                   choices=["owner", "reader", "idle", "loop", "demo", "hold", "place"])
     p.add_argument("--master", required=True)
     p.add_argument("--metadata", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--owner-host", default="")
     p.add_argument("--idle", type=float, default=20.0)
+    p.add_argument("--prefix", default="k/")
+    p.add_argument("--count", type=int, default=10)
     a = p.parse_args()
     run = Run(a)
-    {"owner": owner, "reader": reader, "idle": idle, "loop": loop, "demo": demo}[a.role](run)
+    {"owner": owner, "reader": reader, "idle": idle, "loop": loop, "demo": demo,
+     "hold": hold, "place": place}[a.role](run)
 
 
 if __name__ == "__main__":

@@ -187,15 +187,23 @@ pub fn service_ready(addr: &str) -> bool {
 
 /// Minimal HTTP/1.1 GET over loopback: (status, body).
 pub fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
+    http(addr, "GET", path, &[])
+}
+
+/// Minimal HTTP/1.1 request over loopback: (status, body).
+pub fn http(addr: &str, method: &str, path: &str, body: &[u8]) -> Option<(u16, String)> {
     let mut s = TcpStream::connect(addr).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(30))).ok()?;
     write!(
         s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
+        body.len()
     )
     .ok()?;
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).ok()?;
+    s.write_all(body).ok()?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).ok()?;
+    let resp = String::from_utf8_lossy(&raw).into_owned();
     let status = resp.split_whitespace().nth(1)?.parse().ok()?;
     let body = resp.split_once("\r\n\r\n").map(|x| x.1).unwrap_or("");
     Some((status, body.to_string()))
@@ -327,6 +335,11 @@ pub fn metric_value(text: &str, sample: &str) -> f64 {
     text.lines()
         .find_map(|l| l.strip_prefix(sample)?.strip_prefix(' ')?.parse().ok())
         .unwrap_or(0.0)
+}
+
+/// A built plugin component (`target/plugins/NAME.wasm`).
+pub fn plugin_path(name: &str) -> PathBuf {
+    Path::new(env!("MOONGATE_PLUGIN_DIR")).join(format!("{name}.wasm"))
 }
 
 /// Runs one scenario role to completion; returns its result JSON.

@@ -37,9 +37,11 @@ impl Policy for Fault {
                 }
             }
             "oom" => {
+                // Reserve (without touching) 4 MiB at a time: the memory cap, not the
+                // time to fill pages, is what stops it.
                 let mut hog: Vec<Vec<u8>> = Vec::new();
                 loop {
-                    hog.push(vec![1u8; 1 << 20]);
+                    hog.push(Vec::with_capacity(4 << 20));
                     core::hint::black_box(&hog);
                 }
             }

@@ -32,8 +32,8 @@ pub mod bindings {
 
 pub use bindings::moongate::policy::host;
 pub use bindings::moongate::policy::types::{
-    Admission, BudgetState, EvictCall, Interest, LookupCall, Observation, PackedKeys,
-    PutCall, PutDecision, PutKind, ReplicateConfig, SoftPinAction, SplitCall, Tier,
+    Admission, BudgetState, EvictCall, Interest, LookupCall, Observation, PackedKeys, PutCall,
+    PutDecision, PutKind, ReplicateConfig, SoftPinAction, SplitCall, Tier,
 };
 
 /// A policy. One value lives per plugin instance; moongate calls the hooks named in the

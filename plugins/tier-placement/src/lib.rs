@@ -88,7 +88,9 @@ impl Policy for TierPlacement {
         };
         for (i, r) in cfg.rules.iter().enumerate() {
             if r.deny.is_some() && r.changes_config() {
-                return Err(format!("rule {i}: `deny` cannot be combined with placement actions"));
+                return Err(format!(
+                    "rule {i}: `deny` cannot be combined with placement actions"
+                ));
             }
             if r.deny == Some(0) {
                 return Err(format!("rule {i}: `deny` needs a non-zero ErrorCode"));
@@ -103,7 +105,10 @@ impl Policy for TierPlacement {
         let mut any_denied = false;
         for (i, key) in call.keys.iter().enumerate() {
             let size = call.sizes.get(i).copied().unwrap_or(0);
-            let rule = self.rules.iter().find(|r| r.matches(key, size, &call.client));
+            let rule = self
+                .rules
+                .iter()
+                .find(|r| r.matches(key, size, &call.client));
             match rule.and_then(|r| r.deny) {
                 Some(code) => {
                     any_denied = true;

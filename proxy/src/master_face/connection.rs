@@ -63,7 +63,10 @@ struct Queue {
 impl Queue {
     fn push(&self, e: InFlight) {
         let local = matches!(e, InFlight::Local(_));
-        self.q.lock().unwrap_or_else(|p| p.into_inner()).push_back(e);
+        self.q
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push_back(e);
         if local {
             self.local.notify_one();
         }
@@ -377,8 +380,20 @@ async fn master_to_client(
                     decided,
                 }) if seq == h.seq_num => {
                     let latency = sent.elapsed();
-                    shared.metrics.method(method).latency.observe(latency.as_secs_f64());
-                    on_response(&frame, &raw, method, decided.as_ref(), latency, shared, &mut out);
+                    shared
+                        .metrics
+                        .method(method)
+                        .latency
+                        .observe(latency.as_secs_f64());
+                    on_response(
+                        &frame,
+                        &raw,
+                        method,
+                        decided.as_ref(),
+                        latency,
+                        shared,
+                        &mut out,
+                    );
                 }
                 other => {
                     // Not what the master does; relay and let the client judge (it closes

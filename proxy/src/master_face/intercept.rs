@@ -40,7 +40,11 @@ pub enum Queued {
     Local(Bytes),
 }
 
-fn decode_request(frame: &RequestFrame, method: Option<Method>, m: &MethodMetrics) -> Option<(Request, BodyStyle)> {
+fn decode_request(
+    frame: &RequestFrame,
+    method: Option<Method>,
+    m: &MethodMetrics,
+) -> Option<(Request, BodyStyle)> {
     let method = method.filter(|m| is_typed(*m))?;
     match Request::decode(method, &frame.body)? {
         Ok(d) => Some(d),

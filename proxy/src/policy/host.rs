@@ -63,7 +63,10 @@ pub enum LoadError {
     #[error("sha256 is {actual}, the pin says {expected}")]
     ShaMismatch { expected: String, actual: String },
     #[error("conformance call {call} failed: {error}")]
-    Conformance { call: &'static str, error: CallError },
+    Conformance {
+        call: &'static str,
+        error: CallError,
+    },
 }
 
 /// Why a hook call produced no decision.
@@ -139,7 +142,9 @@ impl moongate::policy::host::Host for HostState {
         use moongate::policy::host::Level;
         let plugin = self.plugin.as_str();
         // Bounded: a plugin cannot flood the log with megabyte lines.
-        let msg = message.get(..message.floor_char_boundary(1024)).unwrap_or("");
+        let msg = message
+            .get(..message.floor_char_boundary(1024))
+            .unwrap_or("");
         match level {
             Level::Error => tracing::error!(plugin, "{msg}"),
             Level::Warn => tracing::warn!(plugin, "{msg}"),
@@ -256,8 +261,8 @@ impl PolicyEngine {
                 actual: sha,
             });
         }
-        let component =
-            Component::new(&self.engine, bytes).map_err(|e| LoadError::Compile(format!("{e:#}")))?;
+        let component = Component::new(&self.engine, bytes)
+            .map_err(|e| LoadError::Compile(format!("{e:#}")))?;
         let mut linker: Linker<HostState> = Linker::new(&self.engine);
         Policy::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)
             .map_err(|e| LoadError::Link(format!("{e:#}")))?;
@@ -379,7 +384,9 @@ impl Plugin {
                 .map_err(|e| CallError::Unavailable(e.to_string()))?;
             slot = self.slot.lock().unwrap_or_else(|p| p.into_inner());
         }
-        let live = slot.as_mut().ok_or_else(|| CallError::Unavailable("no instance".into()))?;
+        let live = slot
+            .as_mut()
+            .ok_or_else(|| CallError::Unavailable("no instance".into()))?;
         live.store.set_epoch_deadline(self.deadline_ticks());
         match f(&live.bindings, &mut live.store) {
             Ok(r) => Ok(r),
@@ -414,7 +421,9 @@ impl Plugin {
         }
         for (k, keep) in d.iter().enumerate() {
             if keep.iter().any(|&i| i >= call.counts[k]) {
-                return Err(CallError::Invalid(format!("replica index out of range for key {k}")));
+                return Err(CallError::Invalid(format!(
+                    "replica index out of range for key {k}"
+                )));
             }
         }
         Ok(d)
@@ -423,7 +432,9 @@ impl Plugin {
     pub fn split(&self, call: &wit::SplitCall) -> Result<Vec<u32>, CallError> {
         let d = self.with_instance(|b, s| b.call_split(s, call))?;
         if d.windows(2).any(|w| w[0] >= w[1]) || d.iter().any(|&i| i as usize >= call.sizes.len()) {
-            return Err(CallError::Invalid("split points must rise and stay in range".into()));
+            return Err(CallError::Invalid(
+                "split points must rise and stay in range".into(),
+            ));
         }
         Ok(d)
     }
@@ -455,8 +466,10 @@ impl Plugin {
                 sizes: vec![4096, 1 << 20],
                 config: default_wit_config(),
             };
-            self.on_put(&call)
-                .map_err(|error| LoadError::Conformance { call: "on-put", error })?;
+            self.on_put(&call).map_err(|error| LoadError::Conformance {
+                call: "on-put",
+                error,
+            })?;
         }
         if interest.contains(Interest::LOOKUP) {
             let call = wit::LookupCall {
@@ -466,7 +479,10 @@ impl Plugin {
                 sizes: vec![4096, 4096],
             };
             self.on_lookup(&call)
-                .map_err(|error| LoadError::Conformance { call: "on-lookup", error })?;
+                .map_err(|error| LoadError::Conformance {
+                    call: "on-lookup",
+                    error,
+                })?;
         }
         if interest.contains(Interest::BATCH_SPLIT) {
             let call = wit::SplitCall {
@@ -476,8 +492,10 @@ impl Plugin {
                     limit_bytes: 1 << 30,
                 },
             };
-            self.split(&call)
-                .map_err(|error| LoadError::Conformance { call: "split", error })?;
+            self.split(&call).map_err(|error| LoadError::Conformance {
+                call: "split",
+                error,
+            })?;
         }
         if interest.contains(Interest::EVICT) {
             let call = wit::EvictCall {
@@ -488,8 +506,10 @@ impl Plugin {
                 hits: vec![1, 0],
                 bytes_needed: 4096,
             };
-            self.evict(&call)
-                .map_err(|error| LoadError::Conformance { call: "evict", error })?;
+            self.evict(&call).map_err(|error| LoadError::Conformance {
+                call: "evict",
+                error,
+            })?;
         }
         Ok(())
     }

@@ -27,7 +27,7 @@ pub enum PutAction {
     /// Forward this re-encoded request; when `fixup` is set, merge denied keys back into
     /// the master's batch answer.
     Rewrite {
-        request: Request,
+        request: Box<Request>,
         fixup: Option<Fixup>,
     },
     /// Answer the client from moongate; nothing goes upstream.
@@ -271,7 +271,7 @@ pub fn put_action(req: &Request, d: &wit::PutDecision) -> PutAction {
         _ => {}
     }
     PutAction::Rewrite {
-        request: req,
+        request: Box::new(req),
         fixup,
     }
 }
@@ -319,7 +319,10 @@ mod tests {
     fn batch(keys: &[&str]) -> Request {
         Request::BatchPutStart(BatchPutStartArgs {
             client_id: Uuid::default(),
-            keys: keys.iter().map(|k| Bytes::copy_from_slice(k.as_bytes())).collect(),
+            keys: keys
+                .iter()
+                .map(|k| Bytes::copy_from_slice(k.as_bytes()))
+                .collect(),
             slice_lengths: keys.iter().map(|k| k.len() as u64).collect(),
             config: ReplicateConfig::default(),
             tenant_id: Bytes::from_static(b"default"),
@@ -339,15 +342,24 @@ mod tests {
             ],
         };
         let PutAction::Rewrite {
-            request: Request::BatchPutStart(a),
+            request,
             fixup: Some(f),
         } = put_action(&req, &d)
         else {
             panic!("expected a rewrite with fixup");
         };
-        assert_eq!(a.keys, vec![Bytes::from_static(b"a"), Bytes::from_static(b"ccc")]);
+        let Request::BatchPutStart(a) = *request else {
+            panic!("a batch stays a batch");
+        };
+        assert_eq!(
+            a.keys,
+            vec![Bytes::from_static(b"a"), Bytes::from_static(b"ccc")]
+        );
         assert_eq!(a.slice_lengths, vec![1, 3]);
-        let merged = f.apply(Response::BatchPutStart(vec![Ok(vec![]), Err(ErrorCode(-705))]));
+        let merged = f.apply(Response::BatchPutStart(vec![
+            Ok(vec![]),
+            Err(ErrorCode(-705)),
+        ]));
         assert_eq!(
             merged,
             Response::BatchPutStart(vec![
@@ -363,7 +375,9 @@ mod tests {
     fn all_denied_is_answered_locally_and_unchanged_is_forwarded() {
         let req = batch(&["a", "b"]);
         let d = failed_decision(FailMode::Closed, 2, -200);
-        assert!(matches!(put_action(&req, &d), PutAction::Answer(Response::BatchPutStart(v)) if v.len() == 2));
+        assert!(
+            matches!(put_action(&req, &d), PutAction::Answer(Response::BatchPutStart(v)) if v.len() == 2)
+        );
         let same = wit::PutDecision {
             config: Some(to_wit_config(&ReplicateConfig::default())),
             admissions: vec![],
@@ -373,8 +387,10 @@ mod tests {
 
     #[test]
     fn config_rewrite_keeps_fields_the_plugin_cannot_see() {
-        let mut orig = ReplicateConfig::default();
-        orig.host_id = Bytes::from_static(b"node-7");
+        let orig = ReplicateConfig {
+            host_id: Bytes::from_static(b"node-7"),
+            ..ReplicateConfig::default()
+        };
         let mut w = to_wit_config(&orig);
         w.preferred_segment = "127.0.0.1:1234".into();
         w.replica_num = 2;

@@ -314,20 +314,28 @@ impl Registry {
     }
 
     fn insert(&self, p: Arc<Plugin>) {
-        self.catalog.lock().unwrap_or_else(|p| p.into_inner()).insert(
-            p.name.clone(),
-            CatalogEntry {
-                sha256: p.sha256.clone(),
-                plugin: Some(p),
-                rejected: None,
-            },
-        );
+        self.catalog
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(
+                p.name.clone(),
+                CatalogEntry {
+                    sha256: p.sha256.clone(),
+                    plugin: Some(p),
+                    rejected: None,
+                },
+            );
     }
 
     /// Pre-flights `bytes` as plugin `name` and adds it to the catalog (replacing a
     /// loaded one of that name, which keeps serving until an activation). Blocking:
     /// compilation takes tens of milliseconds; call it off the async runtime.
-    pub fn load(&self, name: &str, bytes: &[u8], sha256: Option<&str>) -> Result<PluginInfo, RegistryError> {
+    pub fn load(
+        &self,
+        name: &str,
+        bytes: &[u8],
+        sha256: Option<&str>,
+    ) -> Result<PluginInfo, RegistryError> {
         if !valid_name(name) {
             return Err(RegistryError::BadName(name.to_string()));
         }
@@ -348,7 +356,7 @@ impl Registry {
                 tracing::warn!(plugin = name, error = %e, "plugin rejected");
                 let mut cat = self.catalog.lock().unwrap_or_else(|p| p.into_inner());
                 // A rejected upload never replaces a working plugin of the same name.
-                if !cat.get(name).is_some_and(|e| e.plugin.is_some()) {
+                if cat.get(name).is_none_or(|e| e.plugin.is_none()) {
                     cat.insert(
                         name.to_string(),
                         CatalogEntry {
@@ -398,7 +406,11 @@ impl Registry {
                 .unwrap_or_else(|p| p.into_inner())
                 .replace(old);
             if let Some(prev) = prev {
-                let _ = self.retire.lock().unwrap_or_else(|p| p.into_inner()).send(prev);
+                let _ = self
+                    .retire
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .send(prev);
             }
         }
         self.metrics.policy.swaps.inc();
@@ -445,17 +457,19 @@ impl Registry {
             return Err(RegistryError::BadExperiment("weights sum to 0".into()));
         }
         let control = match &spec.control {
-            Some(c) => spec
-                .arms
-                .iter()
-                .position(|a| &a.name == c)
-                .ok_or_else(|| RegistryError::BadExperiment(format!("control arm {c:?} is not an arm")))?,
+            Some(c) => spec.arms.iter().position(|a| &a.name == c).ok_or_else(|| {
+                RegistryError::BadExperiment(format!("control arm {c:?} is not an arm"))
+            })?,
             None => 0,
         };
         let g = &spec.guardrail;
-        if !(0.0..=1.0).contains(&g.max_error_ratio) || g.window_ms == 0 || g.max_mean_latency_ms < 0.0 {
+        if !(0.0..=1.0).contains(&g.max_error_ratio)
+            || g.window_ms == 0
+            || g.max_mean_latency_ms < 0.0
+        {
             return Err(RegistryError::BadExperiment(
-                "guardrail: max_error_ratio in [0,1], window_ms > 0, max_mean_latency_ms >= 0".into(),
+                "guardrail: max_error_ratio in [0,1], window_ms > 0, max_mean_latency_ms >= 0"
+                    .into(),
             ));
         }
         let arms = spec
@@ -486,13 +500,21 @@ impl Registry {
             .take()
             .ok_or(RegistryError::NoLastGood)?;
         let old = self.active.swap(prev.clone());
-        let _ = self.retire.lock().unwrap_or_else(|p| p.into_inner()).send(old);
+        let _ = self
+            .retire
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .send(old);
         self.metrics.policy.rollbacks.inc();
         self.metrics
             .policy
             .active_generation
             .set(prev.generation as i64);
-        tracing::warn!(generation = prev.generation, reason = why, "policy rolled back to last-good");
+        tracing::warn!(
+            generation = prev.generation,
+            reason = why,
+            "policy rolled back to last-good"
+        );
         Ok(prev.generation)
     }
 
@@ -512,8 +534,13 @@ impl Registry {
     /// `GET /plugins`.
     pub fn list(&self) -> Vec<PluginInfo> {
         let cur = self.current();
-        let last = self.last_good.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let in_set = |set: &ActiveSet, p: &Arc<Plugin>| set.arms.iter().any(|a| Arc::ptr_eq(&a.plugin, p));
+        let last = self
+            .last_good
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let in_set =
+            |set: &ActiveSet, p: &Arc<Plugin>| set.arms.iter().any(|a| Arc::ptr_eq(&a.plugin, p));
         self.catalog
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -548,7 +575,9 @@ impl Registry {
         let started = Instant::now();
         let call = view.to_wit();
         let result = arm.plugin.on_put(&call);
-        arm.metrics.put_latency.observe(started.elapsed().as_secs_f64());
+        arm.metrics
+            .put_latency
+            .observe(started.elapsed().as_secs_f64());
         let decision = match result {
             Ok(d) => {
                 arm.metrics.put_calls[0].inc();
@@ -556,12 +585,19 @@ impl Registry {
                 d
             }
             Err(e) => {
-                let i = CALL_RESULTS.iter().position(|r| *r == e.kind()).unwrap_or(1);
+                let i = CALL_RESULTS
+                    .iter()
+                    .position(|r| *r == e.kind())
+                    .unwrap_or(1);
                 arm.metrics.put_calls[i].inc();
                 tracing::warn!(plugin = %arm.plugin.name, version = arm.plugin.version(),
                     arm = %arm.name, error = %e, fail_mode = ?self.cfg.fail_mode, "policy call failed");
                 self.note_plugin_call(set, arm, true);
-                failed_decision(self.cfg.fail_mode, view.keys.len(), self.cfg.fail_closed_code)
+                failed_decision(
+                    self.cfg.fail_mode,
+                    view.keys.len(),
+                    self.cfg.fail_closed_code,
+                )
             }
         };
         let action = put_action(req, &decision);
@@ -599,7 +635,13 @@ impl Registry {
 
     /// Guardrail bookkeeping for an experiment arm: `failed` for a plugin failure or a
     /// client-visible error, `latency` of the master call when known.
-    pub fn note_arm_outcome(&self, set: &ActiveSet, arm: &Arm, failed: bool, latency: Option<Duration>) {
+    pub fn note_arm_outcome(
+        &self,
+        set: &ActiveSet,
+        arm: &Arm,
+        failed: bool,
+        latency: Option<Duration>,
+    ) {
         let Some(exp) = &set.experiment else {
             return;
         };
@@ -620,7 +662,11 @@ impl Registry {
             if w.calls < g.min_calls {
                 None
             } else if w.failures as f64 / w.calls as f64 > g.max_error_ratio {
-                Some(format!("error ratio {:.2} > {}", w.failures as f64 / w.calls as f64, g.max_error_ratio))
+                Some(format!(
+                    "error ratio {:.2} > {}",
+                    w.failures as f64 / w.calls as f64,
+                    g.max_error_ratio
+                ))
             } else if g.max_mean_latency_ms > 0.0
                 && (w.latency_us as f64 / w.calls as f64) / 1000.0 > g.max_mean_latency_ms
             {
@@ -673,7 +719,9 @@ impl Registry {
                 .and_then(|p| p.sha256.clone());
             if self.load(&name, &bytes, pin.as_deref()).is_ok() {
                 let cur = self.current();
-                if cur.experiment.is_none() && cur.arms.first().is_some_and(|a| a.plugin.name == name) {
+                if cur.experiment.is_none()
+                    && cur.arms.first().is_some_and(|a| a.plugin.name == name)
+                {
                     let _ = self.activate(&name);
                 }
             }

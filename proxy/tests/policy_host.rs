@@ -1,0 +1,309 @@
+//! The policy host with real plugin components (built from `plugins/` by build.rs):
+//! decisions, fault containment (trap, endless loop, unbounded allocation, bad answers,
+//! refused or trapping configure, garbage bytes, a sha256 pin), and the registry's swap,
+//! rollback and experiment assignment.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use moongate::codec::message::{BatchPutStartArgs, PutStartArgs, Request};
+use moongate::codec::types::{ReplicateConfig, Uuid};
+use moongate::config::{PluginSpec, PolicyConfig};
+use moongate::metrics::Metrics;
+use moongate::policy::host::{CallError, HostLimits, LoadError, Plugin, PolicyEngine, wit};
+use moongate::policy::registry::{ArmSpec, ExperimentSpec, Registry, RegistryError};
+use moongate::policy::{PutAction, put_view};
+
+fn plugin_bytes(name: &str) -> Vec<u8> {
+    let p = std::path::Path::new(env!("MOONGATE_PLUGIN_DIR")).join(format!("{name}.wasm"));
+    std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+fn engine() -> Arc<PolicyEngine> {
+    PolicyEngine::new(
+        HostLimits {
+            call_timeout: Duration::from_millis(20),
+            memory_bytes: 8 << 20,
+            max_instances: 32,
+        },
+        Metrics::new().plugins.clone(),
+    )
+    .unwrap()
+}
+
+fn load(e: &Arc<PolicyEngine>, name: &str, config: &str) -> Result<Arc<Plugin>, LoadError> {
+    e.load(name, &plugin_bytes(name), config.as_bytes(), None)
+}
+
+fn put(key: &str, size: u64) -> Request {
+    Request::PutStart(PutStartArgs {
+        client_id: Uuid {
+            first: 7,
+            second: 9,
+        },
+        key: Bytes::copy_from_slice(key.as_bytes()),
+        slice_length: size,
+        config: ReplicateConfig::default(),
+        tenant_id: Bytes::from_static(b"default"),
+    })
+}
+
+fn wit_call(req: &Request) -> wit::PutCall {
+    put_view(req).unwrap().to_wit()
+}
+
+#[test]
+fn default_plugin_admits_everything_unchanged() {
+    let e = engine();
+    let p = e
+        .load(
+            "default",
+            moongate::policy::registry::DEFAULT_PLUGIN,
+            b"",
+            None,
+        )
+        .unwrap();
+    let req = put("k", 10);
+    let d = p.on_put(&wit_call(&req)).unwrap();
+    assert!(d.config.is_none() && d.admissions.is_empty());
+    assert!(matches!(
+        moongate::policy::put_action(&req, &d),
+        PutAction::Forward
+    ));
+}
+
+#[test]
+fn tier_placement_rewrites_and_denies_by_rule() {
+    let e = engine();
+    let p = load(
+        &e,
+        "tier-placement",
+        r#"{"rules": [
+            {"key_prefix": "hot/", "segment": "127.0.0.1:1111", "replicas": 2},
+            {"min_size": 1000000, "soft_pin_ttl_ms": 60000},
+            {"key_prefix": "tmp/", "deny": -200}
+        ]}"#,
+    )
+    .unwrap();
+    let req = put("hot/a", 10);
+    let d = p.on_put(&wit_call(&req)).unwrap();
+    let c = d.config.unwrap();
+    assert_eq!(c.preferred_segment, "127.0.0.1:1111");
+    assert_eq!(c.replica_num, 2);
+    let d = p.on_put(&wit_call(&put("big", 2_000_000))).unwrap();
+    assert_eq!(d.config.unwrap().soft_pin_ttl_ms, Some(60000));
+    let d = p.on_put(&wit_call(&put("cold/x", 10))).unwrap();
+    assert!(d.config.is_none());
+    // a batch: per-key denial, one config from the first admitted key's rule
+    let batch = Request::BatchPutStart(BatchPutStartArgs {
+        client_id: Uuid::default(),
+        keys: ["tmp/1", "hot/2", "tmp/3"]
+            .map(|k| Bytes::from_static(k.as_bytes()))
+            .to_vec(),
+        slice_lengths: vec![1, 2, 3],
+        config: ReplicateConfig::default(),
+        tenant_id: Bytes::from_static(b"default"),
+    });
+    let d = p.on_put(&wit_call(&batch)).unwrap();
+    let PutAction::Rewrite {
+        request,
+        fixup: Some(f),
+    } = moongate::policy::put_action(&batch, &d)
+    else {
+        panic!("expected a partial denial");
+    };
+    let Request::BatchPutStart(a) = *request else {
+        panic!("a batch stays a batch");
+    };
+    assert_eq!(a.keys, vec![Bytes::from_static(b"hot/2")]);
+    assert_eq!(&a.config.preferred_segment[..], b"127.0.0.1:1111");
+    assert_eq!(f.denied.len(), 2);
+    // bad config is refused at load
+    assert!(matches!(
+        load(&e, "tier-placement", r#"{"rules": [{"nope": 1}]}"#),
+        Err(LoadError::Refused(_))
+    ));
+}
+
+#[test]
+fn a_trap_is_contained_and_the_next_call_gets_a_fresh_instance() {
+    let e = engine();
+    let p = load(&e, "fault", "every-3-trap").unwrap();
+    // conformance made call 1; calls 2 ok, 3 traps, then a fresh instance counts anew
+    let c = wit_call(&put("k", 1));
+    assert!(p.on_put(&c).is_ok());
+    assert!(matches!(p.on_put(&c), Err(CallError::Trap(_))));
+    assert!(p.on_put(&c).is_ok());
+    assert!(p.on_put(&c).is_ok());
+    assert!(matches!(p.on_put(&c), Err(CallError::Trap(_))));
+}
+
+#[test]
+fn faulty_guests_fail_cleanly_and_others_keep_working() {
+    let e = engine();
+    let good = load(&e, "tier-placement", "").unwrap();
+    let c = wit_call(&put("k", 1));
+    // These fail their conformance call, so they never load.
+    for (mode, want) in [
+        ("trap", "trap"),
+        ("loop", "timeout"),
+        ("oom", "oom"),
+        ("bad-answer", "invalid"),
+    ] {
+        let started = Instant::now();
+        match load(&e, "fault", mode) {
+            Err(LoadError::Conformance { error, .. }) => {
+                assert_eq!(error.kind(), want, "{mode}: {error}")
+            }
+            other => panic!("{mode}: expected a conformance failure, got {other:?}"),
+        }
+        // a loop is stopped by the epoch deadline, not by luck
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{mode} took {:?}",
+            started.elapsed()
+        );
+        assert!(
+            good.on_put(&c).is_ok(),
+            "a healthy plugin still answers after {mode}"
+        );
+    }
+    assert!(matches!(
+        load(&e, "fault", "refuse-config"),
+        Err(LoadError::Refused(_))
+    ));
+    assert!(matches!(
+        load(&e, "fault", "trap-config"),
+        Err(LoadError::Configure(CallError::Trap(_)))
+    ));
+    assert!(matches!(
+        e.load("junk", b"\0asm garbage", b"", None),
+        Err(LoadError::Compile(_))
+    ));
+    assert!(matches!(
+        e.load("x", &plugin_bytes("default"), b"", Some("00ff")),
+        Err(LoadError::ShaMismatch { .. })
+    ));
+}
+
+fn registry(cfg: PolicyConfig) -> Arc<Registry> {
+    Registry::new(cfg, None, Arc::new(Metrics::new())).unwrap()
+}
+
+fn specs() -> Vec<PluginSpec> {
+    let dir = env!("MOONGATE_PLUGIN_DIR");
+    vec![
+        PluginSpec {
+            name: "tiers".into(),
+            path: Some(format!("{dir}/tier-placement.wasm")),
+            sha256: None,
+            config: r#"{"rules": [{"segment": "127.0.0.1:9"}]}"#.into(),
+        },
+        PluginSpec {
+            name: "flaky".into(),
+            path: None,
+            sha256: None,
+            config: "every-2-trap".into(),
+        },
+    ]
+}
+
+#[test]
+fn swap_rollback_and_states() {
+    let r = registry(PolicyConfig {
+        plugins: specs(),
+        ..PolicyConfig::default()
+    });
+    let state = |n: &str| r.info(n).map(|i| i.state).unwrap_or_default();
+    assert_eq!(state("default"), "active");
+    assert_eq!(state("tiers"), "loaded");
+    let held = r.current(); // a call in flight holds its set
+    r.activate("tiers").unwrap();
+    assert_eq!(state("tiers"), "active");
+    assert_eq!(state("default"), "last-good");
+    assert_eq!(
+        held.arms[0].plugin.name, "default",
+        "in-flight call keeps its version"
+    );
+    r.rollback("test").unwrap();
+    assert_eq!(state("default"), "active");
+    assert!(matches!(
+        r.rollback("again"),
+        Err(RegistryError::NoLastGood)
+    ));
+    // a rejected upload records its reason and leaves the active set alone
+    assert!(r.load("broken", b"not wasm", None).is_err());
+    assert_eq!(state("broken"), "rejected");
+    assert!(r.info("broken").unwrap().reason.is_some());
+    assert_eq!(r.current().arms[0].plugin.name, "default");
+    assert!(matches!(
+        r.activate("nope"),
+        Err(RegistryError::UnknownPlugin(_))
+    ));
+}
+
+#[test]
+fn a_plugin_that_keeps_failing_after_activation_is_rolled_back() {
+    let mut cfg = PolicyConfig {
+        plugins: specs(),
+        ..PolicyConfig::default()
+    };
+    cfg.rollback.min_calls = 10;
+    let r = registry(cfg);
+    r.load("flaky", &plugin_bytes("fault"), None).unwrap();
+    r.activate("flaky").unwrap();
+    let req = put("k", 1);
+    for _ in 0..20 {
+        let set = r.current();
+        // fail-open: every call gets a decision even when the plugin traps
+        assert!(r.decide_put(&set, &req).is_some());
+    }
+    assert_eq!(r.current().arms[0].plugin.name, "default", "rolled back");
+}
+
+#[test]
+fn experiment_assignment_follows_the_weights() {
+    let r = registry(PolicyConfig {
+        plugins: specs(),
+        ..PolicyConfig::default()
+    });
+    r.set_experiment(ExperimentSpec {
+        assign: moongate::policy::registry::Assign::Key,
+        control: None,
+        arms: vec![
+            ArmSpec {
+                name: "a".into(),
+                plugin: "default".into(),
+                weight: 30,
+            },
+            ArmSpec {
+                name: "b".into(),
+                plugin: "tiers".into(),
+                weight: 70,
+            },
+        ],
+        guardrail: Default::default(),
+    })
+    .unwrap();
+    let set = r.current();
+    let n = 10_000;
+    let b = (0..n)
+        .filter(|i| set.pick(&Uuid::default(), Some(&Bytes::from(format!("key/{i}")))) == 1)
+        .count();
+    let share = b as f64 / n as f64;
+    assert!((share - 0.7).abs() < 0.02, "arm b got {share}");
+    assert!(matches!(
+        r.set_experiment(ExperimentSpec {
+            assign: Default::default(),
+            control: Some("zz".into()),
+            arms: vec![ArmSpec {
+                name: "a".into(),
+                plugin: "default".into(),
+                weight: 1
+            }],
+            guardrail: Default::default(),
+        }),
+        Err(RegistryError::BadExperiment(_))
+    ));
+}
