@@ -11,8 +11,10 @@ bash scripts/bootstrap.sh
 
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
+(cd plugins && cargo fmt --all -- --check)
 echo "== cargo clippy -D warnings"
 cargo clippy --workspace --all-targets --locked -- -D warnings
+(cd plugins && cargo clippy --locked --release --target wasm32-wasip2 --target-dir ../target/wasm-clippy -- -D warnings)
 echo "== cargo test"
 # Integration tests start their own master/moongate/clients on free loopback ports;
 # two test threads keep a 2-core machine responsive for the heartbeat-sensitive ones.

@@ -56,7 +56,7 @@ impl Policy for Fault {
                     .trim_end_matches("-trap")
                     .parse()
                     .unwrap_or(2);
-                if self.calls % n == 0 {
+                if self.calls.is_multiple_of(n) {
                     panic!("periodic trap on purpose");
                 }
                 PutDecision::admit_all()

@@ -21,6 +21,7 @@
 //! component moongate loads. Plugins see metadata only, never KV bytes.
 
 #[doc(hidden)]
+#[allow(clippy::too_many_arguments)] // generated lifting code
 pub mod bindings {
     wit_bindgen::generate!({
         path: "../../wit",
