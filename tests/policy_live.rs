@@ -193,3 +193,231 @@ fn ab_experiment_splits_by_weight_and_each_arm_places_by_its_rule() {
     a.finish();
     b.finish();
 }
+
+fn plugins_json(mg: &Moongate) -> Value {
+    serde_json::from_str(&http_get(&mg.admin, "/plugins").unwrap().1).unwrap()
+}
+
+fn plugin_row(mg: &Moongate, name: &str) -> Value {
+    plugins_json(mg)
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == name)
+        .cloned()
+        .unwrap_or(Value::Null)
+}
+
+#[test]
+fn admin_plugin_contract() {
+    let dead = format!("127.0.0.1:{}", free_port());
+    let mg = Moongate::start(&dead);
+    assert_eq!(plugin_row(&mg, "default")["state"], "active");
+    let tp = std::fs::read(plugin_path("tier-placement")).unwrap();
+
+    let (s, body) = http(&mg.admin, "POST", "/plugins?name=tp", &tp).unwrap();
+    assert_eq!(s, 200, "{body}");
+    let row: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(row["state"], "loaded");
+    assert_eq!(row["sha256"].as_str().unwrap().len(), 64);
+
+    let (s, body) = http(&mg.admin, "POST", "/plugins?name=junk", b"\0asm not really").unwrap();
+    assert_eq!(s, 422, "{body}");
+    assert!(body.contains("not a valid policy component"), "{body}");
+    assert_eq!(plugin_row(&mg, "junk")["state"], "rejected");
+    assert!(plugin_row(&mg, "junk")["reason"].is_string());
+
+    let (s, body) = http(&mg.admin, "POST", "/plugins?name=pinned&sha256=00", &tp).unwrap();
+    assert_eq!(s, 422, "{body}");
+    let path = plugin_path("default");
+    let (s, body) = http(
+        &mg.admin,
+        "POST",
+        &format!("/plugins?name=by-path&path={}", path.display()),
+        b"",
+    )
+    .unwrap();
+    assert_eq!(s, 200, "{body}");
+    let (s, _) = http(&mg.admin, "POST", "/plugins", &tp).unwrap();
+    assert_eq!(s, 400, "name is required");
+
+    let (s, body) = http(&mg.admin, "POST", "/plugins/tp/activate", b"").unwrap();
+    assert_eq!(s, 200, "{body}");
+    assert_eq!(plugin_row(&mg, "tp")["state"], "active");
+    assert_eq!(plugin_row(&mg, "default")["state"], "last-good");
+    let (s, _) = http(&mg.admin, "POST", "/plugins/rollback", b"").unwrap();
+    assert_eq!(s, 200);
+    assert_eq!(plugin_row(&mg, "default")["state"], "active");
+    assert_eq!(
+        http(&mg.admin, "POST", "/plugins/rollback", b"").unwrap().0,
+        409
+    );
+    assert_eq!(
+        http(&mg.admin, "POST", "/plugins/nope/activate", b"")
+            .unwrap()
+            .0,
+        404
+    );
+    assert_eq!(
+        http(&mg.admin, "PUT", "/experiments", b"{not json")
+            .unwrap()
+            .0,
+        400
+    );
+    let (s, body) = http(
+        &mg.admin,
+        "PUT",
+        "/experiments",
+        br#"{"arms": [{"name": "x", "plugin": "missing", "weight": 1}]}"#,
+    )
+    .unwrap();
+    assert_eq!(s, 404, "{body}");
+    assert_eq!(http(&mg.admin, "DELETE", "/plugins", b"").unwrap().0, 405);
+    assert_eq!(
+        plugin_row(&mg, "default")["state"],
+        "active",
+        "nothing above changed the policy"
+    );
+}
+
+#[test]
+fn admin_token_guards_changes() {
+    let dead = format!("127.0.0.1:{}", free_port());
+    let mg = Moongate::start_config(&format!(
+        "[master_face]\nupstream = \"{dead}\"\n[admin]\ntoken = \"s3cret\"\n"
+    ));
+    assert_eq!(
+        http(&mg.admin, "POST", "/plugins/default/activate", b"")
+            .unwrap()
+            .0,
+        401
+    );
+    let mut s = std::net::TcpStream::connect(&mg.admin).unwrap();
+    use std::io::{Read, Write};
+    write!(
+        s,
+        "POST /plugins/default/activate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+    )
+    .unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+    assert_eq!(
+        http_get(&mg.admin, "/plugins").unwrap().0,
+        200,
+        "reads need no token"
+    );
+}
+
+#[test]
+fn watched_directory_loads_and_upgrades_the_active_plugin() {
+    let dead = format!("127.0.0.1:{}", free_port());
+    let dir = tempdir();
+    let mg = Moongate::start_config(&format!(
+        "[master_face]\nupstream = \"{dead}\"\n[policy]\nwatch_dir = \"{}\"\nwatch_interval_ms = 100\n",
+        dir.path().display()
+    ));
+    let file = dir.path().join("tp.wasm");
+    std::fs::write(&file, std::fs::read(plugin_path("tier-placement")).unwrap()).unwrap();
+    wait_for(
+        "tp loaded",
+        std::time::Duration::from_secs(20),
+        &[&mg.proc],
+        || plugin_row(&mg, "tp")["state"] == "loaded",
+    );
+    assert_eq!(
+        http(&mg.admin, "POST", "/plugins/tp/activate", b"")
+            .unwrap()
+            .0,
+        200
+    );
+    let v1 = plugin_row(&mg, "tp")["sha256"].clone();
+    // a new version of the active plugin is swapped in
+    std::fs::write(&file, std::fs::read(plugin_path("fault")).unwrap()).unwrap();
+    wait_for(
+        "tp upgraded",
+        std::time::Duration::from_secs(20),
+        &[&mg.proc],
+        || {
+            let row = plugin_row(&mg, "tp");
+            row["sha256"] != v1 && row["state"] == "active"
+        },
+    );
+    let v2 = plugin_row(&mg, "tp")["sha256"].clone();
+    // garbage in the directory is rejected and changes nothing
+    std::fs::write(&file, b"garbage").unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(600));
+    let row = plugin_row(&mg, "tp");
+    assert_eq!(
+        (row["sha256"].clone(), row["state"].clone()),
+        (v2, Value::from("active"))
+    );
+    assert!(mg.proc.log_text().contains("plugin rejected"));
+}
+
+#[test]
+fn fail_closed_denies_the_calls_a_trapping_plugin_could_not_decide() {
+    let master = Master::start();
+    let mg = Moongate::start_config(&format!(
+        "[master_face]\nupstream = \"{}\"\n[policy]\nactive = \"flaky\"\nfail_mode = \"closed\"\n\
+         [policy.rollback]\nmax_failure_ratio = 1.0\n{}",
+        master.rpc,
+        plugin_spec("flaky", "fault", "every-2-trap"),
+    ));
+    mg.wait_ready(&master);
+    let owner = Background::start("hold", &master.rpc, &master.metadata, &[&master.proc]);
+    let r = place(&mg, &master, "fc/", 12);
+    let rcs = result(&r, "rc").as_object().unwrap();
+    let denied: Vec<&String> = rcs
+        .iter()
+        .filter(|(_, v)| **v == -200)
+        .map(|(k, _)| k)
+        .collect();
+    let ok = rcs.values().filter(|v| **v == 0).count();
+    assert!(!denied.is_empty() && ok > 0, "{rcs:?}");
+    assert_eq!(denied.len() + ok, 12, "{rcs:?}");
+    for k in denied {
+        assert_eq!(result(&r, "at")[k], Value::from(Vec::<String>::new()));
+    }
+    let m = mg.metrics();
+    assert!(
+        m.lines()
+            .any(|l| l.contains("result=\"trap\"") && !l.ends_with(" 0")),
+        "{m}"
+    );
+    owner.finish();
+}
+
+#[test]
+fn guardrail_stops_a_harmful_arm_and_sends_its_traffic_to_control() {
+    let master = Master::start();
+    let mg = Moongate::start_config(&format!(
+        "[master_face]\nupstream = \"{}\"\n{}\n\
+         [experiment]\nassign = \"key\"\ncontrol = \"base\"\n\
+         arms = [{{ name = \"base\", plugin = \"default\", weight = 50 }}, {{ name = \"bad\", plugin = \"denier\", weight = 50 }}]\n\
+         [experiment.guardrail]\nmax_error_ratio = 0.5\nmin_calls = 10\nwindow_ms = 60000\n",
+        master.rpc,
+        plugin_spec("denier", "fault", "deny"),
+    ));
+    mg.wait_ready(&master);
+    let owner = Background::start("hold", &master.rpc, &master.metadata, &[&master.proc]);
+    let r = place(&mg, &master, "gr/", 200);
+    let rcs = result(&r, "rc").as_object().unwrap();
+    let denied = rcs.values().filter(|v| **v == -200).count();
+    assert_eq!(
+        denied, 10,
+        "exactly min_calls failures before the stop: {rcs:?}"
+    );
+    assert_eq!(rcs.values().filter(|v| **v == 0).count(), 190);
+    let (_, body) = http_get(&mg.admin, "/experiments").unwrap();
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let bad = v["arms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["name"] == "bad")
+        .unwrap();
+    assert_eq!(bad["stopped"], true, "{body}");
+    assert_eq!(mg.metric("moongate_policy_guardrail_stops_total"), 1.0);
+    owner.finish();
+}

@@ -21,7 +21,7 @@ use crate::codec::message::{Request, Response, RpcError, is_typed};
 use crate::codec::{BodyStyle, Method, RequestFrame, ResponseFrame, ResponseHeader};
 use crate::config::Reencode;
 use crate::metrics::{ErrorKind, MethodMetrics};
-use crate::policy::registry::ActiveSet;
+use crate::policy::registry::{ActiveSet, PutDecided};
 use crate::policy::{Fixup, PutAction};
 
 /// A put-family call the policy decided: the set and arm that decided it (kept alive
@@ -30,6 +30,8 @@ pub struct Decided {
     pub set: Arc<ActiveSet>,
     pub arm: usize,
     pub fixup: Option<Fixup>,
+    /// The plugin failed on this call: it counts against the arm's guardrail.
+    pub plugin_failed: bool,
 }
 
 /// What the connection queues for one request, in request order.
@@ -83,7 +85,12 @@ pub fn on_request(
         return Queued::Upstream(None);
     };
     let set = shared.policy.current();
-    let Some((action, arm)) = shared.policy.decide_put(&set, &req) else {
+    let Some(PutDecided {
+        action,
+        arm,
+        plugin_failed,
+    }) = shared.policy.decide_put(&set, &req)
+    else {
         if shared.cfg.reencode == Reencode::Always {
             write_request(frame, &req, style, out);
         } else {
@@ -104,11 +111,17 @@ pub fn on_request(
                 set,
                 arm,
                 fixup: None,
+                plugin_failed,
             }))
         }
         PutAction::Rewrite { request, fixup } => {
             write_request(frame, &request, style, out);
-            Queued::Upstream(Some(Decided { set, arm, fixup }))
+            Queued::Upstream(Some(Decided {
+                set,
+                arm,
+                fixup,
+                plugin_failed,
+            }))
         }
         PutAction::Answer(resp) => {
             let denied = resp.error_count() as u64;
@@ -193,9 +206,10 @@ pub fn on_response(
         am.error(ErrorKind::app, errors);
     }
     if let Some((set, a)) = arm {
+        let failed = errors > 0 || decided.is_some_and(|d| d.plugin_failed);
         shared
             .policy
-            .note_arm_outcome(set, a, errors > 0, Some(latency));
+            .note_arm_outcome(set, a, failed, Some(latency));
     }
     if fixup.is_some() || shared.cfg.reencode == Reencode::Always {
         let mut body = BytesMut::with_capacity(frame.body.len() + 64);

@@ -195,6 +195,15 @@ pub fn arm_for_hash(h: u64, weights: impl Iterator<Item = u64> + Clone) -> usize
     0
 }
 
+/// A put-family call's decision.
+pub struct PutDecided {
+    pub action: PutAction,
+    /// Index of the arm in the set.
+    pub arm: usize,
+    /// The plugin produced no decision (the fail mode's decision stands in).
+    pub plugin_failed: bool,
+}
+
 /// One row of `GET /plugins`.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
 pub struct PluginInfo {
@@ -562,15 +571,19 @@ impl Registry {
             .collect()
     }
 
-    /// Asks the active policy about a put-family request. Returns the action and the arm
-    /// that decided it (`None` for other methods).
-    pub fn decide_put(&self, set: &Arc<ActiveSet>, req: &Request) -> Option<(PutAction, usize)> {
+    /// Asks the active policy about a put-family request. Returns the action, the arm
+    /// that decided it and whether the plugin failed (`None` for other methods).
+    pub fn decide_put(&self, set: &Arc<ActiveSet>, req: &Request) -> Option<PutDecided> {
         let view = put_view(req)?;
         let arm_i = set.pick(&view.client, view.keys.first());
         let arm = &set.arms[arm_i];
         if !arm.plugin.interest().contains(Interest::PUT) {
             arm.metrics.decisions[0].inc();
-            return Some((PutAction::Forward, arm_i));
+            return Some(PutDecided {
+                action: PutAction::Forward,
+                arm: arm_i,
+                plugin_failed: false,
+            });
         }
         let started = Instant::now();
         let call = view.to_wit();
@@ -578,6 +591,7 @@ impl Registry {
         arm.metrics
             .put_latency
             .observe(started.elapsed().as_secs_f64());
+        let plugin_failed = result.is_err();
         let decision = match result {
             Ok(d) => {
                 arm.metrics.put_calls[0].inc();
@@ -602,15 +616,19 @@ impl Registry {
         };
         let action = put_action(req, &decision);
         arm.metrics.decisions[decision_index(&action)].inc();
-        Some((action, arm_i))
+        Some(PutDecided {
+            action,
+            arm: arm_i,
+            plugin_failed,
+        })
     }
 
     /// Automatic rollback: a set activated less than `rollback.window_ms` ago whose
     /// plugin failures exceed the budget goes back to last-good.
     fn note_plugin_call(&self, set: &Arc<ActiveSet>, arm: &Arm, failed: bool) {
         let rb = &self.cfg.rollback;
+        // Experiments have guardrails instead (fed one outcome per call by the face).
         if set.experiment.is_some() {
-            self.note_arm_outcome(set, arm, failed, None);
             return;
         }
         if set.activated.elapsed() > Duration::from_millis(rb.window_ms) {
