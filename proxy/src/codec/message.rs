@@ -349,6 +349,48 @@ impl Request {
 }
 
 impl Response {
+    /// The first `ErrorCode` in the reply (a batch's first failed key), if any.
+    pub fn first_error(&self) -> Option<ErrorCode> {
+        fn one<T>(r: &Expected<T>) -> Option<ErrorCode> {
+            r.as_ref().err().copied()
+        }
+        fn many<T>(v: &[Expected<T>]) -> Option<ErrorCode> {
+            v.iter().find_map(|r| r.as_ref().err().copied())
+        }
+        match self {
+            Response::PutStart(r) | Response::UpsertStart(r) => one(r),
+            Response::BatchPutStart(v) | Response::BatchUpsertStart(v) => many(v),
+            Response::GetReplicaList(r) => one(r),
+            Response::BatchGetReplicaList(v) => many(v),
+            Response::ExistKey(r) => one(r),
+            Response::BatchExistKey(v) => many(v),
+            Response::BatchPutEnd(v)
+            | Response::BatchPutRevoke(v)
+            | Response::BatchUpsertEnd(v) => many(v),
+            Response::MountSegment(r)
+            | Response::ReMountSegment(r)
+            | Response::UnmountSegment(r)
+            | Response::PutEnd(r)
+            | Response::PutRevoke(r)
+            | Response::UpsertEnd(r)
+            | Response::Remove(r) => one(r),
+            _ => None,
+        }
+    }
+
+    /// Results in the reply: one per key for batch calls, else 1.
+    pub fn key_count(&self) -> usize {
+        match self {
+            Response::BatchPutStart(v) | Response::BatchUpsertStart(v) => v.len(),
+            Response::BatchGetReplicaList(v) => v.len(),
+            Response::BatchExistKey(v) => v.len(),
+            Response::BatchPutEnd(v)
+            | Response::BatchPutRevoke(v)
+            | Response::BatchUpsertEnd(v) => v.len(),
+            _ => 1,
+        }
+    }
+
     /// Number of application-level (`ErrorCode`) errors in the reply: 0 or 1 for single
     /// calls, one per failed key for batch calls.
     pub fn error_count(&self) -> usize {

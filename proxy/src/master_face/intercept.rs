@@ -169,6 +169,8 @@ pub fn on_response(
         }
         if let Some((set, a)) = arm {
             shared.policy.note_arm_outcome(set, a, true, Some(latency));
+            let name = method.map_or("unknown", Method::name);
+            shared.policy.observe(a, name, -900, latency, 0);
         }
         if tracing::enabled!(tracing::Level::DEBUG) {
             let msg = RpcError::decode(frame.header.err_code, &frame.body)
@@ -210,6 +212,10 @@ pub fn on_response(
         shared
             .policy
             .note_arm_outcome(set, a, failed, Some(latency));
+        let outcome = resp.first_error().map_or(0, |e| e.0);
+        shared
+            .policy
+            .observe(a, resp.method().name(), outcome, latency, resp.key_count());
     }
     if fixup.is_some() || shared.cfg.reencode == Reencode::Always {
         let mut body = BytesMut::with_capacity(frame.body.len() + 64);

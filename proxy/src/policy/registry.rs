@@ -623,6 +623,22 @@ impl Registry {
         })
     }
 
+    /// Tells an arm's plugin how a call it decided went, if it asked (`observe`).
+    pub fn observe(&self, arm: &Arm, method: &str, outcome: i32, latency: Duration, keys: usize) {
+        if !arm.plugin.interest().contains(Interest::OBSERVE) {
+            return;
+        }
+        let event = super::host::wit::Observation {
+            method: method.to_string(),
+            outcome,
+            latency_us: latency.as_micros() as u64,
+            keys: keys as u32,
+        };
+        if let Err(e) = arm.plugin.observe(&event) {
+            tracing::debug!(plugin = %arm.plugin.name, error = %e, "observe hook failed");
+        }
+    }
+
     /// Automatic rollback: a set activated less than `rollback.window_ms` ago whose
     /// plugin failures exceed the budget goes back to last-good.
     fn note_plugin_call(&self, set: &Arc<ActiveSet>, arm: &Arm, failed: bool) {
