@@ -48,6 +48,9 @@ echo "demo: real Mooncake client -> moongate -> master: 200 puts, 250 lookups, 1
 echo
 echo "demo: what moongate saw (GET http://127.0.0.1:$admin/metrics):"
 curl -s "http://127.0.0.1:$admin/metrics" | grep -E \
-  '^moongate_master_requests_total\{method="(PutStart|PutEnd|BatchExistKey|GetReplicaList|Ping)"\}|^moongate_master_errors_total.* [1-9]|^moongate_master_request_duration_seconds_(sum|count)\{method="PutStart"\}|^moongate_master_connections_total|^moongate_upstream_ready' \
+  '^moongate_master_requests_total\{method="(PutStart|PutEnd|BatchExistKey|GetReplicaList|Ping)"\}|^moongate_master_errors_total.* [1-9]|^moongate_master_request_duration_seconds_(sum|count)\{method="PutStart"\}|^moongate_master_connections_total|^moongate_upstream_ready|^moongate_policy_(calls_total|decisions_total)\{.*\} [1-9]' \
   | sed 's/^/  /'
+echo
+echo "demo: the policy in force (GET /plugins):"
+curl -s "http://127.0.0.1:$admin/plugins" | sed "s/^/  /"; echo
 echo "demo: done"
