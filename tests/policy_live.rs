@@ -190,6 +190,26 @@ fn ab_experiment_splits_by_weight_and_each_arm_places_by_its_rule() {
     };
     assert_eq!(arm_puts("A") + arm_puts("B"), n as f64, "{m}");
     assert_eq!(arm_puts("B"), in_b as f64);
+    // every decoded call is accounted to an arm, not only the ones the plugin decided
+    for method in ["PutEnd", "BatchGetReplicaList"] {
+        let arms: f64 = ["A", "B"]
+            .iter()
+            .map(|a| {
+                metric_value(
+                    &m,
+                    &format!("moongate_arm_requests_total{{arm=\"{a}\",method=\"{method}\"}}"),
+                )
+            })
+            .sum();
+        let all = metric_value(
+            &m,
+            &format!("moongate_master_requests_total{{method=\"{method}\"}}"),
+        );
+        assert!(
+            all > 0.0 && arms == all,
+            "{method}: arms {arms} vs all {all}"
+        );
+    }
     a.finish();
     b.finish();
 }

@@ -307,3 +307,48 @@ fn experiment_assignment_follows_the_weights() {
         Err(RegistryError::BadExperiment(_))
     ));
 }
+
+#[test]
+fn latency_guardrail_stops_an_arm_and_its_traffic_goes_to_control() {
+    let r = registry(PolicyConfig {
+        plugins: specs(),
+        ..PolicyConfig::default()
+    });
+    r.set_experiment(ExperimentSpec {
+        assign: moongate::policy::registry::Assign::Key,
+        control: Some("base".into()),
+        arms: vec![
+            ArmSpec {
+                name: "base".into(),
+                plugin: "default".into(),
+                weight: 50,
+            },
+            ArmSpec {
+                name: "slow".into(),
+                plugin: "tiers".into(),
+                weight: 50,
+            },
+        ],
+        guardrail: moongate::policy::registry::Guardrail {
+            max_error_ratio: 1.0,
+            max_mean_latency_ms: 1.0,
+            window_ms: 60_000,
+            min_calls: 5,
+        },
+    })
+    .unwrap();
+    let set = r.current();
+    let fast = Duration::from_micros(200);
+    for _ in 0..5 {
+        r.note_arm_outcome(&set, &set.arms[1], false, Some(fast));
+    }
+    assert!(!set.arms[1].is_stopped(), "within budget");
+    for _ in 0..20 {
+        r.note_arm_outcome(&set, &set.arms[1], false, Some(Duration::from_millis(5)));
+    }
+    assert!(set.arms[1].is_stopped(), "mean latency over budget");
+    let picks: Vec<usize> = (0..200)
+        .map(|i| set.pick(&Uuid::default(), Some(&Bytes::from(format!("k{i}")))))
+        .collect();
+    assert!(picks.iter().all(|&a| a == 0), "all traffic on control");
+}

@@ -327,6 +327,42 @@ impl RpcError {
 }
 
 impl Request {
+    /// The Mooncake client id the request carries, if any.
+    pub fn client_id(&self) -> Option<Uuid> {
+        Some(match self {
+            Request::MountSegment(a) => a.client_id,
+            Request::ReMountSegment(a) => a.client_id,
+            Request::UnmountSegment(a) => a.client_id,
+            Request::Ping(id) => *id,
+            Request::FetchTasks(a) => a.client_id,
+            Request::PutStart(a) | Request::UpsertStart(a) => a.client_id,
+            Request::PutEnd(a) | Request::UpsertEnd(a) => a.client_id,
+            Request::PutRevoke(a) => a.client_id,
+            Request::BatchPutStart(a) | Request::BatchUpsertStart(a) => a.client_id,
+            Request::BatchPutEnd(a) => a.client_id,
+            Request::BatchPutRevoke(a) => a.client_id,
+            Request::BatchUpsertEnd(a) => a.client_id,
+            _ => return None,
+        })
+    }
+
+    /// The (first) key the request names, if any.
+    pub fn first_key(&self) -> Option<&Bytes> {
+        match self {
+            Request::PutStart(a) | Request::UpsertStart(a) => Some(&a.key),
+            Request::PutEnd(a) | Request::UpsertEnd(a) => Some(&a.object_meta.key),
+            Request::PutRevoke(a) => Some(&a.key),
+            Request::BatchPutStart(a) | Request::BatchUpsertStart(a) => a.keys.first(),
+            Request::BatchPutEnd(a) => a.object_metas.first().map(|m| &m.key),
+            Request::BatchUpsertEnd(a) => a.object_metas.first().map(|m| &m.key),
+            Request::BatchPutRevoke(a) => a.keys.first(),
+            Request::GetReplicaList(a) | Request::ExistKey(a) => Some(&a.key),
+            Request::BatchGetReplicaList(a) | Request::BatchExistKey(a) => a.keys.first(),
+            Request::Remove(a) => Some(&a.key),
+            _ => None,
+        }
+    }
+
     /// Number of keys a batch request names (1 for single-key methods, 0 for others).
     pub fn key_count(&self) -> usize {
         match self {

@@ -259,6 +259,7 @@ async fn client_to_master(
     let cfg = &shared.cfg;
     let mut buf = BytesMut::with_capacity(READ_CHUNK);
     let mut out = BytesMut::with_capacity(READ_CHUNK);
+    let mut client: Option<crate::codec::types::Uuid> = None;
     loop {
         let n = tokio::select! {
             biased;
@@ -304,15 +305,17 @@ async fn client_to_master(
             let (frame, raw) = RequestFrame::split(&mut buf, h);
             let method = Method::from_function_id(h.function_id);
             let sent = Instant::now();
-            queue.push(match on_request(&frame, &raw, method, shared, &mut out) {
-                Queued::Upstream(decided) => InFlight::Upstream {
-                    seq: h.seq_num,
-                    method,
-                    sent,
-                    decided,
+            queue.push(
+                match on_request(&frame, &raw, method, shared, &mut client, &mut out) {
+                    Queued::Upstream(decided) => InFlight::Upstream {
+                        seq: h.seq_num,
+                        method,
+                        sent,
+                        decided,
+                    },
+                    Queued::Local(bytes) => InFlight::Local(bytes),
                 },
-                Queued::Local(bytes) => InFlight::Local(bytes),
-            });
+            );
         }
         if let Err(e) = flush(&mut uw, &mut out, &shared.metrics.bytes_to_master).await {
             return End::UpstreamIo(e);

@@ -18,6 +18,7 @@ use bytes::{Bytes, BytesMut};
 use super::Shared;
 use crate::codec::frame::errc;
 use crate::codec::message::{Request, Response, RpcError, is_typed};
+use crate::codec::types::Uuid;
 use crate::codec::{BodyStyle, Method, RequestFrame, ResponseFrame, ResponseHeader};
 use crate::config::Reencode;
 use crate::metrics::{ErrorKind, MethodMetrics};
@@ -32,6 +33,9 @@ pub struct Decided {
     pub fixup: Option<Fixup>,
     /// The plugin failed on this call: it counts against the arm's guardrail.
     pub plugin_failed: bool,
+    /// A put-family call the plugin decided (feeds guardrail and `observe`); other
+    /// decoded calls are only accounted to the arm that serves their client or key.
+    pub decided_by_plugin: bool,
 }
 
 /// What the connection queues for one request, in request order.
@@ -76,6 +80,7 @@ pub fn on_request(
     raw: &Bytes,
     method: Option<Method>,
     shared: &Shared,
+    client: &mut Option<Uuid>,
     out: &mut BytesMut,
 ) -> Queued {
     let m = shared.metrics.method(method);
@@ -84,6 +89,11 @@ pub fn on_request(
         out.extend_from_slice(raw);
         return Queued::Upstream(None);
     };
+    // A connection belongs to one client process: remember its id for the calls that
+    // do not carry it, so by-client arms hold for all of them.
+    if let Some(id) = req.client_id() {
+        *client = Some(id);
+    }
     let set = shared.policy.current();
     let Some(PutDecided {
         action,
@@ -96,7 +106,17 @@ pub fn on_request(
         } else {
             out.extend_from_slice(raw);
         }
-        return Queued::Upstream(None);
+        let arm = set.pick(&client.unwrap_or_default(), req.first_key());
+        set.arms[arm].metrics.requests[req.method().index()]
+            .requests
+            .inc();
+        return Queued::Upstream(Some(Decided {
+            set,
+            arm,
+            fixup: None,
+            plugin_failed: false,
+            decided_by_plugin: false,
+        }));
     };
     let am = &set.arms[arm].metrics.requests[req.method().index()];
     am.requests.inc();
@@ -112,6 +132,7 @@ pub fn on_request(
                 arm,
                 fixup: None,
                 plugin_failed,
+                decided_by_plugin: true,
             }))
         }
         PutAction::Rewrite { request, fixup } => {
@@ -121,6 +142,7 @@ pub fn on_request(
                 arm,
                 fixup,
                 plugin_failed,
+                decided_by_plugin: true,
             }))
         }
         PutAction::Answer(resp) => {
@@ -167,7 +189,7 @@ pub fn on_response(
         if let Some(am) = am {
             am.error(ErrorKind::rpc, 1);
         }
-        if let Some((set, a)) = arm {
+        if let Some((set, a)) = arm.filter(|_| decided.is_some_and(|d| d.decided_by_plugin)) {
             shared.policy.note_arm_outcome(set, a, true, Some(latency));
             let name = method.map_or("unknown", Method::name);
             shared.policy.observe(a, name, -900, latency, 0);
@@ -207,7 +229,7 @@ pub fn on_response(
     if let Some(am) = am {
         am.error(ErrorKind::app, errors);
     }
-    if let Some((set, a)) = arm {
+    if let Some((set, a)) = arm.filter(|_| decided.is_some_and(|d| d.decided_by_plugin)) {
         let failed = errors > 0 || decided.is_some_and(|d| d.plugin_failed);
         shared
             .policy
