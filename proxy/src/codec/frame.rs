@@ -202,39 +202,28 @@ pub trait Header: Copy {
     fn write(&self, out: &mut BytesMut);
 }
 
-impl Header for RequestHeader {
-    const LEN: usize = REQUEST_HEADER_LEN;
-    fn length(&self) -> u32 {
-        self.length
-    }
-    fn attach_length(&self) -> u32 {
-        self.attach_length
-    }
-    fn set_lengths(&mut self, length: u32, attach_length: u32) {
-        self.length = length;
-        self.attach_length = attach_length;
-    }
-    fn write(&self, out: &mut BytesMut) {
-        RequestHeader::write(self, out)
-    }
+macro_rules! impl_header {
+    ($t:ty, $len:expr) => {
+        impl Header for $t {
+            const LEN: usize = $len;
+            fn length(&self) -> u32 {
+                self.length
+            }
+            fn attach_length(&self) -> u32 {
+                self.attach_length
+            }
+            fn set_lengths(&mut self, length: u32, attach_length: u32) {
+                self.length = length;
+                self.attach_length = attach_length;
+            }
+            fn write(&self, out: &mut BytesMut) {
+                <$t>::write(self, out)
+            }
+        }
+    };
 }
-
-impl Header for ResponseHeader {
-    const LEN: usize = RESPONSE_HEADER_LEN;
-    fn length(&self) -> u32 {
-        self.length
-    }
-    fn attach_length(&self) -> u32 {
-        self.attach_length
-    }
-    fn set_lengths(&mut self, length: u32, attach_length: u32) {
-        self.length = length;
-        self.attach_length = attach_length;
-    }
-    fn write(&self, out: &mut BytesMut) {
-        ResponseHeader::write(self, out)
-    }
-}
+impl_header!(RequestHeader, REQUEST_HEADER_LEN);
+impl_header!(ResponseHeader, RESPONSE_HEADER_LEN);
 
 /// A whole frame: header, body and attachment as slices of one buffer.
 #[derive(Debug, Clone, PartialEq, Eq)]
