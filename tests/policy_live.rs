@@ -93,8 +93,8 @@ fn fifty_hot_swaps_under_load_fail_no_client_call() {
     ));
     mg.wait_ready(&master);
     let logs = [&master.proc, &mg.proc];
-    let load1 = Background::start("loop", &mg.listen, &master.metadata, &logs);
-    let load2 = Background::start("loop", &mg.listen, &master.metadata, &logs);
+    let mut load1 = Background::start("loop", &mg.listen, &master.metadata, &logs);
+    let mut load2 = Background::start("loop", &mg.listen, &master.metadata, &logs);
     let mut generations = Vec::new();
     for i in 0..50 {
         let name = ["tiers", "tiers2"][i % 2];
@@ -106,6 +106,8 @@ fn fifty_hot_swaps_under_load_fail_no_client_call() {
         std::thread::sleep(std::time::Duration::from_millis(40));
     }
     assert!(generations.windows(2).all(|w| w[1] > w[0]));
+    load1.tell();
+    load2.tell();
     for l in [load1, load2] {
         let (st, res) = l.finish();
         assert!(st.success(), "a client call failed during swaps: {res}");

@@ -190,8 +190,13 @@ def idle(run):
 def loop(run):
     """Keeps calling until told to stop; any failure ends it with exit code 1."""
     import select
+    from mooncake.store import ReplicateConfig
     s = run.s
     run.setup(16 * MiB)
+    # Keep this client's objects in its own segment: another client closing (and
+    # unmounting its segment) must not take them away mid-loop.
+    cfg = ReplicateConfig()
+    cfg.preferred_segment = run.me
     print(f"READY {run.me}", flush=True)
     i = 0
     failures = []
@@ -200,7 +205,7 @@ def loop(run):
         if r:
             break
         k = f"loop/{os.getpid()}/{i % 50}"
-        rc = s.upsert(k, value(k, 2048))
+        rc = s.upsert(k, value(k, 2048), cfg)
         v = s.get(k)
         e = s.is_exist(k)
         if rc != 0 or bytes(v) != value(k, 2048) or e != 1:

@@ -441,11 +441,16 @@ impl Background {
         self.ready_line.trim_start_matches("READY").trim()
     }
 
-    /// Tells the role to go on (one line), waits for it and returns its results.
-    pub fn finish(mut self) -> (std::process::ExitStatus, serde_json::Value) {
+    /// Tells the role to go on (one line) without waiting.
+    pub fn tell(&mut self) {
         if let Some(mut s) = self.stdin.take() {
             let _ = writeln!(s, "go");
         }
+    }
+
+    /// Tells the role to go on (one line), waits for it and returns its results.
+    pub fn finish(mut self) -> (std::process::ExitStatus, serde_json::Value) {
+        self.tell();
         let st = self
             .proc
             .wait_exit(Duration::from_secs(120))
