@@ -387,31 +387,12 @@ impl Request {
 impl Response {
     /// The first `ErrorCode` in the reply (a batch's first failed key), if any.
     pub fn first_error(&self) -> Option<ErrorCode> {
-        fn one<T>(r: &Expected<T>) -> Option<ErrorCode> {
-            r.as_ref().err().copied()
-        }
-        fn many<T>(v: &[Expected<T>]) -> Option<ErrorCode> {
-            v.iter().find_map(|r| r.as_ref().err().copied())
-        }
-        match self {
-            Response::PutStart(r) | Response::UpsertStart(r) => one(r),
-            Response::BatchPutStart(v) | Response::BatchUpsertStart(v) => many(v),
-            Response::GetReplicaList(r) => one(r),
-            Response::BatchGetReplicaList(v) => many(v),
-            Response::ExistKey(r) => one(r),
-            Response::BatchExistKey(v) => many(v),
-            Response::BatchPutEnd(v)
-            | Response::BatchPutRevoke(v)
-            | Response::BatchUpsertEnd(v) => many(v),
-            Response::MountSegment(r)
-            | Response::ReMountSegment(r)
-            | Response::UnmountSegment(r)
-            | Response::PutEnd(r)
-            | Response::PutRevoke(r)
-            | Response::UpsertEnd(r)
-            | Response::Remove(r) => one(r),
-            _ => None,
-        }
+        let mut first = None;
+        self.visit_errors(|e| {
+            first = Some(e);
+            false
+        });
+        first
     }
 
     /// Results in the reply: one per key for batch calls, else 1.
@@ -430,34 +411,52 @@ impl Response {
     /// Number of application-level (`ErrorCode`) errors in the reply: 0 or 1 for single
     /// calls, one per failed key for batch calls.
     pub fn error_count(&self) -> usize {
-        fn one<T>(r: &Expected<T>) -> usize {
-            usize::from(r.is_err())
+        let mut n = 0;
+        self.visit_errors(|_| {
+            n += 1;
+            true
+        });
+        n
+    }
+
+    /// Calls `f` with each `ErrorCode` in the reply, in key order, until it returns false.
+    fn visit_errors(&self, mut f: impl FnMut(ErrorCode) -> bool) {
+        fn one<T>(r: &Expected<T>, f: &mut impl FnMut(ErrorCode) -> bool) {
+            if let Err(e) = r {
+                f(*e);
+            }
         }
-        fn many<T>(v: &[Expected<T>]) -> usize {
-            v.iter().filter(|r| r.is_err()).count()
+        fn many<T>(v: &[Expected<T>], f: &mut impl FnMut(ErrorCode) -> bool) {
+            for r in v {
+                if let Err(e) = r
+                    && !f(*e)
+                {
+                    return;
+                }
+            }
         }
         match self {
-            Response::ServiceReady(r) => one(r),
-            Response::GetStorageConfig(r) => one(r),
+            Response::ServiceReady(r) => one(r, &mut f),
+            Response::GetStorageConfig(r) => one(r, &mut f),
             Response::MountSegment(r)
             | Response::ReMountSegment(r)
             | Response::UnmountSegment(r)
             | Response::PutEnd(r)
             | Response::PutRevoke(r)
             | Response::UpsertEnd(r)
-            | Response::Remove(r) => one(r),
-            Response::Ping(r) => one(r),
-            Response::FetchTasks(r) => one(r),
-            Response::PutStart(r) | Response::UpsertStart(r) => one(r),
-            Response::BatchPutStart(v) | Response::BatchUpsertStart(v) => many(v),
+            | Response::Remove(r) => one(r, &mut f),
+            Response::Ping(r) => one(r, &mut f),
+            Response::FetchTasks(r) => one(r, &mut f),
+            Response::PutStart(r) | Response::UpsertStart(r) => one(r, &mut f),
+            Response::BatchPutStart(v) | Response::BatchUpsertStart(v) => many(v, &mut f),
             Response::BatchPutEnd(v)
             | Response::BatchPutRevoke(v)
-            | Response::BatchUpsertEnd(v) => many(v),
-            Response::GetReplicaList(r) => one(r),
-            Response::BatchGetReplicaList(v) => many(v),
-            Response::ExistKey(r) => one(r),
-            Response::BatchExistKey(v) => many(v),
-            Response::RemoveAll(_) => 0,
+            | Response::BatchUpsertEnd(v) => many(v, &mut f),
+            Response::GetReplicaList(r) => one(r, &mut f),
+            Response::BatchGetReplicaList(v) => many(v, &mut f),
+            Response::ExistKey(r) => one(r, &mut f),
+            Response::BatchExistKey(v) => many(v, &mut f),
+            Response::RemoveAll(_) => {}
         }
     }
 }
@@ -552,6 +551,14 @@ mod tests {
         assert_eq!(&out[out.len() - 5..], &[0x00, 0x40, 0xfd, 0xff, 0xff]);
         let v = Response::error(Method::BatchPutStart, ErrorCode::NO_AVAILABLE_HANDLE, 3).unwrap();
         assert_eq!(v.error_count(), 3);
+        assert_eq!(v.first_error(), Some(ErrorCode::NO_AVAILABLE_HANDLE));
+        let mixed =
+            Response::BatchExistKey(vec![Ok(true), Err(ErrorCode(-704)), Err(ErrorCode(-1))]);
+        assert_eq!(
+            (mixed.error_count(), mixed.first_error()),
+            (2, Some(ErrorCode(-704)))
+        );
+        assert_eq!(Response::RemoveAll(3).first_error(), None);
         assert!(Response::error(Method::RemoveAll, ErrorCode::INTERNAL_ERROR, 0).is_none());
     }
 
