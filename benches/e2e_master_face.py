@@ -141,6 +141,8 @@ def main():
     p.add_argument("--tag", default="b")
     p.add_argument("--iterations", type=int, default=2000)
     p.add_argument("--moongate", default="target/release/moongate")
+    p.add_argument("--moongate-config", default="",
+                   help="config file for moongate (e.g. to try runtime.worker_threads)")
     p.add_argument("--relay", default="target/release/examples/bare_relay",
                    help="bare byte relay (the floor of any hop); '' to skip")
     p.add_argument("--pairs", type=int, default=3)
@@ -164,7 +166,8 @@ def main():
              f"--http_metadata_server_port={http}", f"--metrics_port={free_port()}"],
             stdout=open(f"{work}/master.log", "w"), stderr=subprocess.STDOUT))
         procs.append(subprocess.Popen(
-            [a.moongate, "run", "--listen", f"127.0.0.1:{listen}",
+            [a.moongate, "run"] + (["--config", a.moongate_config] if a.moongate_config else [])
+            + ["--listen", f"127.0.0.1:{listen}",
              "--upstream", f"127.0.0.1:{rpc}", "--admin", f"127.0.0.1:{admin}"],
             stdout=open(f"{work}/moongate.log", "w"), stderr=subprocess.STDOUT,
             env={**os.environ, "RUST_LOG": "warn"}))
