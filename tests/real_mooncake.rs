@@ -150,3 +150,62 @@ fn idle_client_stays_mounted_behind_moongate() {
         0.0
     );
 }
+
+#[test]
+fn tier_metrics_count_real_disk_replicas_at_no_extra_rpc() {
+    let root = tempdir();
+    let master = Master::start_with(MasterOpts {
+        root_fs_dir: Some(root.path().to_path_buf()),
+        ..Default::default()
+    });
+    let mg = Moongate::start(&master.rpc);
+    mg.wait_ready(&master);
+    let r = run_role(
+        "disk",
+        &mg.listen,
+        &master.metadata,
+        &[],
+        &[&master.proc, &mg.proc],
+    );
+    assert_all_data_ok(&r);
+    let ops: Vec<&Value> = r.as_array().unwrap().iter().collect();
+    let get = |name: &str| {
+        ops.iter()
+            .find(|o| o[0] == name)
+            .map(|o| o[1].clone())
+            .unwrap()
+    };
+    assert_eq!(get("tiers"), serde_json::json!(["disk", "memory"]), "{r}");
+    assert_eq!(get("is_exist"), serde_json::json!([1, 0]));
+    let m = mg.metrics();
+    let v = |s: &str| metric_value(&m, s);
+    let lookups = v("moongate_master_requests_total{method=\"GetReplicaList\"}");
+    assert!(
+        v("moongate_tier_keys_total{tier=\"disk\",outcome=\"found\",arm=\"default\"}") >= 1.0,
+        "{m}"
+    );
+    assert_eq!(
+        v("moongate_tier_bytes_total{tier=\"disk\",outcome=\"found\",arm=\"default\"}")
+            / v("moongate_tier_keys_total{tier=\"disk\",outcome=\"found\",arm=\"default\"}"),
+        2000.0
+    );
+    // every found lookup saw the memory replica; the miss is not_found
+    let found_mem =
+        v("moongate_tier_keys_total{tier=\"memory\",outcome=\"found\",arm=\"default\"}");
+    let missing =
+        v("moongate_tier_keys_total{tier=\"unknown\",outcome=\"not_found\",arm=\"default\"}");
+    assert_eq!(
+        found_mem + missing,
+        lookups,
+        "one tally per looked-up key\n{m}"
+    );
+    assert!(missing >= 1.0);
+    assert_eq!(
+        v("moongate_lookup_keys_total{result=\"hit\",arm=\"default\"}"),
+        1.0
+    );
+    assert_eq!(
+        v("moongate_lookup_keys_total{result=\"miss\",arm=\"default\"}"),
+        1.0
+    );
+}

@@ -15,4 +15,5 @@ pub mod master_face;
 pub mod metrics;
 pub mod policy;
 pub mod server;
+pub mod tiers;
 pub mod upstream;

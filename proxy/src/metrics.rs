@@ -212,8 +212,48 @@ pub struct ArmMetrics {
     pub put_latency: Histogram,
     /// by [`DECISIONS`] index
     pub decisions: [Counter; 4],
-    /// Put-family requests served by this arm, by [`Method::index`].
+    /// Decoded requests served by this arm, by [`Method::index`].
     pub requests: Vec<MethodMetrics>,
+    /// `[tier][outcome]` keys and bytes of lookup answers ([`crate::tiers`]).
+    pub tier_keys: [[Counter; 3]; 4],
+    pub tier_bytes: [[Counter; 3]; 4],
+    /// `ExistKey` / `BatchExistKey` keys: `[hit, miss]`.
+    pub lookups: [Counter; 2],
+}
+
+impl ArmMetrics {
+    /// Adds one answer's tier tally.
+    pub fn add_tally(&self, t: &crate::tiers::Tally) {
+        for tier in 0..4 {
+            for outcome in 0..3 {
+                if t.keys[tier][outcome] > 0 {
+                    self.tier_keys[tier][outcome].inc_by(t.keys[tier][outcome]);
+                }
+                if t.bytes[tier][outcome] > 0 {
+                    self.tier_bytes[tier][outcome].inc_by(t.bytes[tier][outcome]);
+                }
+            }
+        }
+        if t.hits > 0 {
+            self.lookups[0].inc_by(t.hits);
+        }
+        if t.misses > 0 {
+            self.lookups[1].inc_by(t.misses);
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TierLabels {
+    tier: String,
+    outcome: String,
+    arm: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LookupLabels {
+    result: String,
+    arm: String,
 }
 
 /// Handles for the policy layer's metric families.
@@ -224,6 +264,9 @@ pub struct PolicyFamilies {
     arm_requests: Family<ArmMethodLabels, Counter>,
     arm_latency: Family<ArmMethodLabels, Histogram>,
     arm_errors: Family<ArmErrorLabels, Counter>,
+    tier_keys: Family<TierLabels, Counter>,
+    tier_bytes: Family<TierLabels, Counter>,
+    lookups: Family<LookupLabels, Counter>,
     pub active_generation: Gauge,
     pub swaps: Counter,
     pub rollbacks: Counter,
@@ -287,7 +330,30 @@ impl PolicyFamilies {
                     }
                 })
                 .collect(),
+            tier_keys: self.tier_family(&self.tier_keys, arm),
+            tier_bytes: self.tier_family(&self.tier_bytes, arm),
+            lookups: ["hit", "miss"].map(|result| {
+                self.lookups
+                    .get_or_create(&LookupLabels {
+                        result: result.into(),
+                        arm: arm.into(),
+                    })
+                    .clone()
+            }),
         }
+    }
+
+    fn tier_family(&self, f: &Family<TierLabels, Counter>, arm: &str) -> [[Counter; 3]; 4] {
+        crate::tiers::TIERS.map(|tier| {
+            crate::tiers::OUTCOMES.map(|outcome| {
+                f.get_or_create(&TierLabels {
+                    tier: tier.into(),
+                    outcome: outcome.into(),
+                    arm: arm.into(),
+                })
+                .clone()
+            })
+        })
     }
 }
 
@@ -426,6 +492,9 @@ impl Metrics {
             arm_requests: Family::default(),
             arm_latency: Family::new_with_constructor(|| Histogram::new(LATENCY_BUCKETS)),
             arm_errors: Family::default(),
+            tier_keys: Family::default(),
+            tier_bytes: Family::default(),
+            lookups: Family::default(),
             active_generation: Gauge::default(),
             swaps: Counter::default(),
             rollbacks: Counter::default(),
@@ -461,6 +530,23 @@ impl Metrics {
             "moongate_arm_errors",
             "Failed put-family calls by arm (app: ErrorCode per key, incl. policy denials)",
             policy.arm_errors.clone(),
+        );
+        registry.register(
+            "moongate_tier_keys",
+            "Keys in lookup answers (GetReplicaList, BatchGetReplicaList) by replica tier \
+             (memory, disk, local_disk, unknown), outcome (found, not_found, error) and arm; \
+             a found key counts once in each tier it has a replica in",
+            policy.tier_keys.clone(),
+        );
+        registry.register(
+            "moongate_tier_bytes",
+            "Object bytes of found keys in lookup answers, by tier, outcome and arm",
+            policy.tier_bytes.clone(),
+        );
+        registry.register(
+            "moongate_lookup_keys",
+            "ExistKey / BatchExistKey keys by result (hit, miss) and arm",
+            policy.lookups.clone(),
         );
         registry.register(
             "moongate_policy_generation",

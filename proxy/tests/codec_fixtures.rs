@@ -325,3 +325,32 @@ fn a_rewrite_changes_the_width_of_the_whole_message() {
     let (back, _) = Request::decode(m, &body).unwrap().unwrap();
     assert_eq!(back, req);
 }
+
+#[test]
+fn tier_tallies_from_captured_answers() {
+    use moongate::tiers::Tally;
+    let tally = |session: &str, index: u64| {
+        let f = frame(session, index);
+        let (resp, _) = Response::decode(f.method.unwrap(), &f.body)
+            .unwrap()
+            .unwrap();
+        Tally::of(&resp)
+    };
+    // memory + disk replica of one 2000-byte key
+    let t = tally("session_disk_replica", 23);
+    assert_eq!((t.keys[0][0], t.bytes[0][0]), (1, 2000), "memory");
+    assert_eq!((t.keys[1][0], t.bytes[1][0]), (1, 2000), "disk");
+    // a miss
+    let t = tally("session_extended", 53);
+    assert_eq!(t.keys[3][1], 1, "not_found under unknown");
+    // batch_is_exist(["bk0", "bk1", "bk2", "nokey"])
+    let f = load("session_basic")
+        .into_iter()
+        .find(|f| !f.request && f.method == Some(Method::BatchExistKey))
+        .unwrap();
+    let (resp, _) = Response::decode(Method::BatchExistKey, &f.body)
+        .unwrap()
+        .unwrap();
+    let t = Tally::of(&resp);
+    assert_eq!((t.hits, t.misses), (3, 1));
+}

@@ -14,6 +14,8 @@ Roles:
   loop    repeat put/get/is_exist until stdin closes; exit 1 on the first failure.
   demo    a small mixed workload (the README demo) printing a summary.
   hold    mount a segment, print "READY <endpoint>", wait for a line on stdin, close.
+  disk    against a master with --root_fs_dir: put, wait for the disk replica, look
+          it up, probe a hit and a miss.
   place   put each of --count keys (--prefix) one call at a time (so a per-key policy
           decides each), then report every put's return code and where each replica
           landed (segment endpoint, from batch_get_replica_desc).
@@ -239,6 +241,24 @@ def demo(run):
     sys.exit(0 if ok == 200 and hits == 200 and good == 100 else 1)
 
 
+def disk(run):
+    s = run.s
+    run.setup(64 * MiB)
+    run.rec("put", s.put("dk", value("dk", 2000)))
+    tiers = []
+    for _ in range(50):  # the client writes the disk replica in the background
+        tiers = run.desc(s.get_replica_desc("dk"))
+        if any(d["tier"] == "disk" for d in tiers):
+            break
+        time.sleep(0.1)
+    run.rec("tiers", sorted(d["tier"] for d in tiers))
+    run.check_get("dk", 2000)
+    run.rec("is_exist", [s.is_exist("dk"), s.is_exist("nope")])
+    run.rec("get missing", len(s.get("nope")))
+    run.rec("close", s.close())
+    run.finish()
+
+
 def hold(run):
     run.setup(64 * MiB)
     print(f"READY {run.me}", flush=True)
@@ -270,7 +290,7 @@ def place(run):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--role", required=True,
-                   choices=["owner", "reader", "idle", "loop", "demo", "hold", "place"])
+                   choices=["owner", "reader", "idle", "loop", "demo", "hold", "place", "disk"])
     p.add_argument("--master", required=True)
     p.add_argument("--metadata", required=True)
     p.add_argument("--out", required=True)
@@ -281,7 +301,7 @@ def main():
     a = p.parse_args()
     run = Run(a)
     {"owner": owner, "reader": reader, "idle": idle, "loop": loop, "demo": demo,
-     "hold": hold, "place": place}[a.role](run)
+     "hold": hold, "place": place, "disk": disk}[a.role](run)
 
 
 if __name__ == "__main__":

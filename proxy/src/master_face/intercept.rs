@@ -224,6 +224,12 @@ pub fn on_response(
     if let Some(f) = fixup {
         resp = f.apply(resp);
     }
+    if let Some((_, a)) = arm {
+        let tally = crate::tiers::Tally::of(&resp);
+        if !tally.is_empty() {
+            a.metrics.add_tally(&tally);
+        }
+    }
     let errors = resp.error_count() as u64;
     m.error(ErrorKind::app, errors);
     if let Some(am) = am {
