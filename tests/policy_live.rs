@@ -443,3 +443,57 @@ fn guardrail_stops_a_harmful_arm_and_sends_its_traffic_to_control() {
     assert_eq!(mg.metric("moongate_policy_guardrail_stops_total"), 1.0);
     owner.finish();
 }
+
+#[test]
+fn put_budget_denies_with_200_while_exhausted_and_admits_after_refill() {
+    let master = Master::start();
+    let mg = Moongate::start_config(&format!(
+        "[master_face]\nupstream = \"{}\"\n[policy]\nactive = \"budget\"\n{}",
+        master.rpc,
+        // 4 KiB per 1.5 s node-wide; the place role writes 1 KiB values
+        plugin_spec(
+            "budget",
+            "put-budget",
+            r#"{"window_ms": 1500, "node_bytes": 4096}"#
+        ),
+    ));
+    mg.wait_ready(&master);
+    let owner = Background::start("hold", &master.rpc, &master.metadata, &[&master.proc]);
+    let rcs = |r: &Value| -> Vec<i64> {
+        let m = result(r, "rc").as_object().unwrap();
+        // keys are p/0..p/9: report in put order
+        (0..m.len())
+            .map(|i| {
+                m.iter()
+                    .find(|(k, _)| k.ends_with(&format!("/{i}")))
+                    .unwrap()
+                    .1
+                    .as_i64()
+                    .unwrap()
+            })
+            .collect()
+    };
+    let first = place(&mg, &master, "b1/", 10);
+    assert_eq!(
+        rcs(&first),
+        vec![0, 0, 0, 0, -200, -200, -200, -200, -200, -200],
+        "{first}"
+    );
+    std::thread::sleep(std::time::Duration::from_millis(1600));
+    let again = place(&mg, &master, "b2/", 6);
+    assert_eq!(
+        rcs(&again),
+        vec![0, 0, 0, 0, -200, -200],
+        "refilled after the window: {again}"
+    );
+    let m = mg.metrics();
+    assert_eq!(
+        metric_value(
+            &m,
+            "moongate_plugin_counter_total{plugin=\"budget\",name=\"denied_keys\"}"
+        ),
+        8.0,
+        "{m}"
+    );
+    owner.finish();
+}

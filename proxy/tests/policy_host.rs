@@ -130,8 +130,10 @@ fn tier_placement_rewrites_and_denies_by_rule() {
 fn a_trap_is_contained_and_the_next_call_gets_a_fresh_instance() {
     let e = engine();
     let p = load(&e, "fault", "every-3-trap").unwrap();
-    // conformance made call 1; calls 2 ok, 3 traps, then a fresh instance counts anew
+    // traffic starts on a fresh instance (conformance left no state): calls 1, 2 ok,
+    // 3 traps, then a fresh instance counts anew
     let c = wit_call(&put("k", 1));
+    assert!(p.on_put(&c).is_ok());
     assert!(p.on_put(&c).is_ok());
     assert!(matches!(p.on_put(&c), Err(CallError::Trap(_))));
     assert!(p.on_put(&c).is_ok());

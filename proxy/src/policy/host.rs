@@ -106,6 +106,9 @@ pub struct HostState {
     plugin: String,
     sink: Arc<PluginMetricsSink>,
     configuring: bool,
+    /// The pre-flight instance: metric updates are dropped so conformance calls do not
+    /// show up as traffic.
+    muted: bool,
     counters: Vec<Counter>,
     gauges: Vec<Gauge>,
     started: Instant,
@@ -172,12 +175,18 @@ impl moongate::policy::host::Host for HostState {
     }
 
     fn counter_add(&mut self, handle: u32, value: u64) {
+        if self.muted {
+            return;
+        }
         if let Some(c) = self.counters.get(handle as usize) {
             c.inc_by(value);
         }
     }
 
     fn gauge_set(&mut self, handle: u32, value: i64) {
+        if self.muted {
+            return;
+        }
         if let Some(g) = self.gauges.get(handle as usize) {
             g.set(value);
         }
@@ -282,9 +291,12 @@ impl PolicyEngine {
             interest: Mutex::new(Interest::empty()),
             slot: Mutex::new(None),
         });
-        let interest = plugin.instantiate_now()?;
+        let interest = plugin.instantiate_now(true)?;
         *plugin.interest.lock().unwrap_or_else(|p| p.into_inner()) = interest;
         plugin.conformance()?;
+        // Conformance calls must not leave state behind (a budget spent, a table
+        // filled): traffic starts on a fresh instance.
+        *plugin.slot.lock().unwrap_or_else(|p| p.into_inner()) = None;
         Ok(plugin)
     }
 }
@@ -331,8 +343,9 @@ impl Plugin {
         &self.sha256[..12]
     }
 
-    fn new_store(&self) -> Store<HostState> {
+    fn new_store(&self, muted: bool) -> Store<HostState> {
         let state = HostState {
+            muted,
             memory_cap: self.engine.limits.memory_bytes,
             refused_grow: false,
             plugin: self.name.clone(),
@@ -347,9 +360,10 @@ impl Plugin {
         store
     }
 
-    /// Instantiates and configures a fresh instance into the slot.
-    fn instantiate_now(&self) -> Result<Interest, LoadError> {
-        let mut store = self.new_store();
+    /// Instantiates and configures a fresh instance into the slot (`muted`: its metric
+    /// updates are dropped, for the pre-flight instance).
+    fn instantiate_now(&self, muted: bool) -> Result<Interest, LoadError> {
+        let mut store = self.new_store(muted);
         store.set_epoch_deadline(self.deadline_ticks());
         let bindings = self
             .pre
@@ -380,7 +394,7 @@ impl Plugin {
         let mut slot = self.slot.lock().unwrap_or_else(|p| p.into_inner());
         if slot.is_none() {
             drop(slot);
-            self.instantiate_now()
+            self.instantiate_now(false)
                 .map_err(|e| CallError::Unavailable(e.to_string()))?;
             slot = self.slot.lock().unwrap_or_else(|p| p.into_inner());
         }
