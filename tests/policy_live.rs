@@ -497,3 +497,62 @@ fn put_budget_denies_with_200_while_exhausted_and_admits_after_refill() {
     );
     owner.finish();
 }
+
+/// Reads steered by the disk-budget plugin against real disk replicas: offered disk
+/// only (`prefer: disk`), two 2000-byte reads fit the 4000-byte budget, the rest of the
+/// batch is answered not found in key order.
+#[test]
+fn disk_budget_steers_reads_to_disk_and_cuts_the_batch_at_the_budget() {
+    let root = tempdir();
+    let master = Master::start_with(MasterOpts {
+        root_fs_dir: Some(root.path().to_path_buf()),
+        ..Default::default()
+    });
+    let mg = Moongate::start_config(&format!(
+        "[master_face]\nupstream = \"{}\"\n[policy]\nactive = \"steer\"\n{}",
+        master.rpc,
+        plugin_spec(
+            "steer",
+            "disk-budget",
+            r#"{"window_ms": 600000, "disk_bytes": 4000, "prefer": "disk"}"#
+        ),
+    ));
+    mg.wait_ready(&master);
+    let r = run_role(
+        "steer",
+        &mg.listen,
+        &master.metadata,
+        &["--prefix", "s/", "--count", "6", "--idle", "2"],
+        &[&master.proc, &mg.proc],
+    );
+    assert_eq!(result(&r, "puts"), &serde_json::json!([0, 0, 0, 0, 0, 0]));
+    assert_eq!(
+        result(&r, "reads"),
+        &serde_json::json!(["hit", "hit", "miss", "miss", "miss", "miss"]),
+        "{r}"
+    );
+    let m = mg.metrics();
+    let v = |s: &str| metric_value(&m, s);
+    assert_eq!(
+        v("moongate_plugin_gauge{plugin=\"steer\",name=\"disk_bytes_in_window\"}"),
+        4000.0,
+        "{m}"
+    );
+    assert_eq!(
+        v("moongate_plugin_counter_total{plugin=\"steer\",name=\"keys_cut\"}"),
+        4.0
+    );
+    // what the client was offered: disk only, four keys cut to not found
+    assert_eq!(
+        v("moongate_tier_keys_total{tier=\"disk\",outcome=\"found\",arm=\"steer\"}"),
+        2.0
+    );
+    assert_eq!(
+        v("moongate_tier_keys_total{tier=\"memory\",outcome=\"found\",arm=\"steer\"}"),
+        0.0
+    );
+    assert_eq!(
+        v("moongate_tier_keys_total{tier=\"unknown\",outcome=\"not_found\",arm=\"steer\"}"),
+        4.0
+    );
+}

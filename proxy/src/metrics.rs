@@ -176,6 +176,7 @@ struct PolicyLabels {
     plugin: String,
     version: String,
     arm: String,
+    hook: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -210,6 +211,9 @@ pub struct ArmMetrics {
     /// by [`CALL_RESULTS`] index
     pub put_calls: [Counter; 6],
     pub put_latency: Histogram,
+    /// `on-lookup` calls by [`CALL_RESULTS`] index, and their latency.
+    pub lookup_calls: [Counter; 6],
+    pub lookup_latency: Histogram,
     /// by [`DECISIONS`] index
     pub decisions: [Counter; 4],
     /// Decoded requests served by this arm, by [`Method::index`].
@@ -281,23 +285,29 @@ const POLICY_BUCKETS: [f64; 12] = [
 impl PolicyFamilies {
     /// Creates the handles of one arm. Called on activation, never per request.
     pub fn arm(&self, plugin: &str, version: &str, arm: &str) -> ArmMetrics {
-        let pl = |result: &str| PolicyCallLabels {
+        let pl = |hook: &str, result: &str| PolicyCallLabels {
             plugin: plugin.into(),
             version: version.into(),
             arm: arm.into(),
-            hook: "on-put".into(),
+            hook: hook.into(),
             result: result.into(),
         };
-        ArmMetrics {
-            put_calls: CALL_RESULTS.map(|r| self.calls.get_or_create(&pl(r)).clone()),
-            put_latency: self
-                .latency
+        let hist = |hook: &str| {
+            self.latency
                 .get_or_create(&PolicyLabels {
                     plugin: plugin.into(),
                     version: version.into(),
                     arm: arm.into(),
+                    hook: hook.into(),
                 })
-                .clone(),
+                .clone()
+        };
+        ArmMetrics {
+            put_calls: CALL_RESULTS.map(|r| self.calls.get_or_create(&pl("on-put", r)).clone()),
+            put_latency: hist("on-put"),
+            lookup_calls: CALL_RESULTS
+                .map(|r| self.calls.get_or_create(&pl("on-lookup", r)).clone()),
+            lookup_latency: hist("on-lookup"),
             decisions: DECISIONS.map(|d| {
                 self.decisions
                     .get_or_create(&DecisionLabels {
@@ -508,7 +518,7 @@ impl Metrics {
         );
         registry.register(
             "moongate_policy_call_duration_seconds",
-            "Time of one on-put decision through the plugin host",
+            "Time of one hook call (on-put, on-lookup) through the plugin host",
             policy.latency.clone(),
         );
         registry.register(

@@ -16,6 +16,9 @@ Roles:
   hold    mount a segment, print "READY <endpoint>", wait for a line on stdin, close.
   disk    against a master with --root_fs_dir: put, wait for the disk replica, look
           it up, probe a hit and a miss.
+  steer   against a master with --root_fs_dir: put --count 2000-byte keys, give the
+          disk writes --idle seconds, then read them all in one batch (get_batch) and
+          report which came back byte-exact and which as misses.
   place   put each of --count keys (--prefix) one call at a time (so a per-key policy
           decides each), then report every put's return code and where each replica
           landed (segment endpoint, from batch_get_replica_desc).
@@ -259,6 +262,20 @@ def disk(run):
     run.finish()
 
 
+def steer(run):
+    s = run.s
+    a = run.args
+    run.setup(64 * MiB)
+    keys = [f"{a.prefix}{i}" for i in range(a.count)]
+    run.rec("puts", [s.put(k, value(k, 2000)) for k in keys])
+    time.sleep(a.idle)
+    got = s.get_batch(keys)
+    run.rec("reads", ["hit" if bytes(v) == value(k, 2000) else ("miss" if len(v) == 0 else "corrupt")
+                      for k, v in zip(keys, got)])
+    run.rec("close", s.close())
+    run.finish()
+
+
 def hold(run):
     run.setup(64 * MiB)
     print(f"READY {run.me}", flush=True)
@@ -290,7 +307,7 @@ def place(run):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--role", required=True,
-                   choices=["owner", "reader", "idle", "loop", "demo", "hold", "place", "disk"])
+                   choices=["owner", "reader", "idle", "loop", "demo", "hold", "place", "disk", "steer"])
     p.add_argument("--master", required=True)
     p.add_argument("--metadata", required=True)
     p.add_argument("--out", required=True)
@@ -301,7 +318,7 @@ def main():
     a = p.parse_args()
     run = Run(a)
     {"owner": owner, "reader": reader, "idle": idle, "loop": loop, "demo": demo,
-     "hold": hold, "place": place, "disk": disk}[a.role](run)
+     "hold": hold, "place": place, "disk": disk, "steer": steer}[a.role](run)
 
 
 if __name__ == "__main__":

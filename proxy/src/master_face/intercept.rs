@@ -36,6 +36,8 @@ pub struct Decided {
     /// A put-family call the plugin decided (feeds guardrail and `observe`); other
     /// decoded calls are only accounted to the arm that serves their client or key.
     pub decided_by_plugin: bool,
+    /// Keys of a lookup whose answer the arm's plugin steers (`on-lookup`).
+    pub lookup_keys: Option<Vec<Bytes>>,
 }
 
 /// What the connection queues for one request, in request order.
@@ -110,12 +112,22 @@ pub fn on_request(
         set.arms[arm].metrics.requests[req.method().index()]
             .requests
             .inc();
+        let lookup_keys = match &req {
+            Request::GetReplicaList(a) if shared.policy.steers_lookups(&set.arms[arm]) => {
+                Some(vec![a.key.clone()])
+            }
+            Request::BatchGetReplicaList(a) if shared.policy.steers_lookups(&set.arms[arm]) => {
+                Some(a.keys.clone())
+            }
+            _ => None,
+        };
         return Queued::Upstream(Some(Decided {
             set,
             arm,
             fixup: None,
             plugin_failed: false,
             decided_by_plugin: false,
+            lookup_keys,
         }));
     };
     let am = &set.arms[arm].metrics.requests[req.method().index()];
@@ -133,6 +145,7 @@ pub fn on_request(
                 fixup: None,
                 plugin_failed,
                 decided_by_plugin: true,
+                lookup_keys: None,
             }))
         }
         PutAction::Rewrite { request, fixup } => {
@@ -143,6 +156,7 @@ pub fn on_request(
                 fixup,
                 plugin_failed,
                 decided_by_plugin: true,
+                lookup_keys: None,
             }))
         }
         PutAction::Answer(resp) => {
@@ -224,6 +238,10 @@ pub fn on_response(
     if let Some(f) = fixup {
         resp = f.apply(resp);
     }
+    let mut steered = false;
+    if let (Some((_, a)), Some(keys)) = (arm, decided.and_then(|d| d.lookup_keys.as_deref())) {
+        steered = shared.policy.steer_lookup(a, keys, &mut resp);
+    }
     if let Some((_, a)) = arm {
         let tally = crate::tiers::Tally::of(&resp);
         if !tally.is_empty() {
@@ -245,7 +263,7 @@ pub fn on_response(
             .policy
             .observe(a, resp.method().name(), outcome, latency, resp.key_count());
     }
-    if fixup.is_some() || shared.cfg.reencode == Reencode::Always {
+    if fixup.is_some() || steered || shared.cfg.reencode == Reencode::Always {
         let mut body = BytesMut::with_capacity(frame.body.len() + 64);
         resp.encode_body(style, &mut body);
         ResponseFrame {

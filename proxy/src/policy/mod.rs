@@ -187,6 +187,79 @@ impl PutView<'_> {
     }
 }
 
+/// The plugin's view of a lookup answer: the keys asked for and, per key, its replicas'
+/// tiers and sizes in the master's order (keys with an error have none).
+pub fn lookup_call(keys: &[Bytes], resp: &Response) -> Option<wit::LookupCall> {
+    use crate::codec::types::{GetReplicaListResponse, ReplicaLocation};
+    let answers: Vec<&Result<GetReplicaListResponse, ErrorCode>> = match resp {
+        Response::GetReplicaList(r) => vec![r],
+        Response::BatchGetReplicaList(v) => v.iter().collect(),
+        _ => return None,
+    };
+    if answers.len() != keys.len() {
+        return None;
+    }
+    let mut call = wit::LookupCall {
+        keys: pack_keys(keys.iter()),
+        counts: Vec::with_capacity(keys.len()),
+        tiers: Vec::new(),
+        sizes: Vec::new(),
+    };
+    for a in answers {
+        let reps = a.as_ref().map(|l| &l.replicas[..]).unwrap_or(&[]);
+        call.counts.push(reps.len() as u32);
+        for r in reps {
+            let (tier, size) = match &r.location {
+                ReplicaLocation::Memory(d) => (wit::Tier::Memory, d.buffer_descriptor.size),
+                ReplicaLocation::Nof(d) => (wit::Tier::Nof, d.buffer_descriptor.size),
+                ReplicaLocation::Disk(d) => (wit::Tier::Disk, d.object_size),
+                ReplicaLocation::LocalDisk(d) => (wit::Tier::LocalDisk, d.object_size),
+                ReplicaLocation::DistributedFs(d) => (wit::Tier::Dfs, d.object_size),
+            };
+            call.tiers.push(tier);
+            call.sizes.push(size);
+        }
+    }
+    Some(call)
+}
+
+/// Applies a lookup decision: per key, the kept replicas in the plugin's order; a key
+/// with none left is answered OBJECT_NOT_FOUND (the engine recomputes it). Returns
+/// whether anything changed.
+pub fn apply_lookup(resp: &mut Response, keep: &[Vec<u32>]) -> bool {
+    use crate::codec::types::GetReplicaListResponse;
+    fn one(r: &mut Result<GetReplicaListResponse, ErrorCode>, keep: &[u32]) -> bool {
+        let Ok(list) = r else {
+            return false;
+        };
+        if keep.is_empty() {
+            *r = Err(ErrorCode::OBJECT_NOT_FOUND);
+            return true;
+        }
+        let same = keep.len() == list.replicas.len()
+            && keep.iter().enumerate().all(|(i, &k)| i as u32 == k);
+        if !same {
+            let old = std::mem::take(&mut list.replicas);
+            list.replicas = keep
+                .iter()
+                .filter_map(|&i| old.get(i as usize).cloned())
+                .collect();
+        }
+        !same
+    }
+    if keep.is_empty() {
+        return false;
+    }
+    match resp {
+        Response::GetReplicaList(r) => one(r, &keep[0]),
+        Response::BatchGetReplicaList(v) => v
+            .iter_mut()
+            .zip(keep)
+            .fold(false, |changed, (r, k)| one(r, k) | changed),
+        _ => false,
+    }
+}
+
 /// Index into [`crate::metrics::DECISIONS`] of an action.
 pub fn decision_index(a: &PutAction) -> usize {
     match a {
@@ -383,6 +456,65 @@ mod tests {
             admissions: vec![],
         };
         assert!(matches!(put_action(&req, &same), PutAction::Forward));
+    }
+
+    #[test]
+    fn lookup_steering_reorders_drops_and_cuts() {
+        use crate::codec::types::*;
+        let rep = |id: u64, loc: ReplicaLocation| ReplicaDescriptor {
+            id,
+            location: loc,
+            status: ReplicaStatus::COMPLETE,
+        };
+        let disk = |n: u64| {
+            ReplicaLocation::Disk(DiskDescriptor {
+                file_path: Bytes::new(),
+                object_size: n,
+            })
+        };
+        let list = |reps: Vec<ReplicaDescriptor>| {
+            Ok(GetReplicaListResponse {
+                replicas: reps,
+                lease_ttl_ms: 1,
+                object_checksum: None,
+            })
+        };
+        let mut resp = Response::BatchGetReplicaList(vec![
+            list(vec![rep(1, disk(10)), rep(2, disk(20))]),
+            list(vec![rep(3, disk(30))]),
+            Err(ErrorCode::OBJECT_NOT_FOUND),
+        ]);
+        let keys = [
+            Bytes::from_static(b"a"),
+            Bytes::from_static(b"b"),
+            Bytes::from_static(b"c"),
+        ];
+        let call = lookup_call(&keys, &resp).unwrap();
+        assert_eq!(call.counts, vec![2, 1, 0]);
+        assert_eq!(call.sizes, vec![10, 20, 30]);
+        assert!(
+            lookup_call(&keys[..2], &resp).is_none(),
+            "key count must match"
+        );
+        assert!(
+            !apply_lookup(&mut resp.clone(), &[vec![0, 1], vec![0], vec![]]),
+            "identity"
+        );
+        assert!(apply_lookup(&mut resp, &[vec![1], vec![], vec![]]));
+        let Response::BatchGetReplicaList(v) = resp else {
+            unreachable!()
+        };
+        assert_eq!(
+            v[0].as_ref()
+                .unwrap()
+                .replicas
+                .iter()
+                .map(|r| r.id)
+                .collect::<Vec<_>>(),
+            vec![2]
+        );
+        assert_eq!(v[1], Err(ErrorCode::OBJECT_NOT_FOUND));
+        assert_eq!(v[2], Err(ErrorCode::OBJECT_NOT_FOUND));
     }
 
     #[test]

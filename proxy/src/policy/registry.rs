@@ -623,6 +623,50 @@ impl Registry {
         })
     }
 
+    /// Whether the arm's plugin steers lookups.
+    pub fn steers_lookups(&self, arm: &Arm) -> bool {
+        arm.plugin.interest().contains(Interest::LOOKUP)
+    }
+
+    /// Lets the arm's plugin reorder or drop the replicas of a lookup answer for `keys`.
+    /// A failed call applies the fail mode (open: unchanged; closed: every key not
+    /// found). Returns whether the answer changed.
+    pub fn steer_lookup(
+        &self,
+        arm: &Arm,
+        keys: &[Bytes],
+        resp: &mut crate::codec::message::Response,
+    ) -> bool {
+        let Some(call) = super::lookup_call(keys, resp) else {
+            return false;
+        };
+        let started = Instant::now();
+        let result = arm.plugin.on_lookup(&call);
+        arm.metrics
+            .lookup_latency
+            .observe(started.elapsed().as_secs_f64());
+        let keep = match result {
+            Ok(k) => {
+                arm.metrics.lookup_calls[0].inc();
+                k
+            }
+            Err(e) => {
+                let i = CALL_RESULTS
+                    .iter()
+                    .position(|r| *r == e.kind())
+                    .unwrap_or(1);
+                arm.metrics.lookup_calls[i].inc();
+                tracing::warn!(plugin = %arm.plugin.name, arm = %arm.name, error = %e,
+                    fail_mode = ?self.cfg.fail_mode, "lookup steering failed");
+                match self.cfg.fail_mode {
+                    super::FailMode::Open => return false,
+                    super::FailMode::Closed => vec![Vec::new(); call.counts.len()],
+                }
+            }
+        };
+        super::apply_lookup(resp, &keep)
+    }
+
     /// Tells an arm's plugin how a call it decided went, if it asked (`observe`).
     pub fn observe(&self, arm: &Arm, method: &str, outcome: i32, latency: Duration, keys: usize) {
         if !arm.plugin.interest().contains(Interest::OBSERVE) {
