@@ -34,7 +34,7 @@ enum Prefer {
 
 struct DiskBudget {
     cfg: Config,
-    window_start_ns: Option<u64>,
+    window: Window,
     used: u64,
     gauge_used: u32,
     admitted: u32,
@@ -52,10 +52,11 @@ impl Policy for DiskBudget {
         if cfg.window_ms == 0 {
             return Err("disk-budget: window_ms must be > 0".into());
         }
+        let window = Window::new(cfg.window_ms);
         Ok((
             DiskBudget {
                 cfg,
-                window_start_ns: None,
+                window,
                 used: 0,
                 gauge_used: host::register_gauge(
                     "disk_bytes_in_window",
@@ -69,12 +70,7 @@ impl Policy for DiskBudget {
     }
 
     fn on_lookup(&mut self, call: LookupCall) -> Vec<Vec<u32>> {
-        let now = host::now_ns();
-        if self
-            .window_start_ns
-            .is_none_or(|s| now.saturating_sub(s) >= self.cfg.window_ms * 1_000_000)
-        {
-            self.window_start_ns = Some(now);
+        if self.window.roll() {
             self.used = 0;
         }
         let mut out = Vec::with_capacity(call.counts.len());

@@ -27,7 +27,7 @@ struct Config {
 
 struct PutBudget {
     cfg: Config,
-    window_start_ns: Option<u64>,
+    window: Window,
     node_used: u64,
     client_used: BTreeMap<String, u64>,
     gauge_used: u32,
@@ -42,10 +42,11 @@ impl Policy for PutBudget {
         if cfg.window_ms == 0 || cfg.node_bytes == 0 || cfg.client_bytes == Some(0) {
             return Err("put-budget: window_ms, node_bytes and client_bytes must be > 0".into());
         }
+        let window = Window::new(cfg.window_ms);
         Ok((
             PutBudget {
                 cfg,
-                window_start_ns: None,
+                window,
                 node_used: 0,
                 client_used: BTreeMap::new(),
                 gauge_used: host::register_gauge(
@@ -60,12 +61,7 @@ impl Policy for PutBudget {
     }
 
     fn on_put(&mut self, call: PutCall) -> PutDecision {
-        let now = host::now_ns();
-        let expired = self
-            .window_start_ns
-            .is_none_or(|s| now.saturating_sub(s) >= self.cfg.window_ms * 1_000_000);
-        if expired {
-            self.window_start_ns = Some(now);
+        if self.window.roll() {
             self.node_used = 0;
             self.client_used.clear();
         }

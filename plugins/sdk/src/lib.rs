@@ -101,6 +101,35 @@ impl PackedKeys {
     }
 }
 
+/// A fixed-length time window for budgets that refill: a window starts at the first
+/// [`Window::roll`] after the previous one ended.
+pub struct Window {
+    length_ns: u64,
+    start_ns: Option<u64>,
+}
+
+impl Window {
+    pub fn new(length_ms: u64) -> Self {
+        Window {
+            length_ns: length_ms.saturating_mul(1_000_000),
+            start_ns: None,
+        }
+    }
+
+    /// Starts a new window if the current one is over (or none began yet); returns
+    /// true when it did, so the caller resets what it counts per window.
+    pub fn roll(&mut self) -> bool {
+        let now = host::now_ns();
+        let over = self
+            .start_ns
+            .is_none_or(|s| now.saturating_sub(s) >= self.length_ns);
+        if over {
+            self.start_ns = Some(now);
+        }
+        over
+    }
+}
+
 /// Mooncake error codes a policy commonly answers with.
 pub mod error_code {
     /// vLLM's connector skips stores on this one: the backpressure signal.
