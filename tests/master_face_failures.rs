@@ -10,7 +10,7 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use moongate::codec::message::{KeyArgs, Request};
+use moongate::codec::message::{KeyArgs, KeysArgs, Request};
 use moongate::codec::{BodyStyle, Method, RequestHeader};
 use support::*;
 
@@ -316,6 +316,53 @@ fn pipelined_requests_keep_their_order() {
     for &s in &seqs {
         assert_eq!(c.expect_answer(s).0, 0);
     }
+}
+
+/// A burst mixing single calls with batches that moongate splits: every reply is
+/// byte-identical to the master's own answer to the unsplit burst, in order.
+#[test]
+fn split_batches_reply_byte_identical_in_a_pipelined_burst() {
+    let keys = |n: usize, tag: &str| KeysArgs {
+        keys: (0..n).map(|i| Bytes::from(format!("{tag}/{i}"))).collect(),
+        tenant_id: Bytes::from_static(b"default"),
+    };
+    let mut burst = Raw::exist(1, "single");
+    burst.extend(Raw::request(2, &Request::BatchExistKey(keys(5000, "a"))));
+    burst.extend(Raw::exist(3, "single"));
+    burst.extend(Raw::request(
+        4,
+        &Request::BatchGetReplicaList(keys(2500, "b")),
+    ));
+    burst.extend(Raw::request(5, &Request::BatchExistKey(keys(700, "c"))));
+    burst.extend(Raw::service_ready(6));
+    let answers = |addr: &str| {
+        let mut c = Raw::connect(addr);
+        c.send(&burst);
+        (1..=6).map(|seq| c.expect_answer(seq)).collect::<Vec<_>>()
+    };
+    let master = Master::start();
+    let direct = answers(&master.rpc);
+    let mg = Moongate::start_with(&master.rpc, "max_batch_keys = 700");
+    let via = answers(&mg.listen);
+    assert_eq!(direct.len(), via.len());
+    for (seq, (d, v)) in direct.iter().zip(&via).enumerate() {
+        assert!(
+            d == v,
+            "answer {} differs ({} vs {} bytes)",
+            seq + 1,
+            d.1.len(),
+            v.1.len()
+        );
+    }
+    assert_eq!(
+        mg.metric("moongate_batch_parts_total{method=\"BatchExistKey\"}"),
+        8.0,
+        "5,000 keys in 8 parts; 700 keys not split"
+    );
+    assert_eq!(
+        mg.metric("moongate_batch_parts_total{method=\"BatchGetReplicaList\"}"),
+        4.0
+    );
 }
 
 #[test]

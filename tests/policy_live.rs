@@ -556,3 +556,56 @@ fn disk_budget_steers_reads_to_disk_and_cuts_the_batch_at_the_budget() {
         4.0
     );
 }
+
+/// A plugin's `split` hook cuts batch puts where it says (put-budget's `part_bytes`):
+/// 5,000 keys of 1 KiB with parts of at most 1 MiB go upstream as 5 BatchPutStart calls,
+/// and the real client sees the same results as without the cut.
+#[test]
+fn plugin_split_points_cut_batch_puts_and_the_client_sees_one_reply() {
+    let master = Master::start();
+    let mg = Moongate::start_config(&format!(
+        "[master_face]\nupstream = \"{}\"\n[policy]\nactive = \"budget\"\n{}",
+        master.rpc,
+        plugin_spec(
+            "budget",
+            "put-budget",
+            r#"{"window_ms": 1000, "node_bytes": 1099511627776, "part_bytes": 1048576}"#
+        ),
+    ));
+    mg.wait_ready(&master);
+    let r = run_role(
+        "bulk",
+        &mg.listen,
+        &master.metadata,
+        &["--count", "5000", "--prefix", "split/"],
+        &[&master.proc, &mg.proc],
+    );
+    assert_eq!(result(&r, "put_batch"), &Value::from(0), "{r}");
+    assert_eq!(
+        result(&r, "get_batch"),
+        &serde_json::json!({"n": 5000, "ok": 5000}),
+        "{r}"
+    );
+    let m = mg.metrics();
+    let v = |s: &str| metric_value(&m, s);
+    assert_eq!(
+        v("moongate_batch_parts_total{method=\"BatchPutStart\"}"),
+        5.0,
+        "1,024 keys of 1 KiB per part\n{m}"
+    );
+    // Other batches carry no sizes: the plugin leaves them whole.
+    assert_eq!(
+        v("moongate_batch_splits_total{method=\"BatchPutEnd\"}"),
+        0.0
+    );
+    assert_eq!(
+        v("moongate_batch_splits_total{method=\"BatchExistKey\"}"),
+        0.0
+    );
+    assert!(
+        m.contains("moongate_policy_calls_total{plugin=\"budget\"")
+            && m.lines()
+                .any(|l| l.contains("hook=\"split\",result=\"ok\"") && !l.ends_with(" 0")),
+        "split hook calls not counted\n{m}"
+    );
+}

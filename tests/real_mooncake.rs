@@ -209,3 +209,81 @@ fn tier_metrics_count_real_disk_replicas_at_no_extra_rpc() {
         1.0
     );
 }
+
+/// 5,000-key batches from the real client, split into parts of at most 1,000 keys, give
+/// the same results as the unsplit calls to the master, while a second client keeps
+/// heartbeating and calling on its own connections.
+#[test]
+fn split_batches_answer_like_the_unsplit_master() {
+    let args = ["--count", "5000", "--prefix", "bulk/"];
+    let direct_master = Master::start();
+    let direct = run_role(
+        "bulk",
+        &direct_master.rpc,
+        &direct_master.metadata,
+        &args,
+        &[&direct_master.proc],
+    );
+    drop(direct_master);
+    let ops: Vec<&Value> = direct.as_array().unwrap().iter().collect();
+    let get = |name: &str| ops.iter().find(|o| o[0] == name).map(|o| o[1].clone());
+    assert_eq!(get("put_batch"), Some(Value::from(0)), "{direct}");
+    assert_eq!(
+        get("get_batch"),
+        Some(serde_json::json!({"n": 5000, "ok": 5000})),
+        "the direct run itself must read everything back: {direct}"
+    );
+
+    let master = Master::start();
+    let mg = Moongate::start_with(&master.rpc, "max_batch_keys = 1000");
+    mg.wait_ready(&master);
+    let logs = [&master.proc, &mg.proc];
+    let neighbour = Background::start("loop", &mg.listen, &master.metadata, &logs);
+    let via = run_role("bulk", &mg.listen, &master.metadata, &args, &logs);
+    let (st, loop_res) = neighbour.finish();
+    assert!(st.success(), "the neighbour failed meanwhile: {loop_res}");
+    assert_eq!(via, direct, "results through split batches differ");
+
+    let m = mg.metrics();
+    let v = |s: &str| metric_value(&m, s);
+    // put_batch = BatchPutStart + BatchPutEnd; batch_is_exist holds 10,000 keys.
+    for (method, parts) in [
+        ("BatchPutStart", 5.0),
+        ("BatchPutEnd", 5.0),
+        ("BatchExistKey", 10.0),
+    ] {
+        assert!(
+            v(&format!(
+                "moongate_batch_splits_total{{method=\"{method}\"}}"
+            )) >= 1.0,
+            "{method} not split\n{m}"
+        );
+        assert!(
+            v(&format!(
+                "moongate_batch_parts_total{{method=\"{method}\"}}"
+            )) >= parts,
+            "{method}\n{m}"
+        );
+    }
+    assert!(v("moongate_batch_splits_total{method=\"BatchGetReplicaList\"}") >= 1.0);
+    assert_eq!(
+        v("moongate_master_errors_total{method=\"Ping\",kind=\"app\"}"),
+        0.0
+    );
+    for kind in ["rpc", "decode"] {
+        for method in [
+            "BatchPutStart",
+            "BatchPutEnd",
+            "BatchExistKey",
+            "BatchGetReplicaList",
+        ] {
+            assert_eq!(
+                v(&format!(
+                    "moongate_master_errors_total{{method=\"{method}\",kind=\"{kind}\"}}"
+                )),
+                0.0,
+                "{method} {kind}\n{m}"
+            );
+        }
+    }
+}

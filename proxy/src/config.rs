@@ -142,6 +142,9 @@ pub struct MasterFaceConfig {
     /// value; otherwise the received bytes are forwarded) or `always` (every typed frame
     /// goes out re-encoded from its decoded value; proves the codec on live traffic).
     pub reencode: Reencode,
+    /// Batch calls with more keys than this go to the master as several calls of at most
+    /// this many keys, answered as one merged reply; 0 = never split by count.
+    pub max_batch_keys: usize,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
@@ -201,6 +204,7 @@ impl Default for MasterFaceConfig {
             connect_timeout_ms: 3_000,
             idle_timeout_ms: 300_000,
             reencode: Reencode::OnChange,
+            max_batch_keys: 0,
         }
     }
 }

@@ -214,6 +214,9 @@ pub struct ArmMetrics {
     /// `on-lookup` calls by [`CALL_RESULTS`] index, and their latency.
     pub lookup_calls: [Counter; 6],
     pub lookup_latency: Histogram,
+    /// `split` calls by [`CALL_RESULTS`] index, and their latency.
+    pub split_calls: [Counter; 6],
+    pub split_latency: Histogram,
     /// by [`DECISIONS`] index
     pub decisions: [Counter; 4],
     /// Decoded requests served by this arm, by [`Method::index`].
@@ -308,6 +311,8 @@ impl PolicyFamilies {
             lookup_calls: CALL_RESULTS
                 .map(|r| self.calls.get_or_create(&pl("on-lookup", r)).clone()),
             lookup_latency: hist("on-lookup"),
+            split_calls: CALL_RESULTS.map(|r| self.calls.get_or_create(&pl("split", r)).clone()),
+            split_latency: hist("split"),
             decisions: DECISIONS.map(|d| {
                 self.decisions
                     .get_or_create(&DecisionLabels {
@@ -378,6 +383,8 @@ pub struct Metrics {
     pub bytes_to_master: Counter,
     pub bytes_to_client: Counter,
     pub upstream_ready: Gauge,
+    /// Per [`Method::index`]: `(batches split, parts sent)`.
+    splits: Vec<(Counter, Counter)>,
     pub plugins: std::sync::Arc<PluginMetricsSink>,
     pub policy: PolicyFamilies,
 }
@@ -480,6 +487,31 @@ impl Metrics {
             "moongate_upstream_ready",
             "1 while the upstream master answers ServiceReady, else 0",
             upstream_ready.clone(),
+        );
+        let split_batches = Family::<MethodLabel, Counter>::default();
+        let split_parts = Family::<MethodLabel, Counter>::default();
+        let splits = Method::ALL
+            .iter()
+            .map(|m| {
+                let l = MethodLabel {
+                    method: m.name().to_string(),
+                };
+                (
+                    split_batches.get_or_create(&l).clone(),
+                    split_parts.get_or_create(&l).clone(),
+                )
+            })
+            .collect();
+        registry.register(
+            "moongate_batch_splits",
+            "Batch calls sent to the master as several bounded parts (max_batch_keys or a \
+             plugin's split points) and answered as one merged reply",
+            split_batches,
+        );
+        registry.register(
+            "moongate_batch_parts",
+            "Parts sent to the master for split batch calls",
+            split_parts,
         );
         let plugins = std::sync::Arc::new(PluginMetricsSink {
             counters: Family::default(),
@@ -590,6 +622,7 @@ impl Metrics {
             bytes_to_master,
             bytes_to_client,
             upstream_ready,
+            splits,
         }
     }
 
@@ -597,6 +630,13 @@ impl Metrics {
     pub fn method(&self, method: Option<Method>) -> &MethodMetrics {
         let i = method.map_or(METHOD_COUNT, Method::index);
         &self.methods[i]
+    }
+
+    /// Counts one batch call of `method` sent upstream as `parts` parts.
+    pub fn split(&self, method: Method, parts: usize) {
+        let (b, p) = &self.splits[method.index()];
+        b.inc();
+        p.inc_by(parts as u64);
     }
 
     pub fn connection(&self, outcome: ConnOutcome) {

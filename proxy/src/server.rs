@@ -111,6 +111,7 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
         metrics,
         shutdown: shutdown.clone(),
         policy,
+        put_bytes_in_flight: Default::default(),
     });
     let accept = tokio::spawn(master_face::accept_loop(
         master_listener,

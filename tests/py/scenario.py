@@ -19,6 +19,10 @@ Roles:
   steer   against a master with --root_fs_dir: put --count 2000-byte keys, give the
           disk writes --idle seconds, then read them all in one batch (get_batch) and
           report which came back byte-exact and which as misses.
+  bulk    one client, --count keys of 1 KiB in single batch calls: put_batch,
+          batch_is_exist (with as many misses), batch_get_replica_desc, get_batch
+          (byte-exact), get_batch of missing keys. For batch splitting; it leaves other
+          clients' keys alone (no remove_all).
   place   put each of --count keys (--prefix) one call at a time (so a per-key policy
           decides each), then report every put's return code and where each replica
           landed (segment endpoint, from batch_get_replica_desc).
@@ -276,6 +280,34 @@ def steer(run):
     run.finish()
 
 
+def bulk(run):
+    s = run.s
+    a = run.args
+    run.setup(64 * MiB)
+    keys = [f"{a.prefix}{i}" for i in range(a.count)]
+    misses = [f"{a.prefix}miss/{i}" for i in range(a.count)]
+    # Keep the keys in this client's own segment, as an engine with a local segment
+    # does. (Placed in another live client's segment, 0.3.13's put_batch of this size
+    # fails part of the keys with TRANSFER_FAIL, with or without moongate.)
+    from mooncake.store import ReplicateConfig
+    cfg = ReplicateConfig()
+    cfg.preferred_segment = run.me
+    run.rec("put_batch", s.put_batch(keys, [value(k, 1024) for k in keys], cfg))
+    found = s.batch_is_exist(keys + misses)
+    run.rec("batch_is_exist", {"hits": sum(1 for x in found if x == 1),
+                               "misses": sum(1 for x in found if x == 0),
+                               "order": found[:a.count] == [1] * a.count})
+    d = s.batch_get_replica_desc(keys)
+    run.rec("replica_desc", {"keys": len(d), "tiers": sorted({t["tier"] for k in keys
+                                                            for t in run.desc(d.get(k) or [])})})
+    got = s.get_batch(keys)
+    run.rec("get_batch", {"n": len(got), "ok": sum(bytes(v) == value(k, 1024)
+                                                    for k, v in zip(keys, got))})
+    run.rec("get_batch misses", sum(len(v) for v in s.get_batch(misses[:100])))
+    run.rec("close", s.close())
+    run.finish()
+
+
 def hold(run):
     run.setup(64 * MiB)
     print(f"READY {run.me}", flush=True)
@@ -307,7 +339,7 @@ def place(run):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--role", required=True,
-                   choices=["owner", "reader", "idle", "loop", "demo", "hold", "place", "disk", "steer"])
+                   choices=["owner", "reader", "idle", "loop", "demo", "hold", "place", "disk", "steer", "bulk"])
     p.add_argument("--master", required=True)
     p.add_argument("--metadata", required=True)
     p.add_argument("--out", required=True)
@@ -318,7 +350,7 @@ def main():
     a = p.parse_args()
     run = Run(a)
     {"owner": owner, "reader": reader, "idle": idle, "loop": loop, "demo": demo,
-     "hold": hold, "place": place, "disk": disk, "steer": steer}[a.role](run)
+     "hold": hold, "place": place, "disk": disk, "steer": steer, "bulk": bulk}[a.role](run)
 
 
 if __name__ == "__main__":

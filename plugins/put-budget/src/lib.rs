@@ -3,9 +3,12 @@
 //! and denies the rest with NO_AVAILABLE_HANDLE (-200), which vLLM's connector treats
 //! as "skip this store". Keys are admitted in the order the call lists them.
 //!
-//! Config (JSON): `{"window_ms": 1000, "node_bytes": 1073741824, "client_bytes": 268435456}`
-//! (`client_bytes` optional: no per-client limit). A window starts with the first put
-//! after the previous one ended; budgets refill at its end.
+//! Config (JSON): `{"window_ms": 1000, "node_bytes": 1073741824, "client_bytes": 268435456,
+//! "part_bytes": 67108864}` (`client_bytes` optional: no per-client limit). A window
+//! starts with the first put after the previous one ended; budgets refill at its end.
+//! `part_bytes` (optional) also cuts every batch put into parts of at most that many
+//! value bytes on their way to the master (the `split` hook); the client still gets one
+//! reply.
 //!
 //! Metrics: `moongate_plugin_gauge{name="node_bytes_in_window"}`,
 //! `moongate_plugin_counter_total{name="denied_keys"}` and `{name="denied_bytes"}`.
@@ -23,6 +26,7 @@ struct Config {
     window_ms: u64,
     node_bytes: u64,
     client_bytes: Option<u64>,
+    part_bytes: Option<u64>,
 }
 
 struct PutBudget {
@@ -39,9 +43,20 @@ impl Policy for PutBudget {
     fn new(config: &[u8]) -> Result<(Self, Interest), String> {
         let cfg: Config =
             serde_json::from_slice(config).map_err(|e| format!("put-budget config: {e}"))?;
-        if cfg.window_ms == 0 || cfg.node_bytes == 0 || cfg.client_bytes == Some(0) {
-            return Err("put-budget: window_ms, node_bytes and client_bytes must be > 0".into());
+        if cfg.window_ms == 0
+            || cfg.node_bytes == 0
+            || cfg.client_bytes == Some(0)
+            || cfg.part_bytes == Some(0)
+        {
+            return Err(
+                "put-budget: window_ms, node_bytes, client_bytes and part_bytes must be > 0".into(),
+            );
         }
+        let interest = if cfg.part_bytes.is_some() {
+            Interest::PUT | Interest::BATCH_SPLIT
+        } else {
+            Interest::PUT
+        };
         let window = Window::new(cfg.window_ms);
         Ok((
             PutBudget {
@@ -56,8 +71,15 @@ impl Policy for PutBudget {
                 denied_keys: host::register_counter("denied_keys", "keys refused for budget")?,
                 denied_bytes: host::register_counter("denied_bytes", "bytes refused for budget")?,
             },
-            Interest::PUT,
+            interest,
         ))
+    }
+
+    fn split(&mut self, call: SplitCall) -> Vec<u32> {
+        match self.cfg.part_bytes {
+            Some(max) => split_by_bytes(&call.sizes, max),
+            None => Vec::new(),
+        }
     }
 
     fn on_put(&mut self, call: PutCall) -> PutDecision {

@@ -67,6 +67,21 @@ pub trait Policy: Sized + 'static {
     fn observe(&mut self, _event: Observation) {}
 }
 
+/// Split points that cut a batch into parts of at most `max_bytes` each, in key order
+/// (a key larger than `max_bytes` is a part of its own). For [`Policy::split`].
+pub fn split_by_bytes(sizes: &[u64], max_bytes: u64) -> Vec<u32> {
+    let mut points = Vec::new();
+    let mut part = 0u64;
+    for (i, &size) in sizes.iter().enumerate() {
+        if i > 0 && part > 0 && part.saturating_add(size) > max_bytes {
+            points.push(i as u32);
+            part = 0;
+        }
+        part = part.saturating_add(size);
+    }
+    points
+}
+
 impl PutDecision {
     /// Keep the config, admit every key.
     pub fn admit_all() -> Self {

@@ -461,6 +461,130 @@ impl Response {
     }
 }
 
+/// The `[start, end)` ranges that `starts` (rising split points, each in `1..len`)
+/// cut `0..len` into.
+fn ranges(starts: &[usize], len: usize) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::with_capacity(starts.len() + 1);
+    let mut at = 0;
+    for &s in starts.iter().chain(std::iter::once(&len)) {
+        out.push(at..s);
+        at = s;
+    }
+    out
+}
+
+impl Request {
+    /// Cuts a batch request into sub-requests of the same method, one per range that
+    /// `starts` opens (indexes where a new part begins), every other field copied. `None`
+    /// for a method that is not a batch, for split points that do not rise strictly
+    /// inside `1..keys`, or for a put whose per-key vectors disagree in length.
+    pub fn split_at(&self, starts: &[usize]) -> Option<Vec<Request>> {
+        let n = self.key_count();
+        if starts.is_empty()
+            || starts.windows(2).any(|w| w[0] >= w[1])
+            || starts[0] == 0
+            || starts[starts.len() - 1] >= n
+        {
+            return None;
+        }
+        let parts = ranges(starts, n);
+        Some(match self {
+            Request::BatchPutStart(a) | Request::BatchUpsertStart(a) => {
+                if a.slice_lengths.len() != a.keys.len() {
+                    return None;
+                }
+                let upsert = matches!(self, Request::BatchUpsertStart(_));
+                parts
+                    .into_iter()
+                    .map(|r| {
+                        let p = BatchPutStartArgs {
+                            client_id: a.client_id,
+                            keys: a.keys[r.clone()].to_vec(),
+                            slice_lengths: a.slice_lengths[r].to_vec(),
+                            config: a.config.clone(),
+                            tenant_id: a.tenant_id.clone(),
+                        };
+                        if upsert {
+                            Request::BatchUpsertStart(p)
+                        } else {
+                            Request::BatchPutStart(p)
+                        }
+                    })
+                    .collect()
+            }
+            Request::BatchPutEnd(a) => parts
+                .into_iter()
+                .map(|r| {
+                    Request::BatchPutEnd(BatchPutEndArgs {
+                        client_id: a.client_id,
+                        object_metas: a.object_metas[r].to_vec(),
+                        replica_type: a.replica_type,
+                        tenant_id: a.tenant_id.clone(),
+                    })
+                })
+                .collect(),
+            Request::BatchUpsertEnd(a) => parts
+                .into_iter()
+                .map(|r| {
+                    Request::BatchUpsertEnd(BatchUpsertEndArgs {
+                        client_id: a.client_id,
+                        object_metas: a.object_metas[r].to_vec(),
+                        tenant_id: a.tenant_id.clone(),
+                    })
+                })
+                .collect(),
+            Request::BatchPutRevoke(a) => parts
+                .into_iter()
+                .map(|r| {
+                    Request::BatchPutRevoke(BatchPutRevokeArgs {
+                        client_id: a.client_id,
+                        keys: a.keys[r].to_vec(),
+                        replica_type: a.replica_type,
+                        tenant_id: a.tenant_id.clone(),
+                    })
+                })
+                .collect(),
+            Request::BatchGetReplicaList(a) | Request::BatchExistKey(a) => {
+                let exist = matches!(self, Request::BatchExistKey(_));
+                parts
+                    .into_iter()
+                    .map(|r| {
+                        let p = KeysArgs {
+                            keys: a.keys[r].to_vec(),
+                            tenant_id: a.tenant_id.clone(),
+                        };
+                        if exist {
+                            Request::BatchExistKey(p)
+                        } else {
+                            Request::BatchGetReplicaList(p)
+                        }
+                    })
+                    .collect()
+            }
+            _ => return None,
+        })
+    }
+}
+
+impl Response {
+    /// Appends the per-key results of `part` (the answer to the next sub-request of a
+    /// split batch) to this one; the merged reply is the master's answer to the unsplit
+    /// batch. `Err(part)` when the two are not answers of the same batch method.
+    pub fn append(&mut self, part: Response) -> Result<(), Response> {
+        match (self, part) {
+            (Response::BatchPutStart(v), Response::BatchPutStart(p))
+            | (Response::BatchUpsertStart(v), Response::BatchUpsertStart(p)) => v.extend(p),
+            (Response::BatchPutEnd(v), Response::BatchPutEnd(p))
+            | (Response::BatchPutRevoke(v), Response::BatchPutRevoke(p))
+            | (Response::BatchUpsertEnd(v), Response::BatchUpsertEnd(p)) => v.extend(p),
+            (Response::BatchGetReplicaList(v), Response::BatchGetReplicaList(p)) => v.extend(p),
+            (Response::BatchExistKey(v), Response::BatchExistKey(p)) => v.extend(p),
+            (_, p) => return Err(p),
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -580,5 +704,64 @@ mod tests {
         let mut out = BytesMut::new();
         wide.encode_body(BodyStyle::MOONCAKE, &mut out);
         assert_eq!(RpcError::decode(255, &out.freeze()).unwrap().0, wide);
+    }
+
+    #[test]
+    fn split_parts_merge_back_to_the_unsplit_batch() {
+        let keys: Vec<Bytes> = (0..700).map(|i| Bytes::from(format!("k{i}"))).collect();
+        let req = Request::BatchPutStart(BatchPutStartArgs {
+            client_id: Uuid {
+                first: 7,
+                second: 9,
+            },
+            keys: keys.clone(),
+            slice_lengths: (0..700).collect(),
+            config: ReplicateConfig::default(),
+            tenant_id: Bytes::from_static(b"t"),
+        });
+        let parts = req.split_at(&[256, 512]).unwrap();
+        assert_eq!(
+            parts.iter().map(Request::key_count).collect::<Vec<_>>(),
+            [256, 256, 188]
+        );
+        let Request::BatchPutStart(last) = &parts[2] else {
+            panic!("method changed")
+        };
+        assert_eq!((&last.keys[0], last.slice_lengths[0]), (&keys[512], 512));
+        // A part below 256 keys narrows the size width; the merged reply widens again.
+        let whole: Vec<Expected<bool>> = (0..700)
+            .map(|i| {
+                if i % 3 == 0 {
+                    Err(ErrorCode(-704))
+                } else {
+                    Ok(i % 2 == 0)
+                }
+            })
+            .collect();
+        let mut merged = Response::BatchExistKey(whole[..256].to_vec());
+        merged
+            .append(Response::BatchExistKey(whole[256..512].to_vec()))
+            .unwrap();
+        merged
+            .append(Response::BatchExistKey(whole[512..].to_vec()))
+            .unwrap();
+        let (mut a, mut b) = (BytesMut::new(), BytesMut::new());
+        merged.encode_body(BodyStyle::MOONCAKE, &mut a);
+        Response::BatchExistKey(whole).encode_body(BodyStyle::MOONCAKE, &mut b);
+        assert_eq!(a, b);
+        assert!(merged.append(Response::BatchPutEnd(vec![])).is_err());
+    }
+
+    #[test]
+    fn split_refuses_bad_points_and_single_calls() {
+        let req = Request::BatchExistKey(KeysArgs {
+            keys: vec![Bytes::from_static(b"a"), Bytes::from_static(b"b")],
+            tenant_id: Bytes::new(),
+        });
+        for bad in [&[][..], &[0], &[2], &[1, 1]] {
+            assert!(req.split_at(bad).is_none(), "{bad:?}");
+        }
+        assert_eq!(req.split_at(&[1]).unwrap().len(), 2);
+        assert!(sample_request(Method::PutStart).split_at(&[1]).is_none());
     }
 }

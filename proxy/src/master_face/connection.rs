@@ -29,7 +29,8 @@ use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::Shared;
-use super::intercept::{Decided, Queued, on_request, on_response};
+use super::intercept::{Decided, Queued, on_merged, on_request, on_response};
+use super::split::Merge;
 use crate::codec::frame::{check_request, check_response};
 use crate::codec::{FrameError, Method, RequestFrame, ResponseFrame};
 use crate::metrics::{FrameErrorKind, Side};
@@ -86,6 +87,18 @@ impl Queue {
                 out.extend_from_slice(&b);
                 self.space.add_permits(1);
             }
+        }
+    }
+    /// The seq, part count and method of the head entry when it is a split batch call.
+    fn head_split(&self) -> Option<(u32, usize, Method)> {
+        match self.q.lock().unwrap_or_else(|p| p.into_inner()).front() {
+            Some(InFlight::Upstream {
+                seq,
+                method: Some(method),
+                decided: Some(d),
+                ..
+            }) if d.parts > 1 => Some((*seq, d.parts, *method)),
+            _ => None,
         }
     }
     fn len(&self) -> usize {
@@ -338,6 +351,7 @@ async fn master_to_client(
     let mut buf = BytesMut::with_capacity(READ_CHUNK);
     let mut out = BytesMut::with_capacity(READ_CHUNK);
     let mut client_gone = false;
+    let mut merge = Merge::default();
     loop {
         queue.drain_local(&mut out);
         if let Err(e) = flush(&mut cw, &mut out, &shared.metrics.bytes_to_client).await {
@@ -375,6 +389,15 @@ async fn master_to_client(
             let (frame, raw) = ResponseFrame::split(&mut buf, h);
             // Answers moongate gave itself for earlier requests go first.
             queue.drain_local(&mut out);
+            // The answers to the parts of a split batch come back to back; the entry
+            // leaves the queue with the last one.
+            let split = queue.head_split().filter(|(seq, ..)| *seq == h.seq_num);
+            if let Some((_, parts, method)) = split {
+                merge.add(method, &frame, &raw);
+                if merge.got < parts {
+                    continue;
+                }
+            }
             match queue.pop() {
                 Some(InFlight::Upstream {
                     seq,
@@ -388,19 +411,32 @@ async fn master_to_client(
                         .method(method)
                         .latency
                         .observe(latency.as_secs_f64());
-                    on_response(
-                        &frame,
-                        &raw,
-                        method,
-                        decided.as_ref(),
-                        latency,
-                        shared,
-                        &mut out,
-                    );
+                    if split.is_some() {
+                        on_merged(
+                            seq,
+                            std::mem::take(&mut merge).finish(seq),
+                            method,
+                            decided.as_ref(),
+                            latency,
+                            shared,
+                            &mut out,
+                        );
+                    } else {
+                        on_response(
+                            &frame,
+                            &raw,
+                            method,
+                            decided.as_ref(),
+                            latency,
+                            shared,
+                            &mut out,
+                        );
+                    }
                 }
                 other => {
                     // Not what the master does; relay and let the client judge (it closes
                     // the connection on a seq it does not know).
+                    merge = Merge::default();
                     shared
                         .metrics
                         .frame_error(Side::upstream, FrameErrorKind::unmatched_seq);

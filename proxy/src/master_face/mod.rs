@@ -7,6 +7,7 @@
 
 pub mod connection;
 pub mod intercept;
+pub mod split;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,6 +28,9 @@ pub struct Shared {
     pub shutdown: CancellationToken,
     /// The policies deciding on put-family calls.
     pub policy: Arc<crate::policy::registry::Registry>,
+    /// Bytes of put-family starts forwarded and not yet answered, across connections
+    /// (what a `split` plugin sees as in flight).
+    pub put_bytes_in_flight: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// Accepts client connections until `shared.shutdown` is cancelled. Connection tasks are

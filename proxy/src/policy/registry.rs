@@ -667,6 +667,56 @@ impl Registry {
         super::apply_lookup(resp, &keep)
     }
 
+    /// Whether the arm's plugin chooses batch split points (`split`).
+    pub fn splits_batches(&self, arm: &Arm) -> bool {
+        arm.plugin.interest().contains(Interest::BATCH_SPLIT)
+    }
+
+    /// Asks the arm's plugin where to cut a batch whose keys weigh `sizes` bytes (0 where
+    /// the request does not say), given the bytes of split put batches now in flight on
+    /// this node and the configured limit. A failed call (either fail mode) splits
+    /// nothing: splitting only changes how the batch travels, never its answer.
+    pub fn split_points(
+        &self,
+        arm: &Arm,
+        sizes: Vec<u64>,
+        in_flight: u64,
+        limit: u64,
+    ) -> Vec<usize> {
+        let call = super::host::wit::SplitCall {
+            sizes,
+            budget: super::host::wit::BudgetState {
+                in_flight_bytes: in_flight,
+                limit_bytes: limit,
+            },
+        };
+        let started = Instant::now();
+        let result = arm.plugin.split(&call);
+        arm.metrics
+            .split_latency
+            .observe(started.elapsed().as_secs_f64());
+        match result {
+            Ok(points) => {
+                arm.metrics.split_calls[0].inc();
+                points
+                    .into_iter()
+                    .filter(|&p| p > 0)
+                    .map(|p| p as usize)
+                    .collect()
+            }
+            Err(e) => {
+                let i = CALL_RESULTS
+                    .iter()
+                    .position(|r| *r == e.kind())
+                    .unwrap_or(1);
+                arm.metrics.split_calls[i].inc();
+                tracing::warn!(plugin = %arm.plugin.name, arm = %arm.name, error = %e,
+                    "batch split call failed; batch left whole");
+                Vec::new()
+            }
+        }
+    }
+
     /// Tells an arm's plugin how a call it decided went, if it asked (`observe`).
     pub fn observe(&self, arm: &Arm, method: &str, outcome: i32, latency: Duration, keys: usize) {
         if !arm.plugin.interest().contains(Interest::OBSERVE) {
