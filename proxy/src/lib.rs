@@ -11,6 +11,7 @@
 pub mod admin;
 pub mod codec;
 pub mod config;
+pub mod eviction;
 pub mod master_face;
 pub mod metrics;
 pub mod policy;

@@ -217,6 +217,9 @@ pub struct ArmMetrics {
     /// `split` calls by [`CALL_RESULTS`] index, and their latency.
     pub split_calls: [Counter; 6],
     pub split_latency: Histogram,
+    /// `evict` calls by [`CALL_RESULTS`] index, and their latency.
+    pub evict_calls: [Counter; 6],
+    pub evict_latency: Histogram,
     /// by [`DECISIONS`] index
     pub decisions: [Counter; 4],
     /// Decoded requests served by this arm, by [`Method::index`].
@@ -261,6 +264,93 @@ struct TierLabels {
 struct LookupLabels {
     result: String,
     arm: String,
+}
+
+/// What started an eviction round, in label order.
+pub const EVICTION_TRIGGERS: [&str; 2] = ["usage", "denials"];
+/// What became of an eviction candidate moongate acted on, in label order.
+pub const EVICTION_RESULTS: [&str; 4] = ["removed", "leased", "not_found", "error"];
+/// Where an eviction round failed, in label order.
+pub const EVICTION_STAGES: [&str; 2] = ["usage", "remove"];
+
+/// Handles of the evictor (registered even when eviction is off, so dashboards see 0).
+pub struct EvictionMetrics {
+    /// by [`EVICTION_TRIGGERS`] index
+    pub rounds: [Counter; 2],
+    /// by [`EVICTION_RESULTS`] index
+    pub keys: [Counter; 4],
+    pub removed_bytes: Counter,
+    /// by [`EVICTION_STAGES`] index
+    pub errors: [Counter; 2],
+    pub table_keys: Gauge,
+    /// Master memory usage (allocated / capacity) in parts per million at the last read.
+    pub usage_ppm: Gauge,
+}
+
+impl EvictionMetrics {
+    fn register(registry: &mut Registry) -> EvictionMetrics {
+        fn family<const N: usize>(
+            registry: &mut Registry,
+            name: &str,
+            help: &str,
+            key: &'static str,
+            values: [&'static str; N],
+        ) -> [Counter; N] {
+            // One label whose name varies by family: a one-pair label set.
+            let f = Family::<[(&'static str, &'static str); 1], Counter>::default();
+            registry.register(name, help, f.clone());
+            values.map(|value| f.get_or_create(&[(key, value)]).clone())
+        }
+        let rounds = family(
+            registry,
+            "moongate_eviction_rounds",
+            "Eviction rounds by trigger (usage: master memory over eviction.high_watermark; \
+             denials: the master refused puts with NO_AVAILABLE_HANDLE)",
+            "trigger",
+            EVICTION_TRIGGERS,
+        );
+        let keys = family(
+            registry,
+            "moongate_eviction_keys",
+            "Eviction victims by result (removed; leased: a reader holds a lease, kept; \
+             not_found: already gone, forgotten; error)",
+            "result",
+            EVICTION_RESULTS,
+        );
+        let errors = family(
+            registry,
+            "moongate_eviction_errors",
+            "Eviction rounds cut short, by stage (usage read, removals)",
+            "stage",
+            EVICTION_STAGES,
+        );
+        let removed_bytes = Counter::default();
+        registry.register(
+            "moongate_eviction_removed_bytes",
+            "Bytes of keys moongate removed",
+            removed_bytes.clone(),
+        );
+        let table_keys = Gauge::default();
+        registry.register(
+            "moongate_eviction_table_keys",
+            "Keys in moongate's eviction table",
+            table_keys.clone(),
+        );
+        let usage_ppm = Gauge::default();
+        registry.register(
+            "moongate_master_memory_usage_ppm",
+            "Master memory allocated / capacity, parts per million, at the last read",
+            usage_ppm.clone(),
+        );
+        EvictionMetrics {
+            rounds,
+            keys,
+            removed_bytes,
+            errors,
+            table_keys,
+            usage_ppm,
+        }
+    }
 }
 
 /// Handles for the policy layer's metric families.
@@ -313,6 +403,8 @@ impl PolicyFamilies {
             lookup_latency: hist("on-lookup"),
             split_calls: CALL_RESULTS.map(|r| self.calls.get_or_create(&pl("split", r)).clone()),
             split_latency: hist("split"),
+            evict_calls: CALL_RESULTS.map(|r| self.calls.get_or_create(&pl("evict", r)).clone()),
+            evict_latency: hist("evict"),
             decisions: DECISIONS.map(|d| {
                 self.decisions
                     .get_or_create(&DecisionLabels {
@@ -385,6 +477,7 @@ pub struct Metrics {
     pub upstream_ready: Gauge,
     /// Per [`Method::index`]: `(batches split, parts sent)`.
     splits: Vec<(Counter, Counter)>,
+    pub eviction: EvictionMetrics,
     pub plugins: std::sync::Arc<PluginMetricsSink>,
     pub policy: PolicyFamilies,
 }
@@ -513,6 +606,7 @@ impl Metrics {
             "Parts sent to the master for split batch calls",
             split_parts,
         );
+        let eviction = EvictionMetrics::register(&mut registry);
         let plugins = std::sync::Arc::new(PluginMetricsSink {
             counters: Family::default(),
             gauges: Family::default(),
@@ -623,6 +717,7 @@ impl Metrics {
             bytes_to_client,
             upstream_ready,
             splits,
+            eviction,
         }
     }
 

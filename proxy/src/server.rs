@@ -106,12 +106,24 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
         "moongate listening"
     );
     let admin_task = tokio::spawn(admin::serve(admin_listener, state, shutdown.clone()));
+    let eviction = cfg.eviction.enabled.then(|| {
+        let ev = crate::eviction::Eviction::new(cfg.eviction.clone(), metrics.clone());
+        tokio::spawn(ev.clone().run(
+            policy.clone(),
+            cfg.master_face.upstream.clone(),
+            shutdown.clone(),
+        ));
+        tracing::info!(master_metrics = %cfg.eviction.master_metrics_url,
+            high_watermark = cfg.eviction.high_watermark, "eviction on");
+        ev
+    });
     let shared = Arc::new(Shared {
         cfg: cfg.master_face.clone(),
         metrics,
         shutdown: shutdown.clone(),
         policy,
         put_bytes_in_flight: Default::default(),
+        eviction,
     });
     let accept = tokio::spawn(master_face::accept_loop(
         master_listener,

@@ -1,5 +1,6 @@
 //! moongate's own calls to the master, on connections of its own (never a client's: seq
-//! numbers are per connection). Today: the readiness probe.
+//! numbers are per connection): the readiness probe, typed calls for eviction (probes
+//! and removals), and the master's memory usage from its Prometheus endpoint.
 
 use std::time::Duration;
 
@@ -57,5 +58,238 @@ async fn service_ready_inner(upstream: &str) -> Result<Bytes, ProbeError> {
         Some(Ok((Response::ServiceReady(Ok(v)), _))) => Ok(v),
         Some(Ok((Response::ServiceReady(Err(code)), _))) => Err(ProbeError::Refused(code)),
         _ => Err(ProbeError::Undecodable),
+    }
+}
+
+/// Errors of moongate's own calls on its own connections.
+#[derive(Debug, Error)]
+pub enum CallError {
+    #[error("cannot reach the master: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("the master did not answer within {0:?}")]
+    Timeout(Duration),
+    #[error("bad frame from the master: {0}")]
+    Frame(#[from] crate::codec::FrameError),
+    #[error("the master closed the connection with {0} calls unanswered")]
+    Closed(usize),
+    #[error("the answer to {0} did not decode")]
+    Undecodable(Method),
+}
+
+/// One call's outcome: the decoded answer, or the transport error code the master sent.
+pub type Answer = Result<Response, u8>;
+
+/// A connection of moongate's own to the master, for typed calls (eviction probes and
+/// removals). Calls are pipelined: all requests go out in one write, answers are read
+/// in request order.
+pub struct Conn {
+    s: TcpStream,
+    seq: u32,
+    buf: BytesMut,
+}
+
+/// Largest answer accepted on moongate's own connections (a 5,000-key batch answer is
+/// ~1 MiB).
+const OWN_MAX_FRAME: u64 = 64 << 20;
+
+impl Conn {
+    pub async fn connect(upstream: &str, timeout: Duration) -> Result<Conn, CallError> {
+        let s = tokio::time::timeout(timeout, TcpStream::connect(upstream))
+            .await
+            .map_err(|_| CallError::Timeout(timeout))??;
+        let _ = s.set_nodelay(true);
+        Ok(Conn {
+            s,
+            seq: 0,
+            buf: BytesMut::with_capacity(64 << 10),
+        })
+    }
+
+    /// Sends `reqs` pipelined and returns their answers in order.
+    pub async fn call_all(
+        &mut self,
+        reqs: &[crate::codec::message::Request],
+        timeout: Duration,
+    ) -> Result<Vec<Answer>, CallError> {
+        tokio::time::timeout(timeout, self.call_all_inner(reqs))
+            .await
+            .map_err(|_| CallError::Timeout(timeout))?
+    }
+
+    async fn call_all_inner(
+        &mut self,
+        reqs: &[crate::codec::message::Request],
+    ) -> Result<Vec<Answer>, CallError> {
+        let mut out = BytesMut::new();
+        let first = self.seq;
+        for r in reqs {
+            let mut body = BytesMut::new();
+            r.encode_body(crate::codec::BodyStyle::MOONCAKE, &mut body);
+            RequestHeader::new(self.seq, r.method().function_id(), body.len() as u32)
+                .write(&mut out);
+            out.extend_from_slice(&body);
+            self.seq = self.seq.wrapping_add(1);
+        }
+        self.s.write_all(&out).await?;
+        let mut answers = Vec::with_capacity(reqs.len());
+        while answers.len() < reqs.len() {
+            let h = match crate::codec::frame::check_response(&self.buf, OWN_MAX_FRAME)? {
+                Some(h) => h,
+                None => {
+                    if self.s.read_buf(&mut self.buf).await? == 0 {
+                        return Err(CallError::Closed(reqs.len() - answers.len()));
+                    }
+                    continue;
+                }
+            };
+            let (frame, _) = crate::codec::ResponseFrame::split(&mut self.buf, h);
+            let i = answers.len();
+            debug_assert_eq!(h.seq_num, first.wrapping_add(i as u32));
+            let method = reqs[i].method();
+            if h.err_code != errc::OK {
+                answers.push(Err(h.err_code));
+                continue;
+            }
+            match Response::decode(method, &frame.body) {
+                Some(Ok((r, _))) => answers.push(Ok(r)),
+                _ => return Err(CallError::Undecodable(method)),
+            }
+        }
+        Ok(answers)
+    }
+}
+
+/// `http://HOST:PORT/PATH`, the only form the master's metrics endpoint takes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetricsUrl {
+    pub authority: String,
+    pub path: String,
+}
+
+impl MetricsUrl {
+    pub fn parse(url: &str) -> Option<MetricsUrl> {
+        let rest = url.strip_prefix("http://")?;
+        let (authority, path) = match rest.find('/') {
+            Some(i) => (&rest[..i], &rest[i..]),
+            None => (rest, "/metrics"),
+        };
+        let (host, port) = authority.rsplit_once(':')?;
+        if host.is_empty() || port.parse::<u16>().is_err() {
+            return None;
+        }
+        Some(MetricsUrl {
+            authority: authority.to_string(),
+            path: path.to_string(),
+        })
+    }
+}
+
+/// The master's memory usage, from its Prometheus endpoint.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Usage {
+    pub allocated_bytes: u64,
+    pub capacity_bytes: u64,
+}
+
+#[derive(Debug, Error)]
+pub enum UsageError {
+    #[error("cannot reach the master's metrics endpoint: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("metrics endpoint: {0}")]
+    Http(#[from] hyper::Error),
+    #[error("metrics endpoint answered {0}")]
+    Status(u16),
+    #[error("the master's metrics endpoint did not answer within {0:?}")]
+    Timeout(Duration),
+    #[error("no {0} sample in the master's metrics")]
+    Missing(&'static str),
+}
+
+/// Reads `master_allocated_bytes` and `master_total_capacity_bytes`.
+pub async fn master_usage(url: &MetricsUrl, timeout: Duration) -> Result<Usage, UsageError> {
+    tokio::time::timeout(timeout, master_usage_inner(url))
+        .await
+        .map_err(|_| UsageError::Timeout(timeout))?
+}
+
+async fn master_usage_inner(url: &MetricsUrl) -> Result<Usage, UsageError> {
+    use http_body_util::{BodyExt, Empty, Limited};
+    let s = TcpStream::connect(&url.authority).await?;
+    let (mut send, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(s)).await?;
+    let driver = tokio::spawn(conn);
+    let req = hyper::Request::get(url.path.as_str())
+        .header(hyper::header::HOST, url.authority.as_str())
+        .body(Empty::<Bytes>::new())
+        .map_err(|_| UsageError::Status(0))?;
+    let resp = send.send_request(req).await?;
+    if !resp.status().is_success() {
+        driver.abort();
+        return Err(UsageError::Status(resp.status().as_u16()));
+    }
+    // The master's page is a few KiB; a bound keeps a wrong URL from filling memory.
+    let body = Limited::new(resp.into_body(), 4 << 20)
+        .collect()
+        .await
+        .map_err(|_| UsageError::Status(413))?
+        .to_bytes();
+    driver.abort();
+    parse_usage(&String::from_utf8_lossy(&body))
+}
+
+/// Finds the two samples in a Prometheus text page.
+pub fn parse_usage(text: &str) -> Result<Usage, UsageError> {
+    let sample = |name: &'static str| {
+        text.lines()
+            .filter(|l| !l.starts_with('#'))
+            .find_map(|l| {
+                let (n, v) = l.split_once(' ')?;
+                (n == name).then(|| v.trim().parse::<f64>().ok()).flatten()
+            })
+            .map(|v| v as u64)
+            .ok_or(UsageError::Missing(name))
+    };
+    Ok(Usage {
+        allocated_bytes: sample("master_allocated_bytes")?,
+        capacity_bytes: sample("master_total_capacity_bytes")?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_urls() {
+        assert_eq!(
+            MetricsUrl::parse("http://127.0.0.1:9003/metrics"),
+            Some(MetricsUrl {
+                authority: "127.0.0.1:9003".into(),
+                path: "/metrics".into()
+            })
+        );
+        assert_eq!(
+            MetricsUrl::parse("http://h:1").unwrap().path,
+            "/metrics".to_string()
+        );
+        for bad in ["https://h:1/m", "http://h/m", "http://:1/m", "h:1"] {
+            assert!(MetricsUrl::parse(bad).is_none(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn usage_from_the_masters_page() {
+        let page = "# HELP x\nmaster_allocated_bytes 1048576\nmaster_total_capacity_bytes 4.194304e+06\nmaster_key_count 3\n";
+        assert_eq!(
+            parse_usage(page).unwrap(),
+            Usage {
+                allocated_bytes: 1 << 20,
+                capacity_bytes: 4 << 20
+            }
+        );
+        assert!(matches!(
+            parse_usage("master_allocated_bytes 1\n"),
+            Err(UsageError::Missing("master_total_capacity_bytes"))
+        ));
     }
 }

@@ -23,6 +23,10 @@ Roles:
           batch_is_exist (with as many misses), batch_get_replica_desc, get_batch
           (byte-exact), get_batch of missing keys. For batch splitting; it leaves other
           clients' keys alone (no remove_all).
+  chains  mount a 16 MiB segment, put --count chains of 8 blocks of 64 KiB (one
+          put_batch per chain, prefix order), print "READY <endpoint>", wait for a
+          line on stdin, then report which blocks still exist (batch_is_exist only:
+          lookups that grant leases would block moongate's removals).
   place   put each of --count keys (--prefix) one call at a time (so a per-key policy
           decides each), then report every put's return code and where each replica
           landed (segment endpoint, from batch_get_replica_desc).
@@ -308,6 +312,20 @@ def bulk(run):
     run.finish()
 
 
+def chains(run):
+    s = run.s
+    a = run.args
+    run.setup(16 * MiB)
+    keys = [[f"{a.prefix}{c}/{b}" for b in range(8)] for c in range(a.count)]
+    run.rec("puts", [s.put_batch(ch, [value(k, 64 << 10) for k in ch]) for ch in keys])
+    print(f"READY {run.me}", flush=True)
+    sys.stdin.readline()
+    flat = [k for ch in keys for k in ch]
+    run.rec("exists", dict(zip(flat, s.batch_is_exist(flat))))
+    run.rec("close", s.close())
+    run.finish()
+
+
 def hold(run):
     run.setup(64 * MiB)
     print(f"READY {run.me}", flush=True)
@@ -339,7 +357,7 @@ def place(run):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--role", required=True,
-                   choices=["owner", "reader", "idle", "loop", "demo", "hold", "place", "disk", "steer", "bulk"])
+                   choices=["owner", "reader", "idle", "loop", "demo", "hold", "place", "disk", "steer", "bulk", "chains"])
     p.add_argument("--master", required=True)
     p.add_argument("--metadata", required=True)
     p.add_argument("--out", required=True)
@@ -350,7 +368,7 @@ def main():
     a = p.parse_args()
     run = Run(a)
     {"owner": owner, "reader": reader, "idle": idle, "loop": loop, "demo": demo,
-     "hold": hold, "place": place, "disk": disk, "steer": steer, "bulk": bulk}[a.role](run)
+     "hold": hold, "place": place, "disk": disk, "steer": steer, "bulk": bulk, "chains": chains}[a.role](run)
 
 
 if __name__ == "__main__":

@@ -215,6 +215,8 @@ pub struct Master {
     pub rpc_port: u16,
     pub http_port: u16,
     pub metadata: String,
+    /// The master's Prometheus page (`--metrics_port`).
+    pub metrics_url: String,
     pub dir: tempfile::TempDir,
 }
 
@@ -234,6 +236,7 @@ impl Master {
     pub fn start_with(opts: MasterOpts) -> Master {
         let dir = tempdir();
         let (rpc_port, http_port) = opts.ports.unwrap_or_else(|| (free_port(), free_port()));
+        let metrics_port = free_port();
         let mut cmd = Command::new(master_binary());
         cmd.args([
             format!("--rpc_port={rpc_port}"),
@@ -241,7 +244,8 @@ impl Master {
             "--enable_http_metadata_server=true".into(),
             "--http_metadata_server_host=127.0.0.1".into(),
             format!("--http_metadata_server_port={http_port}"),
-            format!("--metrics_port={}", free_port()),
+            format!("--metrics_port={metrics_port}"),
+            "--metrics_host=127.0.0.1".into(),
             "--enable_metric_reporting=false".into(),
         ]);
         if let Some(root) = &opts.root_fs_dir {
@@ -260,6 +264,7 @@ impl Master {
             rpc_port,
             http_port,
             metadata: format!("http://127.0.0.1:{http_port}/metadata"),
+            metrics_url: format!("http://127.0.0.1:{metrics_port}/metrics"),
             dir,
         }
     }
@@ -389,6 +394,17 @@ pub struct Background {
 impl Background {
     /// Starts `role` and waits for its `READY <endpoint>` line.
     pub fn start(role: &str, master: &str, metadata: &str, logs: &[&Proc]) -> Background {
+        Background::start_args(role, master, metadata, &[], logs)
+    }
+
+    /// As [`Background::start`], with extra role arguments.
+    pub fn start_args(
+        role: &str,
+        master: &str,
+        metadata: &str,
+        extra: &[&str],
+        logs: &[&Proc],
+    ) -> Background {
         let dir = tempdir();
         let out = dir.path().join("out.json");
         let log = dir.path().join("client.log");
@@ -397,6 +413,7 @@ impl Background {
             .args(["--role", role, "--master", master, "--metadata", metadata])
             .arg("--out")
             .arg(&out)
+            .args(extra)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&log).unwrap())

@@ -25,6 +25,7 @@ use crate::codec::message::{Request, Response, RpcError, is_typed};
 use crate::codec::types::Uuid;
 use crate::codec::{BodyStyle, Method, RequestFrame, ResponseFrame, ResponseHeader};
 use crate::config::Reencode;
+use crate::eviction::Tracked;
 use crate::metrics::{ErrorKind, MethodMetrics};
 use crate::policy::registry::{ActiveSet, PutDecided};
 use crate::policy::{Fixup, PutAction};
@@ -47,6 +48,8 @@ pub struct Decided {
     pub parts: usize,
     /// The put bytes this call holds in the node-wide in-flight count until it ends.
     pub in_flight: Option<InFlightBytes>,
+    /// What the answer tells the eviction table (eviction on).
+    pub tracked: Option<Tracked>,
 }
 
 /// What the connection queues for one request, in request order.
@@ -188,6 +191,7 @@ pub fn on_request(
             lookup_keys,
             parts,
             in_flight,
+            tracked: shared.eviction.as_ref().and_then(|_| Tracked::of(&req)),
         }));
     };
     let am = &set.arms[arm].metrics.requests[req.method().index()];
@@ -205,11 +209,15 @@ pub fn on_request(
                 lookup_keys: None,
                 parts,
                 in_flight,
+                tracked: shared.eviction.as_ref().and_then(|_| Tracked::of(&req)),
             }))
         }
         PutAction::Rewrite { request, fixup } => {
             let parts = forward(frame, raw, &request, style, true, shared, &set, arm, out);
             let in_flight = put_bytes(&request, shared);
+            // Tracked from what went upstream: the table records the master's answer to
+            // it, before denied keys are merged back (moongate's denials are not memory
+            // pressure).
             Queued::Upstream(Some(Decided {
                 set,
                 arm,
@@ -219,6 +227,7 @@ pub fn on_request(
                 lookup_keys: None,
                 parts,
                 in_flight,
+                tracked: shared.eviction.as_ref().and_then(|_| Tracked::of(&request)),
             }))
         }
         PutAction::Answer(resp) => {
@@ -318,6 +327,13 @@ impl<'a> Answering<'a> {
     ) {
         let decided = self.decided;
         let fixup = decided.and_then(|d| d.fixup.as_ref());
+        // The master's own answer (before fixup and steering) says what it stores.
+        if let (Some(ev), Some(t)) = (
+            &self.shared.eviction,
+            decided.and_then(|d| d.tracked.as_ref()),
+        ) {
+            ev.record(t, &resp, decided.map_or(0, |d| d.arm));
+        }
         if let Some(f) = fixup {
             resp = f.apply(resp);
         }

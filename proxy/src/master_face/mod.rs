@@ -31,6 +31,8 @@ pub struct Shared {
     /// Bytes of put-family starts forwarded and not yet answered, across connections
     /// (what a `split` plugin sees as in flight).
     pub put_bytes_in_flight: Arc<std::sync::atomic::AtomicU64>,
+    /// The eviction table to feed from answers (`[eviction] enabled`).
+    pub eviction: Option<Arc<crate::eviction::Eviction>>,
 }
 
 /// Accepts client connections until `shared.shutdown` is cancelled. Connection tasks are

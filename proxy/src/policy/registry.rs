@@ -717,6 +717,40 @@ impl Registry {
         }
     }
 
+    /// Asks the arm's plugin for eviction victims among `call`'s candidates. `None` when
+    /// the plugin has no `evict` hook or the call failed (either fail mode): the evictor
+    /// then falls back to least recently used first.
+    pub fn evict_victims(
+        &self,
+        arm: &Arm,
+        call: &super::host::wit::EvictCall,
+    ) -> Option<Vec<usize>> {
+        if !arm.plugin.interest().contains(Interest::EVICT) {
+            return None;
+        }
+        let started = Instant::now();
+        let result = arm.plugin.evict(call);
+        arm.metrics
+            .evict_latency
+            .observe(started.elapsed().as_secs_f64());
+        match result {
+            Ok(v) => {
+                arm.metrics.evict_calls[0].inc();
+                Some(v.into_iter().map(|i| i as usize).collect())
+            }
+            Err(e) => {
+                let i = CALL_RESULTS
+                    .iter()
+                    .position(|r| *r == e.kind())
+                    .unwrap_or(1);
+                arm.metrics.evict_calls[i].inc();
+                tracing::warn!(plugin = %arm.plugin.name, arm = %arm.name, error = %e,
+                    "evict call failed; least recently used victims instead");
+                None
+            }
+        }
+    }
+
     /// Tells an arm's plugin how a call it decided went, if it asked (`observe`).
     pub fn observe(&self, arm: &Arm, method: &str, outcome: i32, latency: Duration, keys: usize) {
         if !arm.plugin.interest().contains(Interest::OBSERVE) {

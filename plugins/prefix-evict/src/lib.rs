@@ -1,0 +1,138 @@
+//! Prefix-aware eviction for KV caches whose keys are prefix blocks (vLLM / SGLang
+//! store one key per block of a token prefix, and a request's blocks form a chain).
+//!
+//! A block that another block was stored after is a shared prefix: every request that
+//! extends it needs it first, so evicting it wastes all its descendants. Leaves (blocks
+//! nothing was stored after) are what goes first. Victims, until the bytes needed are
+//! covered:
+//! 1. leaves never looked up again, oldest first;
+//! 2. leaves that were hit, oldest first;
+//! 3. shared prefix blocks, oldest first (plain LRU as the last resort).
+//!
+//! The chain comes from put calls: a batch put lists a request's missing blocks in
+//! prefix order, so key i is the parent of key i+1. Puts are admitted unchanged.
+//!
+//! Config (JSON, optional): `{"max_tracked": 1000000}` bounds the parent set (two
+//! generations of hashes; the older one is dropped when the newer fills half the bound).
+//!
+//! Metrics: `moongate_plugin_counter_total{name="victims_leaf"}`, `{name="victims_shared"}`,
+//! `moongate_plugin_gauge{name="tracked_parents"}`.
+
+// BTreeSet, not HashSet: std's hasher seeds itself from WASI randomness, which a plugin
+// does not have.
+use std::collections::BTreeSet;
+
+use moongate_policy_sdk::*;
+use serde::Deserialize;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Config {
+    #[serde(default = "default_max_tracked")]
+    max_tracked: usize,
+}
+
+fn default_max_tracked() -> usize {
+    1_000_000
+}
+
+struct PrefixEvict {
+    max_tracked: usize,
+    parents: BTreeSet<u64>,
+    older: BTreeSet<u64>,
+    victims_leaf: u32,
+    victims_shared: u32,
+    tracked: u32,
+}
+
+/// FNV-1a: a stable 64-bit key hash (collisions only make a leaf look shared).
+fn hash(key: &[u8]) -> u64 {
+    key.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+impl PrefixEvict {
+    fn is_parent(&self, h: u64) -> bool {
+        self.parents.contains(&h) || self.older.contains(&h)
+    }
+}
+
+impl Policy for PrefixEvict {
+    fn new(config: &[u8]) -> Result<(Self, Interest), String> {
+        let cfg: Config = if config.is_empty() {
+            Config {
+                max_tracked: default_max_tracked(),
+            }
+        } else {
+            serde_json::from_slice(config).map_err(|e| format!("prefix-evict config: {e}"))?
+        };
+        if cfg.max_tracked < 2 {
+            return Err("prefix-evict: max_tracked must be at least 2".into());
+        }
+        Ok((
+            PrefixEvict {
+                max_tracked: cfg.max_tracked,
+                parents: BTreeSet::new(),
+                older: BTreeSet::new(),
+                victims_leaf: host::register_counter("victims_leaf", "leaf blocks chosen")?,
+                victims_shared: host::register_counter(
+                    "victims_shared",
+                    "shared prefix blocks chosen (no leaf left)",
+                )?,
+                tracked: host::register_gauge("tracked_parents", "prefix blocks known as parents")?,
+            },
+            Interest::PUT | Interest::EVICT,
+        ))
+    }
+
+    fn on_put(&mut self, call: PutCall) -> PutDecision {
+        let n = call.keys.len();
+        for i in 0..n.saturating_sub(1) {
+            self.parents.insert(hash(call.keys.get(i)));
+        }
+        if self.parents.len() >= self.max_tracked / 2 {
+            self.older = std::mem::take(&mut self.parents);
+        }
+        host::gauge_set(self.tracked, (self.parents.len() + self.older.len()) as i64);
+        PutDecision::admit_all()
+    }
+
+    fn evict(&mut self, call: EvictCall) -> Vec<u32> {
+        let n = call.sizes.len();
+        // (class, -age): class 0 = unhit leaf, 1 = hit leaf, 2 = shared prefix.
+        let mut order: Vec<(u8, u64, u32)> = (0..n)
+            .map(|i| {
+                let class = if self.is_parent(hash(call.keys.get(i))) {
+                    2
+                } else if call.hits[i] == 0 {
+                    0
+                } else {
+                    1
+                };
+                (class, u64::MAX - call.age_ms[i], i as u32)
+            })
+            .collect();
+        order.sort_unstable();
+        let mut freed = 0u64;
+        let mut victims = Vec::new();
+        let (mut leaves, mut shared) = (0u64, 0u64);
+        for (class, _, i) in order {
+            if freed >= call.bytes_needed {
+                break;
+            }
+            freed += call.sizes[i as usize];
+            victims.push(i);
+            if class == 2 {
+                shared += 1;
+            } else {
+                leaves += 1;
+            }
+        }
+        host::counter_add(self.victims_leaf, leaves);
+        host::counter_add(self.victims_shared, shared);
+        victims
+    }
+}
+
+export_policy!(PrefixEvict);

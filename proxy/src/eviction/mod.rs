@@ -1,0 +1,515 @@
+//! moongate-driven eviction: the policy, not the master's own LRU, picks which keys go
+//! when memory runs short.
+//!
+//! - The master face records what it sees ([`Eviction::record`]): keys whose put start
+//!   the master accepted (size, tier), lookups that found them (last access, hits),
+//!   removals. No extra RPC.
+//! - A task ([`Eviction::run`]) checks the triggers every `interval_ms`: the master's
+//!   memory usage from its Prometheus endpoint against `high_watermark`, and puts the
+//!   master denied with NO_AVAILABLE_HANDLE.
+//! - A round takes the least recently used candidates, asks each experiment arm's
+//!   plugin (`evict`) for victims among the keys it put, with a share of the bytes
+//!   needed, and removes them (`Remove`, never forced: a key a reader holds a lease on
+//!   stays) on its own master connection, at most `max_removals_per_interval` per
+//!   round. An arm whose plugin has no `evict` hook, or whose call fails, gets
+//!   least-recently-used victims. There is no lookup before a removal: in Mooncake
+//!   0.3.13 `ExistKey` grants a read lease like `GetReplicaList` does, so any probe would
+//!   make the removal fail; `Remove` itself answers OBJECT_NOT_FOUND for a key already
+//!   gone, and the table forgets it.
+//!
+//! Owns no client connection and no frame: it talks to the master through
+//! [`crate::upstream`] only.
+
+pub mod table;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio_util::sync::CancellationToken;
+
+use crate::codec::message::{RemoveArgs, Request, Response};
+use crate::codec::types::{ErrorCode, ReplicaLocation};
+use crate::config::EvictionConfig;
+use crate::metrics::Metrics;
+use crate::policy::host::wit;
+use crate::policy::registry::Registry;
+use crate::upstream::{Conn, MetricsUrl};
+pub use table::{Entry, KeyTable, Tier};
+
+/// Removals per pipelined burst on moongate's own connection.
+const CHUNK: usize = 1000;
+
+/// What an answer can tell the table, taken from its request on the way up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Tracked {
+    Put {
+        tenant: Bytes,
+        keys: Vec<(Bytes, u64)>,
+    },
+    Lookup(Vec<Bytes>),
+    Remove(Bytes),
+    RemoveAll,
+}
+
+impl Tracked {
+    /// The part of `req` the table needs, for the methods that change or show what is
+    /// stored.
+    pub fn of(req: &Request) -> Option<Tracked> {
+        Some(match req {
+            Request::PutStart(a) | Request::UpsertStart(a) => Tracked::Put {
+                tenant: a.tenant_id.clone(),
+                keys: vec![(a.key.clone(), a.slice_length)],
+            },
+            Request::BatchPutStart(a) | Request::BatchUpsertStart(a) => Tracked::Put {
+                tenant: a.tenant_id.clone(),
+                keys: a
+                    .keys
+                    .iter()
+                    .cloned()
+                    .zip(a.slice_lengths.iter().copied())
+                    .collect(),
+            },
+            Request::ExistKey(a) | Request::GetReplicaList(a) => {
+                Tracked::Lookup(vec![a.key.clone()])
+            }
+            Request::BatchExistKey(a) | Request::BatchGetReplicaList(a) => {
+                Tracked::Lookup(a.keys.clone())
+            }
+            Request::Remove(a) => Tracked::Remove(a.key.clone()),
+            Request::RemoveAll(_) => Tracked::RemoveAll,
+            _ => return None,
+        })
+    }
+}
+
+fn tier_of(loc: &ReplicaLocation) -> Tier {
+    match loc {
+        ReplicaLocation::Memory(_) => Tier::Memory,
+        ReplicaLocation::Nof(_) => Tier::Nof,
+        ReplicaLocation::Disk(_) => Tier::Disk,
+        ReplicaLocation::LocalDisk(_) => Tier::LocalDisk,
+        ReplicaLocation::DistributedFs(_) => Tier::Dfs,
+    }
+}
+
+fn wit_tier(t: Tier) -> wit::Tier {
+    match t {
+        Tier::Memory => wit::Tier::Memory,
+        Tier::Nof => wit::Tier::Nof,
+        Tier::Disk => wit::Tier::Disk,
+        Tier::LocalDisk => wit::Tier::LocalDisk,
+        Tier::Dfs => wit::Tier::Dfs,
+    }
+}
+
+/// The evictor's shared state: the key table, the denial count, the metric handles.
+pub struct Eviction {
+    pub cfg: EvictionConfig,
+    pub table: KeyTable,
+    /// Bytes of puts the master denied with NO_AVAILABLE_HANDLE since the last check.
+    denied_bytes: AtomicU64,
+    clock: Instant,
+    metrics: Arc<Metrics>,
+    usage_url: Option<MetricsUrl>,
+}
+
+impl Eviction {
+    pub fn new(cfg: EvictionConfig, metrics: Arc<Metrics>) -> Arc<Eviction> {
+        let usage_url = MetricsUrl::parse(&cfg.master_metrics_url);
+        Arc::new(Eviction {
+            table: KeyTable::new(cfg.max_keys),
+            cfg,
+            denied_bytes: AtomicU64::new(0),
+            clock: Instant::now(),
+            metrics,
+            usage_url,
+        })
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.clock.elapsed().as_millis() as u64
+    }
+
+    /// Updates the table from a successful answer (`arm`: the arm that served the call).
+    pub fn record(&self, t: &Tracked, resp: &Response, arm: usize) {
+        let now = self.now_ms();
+        match (t, resp) {
+            (Tracked::Put { tenant, keys }, Response::PutStart(r) | Response::UpsertStart(r)) => {
+                self.record_put(tenant, keys, std::slice::from_ref(r), arm, now)
+            }
+            (
+                Tracked::Put { tenant, keys },
+                Response::BatchPutStart(v) | Response::BatchUpsertStart(v),
+            ) => self.record_put(tenant, keys, v, arm, now),
+            (Tracked::Lookup(keys), Response::ExistKey(r)) => {
+                self.record_exist(keys, std::slice::from_ref(r), now)
+            }
+            (Tracked::Lookup(keys), Response::BatchExistKey(v)) => self.record_exist(keys, v, now),
+            (Tracked::Lookup(keys), Response::GetReplicaList(r)) => {
+                self.record_lists(keys, std::slice::from_ref(r), now)
+            }
+            (Tracked::Lookup(keys), Response::BatchGetReplicaList(v)) => {
+                self.record_lists(keys, v, now)
+            }
+            (Tracked::Remove(key), Response::Remove(r)) => {
+                if matches!(r, Ok(()) | Err(ErrorCode::OBJECT_NOT_FOUND)) {
+                    self.table.forget(std::iter::once(key));
+                }
+            }
+            (Tracked::RemoveAll, Response::RemoveAll(n)) if *n >= 0 => self.table.clear(),
+            _ => {}
+        }
+        self.metrics
+            .eviction
+            .table_keys
+            .set(self.table.len() as i64);
+    }
+
+    fn record_put(
+        &self,
+        tenant: &Bytes,
+        keys: &[(Bytes, u64)],
+        answers: &[crate::codec::types::Expected<Vec<crate::codec::types::ReplicaDescriptor>>],
+        arm: usize,
+        now: u64,
+    ) {
+        if answers.len() != keys.len() {
+            return;
+        }
+        let mut accepted = Vec::with_capacity(keys.len());
+        let mut denied = 0u64;
+        for ((key, size), a) in keys.iter().zip(answers) {
+            match a {
+                Ok(reps) => accepted.push((
+                    key.clone(),
+                    *size,
+                    reps.first().map_or(Tier::Memory, |r| tier_of(&r.location)),
+                )),
+                Err(ErrorCode::NO_AVAILABLE_HANDLE) => denied += size,
+                Err(_) => {}
+            }
+        }
+        if !accepted.is_empty() {
+            self.table.put(tenant, &accepted, arm, now);
+        }
+        if denied > 0 {
+            self.denied_bytes.fetch_add(denied, Ordering::Relaxed);
+        }
+    }
+
+    fn record_exist(
+        &self,
+        keys: &[Bytes],
+        answers: &[crate::codec::types::Expected<bool>],
+        now: u64,
+    ) {
+        if answers.len() != keys.len() {
+            return;
+        }
+        let found = keys
+            .iter()
+            .zip(answers)
+            .filter(|(_, a)| matches!(a, Ok(true)))
+            .map(|(k, _)| (k, None));
+        self.table.hit(found, now);
+        let gone = keys
+            .iter()
+            .zip(answers)
+            .filter(|(_, a)| matches!(a, Ok(false) | Err(ErrorCode::OBJECT_NOT_FOUND)))
+            .map(|(k, _)| k);
+        self.table.forget(gone);
+    }
+
+    fn record_lists(
+        &self,
+        keys: &[Bytes],
+        answers: &[crate::codec::types::Expected<crate::codec::types::GetReplicaListResponse>],
+        now: u64,
+    ) {
+        if answers.len() != keys.len() {
+            return;
+        }
+        let found = keys.iter().zip(answers).filter_map(|(k, a)| {
+            let list = a.as_ref().ok()?;
+            Some((k, list.replicas.first().map(|r| tier_of(&r.location))))
+        });
+        self.table.hit(found, now);
+        let gone = keys
+            .iter()
+            .zip(answers)
+            .filter(|(_, a)| matches!(a, Err(ErrorCode::OBJECT_NOT_FOUND)))
+            .map(|(k, _)| k);
+        self.table.forget(gone);
+    }
+
+    /// Runs the triggers and rounds until shutdown.
+    pub async fn run(
+        self: Arc<Self>,
+        policy: Arc<Registry>,
+        upstream: String,
+        shutdown: CancellationToken,
+    ) {
+        let mut conn: Option<Conn> = None;
+        let mut usage_failing = false;
+        let interval = Duration::from_millis(self.cfg.interval_ms);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(interval) => {}
+            }
+            let mut need = 0u64;
+            let mut trigger = None;
+            if let Some(url) = &self.usage_url {
+                match crate::upstream::master_usage(url, self.call_timeout()).await {
+                    Ok(u) => {
+                        if usage_failing {
+                            tracing::info!("master metrics readable again");
+                            usage_failing = false;
+                        }
+                        if u.capacity_bytes > 0 {
+                            let ratio = u.allocated_bytes as f64 / u.capacity_bytes as f64;
+                            self.metrics.eviction.usage_ppm.set((ratio * 1e6) as i64);
+                            if ratio >= self.cfg.high_watermark {
+                                let target =
+                                    (self.cfg.low_watermark * u.capacity_bytes as f64) as u64;
+                                need = u.allocated_bytes.saturating_sub(target);
+                                trigger = Some(0);
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        self.metrics.eviction.errors[0].inc();
+                        if !usage_failing {
+                            tracing::warn!(error = %e, url = %self.cfg.master_metrics_url,
+                                "cannot read the master's memory usage; usage trigger paused");
+                            usage_failing = true;
+                        }
+                    }
+                }
+            }
+            let denied = self.denied_bytes.swap(0, Ordering::Relaxed);
+            if self.cfg.on_put_denials && denied > 0 {
+                need = need.max(denied);
+                trigger.get_or_insert(1);
+            }
+            let Some(trigger) = trigger.filter(|_| need > 0) else {
+                continue;
+            };
+            self.metrics.eviction.rounds[trigger].inc();
+            if let Err(e) = self.round(&mut conn, need, &policy, &upstream).await {
+                tracing::warn!(error = %e, "eviction round cut short");
+                conn = None;
+            }
+        }
+    }
+
+    fn call_timeout(&self) -> Duration {
+        Duration::from_millis(self.cfg.call_timeout_ms)
+    }
+
+    async fn round(
+        &self,
+        conn: &mut Option<Conn>,
+        need: u64,
+        policy: &Registry,
+        upstream: &str,
+    ) -> Result<(), crate::upstream::CallError> {
+        let cands = self.table.candidates(self.cfg.max_candidates);
+        if cands.is_empty() {
+            tracing::debug!(need, "eviction round: no candidates in the table");
+            return Ok(());
+        }
+        if conn.is_none() {
+            *conn = Some(Conn::connect(upstream, self.call_timeout()).await?);
+        }
+        let Some(c) = conn.as_mut() else {
+            return Ok(());
+        };
+        // No existence probe before removing: in Mooncake 0.3.13 ExistKey grants a read
+        // lease just like GetReplicaList (measured: Remove after is_exist answers
+        // OBJECT_HAS_LEASE), so a probe would block the removal it prepares. A victim
+        // that is already gone answers OBJECT_NOT_FOUND and is forgotten.
+        let victims = self.choose(&cands, need, policy);
+        tracing::debug!(
+            candidates = cands.len(),
+            victims = victims.len(),
+            need,
+            "eviction victims"
+        );
+        if victims.is_empty() {
+            return Ok(());
+        }
+        let chosen: Vec<(Bytes, Entry)> = victims.into_iter().map(|i| cands[i].clone()).collect();
+        let reqs: Vec<Request> = chosen
+            .iter()
+            .map(|(k, e)| {
+                Request::Remove(RemoveArgs {
+                    key: k.clone(),
+                    force: false,
+                    tenant_id: e.tenant.clone(),
+                })
+            })
+            .collect();
+        let mut removed = Vec::new();
+        for (chunk, entries) in reqs.chunks(CHUNK).zip(chosen.chunks(CHUNK)) {
+            let answers = c
+                .call_all(chunk, self.call_timeout())
+                .await
+                .inspect_err(|_| {
+                    self.metrics.eviction.errors[1].inc();
+                })?;
+            for ((k, e), a) in entries.iter().zip(answers) {
+                let result = match a {
+                    Ok(Response::Remove(Ok(()))) => {
+                        self.metrics.eviction.removed_bytes.inc_by(e.size);
+                        removed.push(k.clone());
+                        0
+                    }
+                    Ok(Response::Remove(Err(ErrorCode::OBJECT_HAS_LEASE))) => 1,
+                    Ok(Response::Remove(Err(ErrorCode::OBJECT_NOT_FOUND))) => {
+                        removed.push(k.clone());
+                        2
+                    }
+                    other => {
+                        tracing::debug!(key = ?k, answer = ?other, "eviction removal failed");
+                        3
+                    }
+                };
+                self.metrics.eviction.keys[result].inc();
+            }
+        }
+        tracing::debug!(need, removed = removed.len(), "eviction round");
+        self.table.forget(removed.iter());
+        self.metrics
+            .eviction
+            .table_keys
+            .set(self.table.len() as i64);
+        Ok(())
+    }
+
+    /// Victims (indexes into `cands`, least recently used first) covering `need` bytes:
+    /// each arm's plugin chooses among the keys its arm put, for its share of the bytes.
+    fn choose(&self, cands: &[(Bytes, Entry)], need: u64, policy: &Registry) -> Vec<usize> {
+        let set = policy.current();
+        let arms = set.arms.len().max(1);
+        let mut by_arm: Vec<Vec<usize>> = vec![Vec::new(); arms];
+        for (i, (_, e)) in cands.iter().enumerate() {
+            let a = if (e.arm as usize) < arms {
+                e.arm as usize
+            } else {
+                0
+            };
+            by_arm[a].push(i);
+        }
+        let total: u128 = cands
+            .iter()
+            .map(|(_, e)| u128::from(e.size))
+            .sum::<u128>()
+            .max(1);
+        let now = self.now_ms();
+        let cap = self.cfg.max_removals_per_interval;
+        let mut victims = Vec::new();
+        for (a, idx) in by_arm.iter().enumerate() {
+            if idx.is_empty() || victims.len() >= cap {
+                continue;
+            }
+            let bytes: u128 = idx.iter().map(|&i| u128::from(cands[i].1.size)).sum();
+            let share = (u128::from(need) * bytes).div_ceil(total).max(1) as u64;
+            let call = wit::EvictCall {
+                keys: crate::policy::pack_keys(idx.iter().map(|&i| &cands[i].0)),
+                sizes: idx.iter().map(|&i| cands[i].1.size).collect(),
+                tiers: idx.iter().map(|&i| wit_tier(cands[i].1.tier)).collect(),
+                age_ms: idx
+                    .iter()
+                    .map(|&i| now.saturating_sub(cands[i].1.last_ms))
+                    .collect(),
+                hits: idx.iter().map(|&i| cands[i].1.hits).collect(),
+                bytes_needed: share,
+            };
+            let picked = set
+                .arms
+                .get(a)
+                .and_then(|arm| policy.evict_victims(arm, &call))
+                .unwrap_or_else(|| lru(&call.sizes, share));
+            let mut seen = vec![false; idx.len()];
+            for p in picked {
+                if victims.len() >= cap {
+                    break;
+                }
+                if p < idx.len() && !std::mem::replace(&mut seen[p], true) {
+                    victims.push(idx[p]);
+                }
+            }
+        }
+        victims
+    }
+}
+
+/// Candidates are least recently used first: take them in order until `need` bytes.
+fn lru(sizes: &[u64], need: u64) -> Vec<usize> {
+    let mut freed = 0u64;
+    let mut out = Vec::new();
+    for (i, &s) in sizes.iter().enumerate() {
+        if freed >= need {
+            break;
+        }
+        freed += s;
+        out.push(i);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lru_takes_oldest_until_covered() {
+        assert_eq!(lru(&[10, 10, 10], 15), [0, 1]);
+        assert_eq!(lru(&[10, 10], 0), Vec::<usize>::new());
+        assert_eq!(lru(&[10], 100), [0]);
+    }
+
+    #[test]
+    fn tracked_from_requests() {
+        let r = Request::RemoveAll(crate::codec::message::RemoveAllArgs {
+            force: true,
+            tenant_id: Bytes::new(),
+        });
+        assert_eq!(Tracked::of(&r), Some(Tracked::RemoveAll));
+        let r = Request::BatchExistKey(crate::codec::message::KeysArgs {
+            keys: vec![Bytes::from_static(b"a")],
+            tenant_id: Bytes::new(),
+        });
+        assert_eq!(
+            Tracked::of(&r),
+            Some(Tracked::Lookup(vec![Bytes::from_static(b"a")]))
+        );
+    }
+
+    #[test]
+    fn answers_update_the_table() {
+        let ev = Eviction::new(EvictionConfig::default(), Arc::new(Metrics::new()));
+        let t = Tracked::Put {
+            tenant: Bytes::from_static(b"default"),
+            keys: vec![
+                (Bytes::from_static(b"a"), 100),
+                (Bytes::from_static(b"b"), 50),
+            ],
+        };
+        ev.record(
+            &t,
+            &Response::BatchPutStart(vec![Ok(vec![]), Err(ErrorCode::NO_AVAILABLE_HANDLE)]),
+            0,
+        );
+        assert_eq!(ev.table.len(), 1);
+        assert_eq!(ev.denied_bytes.load(Ordering::Relaxed), 50);
+        let look = Tracked::Lookup(vec![Bytes::from_static(b"a")]);
+        ev.record(&look, &Response::BatchExistKey(vec![Ok(true)]), 0);
+        assert_eq!(ev.table.candidates(1)[0].1.hits, 1);
+        ev.record(&look, &Response::ExistKey(Ok(false)), 0);
+        assert!(ev.table.is_empty(), "a miss means the master dropped it");
+    }
+}

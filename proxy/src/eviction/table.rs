@@ -1,0 +1,195 @@
+//! The bounded table of keys clients put through this moongate: size, tier, last access,
+//! hits, and the experiment arm that served the put.
+//!
+//! Fed from answers the master face already decodes (successful put starts, lookups,
+//! removes); read by the evictor for candidates. Pure data: the caller passes the time
+//! (milliseconds on its own clock), so tests drive it without sleeping.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use bytes::Bytes;
+
+/// Where an entry's replica lives, as far as moongate saw (first replica of the put or
+/// of the last lookup); the kinds of Mooncake's replica descriptors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tier {
+    Memory,
+    Nof,
+    Disk,
+    LocalDisk,
+    Dfs,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    /// The tenant the key was put under (Mooncake keys are per tenant).
+    pub tenant: Bytes,
+    pub size: u64,
+    pub tier: Tier,
+    /// When the key was last put or found by a lookup.
+    pub last_ms: u64,
+    /// Lookups that found it since it was put.
+    pub hits: u32,
+    /// Index of the experiment arm that served its put (0 without an experiment).
+    pub arm: u8,
+}
+
+/// What the table holds, behind one lock (calls take it once per answer, not per key).
+pub struct KeyTable {
+    max_keys: usize,
+    inner: Mutex<HashMap<Bytes, Entry>>,
+}
+
+impl KeyTable {
+    pub fn new(max_keys: usize) -> KeyTable {
+        KeyTable {
+            max_keys: max_keys.max(1),
+            inner: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Bytes, Entry>> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Records keys whose put the master accepted: key, size, tier of its first replica.
+    pub fn put(&self, tenant: &Bytes, keys: &[(Bytes, u64, Tier)], arm: usize, now_ms: u64) {
+        let mut t = self.lock();
+        for (key, size, tier) in keys {
+            t.insert(
+                key.clone(),
+                Entry {
+                    tenant: tenant.clone(),
+                    size: *size,
+                    tier: *tier,
+                    last_ms: now_ms,
+                    hits: 0,
+                    arm: arm.min(u8::MAX as usize) as u8,
+                },
+            );
+        }
+        if t.len() > self.max_keys {
+            forget_oldest(&mut t, self.max_keys);
+        }
+    }
+
+    /// Records lookups that found these keys (`tier` when the answer named one).
+    pub fn hit<'a>(&self, found: impl Iterator<Item = (&'a Bytes, Option<Tier>)>, now_ms: u64) {
+        let mut t = self.lock();
+        for (key, tier) in found {
+            if let Some(e) = t.get_mut(key) {
+                e.last_ms = now_ms;
+                e.hits = e.hits.saturating_add(1);
+                if let Some(tier) = tier {
+                    e.tier = tier;
+                }
+            }
+        }
+    }
+
+    /// Forgets keys that are gone from the store (removed, or found missing).
+    pub fn forget<'a>(&self, keys: impl Iterator<Item = &'a Bytes>) {
+        let mut t = self.lock();
+        for k in keys {
+            t.remove(k);
+        }
+    }
+
+    pub fn clear(&self) {
+        self.lock().clear();
+    }
+
+    /// Up to `max` entries, least recently used first.
+    pub fn candidates(&self, max: usize) -> Vec<(Bytes, Entry)> {
+        let t = self.lock();
+        let mut all: Vec<(Bytes, Entry)> = t.iter().map(|(k, e)| (k.clone(), e.clone())).collect();
+        drop(t);
+        if all.len() > max {
+            all.select_nth_unstable_by_key(max, |(_, e)| e.last_ms);
+            all.truncate(max);
+        }
+        all.sort_unstable_by_key(|(_, e)| e.last_ms);
+        all
+    }
+}
+
+/// Drops the least recently used ~1/64 of the table below `max` in one pass, so the
+/// O(n) scan is paid once per many inserts.
+fn forget_oldest(t: &mut HashMap<Bytes, Entry>, max: usize) {
+    let target = max - max / 64;
+    let excess = t.len().saturating_sub(target);
+    if excess == 0 {
+        return;
+    }
+    let mut ages: Vec<u64> = t.values().map(|e| e.last_ms).collect();
+    let (_, cut, _) = ages.select_nth_unstable(excess - 1);
+    let cut = *cut;
+    let mut left = excess;
+    t.retain(|_, e| {
+        if left > 0 && e.last_ms <= cut {
+            left -= 1;
+            false
+        } else {
+            true
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn k(s: &str) -> Bytes {
+        Bytes::copy_from_slice(s.as_bytes())
+    }
+
+    #[test]
+    fn lru_order_hits_and_forgetting() {
+        let t = KeyTable::new(100);
+        let d = k("default");
+        t.put(
+            &d,
+            &[(k("a"), 10, Tier::Memory), (k("b"), 20, Tier::Memory)],
+            0,
+            1,
+        );
+        t.put(&d, &[(k("c"), 30, Tier::Disk)], 1, 2);
+        t.hit(
+            [(&k("a"), Some(Tier::Disk)), (&k("zz"), None)].into_iter(),
+            5,
+        );
+        let c = t.candidates(10);
+        let order: Vec<&[u8]> = c.iter().map(|(k, _)| &k[..]).collect();
+        assert_eq!(order, [&b"b"[..], b"c", b"a"]);
+        assert_eq!((c[2].1.hits, c[2].1.tier), (1, Tier::Disk));
+        assert_eq!(c[1].1.arm, 1);
+        assert_eq!(t.candidates(1).len(), 1);
+        assert_eq!(&t.candidates(1)[0].0[..], b"b");
+        t.forget([k("b")].iter());
+        assert_eq!(t.len(), 2);
+        t.clear();
+        assert!(t.is_empty());
+    }
+
+    #[test]
+    fn the_table_stays_bounded_and_keeps_recent_keys() {
+        let t = KeyTable::new(1000);
+        for i in 0..5000u64 {
+            t.put(&k("t"), &[(k(&i.to_string()), 1, Tier::Memory)], 0, i);
+        }
+        assert!(t.len() <= 1000, "{}", t.len());
+        assert!(t.len() >= 900);
+        let c = t.candidates(5000);
+        assert!(c.iter().all(|(_, e)| e.last_ms >= 3900));
+        assert!(c.iter().any(|(k, _)| &k[..] == b"4999"));
+    }
+}
