@@ -77,6 +77,9 @@ pub struct EvictionConfig {
     pub max_keys: usize,
     /// Candidates (least recently used first) offered to the plugin per round.
     pub max_candidates: usize,
+    /// The master's read lease (`--default_kv_lease_ttl`): a key a lookup found within
+    /// this long cannot be removed, so it is no candidate.
+    pub lease_ms: u64,
     /// Deadline of one round's calls to the master (probe and removals).
     pub call_timeout_ms: u64,
 }
@@ -93,6 +96,7 @@ impl Default for EvictionConfig {
             max_removals_per_interval: 1_000,
             max_keys: 1_000_000,
             max_candidates: 4_096,
+            lease_ms: 10_000,
             call_timeout_ms: 5_000,
         }
     }

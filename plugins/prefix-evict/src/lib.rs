@@ -1,13 +1,19 @@
 //! Prefix-aware eviction for KV caches whose keys are prefix blocks (vLLM / SGLang
 //! store one key per block of a token prefix, and a request's blocks form a chain).
 //!
-//! A block that another block was stored after is a shared prefix: every request that
-//! extends it needs it first, so evicting it wastes all its descendants. Leaves (blocks
-//! nothing was stored after) are what goes first. Victims, until the bytes needed are
-//! covered:
-//! 1. leaves never looked up again, oldest first;
-//! 2. leaves that were hit, oldest first;
-//! 3. shared prefix blocks, oldest first (plain LRU as the last resort).
+//! A block that another block was stored after is a shared prefix (an inner block of a
+//! chain): every request that extends it needs it first, so evicting it wastes all its
+//! descendants. A leaf has nothing after it; in block-hashed KV caches it is usually the
+//! partial last block of a prompt, which the next turn does not reuse (its hash changes
+//! once the block fills). Victims, until the bytes needed are covered, oldest first in
+//! each class:
+//! 1. leaves never found again;
+//! 2. leaves found again;
+//! 3. inner blocks (plain LRU as the last resort).
+//!
+//! Measured on the shipped trace (docs/results.md): evicting never-reused blocks before
+//! older reused ones did worse than LRU (new blocks went before the next turn could
+//! reuse them); recency inside each class is what keeps multi-turn prefixes.
 //!
 //! The chain comes from put calls: a batch put lists a request's missing blocks in
 //! prefix order, so key i is the parent of key i+1. Puts are admitted unchanged.
@@ -15,7 +21,8 @@
 //! Config (JSON, optional): `{"max_tracked": 1000000}` bounds the parent set (two
 //! generations of hashes; the older one is dropped when the newer fills half the bound).
 //!
-//! Metrics: `moongate_plugin_counter_total{name="victims_leaf"}`, `{name="victims_shared"}`,
+//! Metrics: `moongate_plugin_counter_total{name="victims_leaf"}`, `{name="victims_inner"}`
+//! (inner blocks),
 //! `moongate_plugin_gauge{name="tracked_parents"}`.
 
 // BTreeSet, not HashSet: std's hasher seeds itself from WASI randomness, which a plugin
@@ -41,7 +48,7 @@ struct PrefixEvict {
     parents: BTreeSet<u64>,
     older: BTreeSet<u64>,
     victims_leaf: u32,
-    victims_shared: u32,
+    victims_inner: u32,
     tracked: u32,
 }
 
@@ -76,9 +83,9 @@ impl Policy for PrefixEvict {
                 parents: BTreeSet::new(),
                 older: BTreeSet::new(),
                 victims_leaf: host::register_counter("victims_leaf", "leaf blocks chosen")?,
-                victims_shared: host::register_counter(
-                    "victims_shared",
-                    "shared prefix blocks chosen (no leaf left)",
+                victims_inner: host::register_counter(
+                    "victims_inner",
+                    "inner blocks of a chain chosen",
                 )?,
                 tracked: host::register_gauge("tracked_parents", "prefix blocks known as parents")?,
             },
@@ -100,15 +107,13 @@ impl Policy for PrefixEvict {
 
     fn evict(&mut self, call: EvictCall) -> Vec<u32> {
         let n = call.sizes.len();
-        // (class, -age): class 0 = unhit leaf, 1 = hit leaf, 2 = shared prefix.
+        // (class, -age): see the classes above.
         let mut order: Vec<(u8, u64, u32)> = (0..n)
             .map(|i| {
                 let class = if self.is_parent(hash(call.keys.get(i))) {
                     2
-                } else if call.hits[i] == 0 {
-                    0
                 } else {
-                    1
+                    u8::from(call.hits[i] > 0)
                 };
                 (class, u64::MAX - call.age_ms[i], i as u32)
             })
@@ -130,7 +135,7 @@ impl Policy for PrefixEvict {
             }
         }
         host::counter_add(self.victims_leaf, leaves);
-        host::counter_add(self.victims_shared, shared);
+        host::counter_add(self.victims_inner, shared);
         victims
     }
 }

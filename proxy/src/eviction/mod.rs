@@ -48,6 +48,10 @@ pub enum Tracked {
         tenant: Bytes,
         keys: Vec<(Bytes, u64)>,
     },
+    /// PutEnd / UpsertEnd and their batch forms: the keys are stored.
+    End(Vec<Bytes>),
+    /// PutRevoke / BatchPutRevoke: the put was abandoned.
+    Revoke(Vec<Bytes>),
     Lookup(Vec<Bytes>),
     Remove(Bytes),
     RemoveAll,
@@ -77,6 +81,17 @@ impl Tracked {
             Request::BatchExistKey(a) | Request::BatchGetReplicaList(a) => {
                 Tracked::Lookup(a.keys.clone())
             }
+            Request::PutEnd(a) | Request::UpsertEnd(a) => {
+                Tracked::End(vec![a.object_meta.key.clone()])
+            }
+            Request::BatchPutEnd(a) => {
+                Tracked::End(a.object_metas.iter().map(|m| m.key.clone()).collect())
+            }
+            Request::BatchUpsertEnd(a) => {
+                Tracked::End(a.object_metas.iter().map(|m| m.key.clone()).collect())
+            }
+            Request::PutRevoke(a) => Tracked::Revoke(vec![a.key.clone()]),
+            Request::BatchPutRevoke(a) => Tracked::Revoke(a.keys.clone()),
             Request::Remove(a) => Tracked::Remove(a.key.clone()),
             Request::RemoveAll(_) => Tracked::RemoveAll,
             _ => return None,
@@ -119,7 +134,7 @@ impl Eviction {
     pub fn new(cfg: EvictionConfig, metrics: Arc<Metrics>) -> Arc<Eviction> {
         let usage_url = MetricsUrl::parse(&cfg.master_metrics_url);
         Arc::new(Eviction {
-            table: KeyTable::new(cfg.max_keys),
+            table: KeyTable::new(cfg.max_keys, cfg.lease_ms),
             cfg,
             denied_bytes: AtomicU64::new(0),
             clock: Instant::now(),
@@ -152,6 +167,20 @@ impl Eviction {
             }
             (Tracked::Lookup(keys), Response::BatchGetReplicaList(v)) => {
                 self.record_lists(keys, v, now)
+            }
+            (Tracked::End(keys), Response::PutEnd(Ok(())) | Response::UpsertEnd(Ok(()))) => {
+                self.table.complete(keys.iter())
+            }
+            (Tracked::End(keys), Response::BatchPutEnd(v) | Response::BatchUpsertEnd(v)) => {
+                self.table.complete(
+                    keys.iter()
+                        .zip(v)
+                        .filter(|(_, r)| r.is_ok())
+                        .map(|(k, _)| k),
+                )
+            }
+            (Tracked::Revoke(keys), Response::PutRevoke(_) | Response::BatchPutRevoke(_)) => {
+                self.table.forget(keys.iter())
             }
             (Tracked::Remove(key), Response::Remove(r)) => {
                 if matches!(r, Ok(()) | Err(ErrorCode::OBJECT_NOT_FOUND)) {
@@ -316,7 +345,9 @@ impl Eviction {
         policy: &Registry,
         upstream: &str,
     ) -> Result<(), crate::upstream::CallError> {
-        let cands = self.table.candidates(self.cfg.max_candidates);
+        let cands = self
+            .table
+            .candidates(self.cfg.max_candidates, self.now_ms());
         if cands.is_empty() {
             tracing::debug!(need, "eviction round: no candidates in the table");
             return Ok(());
@@ -506,9 +537,15 @@ mod tests {
         );
         assert_eq!(ev.table.len(), 1);
         assert_eq!(ev.denied_bytes.load(Ordering::Relaxed), 50);
+        ev.record(
+            &Tracked::End(vec![Bytes::from_static(b"a")]),
+            &Response::BatchPutEnd(vec![Ok(())]),
+            0,
+        );
         let look = Tracked::Lookup(vec![Bytes::from_static(b"a")]);
         ev.record(&look, &Response::BatchExistKey(vec![Ok(true)]), 0);
-        assert_eq!(ev.table.candidates(1)[0].1.hits, 1);
+        assert!(ev.table.candidates(1, 0).is_empty(), "leased by the lookup");
+        assert_eq!(ev.table.candidates(1, u64::MAX)[0].1.hits, 1);
         ev.record(&look, &Response::ExistKey(Ok(false)), 0);
         assert!(ev.table.is_empty(), "a miss means the master dropped it");
     }

@@ -31,20 +31,29 @@ pub struct Entry {
     pub last_ms: u64,
     /// Lookups that found it since it was put.
     pub hits: u32,
+    /// Until when the master holds a read lease on it (set by lookups that found it):
+    /// a removal before then fails, so it is no candidate.
+    pub leased_until_ms: u64,
     /// Index of the experiment arm that served its put (0 without an experiment).
     pub arm: u8,
+    /// The put ended (PutEnd accepted). Until then a removal fails: no candidate.
+    pub complete: bool,
 }
 
 /// What the table holds, behind one lock (calls take it once per answer, not per key).
 pub struct KeyTable {
     max_keys: usize,
+    lease_ms: u64,
     inner: Mutex<HashMap<Bytes, Entry>>,
 }
 
 impl KeyTable {
-    pub fn new(max_keys: usize) -> KeyTable {
+    /// `lease_ms`: the master's read lease (`--default_kv_lease_ttl`), which every
+    /// lookup that finds a key renews.
+    pub fn new(max_keys: usize, lease_ms: u64) -> KeyTable {
         KeyTable {
             max_keys: max_keys.max(1),
+            lease_ms,
             inner: Mutex::new(HashMap::new()),
         }
     }
@@ -73,7 +82,9 @@ impl KeyTable {
                     tier: *tier,
                     last_ms: now_ms,
                     hits: 0,
+                    leased_until_ms: 0,
                     arm: arm.min(u8::MAX as usize) as u8,
+                    complete: false,
                 },
             );
         }
@@ -89,9 +100,20 @@ impl KeyTable {
             if let Some(e) = t.get_mut(key) {
                 e.last_ms = now_ms;
                 e.hits = e.hits.saturating_add(1);
+                e.leased_until_ms = now_ms + self.lease_ms;
                 if let Some(tier) = tier {
                     e.tier = tier;
                 }
+            }
+        }
+    }
+
+    /// Marks keys whose put ended: they are stored and may be evicted.
+    pub fn complete<'a>(&self, keys: impl Iterator<Item = &'a Bytes>) {
+        let mut t = self.lock();
+        for k in keys {
+            if let Some(e) = t.get_mut(k) {
+                e.complete = true;
             }
         }
     }
@@ -108,10 +130,15 @@ impl KeyTable {
         self.lock().clear();
     }
 
-    /// Up to `max` entries, least recently used first.
-    pub fn candidates(&self, max: usize) -> Vec<(Bytes, Entry)> {
+    /// Up to `max` complete entries not under a read lease at `now_ms`, least recently
+    /// used first.
+    pub fn candidates(&self, max: usize, now_ms: u64) -> Vec<(Bytes, Entry)> {
         let t = self.lock();
-        let mut all: Vec<(Bytes, Entry)> = t.iter().map(|(k, e)| (k.clone(), e.clone())).collect();
+        let mut all: Vec<(Bytes, Entry)> = t
+            .iter()
+            .filter(|(_, e)| e.complete && e.leased_until_ms <= now_ms)
+            .map(|(k, e)| (k.clone(), e.clone()))
+            .collect();
         drop(t);
         if all.len() > max {
             all.select_nth_unstable_by_key(max, |(_, e)| e.last_ms);
@@ -154,7 +181,7 @@ mod tests {
 
     #[test]
     fn lru_order_hits_and_forgetting() {
-        let t = KeyTable::new(100);
+        let t = KeyTable::new(100, 0);
         let d = k("default");
         t.put(
             &d,
@@ -163,17 +190,19 @@ mod tests {
             1,
         );
         t.put(&d, &[(k("c"), 30, Tier::Disk)], 1, 2);
+        assert!(t.candidates(10, 5).is_empty(), "puts not ended yet");
+        t.complete([k("a"), k("b"), k("c")].iter());
         t.hit(
             [(&k("a"), Some(Tier::Disk)), (&k("zz"), None)].into_iter(),
             5,
         );
-        let c = t.candidates(10);
+        let c = t.candidates(10, 5);
         let order: Vec<&[u8]> = c.iter().map(|(k, _)| &k[..]).collect();
         assert_eq!(order, [&b"b"[..], b"c", b"a"]);
         assert_eq!((c[2].1.hits, c[2].1.tier), (1, Tier::Disk));
         assert_eq!(c[1].1.arm, 1);
-        assert_eq!(t.candidates(1).len(), 1);
-        assert_eq!(&t.candidates(1)[0].0[..], b"b");
+        assert_eq!(t.candidates(1, 5).len(), 1);
+        assert_eq!(&t.candidates(1, 5)[0].0[..], b"b");
         t.forget([k("b")].iter());
         assert_eq!(t.len(), 2);
         t.clear();
@@ -181,14 +210,32 @@ mod tests {
     }
 
     #[test]
+    fn keys_under_a_read_lease_are_no_candidates() {
+        let t = KeyTable::new(10, 100);
+        t.put(
+            &k("t"),
+            &[(k("a"), 1, Tier::Memory), (k("b"), 1, Tier::Memory)],
+            0,
+            0,
+        );
+        t.complete([k("a"), k("b")].iter());
+        t.hit([(&k("a"), None)].into_iter(), 10);
+        let keys = |now| -> Vec<Bytes> { t.candidates(10, now).into_iter().map(|c| c.0).collect() };
+        assert_eq!(keys(50), [k("b")]);
+        assert_eq!(keys(110), [k("b"), k("a")]);
+    }
+
+    #[test]
     fn the_table_stays_bounded_and_keeps_recent_keys() {
-        let t = KeyTable::new(1000);
+        let t = KeyTable::new(1000, 0);
         for i in 0..5000u64 {
-            t.put(&k("t"), &[(k(&i.to_string()), 1, Tier::Memory)], 0, i);
+            let key = k(&i.to_string());
+            t.put(&k("t"), &[(key.clone(), 1, Tier::Memory)], 0, i);
+            t.complete(std::iter::once(&key));
         }
         assert!(t.len() <= 1000, "{}", t.len());
         assert!(t.len() >= 900);
-        let c = t.candidates(5000);
+        let c = t.candidates(5000, 5000);
         assert!(c.iter().all(|(_, e)| e.last_ms >= 3900));
         assert!(c.iter().any(|(k, _)| &k[..] == b"4999"));
     }

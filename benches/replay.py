@@ -1,0 +1,300 @@
+#!/usr/bin/env python3
+"""Replays a Mooncake request trace through a master address (moongate or the master
+itself) with the real Mooncake client, and reports hit rate, bytes per tier, denials and
+latency per experiment arm.
+
+Each trace line is a request with prefix block hashes (`hash_ids`). Every block is one
+key of --value-size bytes. For each request, in arrival order (timestamps divided by
+--speed): look the whole prefix up with one batch_is_exist; the leading run of hits is
+reusable (a miss breaks the prefix: later blocks are recomputed anyway); read the hits
+with one get_batch and check every byte; put the rest with one put_batch.
+
+Arms: with --admin (moongate's admin address) and an experiment assigned by client,
+the replay starts worker clients one at a time and learns each one's arm from moongate's
+own metrics (the MountSegment it just sent), until every arm has --workers-per-arm
+workers; extra workers are closed. Keys are prefixed with the arm, so the arms are
+separate caches competing for the same memory. --split mirror (default) gives every arm
+the whole trace: identical workloads, so the arms' numbers compare the policies and
+nothing else. --split route sends each request to one arm by its first block (a
+conversation stays in one arm; half the load each). Within an arm, requests go to its
+workers by first block too. Without --admin there is one arm, "all".
+
+Run through the wrapper `benches/replay` (it picks the project's virtualenv).
+"""
+import argparse
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import re
+import sys
+import time
+import urllib.request
+
+MiB = 1 << 20
+
+
+def value(key, size):
+    seed = hashlib.sha256(key.encode()).digest()
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+def pct(v, q):
+    if not v:
+        return 0.0
+    v = sorted(v)
+    return v[min(len(v) - 1, int(q * len(v)))]
+
+
+# ---------------------------------------------------------------- worker process
+
+def worker(conn, master, metadata, segment_mib):
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    from mooncake.store import MooncakeDistributedStore
+    s = MooncakeDistributedStore()
+    rc = s.setup("127.0.0.1", metadata, segment_mib * MiB, 64 * MiB, "tcp", "", master)
+    conn.send(("ready", rc))
+    if rc != 0:
+        return
+    msg = conn.recv()
+    if msg[0] == "run":
+        _, reqs, t0, speed, size, prefix = msg
+        conn.send(("done", replay(s, reqs, t0, speed, size, prefix)))
+    s.close()
+
+
+def replay(s, reqs, t0, speed, size, prefix):
+    st = {"requests": 0, "blocks": 0, "hits": 0, "read_ok": 0, "read_miss": 0,
+          "corrupt": 0, "put_keys": 0, "put_calls": 0, "put_failed": {}, "lag_ms": [],
+          "lookup_us": [], "get_us": [], "put_us": [], "read_bytes": 0, "put_bytes": 0}
+    for ts, ids in reqs:
+        due = t0 + ts / 1000.0 / speed
+        now = time.time()
+        if due > now:
+            time.sleep(due - now)
+        else:
+            st["lag_ms"].append((now - due) * 1000)
+        keys = [f"{prefix}/{i}" for i in ids]
+        st["requests"] += 1
+        st["blocks"] += len(keys)
+        t = time.perf_counter()
+        found = s.batch_is_exist(keys)
+        st["lookup_us"].append((time.perf_counter() - t) * 1e6)
+        n = 0
+        while n < len(keys) and found[n] == 1:
+            n += 1
+        st["hits"] += n
+        hits, misses = keys[:n], keys[n:]
+        if hits:
+            t = time.perf_counter()
+            got = s.get_batch(hits)
+            st["get_us"].append((time.perf_counter() - t) * 1e6)
+            good = 0
+            for k, v in zip(hits, got):
+                if len(v) == 0:
+                    st["read_miss"] += 1
+                    misses.append(k)  # evicted between lookup and read: recompute
+                elif bytes(v) == value(k, size):
+                    good += 1
+                else:
+                    st["corrupt"] += 1
+            st["read_ok"] += good
+            st["read_bytes"] += good * size
+        if misses:
+            t = time.perf_counter()
+            rc = s.put_batch(misses, [value(k, size) for k in misses])
+            st["put_us"].append((time.perf_counter() - t) * 1e6)
+            st["put_calls"] += 1
+            if rc == 0:
+                st["put_keys"] += len(misses)
+                st["put_bytes"] += len(misses) * size
+            else:
+                st["put_failed"][str(rc)] = st["put_failed"].get(str(rc), 0) + 1
+    return st
+
+
+# ---------------------------------------------------------------- parent
+
+def metrics(admin):
+    with urllib.request.urlopen(f"http://{admin}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def samples(text, name):
+    """{labels-dict-as-tuple: value} for one metric name."""
+    out = {}
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        labels, val = line[len(name) + 1:].rsplit("} ", 1)
+        out[tuple(sorted(re.findall(r'(\w+)="([^"]*)"', labels)))] = float(val)
+    return out
+
+
+def mounts_by_arm(admin):
+    m = samples(metrics(admin), "moongate_arm_requests_total")
+    return {dict(k)["arm"]: v for k, v in m.items() if dict(k).get("method") == "MountSegment"}
+
+
+def start_workers(a):
+    ctx = mp.get_context("spawn")
+    arms = {}  # arm -> [(proc, conn)]
+    extra = []
+    for attempt in range(a.max_workers):
+        before = mounts_by_arm(a.admin) if a.admin else {}
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=worker, args=(child, a.master, a.metadata, a.segment_mib))
+        p.start()
+        kind, rc = parent.recv()
+        if rc != 0:
+            raise SystemExit(f"worker setup failed: {rc}")
+        if a.admin:
+            after = mounts_by_arm(a.admin)
+            arm = next((k for k, v in after.items() if v > before.get(k, 0)), None)
+            if arm is None:
+                raise SystemExit("could not tell the new worker's arm from moongate's metrics")
+        else:
+            arm = "all"
+        if len(arms.get(arm, [])) < a.workers_per_arm:
+            arms.setdefault(arm, []).append((p, parent))
+        else:
+            extra.append((p, parent))
+        n_arms = len(after) if a.admin else 1
+        if len(arms) == n_arms and all(len(w) == a.workers_per_arm for w in arms.values()):
+            break
+    for p, c in extra:
+        c.send(("close",))
+        p.join(30)
+    if a.admin and len(arms) < len(mounts_by_arm(a.admin)):
+        raise SystemExit(f"only arms {sorted(arms)} got workers in {a.max_workers} tries")
+    return arms
+
+
+def load_trace(path, limit):
+    reqs = []
+    with open(path) as f:
+        for line in f:
+            r = json.loads(line)
+            reqs.append((r["timestamp"], r["hash_ids"]))
+            if limit and len(reqs) >= limit:
+                break
+    return reqs
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", required=True)
+    p.add_argument("--master", required=True, help="HOST:PORT clients use (moongate's master face)")
+    p.add_argument("--metadata", required=True, help="the metadata URL, http://HOST:PORT/metadata")
+    p.add_argument("--value-size", type=int, default=64 << 10, help="bytes per block (64 KiB)")
+    p.add_argument("--speed", type=float, default=1.0, help="divide arrival times by this")
+    p.add_argument("--json", help="write the report here")
+    p.add_argument("--admin", help="moongate's admin HOST:PORT: per-arm workers and metrics")
+    p.add_argument("--segment-mib", type=int, default=64, help="memory segment per worker")
+    p.add_argument("--workers-per-arm", type=int, default=1)
+    p.add_argument("--max-workers", type=int, default=16, help="tries to fill every arm")
+    p.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
+    p.add_argument("--split", choices=["mirror", "route"], default="mirror",
+                   help="mirror: every arm replays the whole trace; route: one arm per request")
+    a = p.parse_args()
+
+    reqs = load_trace(a.trace, a.limit)
+    arms = start_workers(a)
+    names = sorted(arms)
+    per_worker = {(arm, i): [] for arm in names for i in range(len(arms[arm]))}
+    for ts, ids in reqs:
+        first = ids[0] if ids else 0
+        targets = names if a.split == "mirror" else [names[first % len(names)]]
+        for arm in targets:
+            # A conversation stays with one worker: its first block decides.
+            per_worker[(arm, first % len(arms[arm]))].append((ts, ids))
+    t0 = time.time() + 0.5
+    for arm in names:
+        for i, (proc, conn) in enumerate(arms[arm]):
+            conn.send(("run", per_worker[(arm, i)], t0, a.speed, a.value_size, f"{arm}/blk"))
+    results = {arm: [] for arm in names}
+    for arm in names:
+        for proc, conn in arms[arm]:
+            kind, st = conn.recv()
+            results[arm].append(st)
+            proc.join(60)
+    wall = time.time() - t0
+    mtext = metrics(a.admin) if a.admin else ""
+    report = {"trace": os.path.basename(a.trace), "requests": len(reqs), "split": a.split,
+              "value_size": a.value_size, "speed": a.speed, "segment_mib": a.segment_mib,
+              "wall_s": round(wall, 1), "arms": {}}
+    for arm in names:
+        agg = {}
+        for st in results[arm]:
+            for k, v in st.items():
+                if isinstance(v, list):
+                    agg.setdefault(k, []).extend(v)
+                elif isinstance(v, dict):
+                    d = agg.setdefault(k, {})
+                    for kk, vv in v.items():
+                        d[kk] = d.get(kk, 0) + vv
+                else:
+                    agg[k] = agg.get(k, 0) + v
+        r = {k: agg[k] for k in ("requests", "blocks", "hits", "read_ok", "read_miss",
+                                  "corrupt", "put_keys", "put_calls", "put_failed",
+                                  "read_bytes", "put_bytes")}
+        r["workers"] = len(arms[arm])
+        r["hit_rate"] = round(agg["read_ok"] / agg["blocks"], 4) if agg["blocks"] else 0.0
+        for op in ("lookup", "get", "put"):
+            r[f"{op}_p50_us"] = round(pct(agg[f"{op}_us"], 0.5), 1)
+            r[f"{op}_p99_us"] = round(pct(agg[f"{op}_us"], 0.99), 1)
+        r["lag_p99_ms"] = round(pct(agg["lag_ms"], 0.99), 1)
+        if mtext:
+            tb = samples(mtext, "moongate_tier_bytes_total")
+            r["tier_bytes"] = {dict(k)["tier"]: v for k, v in tb.items()
+                               if dict(k).get("arm") == arm and dict(k).get("outcome") == "found" and v}
+            ae = samples(mtext, "moongate_arm_errors_total")
+            r["denied_keys"] = sum(v for k, v in ae.items() if dict(k).get("arm") == arm
+                                   and dict(k).get("method") in ("BatchPutStart", "PutStart")
+                                   and dict(k).get("kind") == "app")
+        report["arms"][arm] = r
+    if mtext:
+        ev = samples(mtext, "moongate_eviction_keys_total")
+        report["evictions"] = {dict(k)["result"]: v for k, v in ev.items()}
+    print_table(report)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=1)
+    bad = sum(r["corrupt"] for r in report["arms"].values())
+    sys.exit(1 if bad else 0)
+
+
+def print_table(rep):
+    arms = list(rep["arms"])
+    rows = [("workers", "workers"), ("requests", "requests"), ("block lookups", "blocks"),
+            ("prefix hits", "hits"), ("hit rate (read byte-exact)", "hit_rate"),
+            ("read misses after hit", "read_miss"), ("corrupt reads", "corrupt"),
+            ("keys put", "put_keys"), ("put_batch failed (by rc)", "put_failed"),
+            ("put keys refused (ErrorCode)", "denied_keys"), ("read bytes", "read_bytes"),
+            ("put bytes", "put_bytes"), ("tier bytes found (moongate)", "tier_bytes"),
+            ("lookup p50 / p99 us", ("lookup_p50_us", "lookup_p99_us")),
+            ("get p50 / p99 us", ("get_p50_us", "get_p99_us")),
+            ("put p50 / p99 us", ("put_p50_us", "put_p99_us")),
+            ("arrival lag p99 ms", "lag_p99_ms")]
+    print(f"replay of {rep['trace']}: {rep['requests']} requests ({rep['split']}), "
+          f"{rep['value_size']} B blocks, "
+          f"speed x{rep['speed']}, {rep['segment_mib']} MiB segment per worker, {rep['wall_s']} s")
+    w = 30
+    print("| " + "metric".ljust(w) + " | " + " | ".join(a.ljust(18) for a in arms) + " |")
+    print("|" + "-" * (w + 2) + "|" + "|".join("-" * 20 for _ in arms) + "|")
+    for label, key in rows:
+        cells = []
+        for a in arms:
+            r = rep["arms"][a]
+            if isinstance(key, tuple):
+                cells.append(f"{r[key[0]]} / {r[key[1]]}")
+            else:
+                v = r.get(key, "")
+                cells.append(json.dumps(v) if isinstance(v, dict) else str(v))
+        print("| " + label.ljust(w) + " | " + " | ".join(c.ljust(18) for c in cells) + " |")
+    if "evictions" in rep:
+        print(f"moongate evictions: {rep['evictions']}")
+
+
+if __name__ == "__main__":
+    main()

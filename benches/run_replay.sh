@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Trace replay A/B: a real mooncake_master, moongate in front of it with an experiment
+# of two eviction policies (lru vs prefix-evict, assigned by client) and moongate-driven
+# eviction on the master's usage, and benches/replay driving the shipped trace through
+# it with the real client. Prints the per-arm table; --json OUT keeps the report.
+# Extra args go to benches/replay (e.g. --limit 500 --speed 50 --value-size 16384).
+# Not part of CI (minutes); tests/replay_live.rs runs a short slice of it. KEEP=1 keeps
+# the master and moongate logs. PROFILE=release measures a release build.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+bash scripts/bootstrap.sh
+profile=${PROFILE:-debug}
+if [ "$profile" = release ]; then cargo build --release --locked --bin moongate; else cargo build --locked --bin moongate; fi
+py=${MOONGATE_PYTHON:-$root/.venv/bin/python}
+master_bin=$("$py" -c 'import os, mooncake; print(os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master"))')
+free_port() { "$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+rpc=$(free_port); http=$(free_port); mport=$(free_port); listen=$(free_port); admin=$(free_port)
+work=$(mktemp -d)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  if [ -n "${KEEP:-}" ]; then echo "logs kept in $work" >&2; else rm -rf "$work"; fi
+}
+trap cleanup EXIT
+export MC_TCP_BIND_ADDRESS=127.0.0.1
+"$master_bin" --rpc_port="$rpc" --rpc_address=127.0.0.1 --enable_http_metadata_server=true \
+  --http_metadata_server_host=127.0.0.1 --http_metadata_server_port="$http" \
+  --metrics_port="$mport" --metrics_host=127.0.0.1 >"$work/master.log" 2>&1 &
+pids+=($!)
+cat >"$work/moongate.toml" <<TOML
+[master_face]
+listen = "127.0.0.1:$listen"
+upstream = "127.0.0.1:$rpc"
+[admin]
+listen = "127.0.0.1:$admin"
+[eviction]
+enabled = true
+master_metrics_url = "http://127.0.0.1:$mport/metrics"
+high_watermark = 0.8
+low_watermark = 0.7
+interval_ms = 100
+max_removals_per_interval = 2000
+[[policy.plugins]]
+name = "lru"
+path = "$root/target/plugins/lru.wasm"
+[[policy.plugins]]
+name = "prefix-evict"
+path = "$root/target/plugins/prefix-evict.wasm"
+[experiment]
+assign = "client"
+arms = [ { name = "lru", plugin = "lru", weight = 50 },
+         { name = "prefix", plugin = "prefix-evict", weight = 50 } ]
+TOML
+RUST_LOG=${RUST_LOG:-info} target/$profile/moongate run --config "$work/moongate.toml" >"$work/moongate.log" 2>&1 &
+pids+=($!)
+for _ in $(seq 1 300); do curl -sf "http://127.0.0.1:$admin/ready" >/dev/null && break; sleep 0.1; done
+curl -sf "http://127.0.0.1:$admin/ready" >/dev/null || { tail -n 30 "$work"/*.log; exit 1; }
+benches/replay --trace benches/traces/mooncake_fast25_synthetic.jsonl \
+  --master "127.0.0.1:$listen" --metadata "http://127.0.0.1:$http/metadata" \
+  --admin "127.0.0.1:$admin" "$@"
