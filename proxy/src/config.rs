@@ -20,6 +20,7 @@ pub struct Config {
     pub runtime: RuntimeConfig,
     pub policy: PolicyConfig,
     pub eviction: EvictionConfig,
+    pub kv: KvConfig,
     /// An experiment to start with (instead of `policy.active`).
     pub experiment: Option<crate::policy::registry::ExperimentSpec>,
 }
@@ -48,6 +49,42 @@ pub struct PolicyConfig {
     pub rollback: RollbackConfig,
     /// Plugins to load at start-up and their configs.
     pub plugins: Vec<PluginSpec>,
+}
+
+/// The kv face: moongate as a native Mooncake client behind a small HTTP API.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct KvConfig {
+    /// `host:port` of the HTTP API; empty = off.
+    pub listen: String,
+    /// The transfer engine's metadata server (`http://HOST:PORT/metadata`, the same
+    /// string Mooncake clients get), where segments publish their data listeners.
+    pub metadata_url: String,
+    /// Largest value a PUT may carry.
+    pub max_value_bytes: usize,
+    /// Keys one `POST /v1/kv/exists` may ask about.
+    pub max_batch_keys: usize,
+    /// Transfer-engine connections kept per peer; a value of 4 MiB or more moves over
+    /// this many at once.
+    pub te_connections_per_peer: usize,
+    /// Deadline of one master call or one transfer.
+    pub timeout_ms: u64,
+    /// The Mooncake tenant of every key (what the Python client sends).
+    pub tenant: String,
+}
+
+impl Default for KvConfig {
+    fn default() -> Self {
+        KvConfig {
+            listen: String::new(),
+            metadata_url: String::new(),
+            max_value_bytes: 256 << 20,
+            max_batch_keys: 10_000,
+            te_connections_per_peer: 4,
+            timeout_ms: 30_000,
+            tenant: "default".into(),
+        }
+    }
 }
 
 /// moongate-driven eviction: a table of the keys clients put through this moongate, and
@@ -80,7 +117,7 @@ pub struct EvictionConfig {
     /// The master's read lease (`--default_kv_lease_ttl`): a key a lookup found within
     /// this long cannot be removed, so it is no candidate.
     pub lease_ms: u64,
-    /// Deadline of one round's calls to the master (probe and removals).
+    /// Deadline of one round's removals on moongate's own master connection.
     pub call_timeout_ms: u64,
 }
 
@@ -367,6 +404,25 @@ impl Config {
             "runtime.worker_threads",
             self.runtime.worker_threads as u64,
         );
+        let kv = &self.kv;
+        if !kv.listen.is_empty() {
+            check_addr(&mut errs, "kv.listen", &kv.listen);
+            if crate::upstream::MetricsUrl::parse(&kv.metadata_url).is_none() {
+                errs.push(format!(
+                    "kv.metadata_url: {:?} is not http://HOST:PORT/PATH (the kv face needs \
+                     the metadata server to find segments)",
+                    kv.metadata_url
+                ));
+            }
+            positive(&mut errs, "kv.max_value_bytes", kv.max_value_bytes as u64);
+            positive(&mut errs, "kv.max_batch_keys", kv.max_batch_keys as u64);
+            positive(
+                &mut errs,
+                "kv.te_connections_per_peer",
+                kv.te_connections_per_peer as u64,
+            );
+            positive(&mut errs, "kv.timeout_ms", kv.timeout_ms);
+        }
         let ev = &self.eviction;
         if ev.enabled {
             positive(&mut errs, "eviction.interval_ms", ev.interval_ms);

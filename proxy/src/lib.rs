@@ -12,6 +12,7 @@ pub mod admin;
 pub mod codec;
 pub mod config;
 pub mod eviction;
+pub mod kv;
 pub mod master_face;
 pub mod metrics;
 pub mod policy;

@@ -33,6 +33,12 @@ enum Command {
         /// Admin endpoint address (admin.listen).
         #[arg(long, value_name = "HOST:PORT")]
         admin: Option<String>,
+        /// Serve the kv HTTP API here (kv.listen).
+        #[arg(long, value_name = "HOST:PORT")]
+        kv: Option<String>,
+        /// The metadata server URL Mooncake clients use (kv.metadata_url).
+        #[arg(long, value_name = "URL")]
+        metadata: Option<String>,
     },
     /// Validate a config file and report every problem found.
     CheckConfig {
@@ -88,6 +94,8 @@ fn main() -> ExitCode {
             listen,
             upstream,
             admin,
+            kv,
+            metadata,
         } => {
             let mut cfg = match config.as_deref().map(Config::load).transpose() {
                 Ok(c) => c.unwrap_or_default(),
@@ -104,6 +112,12 @@ fn main() -> ExitCode {
             }
             if let Some(v) = admin {
                 cfg.admin.listen = v;
+            }
+            if let Some(v) = kv {
+                cfg.kv.listen = v;
+            }
+            if let Some(v) = metadata {
+                cfg.kv.metadata_url = v;
             }
             if let Err(e) = cfg.validate() {
                 eprintln!("moongate: invalid configuration\n{e}");

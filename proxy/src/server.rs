@@ -70,6 +70,11 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
             .expect("policy loading does not panic")?
     };
     let master_listener = bind("master face", &cfg.master_face.listen).await?;
+    let kv_listener = if cfg.kv.listen.is_empty() {
+        None
+    } else {
+        Some(bind("kv", &cfg.kv.listen).await?)
+    };
     let admin_listener = bind("admin", &cfg.admin.listen).await?;
     let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(RunError::Signal)?;
@@ -106,6 +111,27 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
         "moongate listening"
     );
     let admin_task = tokio::spawn(admin::serve(admin_listener, state, shutdown.clone()));
+    if let Some(l) = kv_listener {
+        let timeout = Duration::from_millis(cfg.kv.timeout_ms);
+        // Validated with the config: the URL parses.
+        if let Some(md) = crate::kv::metadata::Metadata::new(&cfg.kv.metadata_url, timeout) {
+            let store = crate::kv::store::Store::new(
+                cfg.master_face.upstream.clone(),
+                md,
+                crate::kv::te_tcp::Pool::new(cfg.kv.te_connections_per_peer, timeout),
+                timeout,
+                bytes::Bytes::from(cfg.kv.tenant.clone()),
+            );
+            tracing::info!(kv = %cfg.kv.listen, client_id = %store.client_id(),
+                metadata = %cfg.kv.metadata_url, "kv face listening");
+            let state = Arc::new(crate::kv::http::KvState {
+                store,
+                max_value_bytes: cfg.kv.max_value_bytes,
+                max_batch_keys: cfg.kv.max_batch_keys,
+            });
+            tokio::spawn(crate::kv::http::serve(l, state, shutdown.clone()));
+        }
+    }
     let eviction = cfg.eviction.enabled.then(|| {
         let ev = crate::eviction::Eviction::new(cfg.eviction.clone(), metrics.clone());
         tokio::spawn(ev.clone().run(

@@ -191,15 +191,16 @@ pub struct Usage {
     pub capacity_bytes: u64,
 }
 
+/// Errors of moongate's own HTTP reads (the master's metrics page, the metadata server).
 #[derive(Debug, Error)]
 pub enum UsageError {
-    #[error("cannot reach the master's metrics endpoint: {0}")]
+    #[error("cannot connect: {0}")]
     Io(#[from] std::io::Error),
-    #[error("metrics endpoint: {0}")]
+    #[error("http: {0}")]
     Http(#[from] hyper::Error),
-    #[error("metrics endpoint answered {0}")]
+    #[error("answered HTTP {0}")]
     Status(u16),
-    #[error("the master's metrics endpoint did not answer within {0:?}")]
+    #[error("no answer within {0:?}")]
     Timeout(Duration),
     #[error("no {0} sample in the master's metrics")]
     Missing(&'static str),
@@ -213,28 +214,44 @@ pub async fn master_usage(url: &MetricsUrl, timeout: Duration) -> Result<Usage, 
 }
 
 async fn master_usage_inner(url: &MetricsUrl) -> Result<Usage, UsageError> {
+    let (status, body) = http_get_inner(&url.authority, &url.path).await?;
+    if !(200..300).contains(&status) {
+        return Err(UsageError::Status(status));
+    }
+    parse_usage(&String::from_utf8_lossy(&body))
+}
+
+/// One HTTP/1.1 GET on a fresh connection: status and body (at most 64 MiB).
+pub async fn http_get(
+    authority: &str,
+    path: &str,
+    timeout: Duration,
+) -> Result<(u16, Bytes), UsageError> {
+    tokio::time::timeout(timeout, http_get_inner(authority, path))
+        .await
+        .map_err(|_| UsageError::Timeout(timeout))?
+}
+
+async fn http_get_inner(authority: &str, path: &str) -> Result<(u16, Bytes), UsageError> {
     use http_body_util::{BodyExt, Empty, Limited};
-    let s = TcpStream::connect(&url.authority).await?;
+    let s = TcpStream::connect(authority).await?;
     let (mut send, conn) =
         hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(s)).await?;
     let driver = tokio::spawn(conn);
-    let req = hyper::Request::get(url.path.as_str())
-        .header(hyper::header::HOST, url.authority.as_str())
+    let req = hyper::Request::get(path)
+        .header(hyper::header::HOST, authority)
         .body(Empty::<Bytes>::new())
         .map_err(|_| UsageError::Status(0))?;
     let resp = send.send_request(req).await?;
-    if !resp.status().is_success() {
-        driver.abort();
-        return Err(UsageError::Status(resp.status().as_u16()));
-    }
-    // The master's page is a few KiB; a bound keeps a wrong URL from filling memory.
-    let body = Limited::new(resp.into_body(), 4 << 20)
+    let status = resp.status().as_u16();
+    // A bound keeps a wrong URL from filling memory.
+    let body = Limited::new(resp.into_body(), 64 << 20)
         .collect()
         .await
         .map_err(|_| UsageError::Status(413))?
         .to_bytes();
     driver.abort();
-    parse_usage(&String::from_utf8_lossy(&body))
+    Ok((status, body))
 }
 
 /// Finds the two samples in a Prometheus text page.

@@ -27,6 +27,9 @@ Roles:
           put_batch per chain, prefix order), print "READY <endpoint>", wait for a
           line on stdin, then report which blocks still exist (batch_is_exist only:
           lookups that grant leases would block moongate's removals).
+  kvpeer  mount a 64 MiB segment, put py/small (5000 B) and py/big (3 MiB + 7 B),
+          print "READY <endpoint>", wait for a line on stdin, then read kv/small and
+          kv/big (written through moongate's kv face) and check them byte for byte.
   place   put each of --count keys (--prefix) one call at a time (so a per-key policy
           decides each), then report every put's return code and where each replica
           landed (segment endpoint, from batch_get_replica_desc).
@@ -326,6 +329,19 @@ def chains(run):
     run.finish()
 
 
+def kvpeer(run):
+    s = run.s
+    run.setup(64 * MiB)
+    run.rec("put py/small", s.put("py/small", value("py/small", 5000)))
+    run.rec("put py/big", s.put("py/big", value("py/big", 3 * MiB + 7)))
+    print(f"READY {run.me}", flush=True)
+    sys.stdin.readline()
+    run.check_get("kv/small", 5000)
+    run.check_get("kv/big", 3 * MiB + 7)
+    run.rec("close", s.close())
+    run.finish()
+
+
 def hold(run):
     run.setup(64 * MiB)
     print(f"READY {run.me}", flush=True)
@@ -357,7 +373,7 @@ def place(run):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--role", required=True,
-                   choices=["owner", "reader", "idle", "loop", "demo", "hold", "place", "disk", "steer", "bulk", "chains"])
+                   choices=["owner", "reader", "idle", "loop", "demo", "hold", "place", "disk", "steer", "bulk", "chains", "kvpeer"])
     p.add_argument("--master", required=True)
     p.add_argument("--metadata", required=True)
     p.add_argument("--out", required=True)
@@ -368,7 +384,7 @@ def main():
     a = p.parse_args()
     run = Run(a)
     {"owner": owner, "reader": reader, "idle": idle, "loop": loop, "demo": demo,
-     "hold": hold, "place": place, "disk": disk, "steer": steer, "bulk": bulk, "chains": chains}[a.role](run)
+     "hold": hold, "place": place, "disk": disk, "steer": steer, "bulk": bulk, "chains": chains, "kvpeer": kvpeer}[a.role](run)
 
 
 if __name__ == "__main__":

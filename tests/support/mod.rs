@@ -192,6 +192,11 @@ pub fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
 
 /// Minimal HTTP/1.1 request over loopback: (status, body).
 pub fn http(addr: &str, method: &str, path: &str, body: &[u8]) -> Option<(u16, String)> {
+    http_bytes(addr, method, path, body).map(|(s, b)| (s, String::from_utf8_lossy(&b).into_owned()))
+}
+
+/// As [`http`], with the body as bytes (values are binary).
+pub fn http_bytes(addr: &str, method: &str, path: &str, body: &[u8]) -> Option<(u16, Vec<u8>)> {
     let mut s = TcpStream::connect(addr).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(30))).ok()?;
     write!(
@@ -200,13 +205,14 @@ pub fn http(addr: &str, method: &str, path: &str, body: &[u8]) -> Option<(u16, S
         body.len()
     )
     .ok()?;
-    s.write_all(body).ok()?;
+    // The server may answer (e.g. 413) and close before the whole body is sent.
+    let _ = s.write_all(body);
     let mut raw = Vec::new();
-    s.read_to_end(&mut raw).ok()?;
-    let resp = String::from_utf8_lossy(&raw).into_owned();
-    let status = resp.split_whitespace().nth(1)?.parse().ok()?;
-    let body = resp.split_once("\r\n\r\n").map(|x| x.1).unwrap_or("");
-    Some((status, body.to_string()))
+    let _ = s.read_to_end(&mut raw);
+    let head_end = raw.windows(4).position(|w| w == b"\r\n\r\n")?;
+    let head = String::from_utf8_lossy(&raw[..head_end]).into_owned();
+    let status = head.split_whitespace().nth(1)?.parse().ok()?;
+    Some((status, raw[head_end + 4..].to_vec()))
 }
 
 pub struct Master {

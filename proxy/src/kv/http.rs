@@ -1,0 +1,236 @@
+//! The kv face's HTTP surface: routing, body limits, and the one mapping from store
+//! errors to HTTP statuses. Knows no master frames and no transfer-engine bytes.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use super::store::{Store, StoreError};
+use crate::codec::types::ErrorCode;
+
+/// What the face shares across connections.
+pub struct KvState {
+    pub store: Store,
+    pub max_value_bytes: usize,
+    /// Keys per `POST /v1/kv/exists`.
+    pub max_batch_keys: usize,
+}
+
+fn reply(status: StatusCode, body: impl Into<Bytes>, ctype: &'static str) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(body.into()));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static(ctype),
+    );
+    r
+}
+
+fn error(status: StatusCode, msg: impl std::fmt::Display) -> Response<Full<Bytes>> {
+    let body = serde_json::json!({ "error": msg.to_string() }).to_string();
+    reply(status, body, "application/json")
+}
+
+/// The one place store errors become HTTP statuses.
+pub fn status_of(e: &StoreError) -> StatusCode {
+    match e {
+        StoreError::Refused(ErrorCode::NO_AVAILABLE_HANDLE) => StatusCode::INSUFFICIENT_STORAGE,
+        StoreError::Refused(ErrorCode::OBJECT_ALREADY_EXISTS)
+        | StoreError::Refused(ErrorCode::OBJECT_HAS_LEASE) => StatusCode::CONFLICT,
+        StoreError::Refused(ErrorCode::INVALID_KEY)
+        | StoreError::Refused(ErrorCode::INVALID_PARAMS) => StatusCode::BAD_REQUEST,
+        StoreError::Master(crate::upstream::CallError::Timeout(_)) => StatusCode::GATEWAY_TIMEOUT,
+        StoreError::Transfer(super::te_tcp::TeError::Timeout { .. }) => StatusCode::GATEWAY_TIMEOUT,
+        _ => StatusCode::BAD_GATEWAY,
+    }
+}
+
+/// `/v1/kv/{key}` -> the key, percent-decoded; `None` for other paths or bad escapes.
+fn key_of(path: &str) -> Option<Bytes> {
+    let raw = path.strip_prefix("/v1/kv/")?;
+    if raw.is_empty() {
+        return None;
+    }
+    let decoded = form_urlencoded_decode(raw)?;
+    Some(Bytes::from(decoded))
+}
+
+/// Percent-decoding of a path segment (no `+` rule: that is for query strings).
+fn form_urlencoded_decode(s: &str) -> Option<Vec<u8>> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            let hex = b.get(i + 1..i + 3)?;
+            let v = u8::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok()?;
+            out.push(v);
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    Some(out)
+}
+
+async fn body(req: Request<Incoming>, limit: usize) -> Result<Bytes, Response<Full<Bytes>>> {
+    match Limited::new(req.into_body(), limit).collect().await {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e)
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
+            Err(error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("body over {limit} bytes (kv.max_value_bytes)"),
+            ))
+        }
+        Err(e) => Err(error(
+            StatusCode::BAD_REQUEST,
+            format!("reading the body: {e}"),
+        )),
+    }
+}
+
+async fn route(state: Arc<KvState>, req: Request<Incoming>) -> Response<Full<Bytes>> {
+    let path = req.uri().path().to_string();
+    let method = req.method().clone();
+    if path == "/v1/kv/exists" && method == Method::POST {
+        let raw = match body(req, 64 << 20).await {
+            Ok(b) => b,
+            Err(r) => return r,
+        };
+        let keys: Vec<String> = match serde_json::from_slice(&raw) {
+            Ok(k) => k,
+            Err(e) => {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    format!("expected a JSON array of key strings: {e}"),
+                );
+            }
+        };
+        if keys.len() > state.max_batch_keys {
+            return error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!(
+                    "{} keys; at most {} per call",
+                    keys.len(),
+                    state.max_batch_keys
+                ),
+            );
+        }
+        if keys.is_empty() {
+            return reply(StatusCode::OK, "[]", "application/json");
+        }
+        return match state
+            .store
+            .exists(keys.into_iter().map(Bytes::from).collect())
+            .await
+        {
+            Ok(v) => reply(
+                StatusCode::OK,
+                serde_json::to_vec(&v).unwrap_or_default(),
+                "application/json",
+            ),
+            Err(e) => error(status_of(&e), e),
+        };
+    }
+    let Some(key) = key_of(&path) else {
+        return error(
+            StatusCode::NOT_FOUND,
+            "no such endpoint; see docs/kv-api.md",
+        );
+    };
+    match method {
+        Method::GET => match state.store.get(key).await {
+            Ok(Some(v)) => reply(StatusCode::OK, v, "application/octet-stream"),
+            Ok(None) => error(StatusCode::NOT_FOUND, "no such key"),
+            Err(e) => error(status_of(&e), e),
+        },
+        Method::PUT => {
+            let value = match body(req, state.max_value_bytes).await {
+                Ok(b) => b,
+                Err(r) => return r,
+            };
+            if value.is_empty() {
+                return error(StatusCode::BAD_REQUEST, "empty value");
+            }
+            match state.store.put(key, value).await {
+                Ok(()) => reply(StatusCode::CREATED, "", "text/plain"),
+                Err(e) => error(status_of(&e), e),
+            }
+        }
+        Method::DELETE => match state.store.remove(key).await {
+            Ok(true) => reply(StatusCode::NO_CONTENT, "", "text/plain"),
+            Ok(false) => error(StatusCode::NOT_FOUND, "no such key"),
+            Err(e) => error(status_of(&e), e),
+        },
+        _ => error(StatusCode::METHOD_NOT_ALLOWED, "GET, PUT or DELETE"),
+    }
+}
+
+/// Serves the kv face until shutdown; each connection is its own task, so a bad
+/// request or a broken connection affects only itself.
+pub async fn serve(listener: TcpListener, state: Arc<KvState>, shutdown: CancellationToken) {
+    loop {
+        let (sock, _) = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            r = listener.accept() => match r {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!(error = %e, "kv accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = sock.set_nodelay(true);
+        let state = state.clone();
+        tokio::spawn(async move {
+            let svc = service_fn(move |req| {
+                let state = state.clone();
+                async move { Ok::<_, Infallible>(route(state, req).await) }
+            });
+            let mut b = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            b.http1()
+                .timer(TokioTimer::new())
+                .header_read_timeout(Duration::from_secs(10));
+            if let Err(e) = b.serve_connection(TokioIo::new(sock), svc).await {
+                tracing::debug!(error = %e, "kv connection ended with an error");
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_from_paths() {
+        assert_eq!(key_of("/v1/kv/a%2Fb"), Some(Bytes::from_static(b"a/b")));
+        assert_eq!(key_of("/v1/kv/plain"), Some(Bytes::from_static(b"plain")));
+        assert_eq!(key_of("/v1/kv/"), None);
+        assert_eq!(key_of("/v1/kv/bad%zz"), None);
+        assert_eq!(key_of("/v2/kv/x"), None);
+    }
+
+    #[test]
+    fn statuses() {
+        assert_eq!(
+            status_of(&StoreError::Refused(ErrorCode::NO_AVAILABLE_HANDLE)),
+            StatusCode::INSUFFICIENT_STORAGE
+        );
+        assert_eq!(status_of(&StoreError::Unexpected), StatusCode::BAD_GATEWAY);
+    }
+}

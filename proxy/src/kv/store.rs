@@ -1,0 +1,293 @@
+//! moongate as a Mooncake store client: lookups, reads, writes and removals against the
+//! master (on its own connections, through the same codec) and the segments that hold
+//! the bytes (over the transfer engine's TCP transport).
+//!
+//! A put follows Mooncake's client exactly: `PutStart` allocates replicas, every memory
+//! replica is written over TE-TCP (v2: acknowledged once the bytes are in place), then
+//! `PutEnd(ALL)`; any failed write revokes the put (`PutRevoke`). A get asks
+//! `GetReplicaList` and reads the first complete memory replica.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use bytes::Bytes;
+use thiserror::Error;
+
+use super::metadata::{Metadata, MetadataError};
+use super::te_tcp::{Pool, TeError};
+use crate::codec::message::{
+    KeyArgs, KeysArgs, PutEndArgs, PutRevokeArgs, PutStartArgs, RemoveArgs, Request, Response,
+};
+use crate::codec::types::{
+    ErrorCode, ObjectMeta, ReplicaLocation, ReplicaStatus, ReplicaType, ReplicateConfig, Uuid,
+};
+use crate::upstream::{CallError, Conn};
+
+#[derive(Debug, Error)]
+pub enum StoreError {
+    #[error("master: {0}")]
+    Master(#[from] CallError),
+    #[error("master answered with transport error {0}")]
+    Rpc(u8),
+    #[error("master refused: {0}")]
+    Refused(ErrorCode),
+    #[error("the master's answer does not fit the call")]
+    Unexpected,
+    #[error("{0}")]
+    Metadata(#[from] MetadataError),
+    #[error("{0}")]
+    Transfer(#[from] TeError),
+    #[error("no complete memory replica (tiers other than memory are not read here yet)")]
+    NoMemoryReplica,
+    #[error("replica [{addr:#x}, +{len}) is outside the segment's advertised buffers")]
+    OutOfRange { addr: u64, len: u64 },
+    #[error("replica size {got} differs from the object size {want}")]
+    SizeMismatch { got: u64, want: u64 },
+}
+
+pub struct Store {
+    upstream: String,
+    client_id: Uuid,
+    tenant: Bytes,
+    call_timeout: Duration,
+    conns: Mutex<Vec<Conn>>,
+    max_idle: usize,
+    pub metadata: Metadata,
+    pub te: Pool,
+}
+
+/// A client id for this process: Mooncake's are random UUIDs; std's hasher seeds give
+/// enough entropy to never collide with a real client's.
+fn fresh_client_id() -> Uuid {
+    use std::hash::{BuildHasher, Hasher};
+    let s = std::collections::hash_map::RandomState::new();
+    let mut a = s.build_hasher();
+    a.write_u32(std::process::id());
+    let mut b = s.build_hasher();
+    b.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    Uuid {
+        first: a.finish(),
+        second: b.finish(),
+    }
+}
+
+impl Store {
+    pub fn new(
+        upstream: String,
+        metadata: Metadata,
+        te: Pool,
+        call_timeout: Duration,
+        tenant: Bytes,
+    ) -> Store {
+        Store {
+            upstream,
+            client_id: fresh_client_id(),
+            tenant,
+            call_timeout,
+            conns: Mutex::new(Vec::new()),
+            max_idle: 8,
+            metadata,
+            te,
+        }
+    }
+
+    pub fn client_id(&self) -> Uuid {
+        self.client_id
+    }
+
+    /// One call on a pooled connection of moongate's own; a connection that failed is
+    /// dropped, not returned.
+    async fn call(&self, req: Request) -> Result<Response, StoreError> {
+        let pooled = self.conns.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let mut c = match pooled {
+            Some(c) => c,
+            None => Conn::connect(&self.upstream, self.call_timeout).await?,
+        };
+        let mut answers = c
+            .call_all(std::slice::from_ref(&req), self.call_timeout)
+            .await?;
+        {
+            let mut idle = self.conns.lock().unwrap_or_else(|p| p.into_inner());
+            if idle.len() < self.max_idle {
+                idle.push(c);
+            }
+        }
+        match answers.pop() {
+            Some(Ok(r)) => Ok(r),
+            Some(Err(code)) => Err(StoreError::Rpc(code)),
+            None => Err(StoreError::Unexpected),
+        }
+    }
+
+    pub async fn exists(&self, keys: Vec<Bytes>) -> Result<Vec<bool>, StoreError> {
+        let n = keys.len();
+        let resp = self
+            .call(Request::BatchExistKey(KeysArgs {
+                keys,
+                tenant_id: self.tenant.clone(),
+            }))
+            .await?;
+        let Response::BatchExistKey(v) = resp else {
+            return Err(StoreError::Unexpected);
+        };
+        if v.len() != n {
+            return Err(StoreError::Unexpected);
+        }
+        v.into_iter()
+            .map(|r| match r {
+                Ok(b) => Ok(b),
+                Err(ErrorCode::OBJECT_NOT_FOUND) => Ok(false),
+                Err(e) => Err(StoreError::Refused(e)),
+            })
+            .collect()
+    }
+
+    /// The value of `key`, or `None` when the store does not have it.
+    pub async fn get(&self, key: Bytes) -> Result<Option<Bytes>, StoreError> {
+        let resp = self
+            .call(Request::GetReplicaList(KeyArgs {
+                key,
+                tenant_id: self.tenant.clone(),
+            }))
+            .await?;
+        let list = match resp {
+            Response::GetReplicaList(Ok(l)) => l,
+            Response::GetReplicaList(Err(ErrorCode::OBJECT_NOT_FOUND)) => return Ok(None),
+            Response::GetReplicaList(Err(e)) => return Err(StoreError::Refused(e)),
+            _ => return Err(StoreError::Unexpected),
+        };
+        let mem = list.replicas.iter().find_map(|r| match &r.location {
+            ReplicaLocation::Memory(m) if r.status == ReplicaStatus::COMPLETE => {
+                Some(&m.buffer_descriptor)
+            }
+            _ => None,
+        });
+        let Some(d) = mem else {
+            return Err(StoreError::NoMemoryReplica);
+        };
+        let seg = self.metadata.segment(&d.transport_endpoint).await?;
+        if !seg.covers(d.buffer_address, d.size) {
+            // A stale descriptor (the owner restarted): re-read it next time.
+            self.metadata.forget(&d.transport_endpoint);
+            return Err(StoreError::OutOfRange {
+                addr: d.buffer_address,
+                len: d.size,
+            });
+        }
+        match self
+            .te
+            .read(&seg.data, d.buffer_address, d.size, seg.v2)
+            .await
+        {
+            Ok(v) => Ok(Some(v)),
+            Err(e) => {
+                self.metadata.forget(&d.transport_endpoint);
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Stores `value` under `key` (Mooncake's default placement: one memory replica).
+    pub async fn put(&self, key: Bytes, value: Bytes) -> Result<(), StoreError> {
+        let resp = self
+            .call(Request::PutStart(PutStartArgs {
+                client_id: self.client_id,
+                key: key.clone(),
+                slice_length: value.len() as u64,
+                config: ReplicateConfig::default(),
+                tenant_id: self.tenant.clone(),
+            }))
+            .await?;
+        let replicas = match resp {
+            Response::PutStart(Ok(r)) => r,
+            Response::PutStart(Err(e)) => return Err(StoreError::Refused(e)),
+            _ => return Err(StoreError::Unexpected),
+        };
+        let written = self.write_replicas(&replicas, &value).await;
+        if let Err(e) = written {
+            let _ = self
+                .call(Request::PutRevoke(PutRevokeArgs {
+                    client_id: self.client_id,
+                    key,
+                    replica_type: ReplicaType::ALL,
+                    tenant_id: self.tenant.clone(),
+                }))
+                .await;
+            return Err(e);
+        }
+        match self
+            .call(Request::PutEnd(PutEndArgs {
+                client_id: self.client_id,
+                object_meta: ObjectMeta {
+                    key,
+                    object_checksum: None,
+                },
+                replica_type: ReplicaType::ALL,
+                tenant_id: self.tenant.clone(),
+            }))
+            .await?
+        {
+            Response::PutEnd(Ok(())) => Ok(()),
+            Response::PutEnd(Err(e)) => Err(StoreError::Refused(e)),
+            _ => Err(StoreError::Unexpected),
+        }
+    }
+
+    async fn write_replicas(
+        &self,
+        replicas: &[crate::codec::types::ReplicaDescriptor],
+        value: &Bytes,
+    ) -> Result<(), StoreError> {
+        for r in replicas {
+            // Disk replicas are written by the master's own disk path, not by clients.
+            let ReplicaLocation::Memory(m) = &r.location else {
+                continue;
+            };
+            let d = &m.buffer_descriptor;
+            if d.size != value.len() as u64 {
+                return Err(StoreError::SizeMismatch {
+                    got: d.size,
+                    want: value.len() as u64,
+                });
+            }
+            let seg = self.metadata.segment(&d.transport_endpoint).await?;
+            if !seg.covers(d.buffer_address, d.size) {
+                self.metadata.forget(&d.transport_endpoint);
+                return Err(StoreError::OutOfRange {
+                    addr: d.buffer_address,
+                    len: d.size,
+                });
+            }
+            if let Err(e) = self
+                .te
+                .write(&seg.data, d.buffer_address, value, seg.v2)
+                .await
+            {
+                self.metadata.forget(&d.transport_endpoint);
+                return Err(e.into());
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes `key`; `false` when it was not there.
+    pub async fn remove(&self, key: Bytes) -> Result<bool, StoreError> {
+        match self
+            .call(Request::Remove(RemoveArgs {
+                key,
+                force: false,
+                tenant_id: self.tenant.clone(),
+            }))
+            .await?
+        {
+            Response::Remove(Ok(())) => Ok(true),
+            Response::Remove(Err(ErrorCode::OBJECT_NOT_FOUND)) => Ok(false),
+            Response::Remove(Err(e)) => Err(StoreError::Refused(e)),
+            _ => Err(StoreError::Unexpected),
+        }
+    }
+}

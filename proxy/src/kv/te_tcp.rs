@@ -1,0 +1,283 @@
+//! The initiator side of Mooncake's transfer-engine TCP transport: READ and WRITE of a
+//! byte range in another process's registered memory.
+//!
+//! Wire (data-plane spec B): a 24-byte header `u64 size | u64 addr | u8 opcode | 7 pad`
+//! (opcode bit 0 = WRITE, bit 7 = v2 framing); v2 owners answer an 8-byte status frame
+//! (`u32 status | "MCTV"`) before READ data and after WRITE data is in memory. One
+//! request at a time per connection; connections are kept per peer and reused, and a
+//! large transfer is cut into ranges moved over several connections at once.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use thiserror::Error;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// `"MCTV"` in the high half of a v2 status frame.
+const STATUS_MAGIC: u32 = 0x4D43_5456;
+const OP_WRITE: u8 = 1;
+const OP_V2: u8 = 0x80;
+
+#[derive(Debug, Error)]
+pub enum TeError {
+    #[error("transfer engine peer {peer}: {source}")]
+    Io {
+        peer: String,
+        source: std::io::Error,
+    },
+    #[error("transfer engine peer {peer} rejected [{addr:#x}, +{len}) (status {status})")]
+    Rejected {
+        peer: String,
+        addr: u64,
+        len: u64,
+        status: u32,
+    },
+    #[error("transfer engine peer {peer} sent a frame that is not a v2 status")]
+    NotV2 { peer: String },
+    #[error("transfer engine peer {peer} did not answer within {0:?}", .timeout)]
+    Timeout { peer: String, timeout: Duration },
+}
+
+/// Encodes a request header.
+pub fn header(size: u64, addr: u64, write: bool, v2: bool) -> [u8; 24] {
+    let mut h = [0u8; 24];
+    h[..8].copy_from_slice(&size.to_le_bytes());
+    h[8..16].copy_from_slice(&addr.to_le_bytes());
+    h[16] = (if write { OP_WRITE } else { 0 }) | (if v2 { OP_V2 } else { 0 });
+    h
+}
+
+/// Decodes a v2 status frame: `Some(status)`, or `None` when it is not one.
+pub fn status(frame: [u8; 8]) -> Option<u32> {
+    let v = u64::from_le_bytes(frame);
+    ((v >> 32) as u32 == STATUS_MAGIC).then_some(v as u32)
+}
+
+/// Idle connections per peer (`host:port` of its TE data listener).
+pub struct Pool {
+    idle: Mutex<HashMap<String, Vec<TcpStream>>>,
+    per_peer: usize,
+    timeout: Duration,
+    /// Ranges at least this large are split over several connections.
+    split_bytes: u64,
+}
+
+impl Pool {
+    pub fn new(per_peer: usize, timeout: Duration) -> Pool {
+        Pool {
+            idle: Mutex::new(HashMap::new()),
+            per_peer: per_peer.max(1),
+            timeout,
+            split_bytes: 4 << 20,
+        }
+    }
+
+    async fn take(&self, peer: &str) -> Result<TcpStream, TeError> {
+        let reused = self
+            .idle
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_mut(peer)
+            .and_then(Vec::pop);
+        if let Some(s) = reused {
+            return Ok(s);
+        }
+        let s = tokio::time::timeout(self.timeout, TcpStream::connect(peer))
+            .await
+            .map_err(|_| TeError::Timeout {
+                peer: peer.to_string(),
+                timeout: self.timeout,
+            })?
+            .map_err(|source| TeError::Io {
+                peer: peer.to_string(),
+                source,
+            })?;
+        let _ = s.set_nodelay(true);
+        Ok(s)
+    }
+
+    fn give_back(&self, peer: &str, s: TcpStream) {
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        let v = idle.entry(peer.to_string()).or_default();
+        if v.len() < self.per_peer {
+            v.push(s);
+        }
+    }
+
+    /// Reads `len` bytes at `addr` in the peer's memory.
+    pub async fn read(&self, peer: &str, addr: u64, len: u64, v2: bool) -> Result<Bytes, TeError> {
+        let mut out = BytesMut::zeroed(len as usize);
+        let parts = self.ranges(len);
+        let mut rest = &mut out[..];
+        let mut jobs = Vec::with_capacity(parts.len());
+        for (off, n) in parts {
+            let (chunk, tail) = rest.split_at_mut(n as usize);
+            rest = tail;
+            jobs.push(self.read_into(peer, addr + off, chunk, v2));
+        }
+        futures_util::future::try_join_all(jobs).await?;
+        Ok(out.freeze())
+    }
+
+    /// Writes `data` at `addr` in the peer's memory; with v2 it returns once the peer
+    /// confirmed the bytes are in place.
+    pub async fn write(&self, peer: &str, addr: u64, data: &[u8], v2: bool) -> Result<(), TeError> {
+        let jobs: Vec<_> = self
+            .ranges(data.len() as u64)
+            .into_iter()
+            .map(|(off, n)| {
+                self.write_one(
+                    peer,
+                    addr + off,
+                    &data[off as usize..(off + n) as usize],
+                    v2,
+                )
+            })
+            .collect();
+        futures_util::future::try_join_all(jobs).await?;
+        Ok(())
+    }
+
+    /// `(offset, len)` ranges: one below `split_bytes`, else up to `per_peer` equal parts.
+    fn ranges(&self, len: u64) -> Vec<(u64, u64)> {
+        let parts = if len >= self.split_bytes {
+            self.per_peer as u64
+        } else {
+            1
+        };
+        let step = len.div_ceil(parts).max(1);
+        (0..parts)
+            .map(|i| (i * step, step.min(len.saturating_sub(i * step))))
+            .filter(|&(_, n)| n > 0)
+            .collect()
+    }
+
+    async fn read_into(
+        &self,
+        peer: &str,
+        addr: u64,
+        buf: &mut [u8],
+        v2: bool,
+    ) -> Result<(), TeError> {
+        let mut s = self.take(peer).await?;
+        let io = |source| TeError::Io {
+            peer: peer.to_string(),
+            source,
+        };
+        let len = buf.len() as u64;
+        let exchange = async {
+            s.write_all(&header(len, addr, false, v2))
+                .await
+                .map_err(io)?;
+            if v2 {
+                self.expect_ok(&mut s, peer, addr, len).await?;
+            }
+            s.read_exact(buf).await.map_err(io)?;
+            Ok::<_, TeError>(())
+        };
+        self.bounded(peer, exchange).await?;
+        self.give_back(peer, s);
+        Ok(())
+    }
+
+    async fn write_one(&self, peer: &str, addr: u64, data: &[u8], v2: bool) -> Result<(), TeError> {
+        let mut s = self.take(peer).await?;
+        let io = |source| TeError::Io {
+            peer: peer.to_string(),
+            source,
+        };
+        let len = data.len() as u64;
+        let exchange = async {
+            s.write_all(&header(len, addr, true, v2))
+                .await
+                .map_err(io)?;
+            s.write_all(data).await.map_err(io)?;
+            if v2 {
+                self.expect_ok(&mut s, peer, addr, len).await?;
+            }
+            Ok::<_, TeError>(())
+        };
+        self.bounded(peer, exchange).await?;
+        self.give_back(peer, s);
+        Ok(())
+    }
+
+    async fn expect_ok(
+        &self,
+        s: &mut TcpStream,
+        peer: &str,
+        addr: u64,
+        len: u64,
+    ) -> Result<(), TeError> {
+        let mut f = [0u8; 8];
+        s.read_exact(&mut f).await.map_err(|source| TeError::Io {
+            peer: peer.to_string(),
+            source,
+        })?;
+        match status(f) {
+            Some(0) => Ok(()),
+            Some(status) => Err(TeError::Rejected {
+                peer: peer.to_string(),
+                addr,
+                len,
+                status,
+            }),
+            None => Err(TeError::NotV2 {
+                peer: peer.to_string(),
+            }),
+        }
+    }
+
+    async fn bounded<T>(
+        &self,
+        peer: &str,
+        f: impl std::future::Future<Output = Result<T, TeError>>,
+    ) -> Result<T, TeError> {
+        tokio::time::timeout(self.timeout, f)
+            .await
+            .map_err(|_| TeError::Timeout {
+                peer: peer.to_string(),
+                timeout: self.timeout,
+            })?
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_match_the_captures() {
+        // READ v2, 100000 B @0x7fe97b000000 (data-plane spec B.2)
+        let h = header(100_000, 0x7fe9_7b00_0000, false, true);
+        assert_eq!(
+            h,
+            [
+                0xa0, 0x86, 0x01, 0, 0, 0, 0, 0, 0, 0, 0, 0x7b, 0xe9, 0x7f, 0, 0, 0x80, 0, 0, 0, 0,
+                0, 0, 0
+            ]
+        );
+        assert_eq!(header(5 << 20, 0xa12b_0000_1000, true, true)[16], 0x81);
+        assert_eq!(header(1, 1, true, false)[16], 0x01);
+    }
+
+    #[test]
+    fn status_frames() {
+        assert_eq!(status([0, 0, 0, 0, 0x56, 0x54, 0x43, 0x4d]), Some(0));
+        assert_eq!(status([1, 0, 0, 0, 0x56, 0x54, 0x43, 0x4d]), Some(1));
+        assert_eq!(status([0; 8]), None);
+    }
+
+    #[test]
+    fn large_ranges_split_evenly() {
+        let p = Pool::new(4, Duration::from_secs(1));
+        assert_eq!(p.ranges(100), [(0, 100)]);
+        let r = p.ranges((16 << 20) + 3);
+        assert_eq!(r.len(), 4);
+        assert_eq!(r.iter().map(|x| x.1).sum::<u64>(), (16 << 20) + 3);
+        assert_eq!(r[1].0, r[0].1);
+    }
+}

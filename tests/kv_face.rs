@@ -1,0 +1,140 @@
+//! The kv face against the real master and a real Python client that owns the only
+//! segment: values cross both ways bit-exact over the transfer engine's TCP path, and
+//! bad input on the kv listener gets a clear answer while everyone else carries on.
+
+mod support;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+use support::*;
+
+/// The deterministic value of a key, as tests/py/scenario.py makes it.
+fn value(key: &str, size: usize) -> Vec<u8> {
+    let seed = Sha256::digest(key.as_bytes());
+    seed.iter().copied().cycle().take(size).collect()
+}
+
+fn start(master: &Master, extra: &str) -> (Moongate, String) {
+    let kv = format!("127.0.0.1:{}", free_port());
+    let mg = Moongate::start_config(&format!(
+        "[master_face]\nupstream = \"{}\"\n[kv]\nlisten = \"{kv}\"\nmetadata_url = \"{}\"\n{extra}",
+        master.rpc, master.metadata
+    ));
+    mg.wait_ready(master);
+    (mg, kv)
+}
+
+#[test]
+fn values_cross_between_the_python_client_and_the_kv_face_bit_exact() {
+    let master = Master::start();
+    let (mg, kv) = start(&master, "");
+    let logs = [&master.proc, &mg.proc];
+    let mut peer = Background::start("kvpeer", &master.rpc, &master.metadata, &logs);
+    let log = || format!("{}\n{}", mg.proc.log_text(), peer_log(&peer.proc));
+
+    // Python put -> moongate get
+    let (st, body) = http_bytes(&kv, "GET", "/v1/kv/py%2Fsmall", &[]).unwrap();
+    assert_eq!(st, 200, "{}\n{}", String::from_utf8_lossy(&body), log());
+    assert!(body == value("py/small", 5000), "py/small differs");
+    let (st, body) = http_bytes(&kv, "GET", "/v1/kv/py%2Fbig", &[]).unwrap();
+    assert_eq!(st, 200);
+    assert!(body == value("py/big", (3 << 20) + 7), "py/big differs");
+
+    // moongate put -> Python get (after the peer is told to read)
+    let (st, b) = http(&kv, "PUT", "/v1/kv/kv%2Fsmall", &value("kv/small", 5000)).unwrap();
+    assert_eq!(st, 201, "{b}\n{}", log());
+    let (st, _) = http(
+        &kv,
+        "PUT",
+        "/v1/kv/kv%2Fbig",
+        &value("kv/big", (3 << 20) + 7),
+    )
+    .unwrap();
+    assert_eq!(st, 201);
+    let (st, b) = http(
+        &kv,
+        "POST",
+        "/v1/kv/exists",
+        br#"["py/small", "kv/big", "nope"]"#,
+    )
+    .unwrap();
+    assert_eq!((st, b.as_str()), (200, "[true,true,false]"));
+    // Our GET leased py/small for the master's lease period: a removal must wait.
+    let (st, b) = http(&kv, "DELETE", "/v1/kv/py%2Fsmall", &[]).unwrap();
+    assert_eq!(st, 409, "{b}");
+    let (st, _) = http(&kv, "PUT", "/v1/kv/kv%2Ftmp", b"short-lived").unwrap();
+    assert_eq!(st, 201);
+    let (st, _) = http(&kv, "DELETE", "/v1/kv/kv%2Ftmp", &[]).unwrap();
+    assert_eq!(st, 204);
+    let (st, _) = http(&kv, "GET", "/v1/kv/kv%2Ftmp", &[]).unwrap();
+    assert_eq!(st, 404);
+    let (st, _) = http(&kv, "DELETE", "/v1/kv/kv%2Ftmp", &[]).unwrap();
+    assert_eq!(st, 404);
+
+    peer.tell();
+    let (st, r) = peer.finish();
+    assert!(st.success(), "{r}");
+    let ops = r.as_array().unwrap();
+    for name in ["get kv/small", "get kv/big"] {
+        let o = ops.iter().find(|o| o[0] == name).unwrap();
+        assert_eq!(o[1]["ok"], true, "{name}: {r}");
+    }
+    // The owner unmounted: its objects are gone with its segment.
+    let (st, _) = http(&kv, "GET", "/v1/kv/kv%2Fsmall", &[]).unwrap();
+    assert_eq!(st, 404);
+}
+
+fn peer_log(p: &Proc) -> String {
+    p.log_text()
+}
+
+#[test]
+fn bad_input_on_the_kv_listener_gets_clear_errors_and_others_carry_on() {
+    let master = Master::start();
+    let (mg, kv) = start(&master, "max_value_bytes = 1048576\n");
+    // garbage instead of HTTP: that connection gets 400 or is closed
+    let mut s = TcpStream::connect(&kv).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(b"\x00\x01\x02garbage\r\n\r\n").unwrap();
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    assert!(
+        out.is_empty() || out.starts_with(b"HTTP/1.1 400"),
+        "{}",
+        String::from_utf8_lossy(&out)
+    );
+    // truncated request, then the peer goes away
+    let mut t = TcpStream::connect(&kv).unwrap();
+    t.write_all(b"PUT /v1/kv/x HTTP/1.1\r\nContent-Length: 100\r\n\r\nabc")
+        .unwrap();
+    drop(t);
+    let (st, b) = http(&kv, "POST", "/v1/kv/exists", b"{not json").unwrap();
+    assert_eq!(st, 400, "{b}");
+    assert!(b.contains("JSON array"), "{b}");
+    let (st, b) = http(&kv, "PUT", "/v1/kv/big", &vec![7u8; (1 << 20) + 1]).unwrap();
+    assert_eq!(st, 413, "{b}");
+    let (st, _) = http(&kv, "GET", "/v2/other", &[]).unwrap();
+    assert_eq!(st, 404);
+    let (st, _) = http(&kv, "PUT", "/v1/kv/empty", &[]).unwrap();
+    assert_eq!(st, 400);
+    // No segment is mounted: the master has nowhere to put it.
+    let (st, b) = http(&kv, "PUT", "/v1/kv/nowhere", b"abc").unwrap();
+    assert_eq!(st, 507, "{b}");
+    // Still serving, and the master face too.
+    let (st, b) = http(&kv, "POST", "/v1/kv/exists", br#"["a"]"#).unwrap();
+    assert_eq!((st, b.as_str()), (200, "[false]"));
+    assert!(service_ready(&mg.listen));
+}
+
+#[test]
+fn the_kv_face_needs_a_metadata_url() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_moongate"))
+        .args(["run", "--kv", "127.0.0.1:1", "--listen", "127.0.0.1:0"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("kv.metadata_url"));
+}
