@@ -138,3 +138,106 @@ fn the_kv_face_needs_a_metadata_url() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("kv.metadata_url"));
 }
+
+/// moongate's own segment: the master places puts in it, unmodified clients read from
+/// and write to it over TE-TCP, the kv face reads it in place; bad requests on its
+/// listener are refused per connection; on SIGTERM it unmounts and deletes its metadata.
+#[test]
+fn own_segment_serves_unmodified_clients_and_unregisters_on_shutdown() {
+    let master = Master::start();
+    let (mut mg, kv) = start(&master, "segment_bytes = 67108864\n");
+    let logs = [&master.proc, &mg.proc];
+    wait_for(
+        "own segment mounted",
+        Duration::from_secs(10),
+        &logs,
+        || mg.proc.log_text().contains("own segment mounted"),
+    );
+    let log = mg.proc.log_text();
+    let name = log
+        .split("own segment mounted segment=")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .expect("segment name in the log")
+        .to_string();
+    // Only moongate's segment exists: these land in it and are read back in place.
+    let (st, b) = http(&kv, "PUT", "/v1/kv/own%2Fsmall", &value("own/small", 5000)).unwrap();
+    assert_eq!(st, 201, "{b}\n{}", mg.proc.log_text());
+    let (st, _) = http(
+        &kv,
+        "PUT",
+        "/v1/kv/own%2Fbig",
+        &value("own/big", (3 << 20) + 7),
+    )
+    .unwrap();
+    assert_eq!(st, 201);
+    let (st, body) = http_bytes(&kv, "GET", "/v1/kv/own%2Fbig", &[]).unwrap();
+    assert!(st == 200 && body == value("own/big", (3 << 20) + 7));
+
+    // Bad requests on the segment listener: out of range (v2 gets status 1), garbage.
+    let mut bad = TcpStream::connect(&name).unwrap();
+    bad.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut h = [0u8; 24];
+    h[..8].copy_from_slice(&16u64.to_le_bytes());
+    h[8..16].copy_from_slice(&8u64.to_le_bytes());
+    h[16] = 0x80;
+    bad.write_all(&h).unwrap();
+    let mut st8 = [0u8; 8];
+    bad.read_exact(&mut st8).unwrap();
+    assert_eq!(st8, [1, 0, 0, 0, 0x56, 0x54, 0x43, 0x4d]);
+    assert_eq!(
+        bad.read(&mut st8).unwrap_or(0),
+        0,
+        "closed after a rejection"
+    );
+    let mut g = TcpStream::connect(&name).unwrap();
+    g.write_all(b"\xff\xff\xff\xff\xff\xff\xff\xffshort")
+        .unwrap();
+    drop(g);
+
+    // An unmodified client with no memory of its own reads and writes moongate's.
+    let r = run_role("guest", &mg.listen, &master.metadata, &[], &logs);
+    let ops = r.as_array().unwrap();
+    let get = |n: &str| ops.iter().find(|o| o[0] == n).unwrap()[1].clone();
+    assert_eq!(get("get own/small")["ok"], true, "{r}");
+    assert_eq!(get("get own/big")["ok"], true, "{r}");
+    assert_eq!(get("put py/x"), 0, "{r}");
+    assert_eq!(get("put py/big"), 0, "{r}");
+    for (key, size) in [("py/x", 70000), ("py/big", (5 << 20) + 1)] {
+        let (st, body) = http_bytes(
+            &kv,
+            "GET",
+            &format!("/v1/kv/{}", key.replace('/', "%2F")),
+            &[],
+        )
+        .unwrap();
+        assert_eq!(st, 200, "{key}");
+        assert!(body == value(key, size), "{key} differs");
+    }
+
+    // SIGTERM: unmount, metadata gone, exit 0.
+    let md_key = format!(
+        "/metadata?key=mooncake%2Fram%2F{}",
+        name.replace(':', "%3A")
+    );
+    let http_md = master
+        .metadata
+        .trim_start_matches("http://")
+        .split('/')
+        .next()
+        .unwrap()
+        .to_string();
+    assert_eq!(http_get(&http_md, &md_key).map(|r| r.0), Some(200));
+    mg.proc.signal(libc::SIGTERM);
+    let st = mg
+        .proc
+        .wait_exit(Duration::from_secs(20))
+        .expect("moongate exits");
+    assert!(st.success(), "{}", mg.proc.log_text());
+    assert!(
+        mg.proc
+            .log_text()
+            .contains("segment unmounted, metadata deleted")
+    );
+    assert_eq!(http_get(&http_md, &md_key).map(|r| r.0), Some(404));
+}

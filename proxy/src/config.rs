@@ -71,6 +71,10 @@ pub struct KvConfig {
     pub timeout_ms: u64,
     /// The Mooncake tenant of every key (what the Python client sends).
     pub tenant: String,
+    /// Size of moongate's own memory segment, mounted with the master; 0 = none.
+    pub segment_bytes: u64,
+    /// Address the segment's TE-TCP listener binds and advertises (port 0: any free).
+    pub segment_listen: String,
 }
 
 impl Default for KvConfig {
@@ -83,6 +87,8 @@ impl Default for KvConfig {
             te_connections_per_peer: 4,
             timeout_ms: 30_000,
             tenant: "default".into(),
+            segment_bytes: 0,
+            segment_listen: "127.0.0.1:0".into(),
         }
     }
 }
@@ -422,6 +428,12 @@ impl Config {
                 kv.te_connections_per_peer as u64,
             );
             positive(&mut errs, "kv.timeout_ms", kv.timeout_ms);
+            if kv.segment_bytes > 0 {
+                check_addr(&mut errs, "kv.segment_listen", &kv.segment_listen);
+                if kv.segment_bytes < (1 << 20) {
+                    errs.push("kv.segment_bytes: 0 (none) or at least 1 MiB".into());
+                }
+            }
         }
         let ev = &self.eviction;
         if ev.enabled {

@@ -47,6 +47,8 @@ pub enum RunError {
     Signal(std::io::Error),
     #[error("policy: {0}")]
     Policy(#[from] crate::policy::registry::RegistryError),
+    #[error("own segment: {0}")]
+    Segment(String),
 }
 
 async fn bind(what: &'static str, addr: &str) -> Result<TcpListener, RunError> {
@@ -111,6 +113,7 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
         "moongate listening"
     );
     let admin_task = tokio::spawn(admin::serve(admin_listener, state, shutdown.clone()));
+    let mut segment_task = None;
     if let Some(l) = kv_listener {
         let timeout = Duration::from_millis(cfg.kv.timeout_ms);
         // Validated with the config: the URL parses.
@@ -122,6 +125,12 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
                 timeout,
                 bytes::Bytes::from(cfg.kv.tenant.clone()),
             );
+            if cfg.kv.segment_bytes > 0 {
+                let (task, name, mem) =
+                    own_segment(&cfg, store.client_id(), shutdown.clone()).await?;
+                store.set_own_segment(name, mem);
+                segment_task = Some(task);
+            }
             tracing::info!(kv = %cfg.kv.listen, client_id = %store.client_id(),
                 metadata = %cfg.kv.metadata_url, "kv face listening");
             let state = Arc::new(crate::kv::http::KvState {
@@ -179,6 +188,53 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
     } else {
         tracing::info!("all connections drained");
     }
+    // The segment's heartbeat task unmounts it and deletes its metadata on shutdown.
+    if let Some(t) = segment_task {
+        let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
+    }
     let _ = admin_task.await;
     Ok(())
+}
+
+/// Allocates, serves, publishes and mounts moongate's own segment; returns the task that
+/// keeps it registered (and unregisters it on shutdown), its name and its memory.
+async fn own_segment(
+    cfg: &Config,
+    client_id: crate::codec::types::Uuid,
+    shutdown: CancellationToken,
+) -> Result<
+    (
+        tokio::task::JoinHandle<()>,
+        bytes::Bytes,
+        Arc<crate::kv::segment::Memory>,
+    ),
+    RunError,
+> {
+    use crate::kv::{mount, segment};
+    let listener = bind("segment", &cfg.kv.segment_listen).await?;
+    let local = listener.local_addr().map_err(|source| RunError::Bind {
+        what: "segment",
+        addr: cfg.kv.segment_listen.clone(),
+        source,
+    })?;
+    let host = local.ip().to_string();
+    let name = format!("{host}:{}", local.port());
+    // Any non-zero base works: peers only send it back as addresses inside the segment.
+    let mem = Arc::new(segment::Memory::new(0x7e00_0000_0000, cfg.kv.segment_bytes));
+    tokio::spawn(segment::serve(listener, mem.clone(), shutdown.clone()));
+    let reg = Arc::new(mount::Registration {
+        client_id,
+        segment_id: crate::kv::store::fresh_uuid(),
+        name: name.clone(),
+        metadata: crate::upstream::MetricsUrl::parse(&cfg.kv.metadata_url)
+            .ok_or_else(|| RunError::Segment("kv.metadata_url does not parse".into()))?,
+        upstream: cfg.master_face.upstream.clone(),
+        timeout: Duration::from_millis(cfg.kv.timeout_ms),
+    });
+    reg.mount(&mem, &host, local.port())
+        .await
+        .map_err(|e| RunError::Segment(e.to_string()))?;
+    tracing::info!(segment = %name, bytes = cfg.kv.segment_bytes, "own segment mounted");
+    let task = tokio::spawn(reg.heartbeat(mem.clone(), shutdown));
+    Ok((task, bytes::Bytes::from(name), mem))
 }

@@ -227,21 +227,46 @@ pub async fn http_get(
     path: &str,
     timeout: Duration,
 ) -> Result<(u16, Bytes), UsageError> {
-    tokio::time::timeout(timeout, http_get_inner(authority, path))
+    http_request(hyper::Method::GET, authority, path, Bytes::new(), timeout).await
+}
+
+/// One HTTP/1.1 request on a fresh connection (a JSON body when non-empty): status and
+/// body (at most 64 MiB).
+pub async fn http_request(
+    method: hyper::Method,
+    authority: &str,
+    path: &str,
+    body: Bytes,
+    timeout: Duration,
+) -> Result<(u16, Bytes), UsageError> {
+    tokio::time::timeout(timeout, http_inner(method, authority, path, body))
         .await
         .map_err(|_| UsageError::Timeout(timeout))?
 }
 
 async fn http_get_inner(authority: &str, path: &str) -> Result<(u16, Bytes), UsageError> {
-    use http_body_util::{BodyExt, Empty, Limited};
+    http_inner(hyper::Method::GET, authority, path, Bytes::new()).await
+}
+
+async fn http_inner(
+    method: hyper::Method,
+    authority: &str,
+    path: &str,
+    body: Bytes,
+) -> Result<(u16, Bytes), UsageError> {
+    use http_body_util::{BodyExt, Full, Limited};
     let s = TcpStream::connect(authority).await?;
     let (mut send, conn) =
         hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(s)).await?;
     let driver = tokio::spawn(conn);
-    let req = hyper::Request::get(path)
-        .header(hyper::header::HOST, authority)
-        .body(Empty::<Bytes>::new())
-        .map_err(|_| UsageError::Status(0))?;
+    let mut b = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header(hyper::header::HOST, authority);
+    if !body.is_empty() {
+        b = b.header(hyper::header::CONTENT_TYPE, "application/json");
+    }
+    let req = b.body(Full::new(body)).map_err(|_| UsageError::Status(0))?;
     let resp = send.send_request(req).await?;
     let status = resp.status().as_u16();
     // A bound keeps a wrong URL from filling memory.

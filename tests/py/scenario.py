@@ -30,6 +30,9 @@ Roles:
   kvpeer  mount a 64 MiB segment, put py/small (5000 B) and py/big (3 MiB + 7 B),
           print "READY <endpoint>", wait for a line on stdin, then read kv/small and
           kv/big (written through moongate's kv face) and check them byte for byte.
+  guest   mount no memory, read own/small and own/big (put through moongate's kv face
+          into moongate's own segment), then put py/x (70000 B) and py/big (5 MiB + 1),
+          which can only land in moongate's segment.
   place   put each of --count keys (--prefix) one call at a time (so a per-key policy
           decides each), then report every put's return code and where each replica
           landed (segment endpoint, from batch_get_replica_desc).
@@ -342,6 +345,17 @@ def kvpeer(run):
     run.finish()
 
 
+def guest(run):
+    s = run.s
+    run.setup(0)
+    run.check_get("own/small", 5000)
+    run.check_get("own/big", 3 * MiB + 7)
+    run.rec("put py/x", s.put("py/x", value("py/x", 70000)))
+    run.rec("put py/big", s.put("py/big", value("py/big", 5 * MiB + 1)))
+    run.rec("close", s.close())
+    run.finish()
+
+
 def hold(run):
     run.setup(64 * MiB)
     print(f"READY {run.me}", flush=True)
@@ -373,7 +387,7 @@ def place(run):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--role", required=True,
-                   choices=["owner", "reader", "idle", "loop", "demo", "hold", "place", "disk", "steer", "bulk", "chains", "kvpeer"])
+                   choices=["owner", "reader", "idle", "loop", "demo", "hold", "place", "disk", "steer", "bulk", "chains", "kvpeer", "guest"])
     p.add_argument("--master", required=True)
     p.add_argument("--metadata", required=True)
     p.add_argument("--out", required=True)
@@ -384,7 +398,7 @@ def main():
     a = p.parse_args()
     run = Run(a)
     {"owner": owner, "reader": reader, "idle": idle, "loop": loop, "demo": demo,
-     "hold": hold, "place": place, "disk": disk, "steer": steer, "bulk": bulk, "chains": chains, "kvpeer": kvpeer}[a.role](run)
+     "hold": hold, "place": place, "disk": disk, "steer": steer, "bulk": bulk, "chains": chains, "kvpeer": kvpeer, "guest": guest}[a.role](run)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,10 @@
 //! - `DELETE /v1/kv/{key}` -> 204, 404 when absent, 409 while a reader holds a lease
 //! - `POST /v1/kv/exists` with a JSON array of keys -> JSON array of booleans
 //!
+//! With `kv.segment_bytes` > 0 moongate also owns a memory segment ([`segment`],
+//! registered by [`mount`]): the master places puts from any client in it, unmodified
+//! clients read it over TE-TCP, and the kv face reads and writes it without a socket.
+//!
 //! Keys are the path segment after `/v1/kv/`, percent-decoded (UTF-8). Errors are
 //! `{"error": "..."}` with a status chosen in one place ([`http::status_of`]).
 //! Bytes move over the transfer engine's TCP transport ([`te_tcp`]) to and from the
@@ -16,5 +20,7 @@
 
 pub mod http;
 pub mod metadata;
+pub mod mount;
+pub mod segment;
 pub mod store;
 pub mod te_tcp;

@@ -54,11 +54,13 @@ pub struct Store {
     max_idle: usize,
     pub metadata: Metadata,
     pub te: Pool,
+    /// moongate's own segment (name and memory): replicas there are copied in place.
+    own: std::sync::OnceLock<(Bytes, std::sync::Arc<super::segment::Memory>)>,
 }
 
 /// A client id for this process: Mooncake's are random UUIDs; std's hasher seeds give
 /// enough entropy to never collide with a real client's.
-fn fresh_client_id() -> Uuid {
+pub fn fresh_uuid() -> Uuid {
     use std::hash::{BuildHasher, Hasher};
     let s = std::collections::hash_map::RandomState::new();
     let mut a = s.build_hasher();
@@ -85,18 +87,31 @@ impl Store {
     ) -> Store {
         Store {
             upstream,
-            client_id: fresh_client_id(),
+            client_id: fresh_uuid(),
             tenant,
             call_timeout,
             conns: Mutex::new(Vec::new()),
             max_idle: 8,
             metadata,
             te,
+            own: std::sync::OnceLock::new(),
         }
     }
 
     pub fn client_id(&self) -> Uuid {
         self.client_id
+    }
+
+    /// Declares moongate's own segment, once it is mounted.
+    pub fn set_own_segment(&self, name: Bytes, mem: std::sync::Arc<super::segment::Memory>) {
+        let _ = self.own.set((name, mem));
+    }
+
+    fn own_memory(&self, endpoint: &Bytes) -> Option<&super::segment::Memory> {
+        self.own
+            .get()
+            .filter(|(name, _)| name == endpoint)
+            .map(|(_, m)| &**m)
     }
 
     /// One call on a pooled connection of moongate's own; a connection that failed is
@@ -169,6 +184,17 @@ impl Store {
         let Some(d) = mem else {
             return Err(StoreError::NoMemoryReplica);
         };
+        if let Some(own) = self.own_memory(&d.transport_endpoint) {
+            let off = own
+                .offset_of(d.buffer_address, d.size)
+                .ok_or(StoreError::OutOfRange {
+                    addr: d.buffer_address,
+                    len: d.size,
+                })?;
+            let mut out = vec![0u8; d.size as usize];
+            own.read_at(off, &mut out);
+            return Ok(Some(Bytes::from(out)));
+        }
         let seg = self.metadata.segment(&d.transport_endpoint).await?;
         if !seg.covers(d.buffer_address, d.size) {
             // A stale descriptor (the owner restarted): re-read it next time.
@@ -253,6 +279,16 @@ impl Store {
                     got: d.size,
                     want: value.len() as u64,
                 });
+            }
+            if let Some(own) = self.own_memory(&d.transport_endpoint) {
+                let off =
+                    own.offset_of(d.buffer_address, d.size)
+                        .ok_or(StoreError::OutOfRange {
+                            addr: d.buffer_address,
+                            len: d.size,
+                        })?;
+                own.write_at(off, value);
+                continue;
             }
             let seg = self.metadata.segment(&d.transport_endpoint).await?;
             if !seg.covers(d.buffer_address, d.size) {

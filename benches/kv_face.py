@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""The kv face against Mooncake's own client, in one run: remote get of 4 KiB (p50) and
+16 MiB (GB/s) from the same owner segment.
+
+Setup: mooncake_master; an owner process (real client) with a 256 MiB segment that puts
+kv/4k and kv/16m; moongate with the kv face; then alternately, --rounds times:
+  mooncake  a reader process with an empty segment doing get_into of the same keys
+            (the transfer engine's TCP path, as in ../shared/bench/mc_bench.py)
+  moongate  examples/kv_bench: keep-alive HTTP GETs to the kv face
+Medians over rounds. `benches/run_kv_face.sh` builds release binaries and runs this.
+"""
+import argparse
+import ctypes
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+MiB = 1 << 20
+os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+SIZES = {"4k": 4096, "16m": 16 * MiB}
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+def wait_http(url, secs=30):
+    end = time.time() + secs
+    while time.time() < end:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except Exception:
+            time.sleep(0.1)
+    raise SystemExit(f"{url} not ready")
+
+
+def pct(v, q):
+    v = sorted(v)
+    return v[min(len(v) - 1, int(q * len(v)))]
+
+
+def role_owner(a):
+    from mooncake.store import MooncakeDistributedStore
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", a.metadata, 256 * MiB, 64 * MiB, "tcp", "", a.master) == 0
+    for name, size in SIZES.items():
+        assert s.put(f"kv/{name}", os.urandom(size)) == 0
+    print("READY", flush=True)
+    sys.stdin.read()
+    s.close()
+
+
+def role_reader(a):
+    from mooncake.store import MooncakeDistributedStore
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", a.metadata, 0, 64 * MiB, "tcp", "", a.master) == 0
+    buf = (ctypes.c_char * (16 * MiB))()
+    addr = ctypes.addressof(buf)
+    assert s.register_buffer(addr, 16 * MiB) == 0
+    out = {}
+    for name, size in SIZES.items():
+        n = a.count if size < MiB else max(8, a.count // 50)
+        for _ in range(5):
+            assert s.get_into(f"kv/{name}", addr, size) == size
+        lat = []
+        t0 = time.perf_counter()
+        for _ in range(n):
+            t = time.perf_counter()
+            assert s.get_into(f"kv/{name}", addr, size) == size
+            lat.append((time.perf_counter() - t) * 1e6)
+        total = time.perf_counter() - t0
+        out[name] = {"p50_us": pct(lat, 0.5), "p99_us": pct(lat, 0.99),
+                     "GBps": size * n / total / 1e9}
+    s.unregister_buffer(addr)
+    s.close()
+    print(json.dumps(out), flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--role", default="driver")
+    p.add_argument("--master")
+    p.add_argument("--metadata")
+    p.add_argument("--count", type=int, default=2000)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--moongate", default="target/release/moongate")
+    p.add_argument("--kv-bench", default="target/release/examples/kv_bench")
+    p.add_argument("--json")
+    a = p.parse_args()
+    if a.role == "owner":
+        return role_owner(a)
+    if a.role == "reader":
+        return role_reader(a)
+    import mooncake
+    master_bin = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
+    work = tempfile.mkdtemp(prefix="moongate-kv-")
+    rpc, http, kv, admin = (free_port() for _ in range(4))
+    metadata = f"http://127.0.0.1:{http}/metadata"
+    procs = []
+    res = {"mooncake": [], "moongate": []}
+    try:
+        procs.append(subprocess.Popen(
+            [master_bin, f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
+             "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+             f"--http_metadata_server_port={http}", f"--metrics_port={free_port()}",
+             "--metrics_host=127.0.0.1"],
+            stdout=open(f"{work}/master.log", "w"), stderr=subprocess.STDOUT))
+        procs.append(subprocess.Popen(
+            [a.moongate, "run", "--listen", f"127.0.0.1:{free_port()}",
+             "--upstream", f"127.0.0.1:{rpc}", "--admin", f"127.0.0.1:{admin}",
+             "--kv", f"127.0.0.1:{kv}", "--metadata", metadata],
+            stdout=open(f"{work}/moongate.log", "w"), stderr=subprocess.STDOUT,
+            env={**os.environ, "RUST_LOG": "warn"}))
+        wait_http(f"http://127.0.0.1:{admin}/ready")
+        owner = subprocess.Popen(
+            [sys.executable, __file__, "--role", "owner", "--master", f"127.0.0.1:{rpc}",
+             "--metadata", metadata], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=open(f"{work}/owner.log", "w"), text=True)
+        procs.append(owner)
+        if not owner.stdout.readline().startswith("READY"):
+            raise SystemExit("owner failed")
+        for i in range(a.rounds):
+            for side in (["mooncake", "moongate"] if i % 2 == 0 else ["moongate", "mooncake"]):
+                if side == "mooncake":
+                    out = subprocess.run(
+                        [sys.executable, __file__, "--role", "reader", "--master",
+                         f"127.0.0.1:{rpc}", "--metadata", metadata, "--count", str(a.count)],
+                        check=True, capture_output=True, text=True).stdout
+                    res[side].append(json.loads(out.strip().splitlines()[-1]))
+                else:
+                    r = {}
+                    for name, size in SIZES.items():
+                        n = a.count if size < MiB else max(8, a.count // 50)
+                        out = subprocess.run([a.kv_bench, f"127.0.0.1:{kv}", f"kv%2F{name}", str(n)],
+                                             check=True, capture_output=True, text=True).stdout
+                        r[name] = json.loads(out)
+                    res[side].append(r)
+                print(f"round {i + 1}/{a.rounds} {side} done", file=sys.stderr, flush=True)
+        owner.stdin.close()
+        owner.wait(timeout=30)
+    finally:
+        for pr in reversed(procs):
+            if pr.poll() is None:
+                pr.terminate()
+                try:
+                    pr.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pr.kill()
+    med = lambda side, name, m: statistics.median(r[name][m] for r in res[side])
+    print(f"\nmedians over {a.rounds} rounds")
+    print(f"{'':<28}{'mooncake client':>18}{'moongate kv face':>18}")
+    for name, metric in (("4k", "p50_us"), ("4k", "p99_us"), ("16m", "GBps")):
+        print(f"{name + ' remote get ' + metric:<28}{med('mooncake', name, metric):>18.2f}"
+              f"{med('moongate', name, metric):>18.2f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+//! The registration of moongate's own segment, start to end: publish its descriptor in
+//! the metadata server (so initiators find its TE-TCP listener), `MountSegment` with the
+//! master, `Ping` about once a second (the master drops clients silent for
+//! `--client_ttl`, 10 s) with `ReMountSegment` when the master asks, and on shutdown
+//! `UnmountSegment` and the metadata entries deleted, as Mooncake's own clients do
+//! (data-plane spec A.7).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use hyper::Method;
+use thiserror::Error;
+use tokio_util::sync::CancellationToken;
+
+use super::metadata::escape;
+use super::segment::Memory;
+use crate::codec::message::{
+    MountSegmentArgs, ReMountSegmentArgs, Request, Response, UnmountSegmentArgs,
+};
+use crate::codec::types::{ClientStatus, Segment, Uuid};
+use crate::upstream::{Conn, MetricsUrl, http_request};
+
+#[derive(Debug, Error)]
+pub enum MountError {
+    #[error("metadata server: {0}")]
+    Metadata(String),
+    #[error("master: {0}")]
+    Master(String),
+}
+
+/// What identifies the segment to the master and to peers.
+pub struct Registration {
+    pub client_id: Uuid,
+    pub segment_id: Uuid,
+    /// `host:port` of the TE-TCP listener; also the segment name and `te_endpoint`.
+    pub name: String,
+    pub metadata: MetricsUrl,
+    pub upstream: String,
+    pub timeout: Duration,
+}
+
+impl Registration {
+    fn key(&self, kind: &str) -> String {
+        let prefix = match std::env::var("MC_METADATA_CLUSTER_ID") {
+            Ok(id) if !id.is_empty() => format!("mooncake/{}/", id.trim_end_matches('/')),
+            _ => "mooncake/".into(),
+        };
+        format!("{prefix}{kind}/{}", self.name)
+    }
+
+    fn path(&self, kind: &str) -> String {
+        format!("{}?key={}", self.metadata.path, escape(&self.key(kind)))
+    }
+
+    fn segment(&self, mem: &Memory) -> Segment {
+        Segment {
+            id: self.segment_id,
+            name: Bytes::from(self.name.clone()),
+            base: mem.base,
+            size: mem.len,
+            te_endpoint: Bytes::from(self.name.clone()),
+            protocol: Bytes::from_static(b"tcp"),
+            host_id: Bytes::new(),
+        }
+    }
+
+    async fn put_metadata(&self, kind: &str, body: String) -> Result<(), MountError> {
+        let (status, resp) = http_request(
+            Method::PUT,
+            &self.metadata.authority,
+            &self.path(kind),
+            Bytes::from(body),
+            self.timeout,
+        )
+        .await
+        .map_err(|e| MountError::Metadata(e.to_string()))?;
+        if status != 200 {
+            return Err(MountError::Metadata(format!(
+                "PUT {} answered {status}: {}",
+                self.key(kind),
+                String::from_utf8_lossy(&resp)
+            )));
+        }
+        Ok(())
+    }
+
+    async fn call(&self, req: Request) -> Result<Response, MountError> {
+        let mut c = Conn::connect(&self.upstream, self.timeout)
+            .await
+            .map_err(|e| MountError::Master(e.to_string()))?;
+        let mut a = c
+            .call_all(std::slice::from_ref(&req), self.timeout)
+            .await
+            .map_err(|e| MountError::Master(e.to_string()))?;
+        match a.pop() {
+            Some(Ok(r)) => Ok(r),
+            Some(Err(code)) => Err(MountError::Master(format!("transport error {code}"))),
+            None => Err(MountError::Master("no answer".into())),
+        }
+    }
+
+    /// Publishes the descriptor, then mounts. `data_host`/`data_port`: the listener.
+    pub async fn mount(
+        &self,
+        mem: &Memory,
+        data_host: &str,
+        data_port: u16,
+    ) -> Result<(), MountError> {
+        let rpc_meta = serde_json::json!({"ip_or_host_name": data_host, "rpc_port": data_port});
+        self.put_metadata("rpc_meta", rpc_meta.to_string()).await?;
+        let desc = serde_json::json!({
+            "name": self.name,
+            "protocol": "tcp",
+            "tcp_data_host": data_host,
+            "tcp_data_port": data_port,
+            "tcp_proto_version": 2,
+            "rdma_server_name": "",
+            "buffers": [{"name": self.name, "addr": mem.base, "length": mem.len}],
+        });
+        self.put_metadata("ram", desc.to_string()).await?;
+        match self
+            .call(Request::MountSegment(MountSegmentArgs {
+                segment: self.segment(mem),
+                client_id: self.client_id,
+            }))
+            .await?
+        {
+            Response::MountSegment(Ok(())) => Ok(()),
+            Response::MountSegment(Err(e)) => {
+                Err(MountError::Master(format!("MountSegment refused: {e}")))
+            }
+            _ => Err(MountError::Master(
+                "unexpected answer to MountSegment".into(),
+            )),
+        }
+    }
+
+    /// Pings until shutdown, remounting when the master asks; then unmounts and deletes
+    /// the metadata entries.
+    pub async fn heartbeat(self: Arc<Self>, mem: Arc<Memory>, shutdown: CancellationToken) {
+        let mut warned = false;
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+            match self.call(Request::Ping(self.client_id)).await {
+                Ok(Response::Ping(Ok(p))) => {
+                    warned = false;
+                    if p.client_status == ClientStatus::NEED_REMOUNT {
+                        let r = self
+                            .call(Request::ReMountSegment(ReMountSegmentArgs {
+                                segments: vec![self.segment(&mem)],
+                                client_id: self.client_id,
+                            }))
+                            .await;
+                        tracing::info!(
+                            ok = matches!(r, Ok(Response::ReMountSegment(Ok(())))),
+                            "master asked to remount moongate's segment"
+                        );
+                    }
+                }
+                other => {
+                    if !warned {
+                        tracing::warn!(answer = ?other.err(), "segment heartbeat failed; retrying every second");
+                        warned = true;
+                    }
+                }
+            }
+        }
+        let r = self
+            .call(Request::UnmountSegment(UnmountSegmentArgs {
+                segment_id: self.segment_id,
+                client_id: self.client_id,
+            }))
+            .await;
+        for kind in ["ram", "rpc_meta"] {
+            let _ = http_request(
+                Method::DELETE,
+                &self.metadata.authority,
+                &self.path(kind),
+                Bytes::new(),
+                self.timeout,
+            )
+            .await;
+        }
+        tracing::info!(unmounted = matches!(r, Ok(Response::UnmountSegment(Ok(())))),
+            segment = %self.name, "segment unmounted, metadata deleted");
+    }
+}

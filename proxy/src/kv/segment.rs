@@ -1,0 +1,181 @@
+//! moongate's own memory segment: memory it mounts with the master so that puts from any
+//! Mooncake client can land in it, and the owner side of the transfer engine's TCP
+//! transport that serves it to unmodified clients.
+//!
+//! The memory is a set of 1 MiB pages, each behind its own lock, addressed from an
+//! advertised base address (any non-zero number works: owners map addresses to their own
+//! storage, data-plane spec B.7). Transfers copy through a bounded chunk buffer, never
+//! holding a page lock across socket I/O.
+//!
+//! Owner protocol (spec B): a 24-byte header; a request is served iff `size > 0`, the
+//! range does not overflow and lies inside the segment; otherwise v2 peers get status 1
+//! and the connection closes (v1: it just closes). A v2 WRITE is acknowledged only after
+//! the last byte is in memory. One request at a time per connection, any number of
+//! connections; a broken or malicious connection ends only itself.
+
+use std::sync::{Arc, Mutex};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+
+const PAGE: usize = 1 << 20;
+/// Bytes moved per step between socket and pages.
+const CHUNK: usize = 256 << 10;
+const STATUS_OK: [u8; 8] = [0, 0, 0, 0, 0x56, 0x54, 0x43, 0x4d];
+const STATUS_REJECTED: [u8; 8] = [1, 0, 0, 0, 0x56, 0x54, 0x43, 0x4d];
+
+/// Segment memory: `len` bytes at advertised addresses `[base, base + len)`.
+pub struct Memory {
+    pub base: u64,
+    pub len: u64,
+    pages: Vec<Mutex<Box<[u8]>>>,
+}
+
+impl Memory {
+    pub fn new(base: u64, len: u64) -> Memory {
+        let n = (len as usize).div_ceil(PAGE);
+        Memory {
+            base,
+            len,
+            pages: (0..n)
+                .map(|_| Mutex::new(vec![0u8; PAGE].into_boxed_slice()))
+                .collect(),
+        }
+    }
+
+    /// The offset of `[addr, addr + size)` in the segment, if it lies inside.
+    pub fn offset_of(&self, addr: u64, size: u64) -> Option<usize> {
+        let end = addr.checked_add(size)?;
+        (size > 0 && addr >= self.base && end <= self.base + self.len)
+            .then(|| (addr - self.base) as usize)
+    }
+
+    pub fn write_at(&self, mut off: usize, mut data: &[u8]) {
+        while !data.is_empty() {
+            let (p, within) = (off / PAGE, off % PAGE);
+            let n = (PAGE - within).min(data.len());
+            self.pages[p].lock().unwrap_or_else(|e| e.into_inner())[within..within + n]
+                .copy_from_slice(&data[..n]);
+            data = &data[n..];
+            off += n;
+        }
+    }
+
+    pub fn read_at(&self, mut off: usize, mut out: &mut [u8]) {
+        while !out.is_empty() {
+            let (p, within) = (off / PAGE, off % PAGE);
+            let n = (PAGE - within).min(out.len());
+            out[..n].copy_from_slice(
+                &self.pages[p].lock().unwrap_or_else(|e| e.into_inner())[within..within + n],
+            );
+            out = &mut out[n..];
+            off += n;
+        }
+    }
+}
+
+/// Serves TE-TCP requests for `mem` until shutdown.
+pub async fn serve(listener: TcpListener, mem: Arc<Memory>, shutdown: CancellationToken) {
+    loop {
+        let (sock, peer) = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            r = listener.accept() => match r {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!(error = %e, "segment accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = sock.set_nodelay(true);
+        let mem = mem.clone();
+        tokio::spawn(async move {
+            if let Err(e) = serve_conn(sock, &mem).await {
+                tracing::debug!(%peer, error = %e, "segment connection closed");
+            }
+        });
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+enum ConnError {
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("rejected {op} of {size} bytes at {addr:#x}: outside the segment")]
+    Rejected {
+        op: &'static str,
+        addr: u64,
+        size: u64,
+    },
+}
+
+async fn serve_conn(mut s: TcpStream, mem: &Memory) -> Result<(), ConnError> {
+    let mut chunk = vec![0u8; CHUNK];
+    loop {
+        let mut h = [0u8; 24];
+        match s.read_exact(&mut h).await {
+            Ok(_) => {}
+            // EOF between requests is how peers leave.
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e.into()),
+        }
+        let size = u64::from_le_bytes(h[..8].try_into().unwrap_or_default());
+        let addr = u64::from_le_bytes(h[8..16].try_into().unwrap_or_default());
+        let v2 = h[16] & 0x80 != 0;
+        let write = h[16] & 0x7f == 1;
+        let op = if write { "WRITE" } else { "READ" };
+        let Some(off) = mem.offset_of(addr, size) else {
+            if v2 {
+                let _ = s.write_all(&STATUS_REJECTED).await;
+            }
+            return Err(ConnError::Rejected { op, addr, size });
+        };
+        let size = size as usize;
+        if write {
+            let mut done = 0;
+            while done < size {
+                let n = CHUNK.min(size - done);
+                s.read_exact(&mut chunk[..n]).await?;
+                mem.write_at(off + done, &chunk[..n]);
+                done += n;
+            }
+            // Acknowledged only now: every byte is in place.
+            if v2 {
+                s.write_all(&STATUS_OK).await?;
+            }
+        } else {
+            if v2 {
+                s.write_all(&STATUS_OK).await?;
+            }
+            let mut done = 0;
+            while done < size {
+                let n = CHUNK.min(size - done);
+                mem.read_at(off + done, &mut chunk[..n]);
+                s.write_all(&chunk[..n]).await?;
+                done += n;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_and_page_crossing_copies() {
+        let m = Memory::new(0x1000_0000, 3 * PAGE as u64);
+        assert_eq!(m.offset_of(0x1000_0000, 1), Some(0));
+        assert_eq!(m.offset_of(0x1000_0000, 0), None);
+        assert_eq!(m.offset_of(0x0fff_ffff, 2), None);
+        assert_eq!(m.offset_of(0x1000_0000 + 3 * PAGE as u64 - 1, 2), None);
+        assert_eq!(m.offset_of(u64::MAX, 2), None);
+        let data: Vec<u8> = (0..PAGE + 10).map(|i| i as u8).collect();
+        m.write_at(PAGE - 5, &data);
+        let mut back = vec![0u8; data.len()];
+        m.read_at(PAGE - 5, &mut back);
+        assert_eq!(back, data);
+    }
+}
