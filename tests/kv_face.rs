@@ -241,3 +241,51 @@ fn own_segment_serves_unmodified_clients_and_unregisters_on_shutdown() {
     );
     assert_eq!(http_get(&http_md, &md_key).map(|r| r.0), Some(404));
 }
+
+/// kv puts go through the same policy host as the master face: a deny rule answers
+/// 507 (NO_AVAILABLE_HANDLE) without a PutStart reaching the master.
+#[test]
+fn kv_puts_are_decided_by_the_active_policy() {
+    let master = Master::start();
+    let plugin = plugin_path("tier-placement");
+    let (mg, kv) = start(
+        &master,
+        &format!(
+            "segment_bytes = 16777216\n[policy]\nactive = \"tp\"\n[[policy.plugins]]\nname = \"tp\"\n\
+             path = \"{}\"\nconfig = '''{{\"rules\": [{{\"key_prefix\": \"deny/\", \"deny\": -200}}]}}'''\n",
+            plugin.display()
+        ),
+    );
+    wait_for(
+        "own segment mounted",
+        Duration::from_secs(10),
+        &[&mg.proc],
+        || mg.proc.log_text().contains("own segment mounted"),
+    );
+    let (st, b) = http(&kv, "PUT", "/v1/kv/deny%2Fx", b"value").unwrap();
+    assert_eq!(st, 507, "{b}");
+    let (st, b) = http(&kv, "PUT", "/v1/kv/ok%2Fx", b"value").unwrap();
+    assert_eq!(st, 201, "{b}");
+    let (st, body) = http_bytes(&kv, "GET", "/v1/kv/ok%2Fx", &[]).unwrap();
+    assert_eq!((st, body.as_slice()), (200, &b"value"[..]));
+    let m = mg.metrics();
+    assert_eq!(
+        metric_value(
+            &m,
+            "moongate_kv_transfers_total{transport=\"local\",direction=\"write\"}"
+        ),
+        1.0,
+        "{m}"
+    );
+    assert_eq!(
+        metric_value(&m, "moongate_kv_requests_total{op=\"put\",status=\"5xx\"}"),
+        1.0
+    );
+    assert!(
+        m.lines()
+            .any(|l| l.starts_with("moongate_policy_decisions_total")
+                && l.contains("decision=\"deny_all\"")
+                && l.ends_with(" 1")),
+        "{m}"
+    );
+}

@@ -136,6 +136,13 @@ fn idle_client_stays_mounted_behind_moongate() {
         &["--idle", "20"],
         &[&master.proc, &mg.proc],
     );
+    if r.to_string().contains("\"ok\":false") {
+        panic!(
+            "the idle client lost its data: {r}\n--- moongate ---\n{}\n--- master ---\n{}",
+            mg.proc.log_text(),
+            master.proc.log_text()
+        );
+    }
     assert_all_data_ok(&r);
     let ops: Vec<&Value> = r.as_array().unwrap().iter().collect();
     let get = |name: &str| ops.iter().find(|o| o[0] == name).map(|o| o[1].clone());
@@ -238,7 +245,15 @@ fn split_batches_answer_like_the_unsplit_master() {
     let mg = Moongate::start_with(&master.rpc, "max_batch_keys = 1000");
     mg.wait_ready(&master);
     let logs = [&master.proc, &mg.proc];
-    let neighbour = Background::start("loop", &mg.listen, &master.metadata, &logs);
+    // A neighbour at a steady pace (a spinning one starves the other tests' clients of
+    // CPU on a 2-core CI machine).
+    let neighbour = Background::start_args(
+        "loop",
+        &mg.listen,
+        &master.metadata,
+        &["--pause-ms", "5"],
+        &logs,
+    );
     let via = run_role("bulk", &mg.listen, &master.metadata, &args, &logs);
     let (st, loop_res) = neighbour.finish();
     assert!(st.success(), "the neighbour failed meanwhile: {loop_res}");

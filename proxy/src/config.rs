@@ -71,6 +71,10 @@ pub struct KvConfig {
     pub timeout_ms: u64,
     /// The Mooncake tenant of every key (what the Python client sends).
     pub tenant: String,
+    /// Value bytes of gets and puts in progress on this node at most; beyond it requests
+    /// wait up to `busy_wait_ms`, then get 503.
+    pub max_inflight_bytes: u64,
+    pub busy_wait_ms: u64,
     /// Size of moongate's own memory segment, mounted with the master; 0 = none.
     pub segment_bytes: u64,
     /// Address the segment's TE-TCP listener binds and advertises (port 0: any free).
@@ -87,6 +91,8 @@ impl Default for KvConfig {
             te_connections_per_peer: 4,
             timeout_ms: 30_000,
             tenant: "default".into(),
+            max_inflight_bytes: 1 << 30,
+            busy_wait_ms: 1_000,
             segment_bytes: 0,
             segment_listen: "127.0.0.1:0".into(),
         }
@@ -428,6 +434,9 @@ impl Config {
                 kv.te_connections_per_peer as u64,
             );
             positive(&mut errs, "kv.timeout_ms", kv.timeout_ms);
+            if kv.max_inflight_bytes < 1024 {
+                errs.push("kv.max_inflight_bytes: at least 1024".into());
+            }
             if kv.segment_bytes > 0 {
                 check_addr(&mut errs, "kv.segment_listen", &kv.segment_listen);
                 if kv.segment_bytes < (1 << 20) {

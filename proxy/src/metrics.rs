@@ -353,6 +353,100 @@ impl EvictionMetrics {
     }
 }
 
+/// kv face operations, in label order.
+pub const KV_OPS: [&str; 4] = ["get", "put", "delete", "exists"];
+/// HTTP status classes, in label order.
+pub const KV_STATUS: [&str; 3] = ["2xx", "4xx", "5xx"];
+/// How kv bytes moved: TE-TCP to a peer segment, or in place in moongate's own segment.
+pub const KV_TRANSPORTS: [&str; 2] = ["tcp", "local"];
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KvReqLabels {
+    op: &'static str,
+    status: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KvXferLabels {
+    transport: &'static str,
+    direction: &'static str,
+}
+
+/// Handles of the kv face.
+pub struct KvMetrics {
+    /// `[op][status class]`
+    pub requests: [[Counter; 3]; 4],
+    /// `[transport][read, write]`
+    pub transfers: [[Counter; 2]; 2],
+    pub transfer_bytes: [[Counter; 2]; 2],
+    /// Requests refused with 503 because the in-flight byte budget stayed full.
+    pub busy: Counter,
+    pub inflight_bytes: Gauge,
+}
+
+impl KvMetrics {
+    fn register(registry: &mut Registry) -> KvMetrics {
+        let req = Family::<KvReqLabels, Counter>::default();
+        registry.register(
+            "moongate_kv_requests",
+            "kv face requests by op (get, put, delete, exists) and status class",
+            req.clone(),
+        );
+        let xfer = Family::<KvXferLabels, Counter>::default();
+        registry.register(
+            "moongate_kv_transfers",
+            "Replica transfers of the kv face by transport (tcp: TE-TCP to a peer \
+             segment; local: moongate's own segment) and direction",
+            xfer.clone(),
+        );
+        let bytes = Family::<KvXferLabels, Counter>::default();
+        registry.register(
+            "moongate_kv_transfer_bytes",
+            "Bytes moved by the kv face, by transport and direction",
+            bytes.clone(),
+        );
+        let busy = Counter::default();
+        registry.register(
+            "moongate_kv_busy",
+            "kv requests answered 503: the node's in-flight byte budget stayed full",
+            busy.clone(),
+        );
+        let inflight_bytes = Gauge::default();
+        registry.register(
+            "moongate_kv_inflight_bytes",
+            "Value bytes of kv gets and puts in progress",
+            inflight_bytes.clone(),
+        );
+        let x = |f: &Family<KvXferLabels, Counter>| {
+            KV_TRANSPORTS.map(|transport| {
+                ["read", "write"].map(|direction| {
+                    f.get_or_create(&KvXferLabels {
+                        transport,
+                        direction,
+                    })
+                    .clone()
+                })
+            })
+        };
+        KvMetrics {
+            requests: KV_OPS.map(|op| {
+                KV_STATUS.map(|status| req.get_or_create(&KvReqLabels { op, status }).clone())
+            }),
+            transfers: x(&xfer),
+            transfer_bytes: x(&bytes),
+            busy,
+            inflight_bytes,
+        }
+    }
+
+    /// Counts one transfer of `bytes` (`transport`: index into [`KV_TRANSPORTS`]).
+    pub fn transfer(&self, transport: usize, write: bool, bytes: u64) {
+        let d = usize::from(write);
+        self.transfers[transport][d].inc();
+        self.transfer_bytes[transport][d].inc_by(bytes);
+    }
+}
+
 /// Handles for the policy layer's metric families.
 pub struct PolicyFamilies {
     calls: Family<PolicyCallLabels, Counter>,
@@ -478,6 +572,7 @@ pub struct Metrics {
     /// Per [`Method::index`]: `(batches split, parts sent)`.
     splits: Vec<(Counter, Counter)>,
     pub eviction: EvictionMetrics,
+    pub kv: KvMetrics,
     pub plugins: std::sync::Arc<PluginMetricsSink>,
     pub policy: PolicyFamilies,
 }
@@ -607,6 +702,7 @@ impl Metrics {
             split_parts,
         );
         let eviction = EvictionMetrics::register(&mut registry);
+        let kv = KvMetrics::register(&mut registry);
         let plugins = std::sync::Arc::new(PluginMetricsSink {
             counters: Family::default(),
             gauges: Family::default(),
@@ -718,6 +814,7 @@ impl Metrics {
             upstream_ready,
             splits,
             eviction,
+            kv,
         }
     }
 

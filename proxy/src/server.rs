@@ -124,6 +124,11 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
                 crate::kv::te_tcp::Pool::new(cfg.kv.te_connections_per_peer, timeout),
                 timeout,
                 bytes::Bytes::from(cfg.kv.tenant.clone()),
+                metrics.clone(),
+                crate::kv::store::Budget {
+                    max_inflight_bytes: cfg.kv.max_inflight_bytes,
+                    busy_wait: Duration::from_millis(cfg.kv.busy_wait_ms),
+                },
             );
             if cfg.kv.segment_bytes > 0 {
                 let (task, name, mem) =
@@ -137,6 +142,8 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
                 store,
                 max_value_bytes: cfg.kv.max_value_bytes,
                 max_batch_keys: cfg.kv.max_batch_keys,
+                policy: policy.clone(),
+                metrics: metrics.clone(),
             });
             tokio::spawn(crate::kv::http::serve(l, state, shutdown.clone()));
         }

@@ -231,6 +231,8 @@ def loop(run):
             failures.append({"i": i, "rc": rc, "len": len(v), "exist": e})
             break
         i += 1
+        if run.args.pause_ms:
+            time.sleep(run.args.pause_ms / 1000)
     run.rec("iterations", i)
     run.rec("failures", failures)
     run.rec("close", s.close())
@@ -395,6 +397,8 @@ def main():
     p.add_argument("--idle", type=float, default=20.0)
     p.add_argument("--prefix", default="k/")
     p.add_argument("--count", type=int, default=10)
+    p.add_argument("--pause-ms", type=float, default=0.0,
+                   help="loop: pause between iterations (a neighbour, not a load test)")
     a = p.parse_args()
     run = Run(a)
     {"owner": owner, "reader": reader, "idle": idle, "loop": loop, "demo": demo,

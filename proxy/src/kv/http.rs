@@ -23,6 +23,9 @@ pub struct KvState {
     pub max_value_bytes: usize,
     /// Keys per `POST /v1/kv/exists`.
     pub max_batch_keys: usize,
+    /// The policies that decide placement and admission of puts, as on the master face.
+    pub policy: Arc<crate::policy::registry::Registry>,
+    pub metrics: Arc<crate::metrics::Metrics>,
 }
 
 fn reply(status: StatusCode, body: impl Into<Bytes>, ctype: &'static str) -> Response<Full<Bytes>> {
@@ -102,6 +105,43 @@ async fn body(req: Request<Incoming>, limit: usize) -> Result<Bytes, Response<Fu
     }
 }
 
+/// Counts the answer by op and status class.
+async fn counted(state: Arc<KvState>, req: Request<Incoming>) -> Response<Full<Bytes>> {
+    let op = match *req.method() {
+        Method::GET => 0,
+        Method::PUT => 1,
+        Method::DELETE => 2,
+        _ => 3,
+    };
+    let metrics = state.metrics.clone();
+    let r = route(state, req).await;
+    let class = match r.status().as_u16() {
+        200..=399 => 0,
+        400..=499 => 1,
+        _ => 2,
+    };
+    metrics.kv.requests[op][class].inc();
+    r
+}
+
+/// A put through the policy host: the active arm's plugin may rewrite its placement or
+/// refuse it, exactly as for a client's `PutStart` on the master face.
+async fn put(state: &KvState, key: Bytes, value: Bytes) -> Result<(), StoreError> {
+    use crate::policy::PutAction;
+    let start = state.store.put_start(key.clone(), value.len() as u64);
+    let set = state.policy.current();
+    let start = match state.policy.decide_put(&set, &start).map(|d| d.action) {
+        None | Some(PutAction::Forward) => start,
+        Some(PutAction::Rewrite { request, .. }) => *request,
+        Some(PutAction::Answer(resp)) => {
+            return Err(StoreError::Refused(
+                resp.first_error().unwrap_or(ErrorCode::NO_AVAILABLE_HANDLE),
+            ));
+        }
+    };
+    state.store.put(key, value, start).await
+}
+
 async fn route(state: Arc<KvState>, req: Request<Incoming>) -> Response<Full<Bytes>> {
     let path = req.uri().path().to_string();
     let method = req.method().clone();
@@ -165,7 +205,7 @@ async fn route(state: Arc<KvState>, req: Request<Incoming>) -> Response<Full<Byt
             if value.is_empty() {
                 return error(StatusCode::BAD_REQUEST, "empty value");
             }
-            match state.store.put(key, value).await {
+            match put(&state, key, value).await {
                 Ok(()) => reply(StatusCode::CREATED, "", "text/plain"),
                 Err(e) => error(status_of(&e), e),
             }
@@ -199,7 +239,7 @@ pub async fn serve(listener: TcpListener, state: Arc<KvState>, shutdown: Cancell
         tokio::spawn(async move {
             let svc = service_fn(move |req| {
                 let state = state.clone();
-                async move { Ok::<_, Infallible>(route(state, req).await) }
+                async move { Ok::<_, Infallible>(counted(state, req).await) }
             });
             let mut b = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
             b.http1()

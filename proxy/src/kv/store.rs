@@ -43,6 +43,8 @@ pub enum StoreError {
     OutOfRange { addr: u64, len: u64 },
     #[error("replica size {got} differs from the object size {want}")]
     SizeMismatch { got: u64, want: u64 },
+    #[error("busy: {0} value bytes in flight on this node (kv.max_inflight_bytes); retry")]
+    Busy(u64),
 }
 
 pub struct Store {
@@ -56,6 +58,32 @@ pub struct Store {
     pub te: Pool,
     /// moongate's own segment (name and memory): replicas there are copied in place.
     own: std::sync::OnceLock<(Bytes, std::sync::Arc<super::segment::Memory>)>,
+    metrics: std::sync::Arc<crate::metrics::Metrics>,
+    /// Value bytes of gets and puts in progress, node-wide, in KiB permits.
+    budget: tokio::sync::Semaphore,
+    budget_kib: u32,
+    busy_wait: Duration,
+}
+
+/// Budget permits of a transfer in progress; returned on drop.
+pub struct Reserved<'a> {
+    _permit: tokio::sync::SemaphorePermit<'a>,
+    bytes: u64,
+    gauge: &'a prometheus_client::metrics::gauge::Gauge,
+}
+
+impl Drop for Reserved<'_> {
+    fn drop(&mut self) {
+        self.gauge.dec_by(self.bytes as i64);
+    }
+}
+
+/// Limits of the kv face's byte budget.
+pub struct Budget {
+    /// Value bytes in flight at most (a larger single value takes the whole budget).
+    pub max_inflight_bytes: u64,
+    /// How long a request waits for room before it is answered busy.
+    pub busy_wait: Duration,
 }
 
 /// A client id for this process: Mooncake's are random UUIDs; std's hasher seeds give
@@ -84,7 +112,11 @@ impl Store {
         te: Pool,
         call_timeout: Duration,
         tenant: Bytes,
+        metrics: std::sync::Arc<crate::metrics::Metrics>,
+        budget: Budget,
     ) -> Store {
+        let budget_kib =
+            (budget.max_inflight_bytes / 1024).clamp(1, u64::from(u32::MAX >> 3)) as u32;
         Store {
             upstream,
             client_id: fresh_uuid(),
@@ -95,11 +127,36 @@ impl Store {
             metadata,
             te,
             own: std::sync::OnceLock::new(),
+            metrics,
+            budget: tokio::sync::Semaphore::new(budget_kib as usize),
+            budget_kib,
+            busy_wait: budget.busy_wait,
         }
     }
 
     pub fn client_id(&self) -> Uuid {
         self.client_id
+    }
+
+    /// Reserves `bytes` of the in-flight budget, waiting at most `busy_wait`.
+    pub async fn reserve(&self, bytes: u64) -> Result<Reserved<'_>, StoreError> {
+        let kib = (bytes.div_ceil(1024) as u32).clamp(1, self.budget_kib);
+        match tokio::time::timeout(self.busy_wait, self.budget.acquire_many(kib)).await {
+            Ok(Ok(p)) => {
+                self.metrics.kv.inflight_bytes.inc_by(bytes as i64);
+                Ok(Reserved {
+                    _permit: p,
+                    bytes,
+                    gauge: &self.metrics.kv.inflight_bytes,
+                })
+            }
+            _ => {
+                self.metrics.kv.busy.inc();
+                Err(StoreError::Busy(
+                    u64::from(self.budget_kib - self.budget.available_permits() as u32) * 1024,
+                ))
+            }
+        }
     }
 
     /// Declares moongate's own segment, once it is mounted.
@@ -184,6 +241,7 @@ impl Store {
         let Some(d) = mem else {
             return Err(StoreError::NoMemoryReplica);
         };
+        let _room = self.reserve(d.size).await?;
         if let Some(own) = self.own_memory(&d.transport_endpoint) {
             let off = own
                 .offset_of(d.buffer_address, d.size)
@@ -193,6 +251,7 @@ impl Store {
                 })?;
             let mut out = vec![0u8; d.size as usize];
             own.read_at(off, &mut out);
+            self.metrics.kv.transfer(1, false, d.size);
             return Ok(Some(Bytes::from(out)));
         }
         let seg = self.metadata.segment(&d.transport_endpoint).await?;
@@ -217,17 +276,22 @@ impl Store {
         }
     }
 
-    /// Stores `value` under `key` (Mooncake's default placement: one memory replica).
-    pub async fn put(&self, key: Bytes, value: Bytes) -> Result<(), StoreError> {
-        let resp = self
-            .call(Request::PutStart(PutStartArgs {
-                client_id: self.client_id,
-                key: key.clone(),
-                slice_length: value.len() as u64,
-                config: ReplicateConfig::default(),
-                tenant_id: self.tenant.clone(),
-            }))
-            .await?;
+    /// The `PutStart` this store sends for `key` (what a placement policy decides on).
+    pub fn put_start(&self, key: Bytes, len: u64) -> Request {
+        Request::PutStart(PutStartArgs {
+            client_id: self.client_id,
+            key,
+            slice_length: len,
+            config: ReplicateConfig::default(),
+            tenant_id: self.tenant.clone(),
+        })
+    }
+
+    /// Stores `value` under `key` with the given `PutStart` (from [`Store::put_start`],
+    /// possibly rewritten by a policy).
+    pub async fn put(&self, key: Bytes, value: Bytes, start: Request) -> Result<(), StoreError> {
+        let _room = self.reserve(value.len() as u64).await?;
+        let resp = self.call(start).await?;
         let replicas = match resp {
             Response::PutStart(Ok(r)) => r,
             Response::PutStart(Err(e)) => return Err(StoreError::Refused(e)),
@@ -288,6 +352,7 @@ impl Store {
                             len: d.size,
                         })?;
                 own.write_at(off, value);
+                self.metrics.kv.transfer(1, true, d.size);
                 continue;
             }
             let seg = self.metadata.segment(&d.transport_endpoint).await?;
@@ -325,5 +390,44 @@ impl Store {
             Response::Remove(Err(e)) => Err(StoreError::Refused(e)),
             _ => Err(StoreError::Unexpected),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn store(max_inflight_bytes: u64) -> Store {
+        Store::new(
+            "127.0.0.1:1".into(),
+            Metadata::new("http://127.0.0.1:1/metadata", Duration::from_secs(1)).unwrap(),
+            Pool::new(1, Duration::from_secs(1)),
+            Duration::from_secs(1),
+            Bytes::from_static(b"default"),
+            std::sync::Arc::new(crate::metrics::Metrics::new()),
+            Budget {
+                max_inflight_bytes,
+                busy_wait: Duration::from_millis(20),
+            },
+        )
+    }
+
+    #[tokio::test]
+    async fn the_byte_budget_answers_busy_instead_of_queueing() {
+        let s = store(1 << 20);
+        let a = s.reserve(600 << 10).await.unwrap();
+        assert!(matches!(
+            s.reserve(600 << 10).await,
+            Err(StoreError::Busy(_))
+        ));
+        assert_eq!(s.metrics.kv.busy.get(), 1);
+        assert_eq!(s.metrics.kv.inflight_bytes.get(), 600 << 10);
+        drop(a);
+        assert_eq!(s.metrics.kv.inflight_bytes.get(), 0);
+        // A value larger than the whole budget takes all of it, then proceeds.
+        let big = s.reserve(5 << 20).await.unwrap();
+        assert!(s.reserve(1).await.is_err());
+        drop(big);
+        assert!(s.reserve(1).await.is_ok());
     }
 }
