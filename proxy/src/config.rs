@@ -79,6 +79,16 @@ pub struct KvConfig {
     pub segment_bytes: u64,
     /// Address the segment's TE-TCP listener binds and advertises (port 0: any free).
     pub segment_listen: String,
+    /// Also serve the own segment over QUIC here (UDP `host:port`); empty = no QUIC.
+    pub quic_listen: String,
+    /// PEM certificate chain and key of the QUIC endpoint; both empty = a self-signed
+    /// certificate made at start (peers pin its fingerprint from the metadata server).
+    pub quic_cert: String,
+    pub quic_key: String,
+    /// Use QUIC for segments whose owner moongate advertises it (else TE-TCP).
+    pub quic_client: bool,
+    /// QUIC streams (and TE-TCP connections) one large value is spread over.
+    pub quic_streams: usize,
 }
 
 impl Default for KvConfig {
@@ -95,6 +105,11 @@ impl Default for KvConfig {
             busy_wait_ms: 1_000,
             segment_bytes: 0,
             segment_listen: "127.0.0.1:0".into(),
+            quic_listen: String::new(),
+            quic_cert: String::new(),
+            quic_key: String::new(),
+            quic_client: true,
+            quic_streams: 4,
         }
     }
 }
@@ -437,6 +452,18 @@ impl Config {
             if kv.max_inflight_bytes < 1024 {
                 errs.push("kv.max_inflight_bytes: at least 1024".into());
             }
+            if !kv.quic_listen.is_empty() {
+                check_addr(&mut errs, "kv.quic_listen", &kv.quic_listen);
+                if kv.segment_bytes == 0 {
+                    errs.push(
+                        "kv.quic_listen: serves the own segment; set kv.segment_bytes".into(),
+                    );
+                }
+                if kv.quic_cert.is_empty() != kv.quic_key.is_empty() {
+                    errs.push("kv.quic_cert and kv.quic_key: both or neither".into());
+                }
+            }
+            positive(&mut errs, "kv.quic_streams", kv.quic_streams as u64);
             if kv.segment_bytes > 0 {
                 check_addr(&mut errs, "kv.segment_listen", &kv.segment_listen);
                 if kv.segment_bytes < (1 << 20) {

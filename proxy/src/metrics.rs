@@ -357,8 +357,9 @@ impl EvictionMetrics {
 pub const KV_OPS: [&str; 4] = ["get", "put", "delete", "exists"];
 /// HTTP status classes, in label order.
 pub const KV_STATUS: [&str; 3] = ["2xx", "4xx", "5xx"];
-/// How kv bytes moved: TE-TCP to a peer segment, or in place in moongate's own segment.
-pub const KV_TRANSPORTS: [&str; 2] = ["tcp", "local"];
+/// How kv bytes moved: TE-TCP to a peer segment, in place in moongate's own segment, or
+/// QUIC to a peer moongate's segment.
+pub const KV_TRANSPORTS: [&str; 3] = ["tcp", "local", "quic"];
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct KvReqLabels {
@@ -377,8 +378,8 @@ pub struct KvMetrics {
     /// `[op][status class]`
     pub requests: [[Counter; 3]; 4],
     /// `[transport][read, write]`
-    pub transfers: [[Counter; 2]; 2],
-    pub transfer_bytes: [[Counter; 2]; 2],
+    pub transfers: [[Counter; 2]; 3],
+    pub transfer_bytes: [[Counter; 2]; 3],
     /// Requests refused with 503 because the in-flight byte budget stayed full.
     pub busy: Counter,
     pub inflight_bytes: Gauge,
@@ -396,7 +397,8 @@ impl KvMetrics {
         registry.register(
             "moongate_kv_transfers",
             "Replica transfers of the kv face by transport (tcp: TE-TCP to a peer \
-             segment; local: moongate's own segment) and direction",
+             segment; local: moongate's own segment; quic: a peer moongate's segment) \
+             and direction",
             xfer.clone(),
         );
         let bytes = Family::<KvXferLabels, Counter>::default();

@@ -118,7 +118,7 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
         let timeout = Duration::from_millis(cfg.kv.timeout_ms);
         // Validated with the config: the URL parses.
         if let Some(md) = crate::kv::metadata::Metadata::new(&cfg.kv.metadata_url, timeout) {
-            let store = crate::kv::store::Store::new(
+            let mut store = crate::kv::store::Store::new(
                 cfg.master_face.upstream.clone(),
                 md,
                 crate::kv::te_tcp::Pool::new(cfg.kv.te_connections_per_peer, timeout),
@@ -130,6 +130,14 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
                     busy_wait: Duration::from_millis(cfg.kv.busy_wait_ms),
                 },
             );
+            if cfg.kv.quic_client {
+                match crate::kv::quic::QuicPool::new(timeout, cfg.kv.quic_streams) {
+                    Ok(q) => store.quic = Some(q),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "no QUIC client; peers are reached over TE-TCP")
+                    }
+                }
+            }
             if cfg.kv.segment_bytes > 0 {
                 let (task, name, mem) =
                     own_segment(&cfg, store.client_id(), shutdown.clone()).await?;
@@ -229,6 +237,24 @@ async fn own_segment(
     // Any non-zero base works: peers only send it back as addresses inside the segment.
     let mem = Arc::new(segment::Memory::new(0x7e00_0000_0000, cfg.kv.segment_bytes));
     tokio::spawn(segment::serve(listener, mem.clone(), shutdown.clone()));
+    let quic_entry = if cfg.kv.quic_listen.is_empty() {
+        None
+    } else {
+        let err = |e: crate::kv::quic::QuicError| RunError::Segment(e.to_string());
+        let id = crate::kv::quic::Identity::load_or_generate(&cfg.kv.quic_cert, &cfg.kv.quic_key)
+            .map_err(err)?;
+        let at: std::net::SocketAddr =
+            cfg.kv.quic_listen.parse().map_err(|_| {
+                RunError::Segment(format!("kv.quic_listen {:?}", cfg.kv.quic_listen))
+            })?;
+        let ep = crate::kv::quic::server(at, &id).map_err(err)?;
+        let bound = ep
+            .local_addr()
+            .map_err(|e| RunError::Segment(e.to_string()))?;
+        tracing::info!(quic = %bound, "own segment served over QUIC");
+        tokio::spawn(crate::kv::quic::serve(ep, mem.clone(), shutdown.clone()));
+        Some(crate::kv::quic::peer_entry(bound, &id.sha256))
+    };
     let reg = Arc::new(mount::Registration {
         client_id,
         segment_id: crate::kv::store::fresh_uuid(),
@@ -237,6 +263,7 @@ async fn own_segment(
             .ok_or_else(|| RunError::Segment("kv.metadata_url does not parse".into()))?,
         upstream: cfg.master_face.upstream.clone(),
         timeout: Duration::from_millis(cfg.kv.timeout_ms),
+        quic_entry,
     });
     reg.mount(&mem, &host, local.port())
         .await

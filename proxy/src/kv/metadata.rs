@@ -124,6 +124,8 @@ pub struct Metadata {
     timeout: Duration,
     prefix: String,
     cache: Mutex<HashMap<Bytes, Arc<Segment>>>,
+    /// `moongate/quic/<name>` entries; `None` = the segment has no QUIC endpoint.
+    quic: Mutex<HashMap<Bytes, Option<super::quic::QuicPeer>>>,
 }
 
 impl Metadata {
@@ -138,7 +140,39 @@ impl Metadata {
                 _ => "mooncake/".into(),
             },
             cache: Mutex::new(HashMap::new()),
+            quic: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// The metadata key a QUIC-serving moongate publishes for its segment `name`.
+    pub fn quic_key(&self, name: &str) -> String {
+        format!("moongate/quic/{name}")
+    }
+
+    /// The QUIC endpoint of the moongate owning segment `name`, if it serves one.
+    /// Answers (found or not) are cached; [`Metadata::forget`] drops them.
+    pub async fn quic_peer(&self, name: &Bytes) -> Option<super::quic::QuicPeer> {
+        if let Some(p) = self
+            .quic
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(name)
+        {
+            return p.clone();
+        }
+        let key = self.quic_key(&String::from_utf8_lossy(name));
+        let path = format!("{}?key={}", self.url.path, escape(&key));
+        let peer = match crate::upstream::http_get(&self.url.authority, &path, self.timeout).await {
+            Ok((200, body)) => super::quic::parse_peer(&body),
+            Ok(_) => None,
+            // Unreachable metadata: no answer to cache; TE-TCP will report the problem.
+            Err(_) => return None,
+        };
+        self.quic
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(name.clone(), peer.clone());
+        peer
     }
 
     pub async fn segment(&self, name: &Bytes) -> Result<Arc<Segment>, MetadataError> {
@@ -172,6 +206,10 @@ impl Metadata {
     /// Drops a cached descriptor (its owner may have restarted elsewhere).
     pub fn forget(&self, name: &Bytes) {
         self.cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(name);
+        self.quic
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(name);

@@ -38,6 +38,8 @@ pub struct Registration {
     pub metadata: MetricsUrl,
     pub upstream: String,
     pub timeout: Duration,
+    /// The `moongate/quic/<name>` entry, when the segment is also served over QUIC.
+    pub quic_entry: Option<String>,
 }
 
 impl Registration {
@@ -50,7 +52,12 @@ impl Registration {
     }
 
     fn path(&self, kind: &str) -> String {
-        format!("{}?key={}", self.metadata.path, escape(&self.key(kind)))
+        let key = if kind == "quic" {
+            format!("moongate/quic/{}", self.name)
+        } else {
+            self.key(kind)
+        };
+        format!("{}?key={}", self.metadata.path, escape(&key))
     }
 
     fn segment(&self, mem: &Memory) -> Segment {
@@ -119,6 +126,9 @@ impl Registration {
             "buffers": [{"name": self.name, "addr": mem.base, "length": mem.len}],
         });
         self.put_metadata("ram", desc.to_string()).await?;
+        if let Some(q) = &self.quic_entry {
+            self.put_metadata("quic", q.clone()).await?;
+        }
         match self
             .call(Request::MountSegment(MountSegmentArgs {
                 segment: self.segment(mem),
@@ -175,7 +185,7 @@ impl Registration {
                 client_id: self.client_id,
             }))
             .await;
-        for kind in ["ram", "rpc_meta"] {
+        for kind in ["ram", "rpc_meta", "quic"] {
             let _ = http_request(
                 Method::DELETE,
                 &self.metadata.authority,

@@ -16,7 +16,7 @@
 use std::sync::{Arc, Mutex};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 const PAGE: usize = 1 << 20;
@@ -100,7 +100,7 @@ pub async fn serve(listener: TcpListener, mem: Arc<Memory>, shutdown: Cancellati
 }
 
 #[derive(Debug, thiserror::Error)]
-enum ConnError {
+pub enum ConnError {
     #[error("{0}")]
     Io(#[from] std::io::Error),
     #[error("rejected {op} of {size} bytes at {addr:#x}: outside the segment")]
@@ -111,7 +111,11 @@ enum ConnError {
     },
 }
 
-async fn serve_conn(mut s: TcpStream, mem: &Memory) -> Result<(), ConnError> {
+/// Serves requests on one connection (a TCP socket or a QUIC stream) until EOF.
+pub async fn serve_conn<S>(mut s: S, mem: &Memory) -> Result<(), ConnError>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
     let mut chunk = vec![0u8; CHUNK];
     loop {
         let mut h = [0u8; 24];

@@ -56,6 +56,8 @@ pub struct Store {
     max_idle: usize,
     pub metadata: Metadata,
     pub te: Pool,
+    /// QUIC to peer moongates that advertise it (`kv.quic_client`).
+    pub quic: Option<super::quic::QuicPool>,
     /// moongate's own segment (name and memory): replicas there are copied in place.
     own: std::sync::OnceLock<(Bytes, std::sync::Arc<super::segment::Memory>)>,
     metrics: std::sync::Arc<crate::metrics::Metrics>,
@@ -126,6 +128,7 @@ impl Store {
             max_idle: 8,
             metadata,
             te,
+            quic: None,
             own: std::sync::OnceLock::new(),
             metrics,
             budget: tokio::sync::Semaphore::new(budget_kib as usize),
@@ -155,6 +158,27 @@ impl Store {
                 Err(StoreError::Busy(
                     u64::from(self.budget_kib - self.budget.available_permits() as u32) * 1024,
                 ))
+            }
+        }
+    }
+
+    /// Runs `op` over QUIC when the segment's owner is a moongate serving QUIC; `None`
+    /// when it is not, or when QUIC failed (logged; the caller falls back to TE-TCP, and
+    /// the peer's entry is re-read next time).
+    async fn via_quic<'a, T, F, Fut>(&'a self, endpoint: &Bytes, op: F) -> Option<T>
+    where
+        F: FnOnce(&'a super::quic::QuicPool, super::quic::QuicPeer) -> Fut,
+        Fut: std::future::Future<Output = Result<T, super::quic::QuicError>>,
+    {
+        let q = self.quic.as_ref()?;
+        let peer = self.metadata.quic_peer(endpoint).await?;
+        let addr = peer.addr;
+        match op(q, peer).await {
+            Ok(v) => Some(v),
+            Err(e) => {
+                tracing::warn!(peer = %addr, error = %e, "quic transfer failed; falling back to TE-TCP");
+                self.metadata.forget(endpoint);
+                None
             }
         }
     }
@@ -263,12 +287,25 @@ impl Store {
                 len: d.size,
             });
         }
+        if let Some(v) = self
+            .via_quic(&d.transport_endpoint, |q, peer| {
+                let (at, n) = (d.buffer_address, d.size);
+                async move { q.read(&peer, at, n).await }
+            })
+            .await
+        {
+            self.metrics.kv.transfer(2, false, d.size);
+            return Ok(Some(v));
+        }
         match self
             .te
             .read(&seg.data, d.buffer_address, d.size, seg.v2)
             .await
         {
-            Ok(v) => Ok(Some(v)),
+            Ok(v) => {
+                self.metrics.kv.transfer(0, false, d.size);
+                Ok(Some(v))
+            }
             Err(e) => {
                 self.metadata.forget(&d.transport_endpoint);
                 Err(e.into())
@@ -363,6 +400,17 @@ impl Store {
                     len: d.size,
                 });
             }
+            if self
+                .via_quic(&d.transport_endpoint, |q, peer| {
+                    let at = d.buffer_address;
+                    async move { q.write(&peer, at, value).await }
+                })
+                .await
+                .is_some()
+            {
+                self.metrics.kv.transfer(2, true, d.size);
+                continue;
+            }
             if let Err(e) = self
                 .te
                 .write(&seg.data, d.buffer_address, value, seg.v2)
@@ -371,6 +419,7 @@ impl Store {
                 self.metadata.forget(&d.transport_endpoint);
                 return Err(e.into());
             }
+            self.metrics.kv.transfer(0, true, d.size);
         }
         Ok(())
     }

@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""QUIC vs TE-TCP between two moongates, in one run: moongate B owns a segment (served
+over TE-TCP and QUIC); moongate A (QUIC client) and moongate C (quic_client = false)
+read the same 16 MiB and 4 KiB values from it through their kv faces with
+examples/kv_bench, alternating, --rounds times. Prints medians and QUIC / TCP ratios.
+`benches/run_kv_face.sh` builds the release binaries; run this after it:
+  .venv/bin/python benches/kv_transports.py --rounds 3
+"""
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+def wait_http(url, secs=30):
+    end = time.time() + secs
+    while time.time() < end:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except Exception:
+            time.sleep(0.1)
+    raise SystemExit(f"{url} not ready")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--count", type=int, default=1000)
+    p.add_argument("--moongate", default="target/release/moongate")
+    p.add_argument("--kv-bench", default="target/release/examples/kv_bench")
+    p.add_argument("--json")
+    a = p.parse_args()
+    import mooncake
+    master_bin = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
+    work = tempfile.mkdtemp(prefix="moongate-transports-")
+    rpc, http = free_port(), free_port()
+    metadata = f"http://127.0.0.1:{http}/metadata"
+    procs = []
+    kv = {}
+    res = {"quic": [], "tcp": []}
+    try:
+        procs.append(subprocess.Popen(
+            [master_bin, f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
+             "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+             f"--http_metadata_server_port={http}", f"--metrics_port={free_port()}",
+             "--metrics_host=127.0.0.1"],
+            stdout=open(f"{work}/master.log", "w"), stderr=subprocess.STDOUT))
+        for name, extra in (("b", 'segment_bytes = 268435456\nquic_listen = "127.0.0.1:0"\n'),
+                            ("quic", ""), ("tcp", "quic_client = false\n")):
+            kv[name] = f"127.0.0.1:{free_port()}"
+            admin = f"127.0.0.1:{free_port()}"
+            cfg = f"{work}/{name}.toml"
+            with open(cfg, "w") as f:
+                f.write(f'[master_face]\nlisten = "127.0.0.1:{free_port()}"\nupstream = "127.0.0.1:{rpc}"\n'
+                        f'[admin]\nlisten = "{admin}"\n[kv]\nlisten = "{kv[name]}"\n'
+                        f'metadata_url = "{metadata}"\n{extra}')
+            procs.append(subprocess.Popen([a.moongate, "run", "--config", cfg],
+                                          stdout=open(f"{work}/{name}.log", "w"),
+                                          stderr=subprocess.STDOUT,
+                                          env={**os.environ, "RUST_LOG": "warn"}))
+            wait_http(f"http://{admin}/ready")
+        time.sleep(0.5)
+        for key, size in (("t%2F4k", 4096), ("t%2F16m", 16 << 20)):
+            req = urllib.request.Request(f"http://{kv['quic']}/v1/kv/{key}", data=os.urandom(size),
+                                         method="PUT")
+            urllib.request.urlopen(req, timeout=30).read()
+        for i in range(a.rounds):
+            for side in (["quic", "tcp"] if i % 2 == 0 else ["tcp", "quic"]):
+                r = {}
+                for key, n in (("t%2F4k", a.count), ("t%2F16m", max(8, a.count // 50))):
+                    out = subprocess.run([a.kv_bench, kv[side], key, str(n)], check=True,
+                                         capture_output=True, text=True).stdout
+                    r[key] = json.loads(out)
+                res[side].append(r)
+                print(f"round {i + 1}/{a.rounds} {side} done", file=sys.stderr, flush=True)
+    finally:
+        for pr in reversed(procs):
+            if pr.poll() is None:
+                pr.terminate()
+                try:
+                    pr.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pr.kill()
+    med = lambda s, k, m: statistics.median(r[k][m] for r in res[s])
+    print(f"\nmedians over {a.rounds} rounds: kv GET from a peer moongate's segment")
+    print(f"{'':<22}{'TE-TCP':>12}{'QUIC':>12}{'QUIC/TCP':>10}")
+    for key, m in (("t%2F4k", "p50_us"), ("t%2F16m", "GBps")):
+        t, q = med("tcp", key, m), med("quic", key, m)
+        print(f"{key.replace('%2F', '/') + ' ' + m:<22}{t:>12.2f}{q:>12.2f}{q / t:>10.2f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

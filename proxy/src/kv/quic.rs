@@ -1,0 +1,462 @@
+//! QUIC between moongates: a moongate that owns a segment serves it over QUIC as well as
+//! TE-TCP, and another moongate's kv face reads and writes it over QUIC instead of TCP.
+//!
+//! Discovery and trust: the owner publishes `moongate/quic/<segment name>` in the
+//! metadata server with its QUIC address and the SHA-256 of its certificate; initiators
+//! pin that fingerprint (the metadata server is already what every Mooncake peer trusts
+//! for addresses). The certificate comes from `kv.quic_cert` / `kv.quic_key`, or is a
+//! self-signed one made at start-up.
+//!
+//! Wire: one bidirectional stream per transfer, carrying the TE-TCP exchange unchanged
+//! (24-byte header, v2 status frames), so the owner side is the same code
+//! ([`super::segment::serve_conn`]). A large range is cut over several streams of one
+//! connection at once.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use sha2::{Digest, Sha256};
+use thiserror::Error;
+use tokio_util::sync::CancellationToken;
+
+use super::segment::Memory;
+use super::te_tcp::{header, status};
+
+/// ALPN of the segment protocol over QUIC.
+const ALPN: &[u8] = b"moongate-segment/1";
+
+#[derive(Debug, Error)]
+pub enum QuicError {
+    #[error("quic: {0}")]
+    Setup(String),
+    #[error("quic peer {peer}: {error}")]
+    Peer { peer: SocketAddr, error: String },
+    #[error("quic peer {peer} rejected [{addr:#x}, +{len}) (status {status})")]
+    Rejected {
+        peer: SocketAddr,
+        addr: u64,
+        len: u64,
+        status: u32,
+    },
+    #[error("quic peer {peer} did not answer within {timeout:?}")]
+    Timeout { peer: SocketAddr, timeout: Duration },
+}
+
+/// A certificate chain and its key, and the fingerprint peers pin.
+pub struct Identity {
+    pub certs: Vec<CertificateDer<'static>>,
+    pub key: PrivateKeyDer<'static>,
+    pub sha256: [u8; 32],
+}
+
+impl Identity {
+    /// Loads PEM files, or makes a self-signed certificate when both paths are empty.
+    pub fn load_or_generate(cert: &str, key: &str) -> Result<Identity, QuicError> {
+        use rustls::pki_types::pem::PemObject;
+        let (certs, key) = if cert.is_empty() && key.is_empty() {
+            let ck = rcgen::generate_simple_self_signed(vec!["moongate".to_string()])
+                .map_err(|e| QuicError::Setup(format!("self-signed certificate: {e}")))?;
+            (
+                vec![ck.cert.der().clone()],
+                PrivateKeyDer::Pkcs8(ck.key_pair.serialize_der().into()),
+            )
+        } else {
+            let certs = CertificateDer::pem_file_iter(cert)
+                .and_then(|i| i.collect::<Result<Vec<_>, _>>())
+                .map_err(|e| QuicError::Setup(format!("kv.quic_cert {cert}: {e}")))?;
+            let key = PrivateKeyDer::from_pem_file(key)
+                .map_err(|e| QuicError::Setup(format!("kv.quic_key {key}: {e}")))?;
+            (certs, key)
+        };
+        let first = certs
+            .first()
+            .ok_or_else(|| QuicError::Setup("no certificate in kv.quic_cert".into()))?;
+        let sha256 = Sha256::digest(first.as_ref()).into();
+        Ok(Identity { certs, key, sha256 })
+    }
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// Flow-control windows sized for multi-MiB values on fast links (quinn's defaults
+/// are tuned for the internet and cap a stream well below loopback speed).
+fn transport() -> Arc<quinn::TransportConfig> {
+    let mut t = quinn::TransportConfig::default();
+    t.stream_receive_window(quinn::VarInt::from_u32(16 << 20))
+        .receive_window(quinn::VarInt::from_u32(64 << 20))
+        .send_window(64 << 20)
+        .max_concurrent_bidi_streams(quinn::VarInt::from_u32(256))
+        .keep_alive_interval(Some(Duration::from_secs(5)));
+    Arc::new(t)
+}
+
+/// Serves moongate's segment over QUIC until shutdown.
+pub fn server(listen: SocketAddr, id: &Identity) -> Result<quinn::Endpoint, QuicError> {
+    let mut tls = rustls::ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| QuicError::Setup(e.to_string()))?
+        .with_no_client_auth()
+        .with_single_cert(id.certs.clone(), id.key.clone_key())
+        .map_err(|e| QuicError::Setup(format!("certificate: {e}")))?;
+    tls.alpn_protocols = vec![ALPN.to_vec()];
+    let crypto = QuicServerConfig::try_from(tls).map_err(|e| QuicError::Setup(e.to_string()))?;
+    let mut cfg = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+    cfg.transport_config(transport());
+    quinn::Endpoint::server(cfg, listen)
+        .map_err(|e| QuicError::Setup(format!("bind {listen}: {e}")))
+}
+
+pub async fn serve(endpoint: quinn::Endpoint, mem: Arc<Memory>, shutdown: CancellationToken) {
+    loop {
+        let incoming = tokio::select! {
+            _ = shutdown.cancelled() => {
+                endpoint.close(0u32.into(), b"shutdown");
+                return;
+            }
+            i = endpoint.accept() => match i {
+                Some(i) => i,
+                None => return,
+            },
+        };
+        let mem = mem.clone();
+        tokio::spawn(async move {
+            let conn = match incoming.await {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::debug!(error = %e, "quic handshake failed");
+                    return;
+                }
+            };
+            let peer = conn.remote_address();
+            while let Ok((send, recv)) = conn.accept_bi().await {
+                let mem = mem.clone();
+                tokio::spawn(async move {
+                    let stream = tokio::io::join(recv, send);
+                    if let Err(e) = super::segment::serve_conn(stream, &mem).await {
+                        tracing::debug!(%peer, error = %e, "quic segment stream closed");
+                    }
+                });
+            }
+        });
+    }
+}
+
+/// Pins one certificate fingerprint; signatures are checked with the ring provider.
+#[derive(Debug)]
+struct Pinned {
+    sha256: [u8; 32],
+    algs: rustls::crypto::WebPkiSupportedAlgorithms,
+}
+
+impl rustls::client::danger::ServerCertVerifier for Pinned {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp: &[u8],
+        _now: UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        let got: [u8; 32] = Sha256::digest(end_entity.as_ref()).into();
+        if got == self.sha256 {
+            Ok(rustls::client::danger::ServerCertVerified::assertion())
+        } else {
+            Err(rustls::Error::General(
+                "certificate does not match the fingerprint in the metadata server".into(),
+            ))
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.algs)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.algs)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.algs.supported_schemes()
+    }
+}
+
+/// Where a peer moongate serves its segment over QUIC.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuicPeer {
+    pub addr: SocketAddr,
+    pub sha256: [u8; 32],
+}
+
+/// Parses a `moongate/quic/<name>` entry: `{"addr": "host:port", "sha256": "hex"}`.
+pub fn parse_peer(body: &[u8]) -> Option<QuicPeer> {
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let addr = v.get("addr")?.as_str()?.parse().ok()?;
+    let hex = v.get("sha256")?.as_str()?;
+    if hex.len() != 64 {
+        return None;
+    }
+    let mut sha256 = [0u8; 32];
+    for (i, b) in sha256.iter_mut().enumerate() {
+        *b = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(QuicPeer { addr, sha256 })
+}
+
+/// The metadata entry a QUIC-serving moongate publishes.
+pub fn peer_entry(addr: SocketAddr, sha256: &[u8; 32]) -> String {
+    let hex: String = sha256.iter().map(|b| format!("{b:02x}")).collect();
+    serde_json::json!({ "addr": addr.to_string(), "sha256": hex }).to_string()
+}
+
+/// The initiator side: one connection per peer, a stream per transfer.
+pub struct QuicPool {
+    endpoint: quinn::Endpoint,
+    conns: Mutex<HashMap<SocketAddr, quinn::Connection>>,
+    timeout: Duration,
+    streams: usize,
+}
+
+impl QuicPool {
+    pub fn new(timeout: Duration, streams: usize) -> Result<QuicPool, QuicError> {
+        let bind: SocketAddr = "127.0.0.1:0"
+            .parse()
+            .map_err(|_| QuicError::Setup("bind".into()))?;
+        let endpoint = quinn::Endpoint::client(bind)
+            .map_err(|e| QuicError::Setup(format!("client endpoint: {e}")))?;
+        Ok(QuicPool {
+            endpoint,
+            conns: Mutex::new(HashMap::new()),
+            timeout,
+            streams: streams.max(1),
+        })
+    }
+
+    async fn conn(&self, peer: &QuicPeer) -> Result<quinn::Connection, QuicError> {
+        if let Some(c) = self
+            .conns
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&peer.addr)
+            .filter(|c| c.close_reason().is_none())
+        {
+            return Ok(c.clone());
+        }
+        let err = |e: String| QuicError::Peer {
+            peer: peer.addr,
+            error: e,
+        };
+        let p = provider();
+        let mut tls = rustls::ClientConfig::builder_with_provider(p.clone())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(|e| err(e.to_string()))?
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(Pinned {
+                sha256: peer.sha256,
+                algs: p.signature_verification_algorithms,
+            }))
+            .with_no_client_auth();
+        tls.alpn_protocols = vec![ALPN.to_vec()];
+        let crypto = QuicClientConfig::try_from(tls).map_err(|e| err(e.to_string()))?;
+        let mut cfg = quinn::ClientConfig::new(Arc::new(crypto));
+        cfg.transport_config(transport());
+        let connecting = self
+            .endpoint
+            .connect_with(cfg, peer.addr, "moongate")
+            .map_err(|e| err(e.to_string()))?;
+        let c = tokio::time::timeout(self.timeout, connecting)
+            .await
+            .map_err(|_| QuicError::Timeout {
+                peer: peer.addr,
+                timeout: self.timeout,
+            })?
+            .map_err(|e| err(e.to_string()))?;
+        tracing::info!(peer = %peer.addr, "quic connection to a peer moongate");
+        self.conns
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(peer.addr, c.clone());
+        Ok(c)
+    }
+
+    fn ranges(&self, len: u64) -> Vec<(u64, u64)> {
+        let parts = if len >= 4 << 20 {
+            self.streams as u64
+        } else {
+            1
+        };
+        let step = len.div_ceil(parts).max(1);
+        (0..parts)
+            .map(|i| (i * step, step.min(len.saturating_sub(i * step))))
+            .filter(|&(_, n)| n > 0)
+            .collect()
+    }
+
+    pub async fn read(&self, peer: &QuicPeer, addr: u64, len: u64) -> Result<Bytes, QuicError> {
+        let conn = self.conn(peer).await?;
+        let mut out = BytesMut::zeroed(len as usize);
+        let mut rest = &mut out[..];
+        let mut jobs = Vec::new();
+        for (off, n) in self.ranges(len) {
+            let (chunk, tail) = rest.split_at_mut(n as usize);
+            rest = tail;
+            jobs.push(self.one(&conn, peer.addr, addr + off, Op::Read(chunk)));
+        }
+        futures_util::future::try_join_all(jobs).await?;
+        Ok(out.freeze())
+    }
+
+    pub async fn write(&self, peer: &QuicPeer, addr: u64, data: &[u8]) -> Result<(), QuicError> {
+        let conn = self.conn(peer).await?;
+        let jobs: Vec<_> = self
+            .ranges(data.len() as u64)
+            .into_iter()
+            .map(|(off, n)| {
+                self.one(
+                    &conn,
+                    peer.addr,
+                    addr + off,
+                    Op::Write(&data[off as usize..(off + n) as usize]),
+                )
+            })
+            .collect();
+        futures_util::future::try_join_all(jobs).await?;
+        Ok(())
+    }
+
+    async fn one(
+        &self,
+        conn: &quinn::Connection,
+        peer: SocketAddr,
+        addr: u64,
+        op: Op<'_>,
+    ) -> Result<(), QuicError> {
+        let err = |e: String| QuicError::Peer { peer, error: e };
+        let exchange = async {
+            let (mut send, mut recv) = conn.open_bi().await.map_err(|e| err(e.to_string()))?;
+            let mut st = [0u8; 8];
+            match op {
+                Op::Read(buf) => {
+                    let len = buf.len() as u64;
+                    send.write_all(&header(len, addr, false, true))
+                        .await
+                        .map_err(|e| err(e.to_string()))?;
+                    let _ = send.finish();
+                    recv.read_exact(&mut st)
+                        .await
+                        .map_err(|e| err(e.to_string()))?;
+                    check(st, peer, addr, len)?;
+                    recv.read_exact(buf).await.map_err(|e| err(e.to_string()))?;
+                }
+                Op::Write(data) => {
+                    let len = data.len() as u64;
+                    send.write_all(&header(len, addr, true, true))
+                        .await
+                        .map_err(|e| err(e.to_string()))?;
+                    send.write_all(data).await.map_err(|e| err(e.to_string()))?;
+                    let _ = send.finish();
+                    recv.read_exact(&mut st)
+                        .await
+                        .map_err(|e| err(e.to_string()))?;
+                    check(st, peer, addr, len)?;
+                }
+            }
+            Ok(())
+        };
+        tokio::time::timeout(self.timeout, exchange)
+            .await
+            .map_err(|_| QuicError::Timeout {
+                peer,
+                timeout: self.timeout,
+            })?
+    }
+}
+
+enum Op<'a> {
+    Read(&'a mut [u8]),
+    Write(&'a [u8]),
+}
+
+fn check(frame: [u8; 8], peer: SocketAddr, addr: u64, len: u64) -> Result<(), QuicError> {
+    match status(frame) {
+        Some(0) => Ok(()),
+        Some(status) => Err(QuicError::Rejected {
+            peer,
+            addr,
+            len,
+            status,
+        }),
+        None => Err(QuicError::Peer {
+            peer,
+            error: "not a v2 status frame".into(),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peer_entries_round_trip() {
+        let addr: SocketAddr = "127.0.0.1:4433".parse().unwrap();
+        let sha = [0xab; 32];
+        assert_eq!(
+            parse_peer(peer_entry(addr, &sha).as_bytes()),
+            Some(QuicPeer { addr, sha256: sha })
+        );
+        assert_eq!(parse_peer(br#"{"addr":"x","sha256":"00"}"#), None);
+        assert_eq!(parse_peer(b"garbage"), None);
+    }
+
+    #[tokio::test]
+    async fn a_segment_over_quic_with_a_pinned_certificate() {
+        let id = Identity::load_or_generate("", "").unwrap();
+        let mem = Arc::new(Memory::new(0x1000, 8 << 20));
+        let ep = server("127.0.0.1:0".parse().unwrap(), &id).unwrap();
+        let addr = ep.local_addr().unwrap();
+        let stop = CancellationToken::new();
+        tokio::spawn(serve(ep, mem.clone(), stop.clone()));
+        let pool = QuicPool::new(Duration::from_secs(5), 4).unwrap();
+        let peer = QuicPeer {
+            addr,
+            sha256: id.sha256,
+        };
+        let data: Vec<u8> = (0..(5 << 20) + 3).map(|i| (i * 7) as u8).collect();
+        pool.write(&peer, 0x1000 + 11, &data).await.unwrap();
+        let back = pool
+            .read(&peer, 0x1000 + 11, data.len() as u64)
+            .await
+            .unwrap();
+        assert!(back[..] == data[..]);
+        // outside the segment: status 1
+        assert!(matches!(
+            pool.read(&peer, 0x10, 4).await,
+            Err(QuicError::Rejected { status: 1, .. })
+        ));
+        // a wrong fingerprint: refused
+        let other = QuicPool::new(Duration::from_secs(5), 1).unwrap();
+        let wrong = QuicPeer {
+            addr,
+            sha256: [0; 32],
+        };
+        assert!(other.read(&wrong, 0x1000, 4).await.is_err());
+        stop.cancel();
+    }
+}
