@@ -61,6 +61,7 @@ def main():
              f"--http_metadata_server_port={http}", f"--metrics_port={free_port()}",
              "--metrics_host=127.0.0.1"],
             stdout=open(f"{work}/master.log", "w"), stderr=subprocess.STDOUT))
+        wait_http(f"http://127.0.0.1:{http}/health")
         for name, extra in (("b", 'segment_bytes = 268435456\nquic_listen = "127.0.0.1:0"\n'),
                             ("quic", ""), ("tcp", "quic_client = false\n")):
             kv[name] = f"127.0.0.1:{free_port()}"

@@ -289,3 +289,36 @@ fn kv_puts_are_decided_by_the_active_policy() {
         "{m}"
     );
 }
+
+/// A sidecar may start before the master: the own segment is mounted once it is up.
+#[test]
+fn the_own_segment_mounts_when_the_master_comes_up_later() {
+    let (rpc, http_port) = (free_port(), free_port());
+    let kv = format!("127.0.0.1:{}", free_port());
+    let mg = Moongate::start_config(&format!(
+        "[master_face]\nupstream = \"127.0.0.1:{rpc}\"\n[kv]\nlisten = \"{kv}\"\n\
+         metadata_url = \"http://127.0.0.1:{http_port}/metadata\"\nsegment_bytes = 16777216\n"
+    ));
+    wait_for(
+        "a mount retry",
+        Duration::from_secs(10),
+        &[&mg.proc],
+        || {
+            mg.proc
+                .log_text()
+                .contains("cannot mount the own segment yet")
+        },
+    );
+    let master = Master::start_with(MasterOpts {
+        ports: Some((rpc, http_port)),
+        ..Default::default()
+    });
+    wait_for(
+        "own segment mounted",
+        Duration::from_secs(15),
+        &[&mg.proc, &master.proc],
+        || mg.proc.log_text().contains("own segment mounted"),
+    );
+    let (st, b) = http(&kv, "PUT", "/v1/kv/late", b"value").unwrap();
+    assert_eq!(st, 201, "{b}");
+}

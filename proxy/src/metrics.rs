@@ -383,6 +383,8 @@ pub struct KvMetrics {
     /// Requests refused with 503 because the in-flight byte budget stayed full.
     pub busy: Counter,
     pub inflight_bytes: Gauge,
+    /// RDMA devices found at start (the data path falls back to TCP / QUIC regardless).
+    pub rdma_devices: Gauge,
 }
 
 impl KvMetrics {
@@ -413,6 +415,13 @@ impl KvMetrics {
             "kv requests answered 503: the node's in-flight byte budget stayed full",
             busy.clone(),
         );
+        let rdma_devices = Gauge::default();
+        registry.register(
+            "moongate_kv_rdma_devices",
+            "RDMA devices found at start (feature rdma); the RDMA data path is not \
+             implemented, transfers use tcp / quic",
+            rdma_devices.clone(),
+        );
         let inflight_bytes = Gauge::default();
         registry.register(
             "moongate_kv_inflight_bytes",
@@ -438,6 +447,7 @@ impl KvMetrics {
             transfer_bytes: x(&bytes),
             busy,
             inflight_bytes,
+            rdma_devices,
         }
     }
 

@@ -130,6 +130,10 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
                     busy_wait: Duration::from_millis(cfg.kv.busy_wait_ms),
                 },
             );
+            let rdma = crate::kv::rdma::detect();
+            metrics.kv.rdma_devices.set(rdma.device_count() as i64);
+            tracing::info!(reason = %rdma.fallback_reason(),
+                "transport: RDMA not used; TE-TCP to Mooncake segments, QUIC to moongates that offer it");
             if cfg.kv.quic_client {
                 match crate::kv::quic::QuicPool::new(timeout, cfg.kv.quic_streams) {
                     Ok(q) => store.quic = Some(q),
@@ -265,10 +269,7 @@ async fn own_segment(
         timeout: Duration::from_millis(cfg.kv.timeout_ms),
         quic_entry,
     });
-    reg.mount(&mem, &host, local.port())
-        .await
-        .map_err(|e| RunError::Segment(e.to_string()))?;
-    tracing::info!(segment = %name, bytes = cfg.kv.segment_bytes, "own segment mounted");
-    let task = tokio::spawn(reg.heartbeat(mem.clone(), shutdown));
+    // Mounting retries in the background: the master may start after moongate.
+    let task = tokio::spawn(reg.run(mem.clone(), host, local.port(), shutdown));
     Ok((task, bytes::Bytes::from(name), mem))
 }

@@ -22,6 +22,7 @@ pub mod http;
 pub mod metadata;
 pub mod mount;
 pub mod quic;
+pub mod rdma;
 pub mod segment;
 pub mod store;
 pub mod te_tcp;

@@ -146,9 +146,38 @@ impl Registration {
         }
     }
 
-    /// Pings until shutdown, remounting when the master asks; then unmounts and deletes
-    /// the metadata entries.
-    pub async fn heartbeat(self: Arc<Self>, mem: Arc<Memory>, shutdown: CancellationToken) {
+    /// Mounts (retrying every second until the master and the metadata server answer),
+    /// then pings until shutdown, remounting when the master asks; then unmounts and
+    /// deletes the metadata entries.
+    pub async fn run(
+        self: Arc<Self>,
+        mem: Arc<Memory>,
+        data_host: String,
+        data_port: u16,
+        shutdown: CancellationToken,
+    ) {
+        let mut warned = false;
+        loop {
+            match self.mount(&mem, &data_host, data_port).await {
+                Ok(()) => break,
+                Err(e) => {
+                    if !warned {
+                        tracing::warn!(error = %e, segment = %self.name,
+                            "cannot mount the own segment yet; retrying every second");
+                        warned = true;
+                    }
+                }
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+        }
+        tracing::info!(segment = %self.name, bytes = mem.len, "own segment mounted");
+        self.heartbeat(mem, shutdown).await
+    }
+
+    async fn heartbeat(&self, mem: Arc<Memory>, shutdown: CancellationToken) {
         let mut warned = false;
         loop {
             tokio::select! {
