@@ -20,7 +20,6 @@ the table gives the median over rounds of each side's p50 and its ratio to relay
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,33 +27,17 @@ import tempfile
 import time
 import urllib.request
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import free_port, master_cmd, pct, stop_all, wait_http  # noqa: E402
+
 MiB = 1 << 20
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
-def wait_http(url, secs=30):
-    end = time.time() + secs
-    while time.time() < end:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except Exception:
-            time.sleep(0.1)
-    raise SystemExit(f"{url} not ready")
 
 
-def pct(v, q):
-    v = sorted(v)
-    return v[min(len(v) - 1, int(q * len(v)))]
 
 
 def role_owner(a):
@@ -143,8 +126,6 @@ def main():
     if a.role == "client":
         return role_client(a)
 
-    import mooncake
-    master_bin = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
     work = tempfile.mkdtemp(prefix="moongate-decisions-")
     rpc, http = free_port(), free_port()
     metadata = f"http://127.0.0.1:{http}/metadata"
@@ -153,10 +134,7 @@ def main():
     addr = {}
     try:
         procs.append(subprocess.Popen(
-            [master_bin, f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
-             "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-             f"--http_metadata_server_port={http}", f"--metrics_port={free_port()}",
-             "--metrics_host=127.0.0.1"],
+            master_cmd(rpc, http),
             stdout=open(f"{work}/master.log", "w"), stderr=subprocess.STDOUT))
         for side in SIDES:
             port = free_port()
@@ -198,13 +176,7 @@ def main():
         owner.stdin.close()
         owner.wait(timeout=30)
     finally:
-        for pr in reversed(procs):
-            if pr.poll() is None:
-                pr.terminate()
-                try:
-                    pr.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    pr.kill()
+        stop_all(procs)
 
     med = {side: {op: statistics.median(r[op] for r in runs[side]) for op in runs[side][0]}
            for side in SIDES}

@@ -17,7 +17,6 @@ import argparse
 import ctypes
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,33 +24,17 @@ import tempfile
 import time
 import urllib.request
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import free_port, master_cmd, pct, stop_all, wait_http  # noqa: E402
+
 MiB = 1 << 20
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
-def wait_http(url, secs=30):
-    end = time.time() + secs
-    while time.time() < end:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except Exception:
-            time.sleep(0.1)
-    raise SystemExit(f"{url} not ready")
 
 
-def pct(v, q):
-    v = sorted(v)
-    return v[min(len(v) - 1, int(q * len(v)))]
 
 
 # --------------------------------------------------------------------------- roles
@@ -153,17 +136,13 @@ def main():
     if a.role == "client":
         return role_client(a)
 
-    import mooncake
-    master_bin = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
     work = tempfile.mkdtemp(prefix="moongate-bench-")
     rpc, http, listen, admin, relay = (free_port() for _ in range(5))
     metadata = f"http://127.0.0.1:{http}/metadata"
     procs = []
     try:
         procs.append(subprocess.Popen(
-            [master_bin, f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
-             "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-             f"--http_metadata_server_port={http}", f"--metrics_port={free_port()}"],
+            master_cmd(rpc, http),
             stdout=open(f"{work}/master.log", "w"), stderr=subprocess.STDOUT))
         procs.append(subprocess.Popen(
             [a.moongate, "run"] + (["--config", a.moongate_config] if a.moongate_config else [])
@@ -204,13 +183,7 @@ def main():
         owner.stdin.close()
         owner.wait(timeout=30)
     finally:
-        for pr in reversed(procs):
-            if pr.poll() is None:
-                pr.terminate()
-                try:
-                    pr.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    pr.kill()
+        stop_all(procs)
 
     summary = {}
     print(f"\nmedians over {a.pairs} alternating runs per side")

@@ -13,7 +13,6 @@ import argparse
 import ctypes
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -21,34 +20,18 @@ import tempfile
 import time
 import urllib.request
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import free_port, master_cmd, pct, stop_all, wait_http  # noqa: E402
+
 MiB = 1 << 20
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 SIZES = {"4k": 4096, "16m": 16 * MiB}
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
-def wait_http(url, secs=30):
-    end = time.time() + secs
-    while time.time() < end:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except Exception:
-            time.sleep(0.1)
-    raise SystemExit(f"{url} not ready")
 
 
-def pct(v, q):
-    v = sorted(v)
-    return v[min(len(v) - 1, int(q * len(v)))]
 
 
 def role_owner(a):
@@ -103,8 +86,6 @@ def main():
         return role_owner(a)
     if a.role == "reader":
         return role_reader(a)
-    import mooncake
-    master_bin = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
     work = tempfile.mkdtemp(prefix="moongate-kv-")
     rpc, http, kv, admin = (free_port() for _ in range(4))
     metadata = f"http://127.0.0.1:{http}/metadata"
@@ -112,10 +93,7 @@ def main():
     res = {"mooncake": [], "moongate": []}
     try:
         procs.append(subprocess.Popen(
-            [master_bin, f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
-             "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-             f"--http_metadata_server_port={http}", f"--metrics_port={free_port()}",
-             "--metrics_host=127.0.0.1"],
+            master_cmd(rpc, http),
             stdout=open(f"{work}/master.log", "w"), stderr=subprocess.STDOUT))
         procs.append(subprocess.Popen(
             [a.moongate, "run", "--listen", f"127.0.0.1:{free_port()}",
@@ -151,13 +129,7 @@ def main():
         owner.stdin.close()
         owner.wait(timeout=30)
     finally:
-        for pr in reversed(procs):
-            if pr.poll() is None:
-                pr.terminate()
-                try:
-                    pr.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    pr.kill()
+        stop_all(procs)
     med = lambda side, name, m: statistics.median(r[name][m] for r in res[side])
     print(f"\nmedians over {a.rounds} rounds")
     print(f"{'':<28}{'mooncake client':>18}{'moongate kv face':>18}")

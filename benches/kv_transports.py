@@ -9,7 +9,6 @@ examples/kv_bench, alternating, --rounds times. Prints medians and QUIC / TCP ra
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -17,25 +16,12 @@ import tempfile
 import time
 import urllib.request
 
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import free_port, master_cmd, stop_all, wait_http  # noqa: E402
 
 
-def wait_http(url, secs=30):
-    end = time.time() + secs
-    while time.time() < end:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except Exception:
-            time.sleep(0.1)
-    raise SystemExit(f"{url} not ready")
+
+
 
 
 def main():
@@ -46,8 +32,6 @@ def main():
     p.add_argument("--kv-bench", default="target/release/examples/kv_bench")
     p.add_argument("--json")
     a = p.parse_args()
-    import mooncake
-    master_bin = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
     work = tempfile.mkdtemp(prefix="moongate-transports-")
     rpc, http = free_port(), free_port()
     metadata = f"http://127.0.0.1:{http}/metadata"
@@ -56,10 +40,7 @@ def main():
     res = {"quic": [], "tcp": []}
     try:
         procs.append(subprocess.Popen(
-            [master_bin, f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
-             "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-             f"--http_metadata_server_port={http}", f"--metrics_port={free_port()}",
-             "--metrics_host=127.0.0.1"],
+            master_cmd(rpc, http),
             stdout=open(f"{work}/master.log", "w"), stderr=subprocess.STDOUT))
         wait_http(f"http://127.0.0.1:{http}/health")
         for name, extra in (("b", 'segment_bytes = 268435456\nquic_listen = "127.0.0.1:0"\n'),
@@ -91,13 +72,7 @@ def main():
                 res[side].append(r)
                 print(f"round {i + 1}/{a.rounds} {side} done", file=sys.stderr, flush=True)
     finally:
-        for pr in reversed(procs):
-            if pr.poll() is None:
-                pr.terminate()
-                try:
-                    pr.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    pr.kill()
+        stop_all(procs)
     med = lambda s, k, m: statistics.median(r[k][m] for r in res[s])
     print(f"\nmedians over {a.rounds} rounds: kv GET from a peer moongate's segment")
     print(f"{'':<22}{'TE-TCP':>12}{'QUIC':>12}{'QUIC/TCP':>10}")

@@ -8,29 +8,12 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use sha2::{Digest, Sha256};
 use support::*;
-
-/// The deterministic value of a key, as tests/py/scenario.py makes it.
-fn value(key: &str, size: usize) -> Vec<u8> {
-    let seed = Sha256::digest(key.as_bytes());
-    seed.iter().copied().cycle().take(size).collect()
-}
-
-fn start(master: &Master, extra: &str) -> (Moongate, String) {
-    let kv = format!("127.0.0.1:{}", free_port());
-    let mg = Moongate::start_config(&format!(
-        "[master_face]\nupstream = \"{}\"\n[kv]\nlisten = \"{kv}\"\nmetadata_url = \"{}\"\n{extra}",
-        master.rpc, master.metadata
-    ));
-    mg.wait_ready(master);
-    (mg, kv)
-}
 
 #[test]
 fn values_cross_between_the_python_client_and_the_kv_face_bit_exact() {
     let master = Master::start();
-    let (mg, kv) = start(&master, "");
+    let (mg, kv) = kv_moongate(&master, "");
     let logs = [&master.proc, &mg.proc];
     let mut peer = Background::start("kvpeer", &master.rpc, &master.metadata, &logs);
     let log = || format!("{}\n{}", mg.proc.log_text(), peer_log(&peer.proc));
@@ -38,19 +21,19 @@ fn values_cross_between_the_python_client_and_the_kv_face_bit_exact() {
     // Python put -> moongate get
     let (st, body) = http_bytes(&kv, "GET", "/v1/kv/py%2Fsmall", &[]).unwrap();
     assert_eq!(st, 200, "{}\n{}", String::from_utf8_lossy(&body), log());
-    assert!(body == value("py/small", 5000), "py/small differs");
+    assert!(body == value_of("py/small", 5000), "py/small differs");
     let (st, body) = http_bytes(&kv, "GET", "/v1/kv/py%2Fbig", &[]).unwrap();
     assert_eq!(st, 200);
-    assert!(body == value("py/big", (3 << 20) + 7), "py/big differs");
+    assert!(body == value_of("py/big", (3 << 20) + 7), "py/big differs");
 
     // moongate put -> Python get (after the peer is told to read)
-    let (st, b) = http(&kv, "PUT", "/v1/kv/kv%2Fsmall", &value("kv/small", 5000)).unwrap();
+    let (st, b) = http(&kv, "PUT", "/v1/kv/kv%2Fsmall", &value_of("kv/small", 5000)).unwrap();
     assert_eq!(st, 201, "{b}\n{}", log());
     let (st, _) = http(
         &kv,
         "PUT",
         "/v1/kv/kv%2Fbig",
-        &value("kv/big", (3 << 20) + 7),
+        &value_of("kv/big", (3 << 20) + 7),
     )
     .unwrap();
     assert_eq!(st, 201);
@@ -94,7 +77,7 @@ fn peer_log(p: &Proc) -> String {
 #[test]
 fn bad_input_on_the_kv_listener_gets_clear_errors_and_others_carry_on() {
     let master = Master::start();
-    let (mg, kv) = start(&master, "max_value_bytes = 1048576\n");
+    let (mg, kv) = kv_moongate(&master, "max_value_bytes = 1048576\n");
     // garbage instead of HTTP: that connection gets 400 or is closed
     let mut s = TcpStream::connect(&kv).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -145,7 +128,7 @@ fn the_kv_face_needs_a_metadata_url() {
 #[test]
 fn own_segment_serves_unmodified_clients_and_unregisters_on_shutdown() {
     let master = Master::start();
-    let (mut mg, kv) = start(&master, "segment_bytes = 67108864\n");
+    let (mut mg, kv) = kv_moongate(&master, "segment_bytes = 67108864\n");
     let logs = [&master.proc, &mg.proc];
     wait_for(
         "own segment mounted",
@@ -161,18 +144,24 @@ fn own_segment_serves_unmodified_clients_and_unregisters_on_shutdown() {
         .expect("segment name in the log")
         .to_string();
     // Only moongate's segment exists: these land in it and are read back in place.
-    let (st, b) = http(&kv, "PUT", "/v1/kv/own%2Fsmall", &value("own/small", 5000)).unwrap();
+    let (st, b) = http(
+        &kv,
+        "PUT",
+        "/v1/kv/own%2Fsmall",
+        &value_of("own/small", 5000),
+    )
+    .unwrap();
     assert_eq!(st, 201, "{b}\n{}", mg.proc.log_text());
     let (st, _) = http(
         &kv,
         "PUT",
         "/v1/kv/own%2Fbig",
-        &value("own/big", (3 << 20) + 7),
+        &value_of("own/big", (3 << 20) + 7),
     )
     .unwrap();
     assert_eq!(st, 201);
     let (st, body) = http_bytes(&kv, "GET", "/v1/kv/own%2Fbig", &[]).unwrap();
-    assert!(st == 200 && body == value("own/big", (3 << 20) + 7));
+    assert!(st == 200 && body == value_of("own/big", (3 << 20) + 7));
 
     // Bad requests on the segment listener: out of range (v2 gets status 1), garbage.
     let mut bad = TcpStream::connect(&name).unwrap();
@@ -212,7 +201,7 @@ fn own_segment_serves_unmodified_clients_and_unregisters_on_shutdown() {
         )
         .unwrap();
         assert_eq!(st, 200, "{key}");
-        assert!(body == value(key, size), "{key} differs");
+        assert!(body == value_of(key, size), "{key} differs");
     }
 
     // SIGTERM: unmount, metadata gone, exit 0.
@@ -248,7 +237,7 @@ fn own_segment_serves_unmodified_clients_and_unregisters_on_shutdown() {
 fn kv_puts_are_decided_by_the_active_policy() {
     let master = Master::start();
     let plugin = plugin_path("tier-placement");
-    let (mg, kv) = start(
+    let (mg, kv) = kv_moongate(
         &master,
         &format!(
             "segment_bytes = 16777216\n[policy]\nactive = \"tp\"\n[[policy.plugins]]\nname = \"tp\"\n\

@@ -5,24 +5,8 @@
 
 mod support;
 
-use sha2::{Digest, Sha256};
 use std::time::Duration;
 use support::*;
-
-fn value(key: &str, size: usize) -> Vec<u8> {
-    let seed = Sha256::digest(key.as_bytes());
-    seed.iter().copied().cycle().take(size).collect()
-}
-
-fn kv_moongate(master: &Master, extra: &str) -> (Moongate, String) {
-    let kv = format!("127.0.0.1:{}", free_port());
-    let mg = Moongate::start_config(&format!(
-        "[master_face]\nupstream = \"{}\"\n[kv]\nlisten = \"{kv}\"\nmetadata_url = \"{}\"\n{extra}",
-        master.rpc, master.metadata
-    ));
-    mg.wait_ready(master);
-    (mg, kv)
-}
 
 fn enc(key: &str) -> String {
     format!("/v1/kv/{}", key.replace('/', "%2F"))
@@ -53,11 +37,14 @@ fn two_moongates_move_values_over_quic_and_fall_back_to_tcp() {
 
     // A -> B over QUIC (B's segment is the only one)
     for (key, size) in [("own/small", 5000), ("own/big", (3 << 20) + 7)] {
-        let (st, m) = http(&a_kv, "PUT", &enc(key), &value(key, size)).unwrap();
+        let (st, m) = http(&a_kv, "PUT", &enc(key), &value_of(key, size)).unwrap();
         assert_eq!(st, 201, "{m}\n{}", all());
     }
     let (st, body) = http_bytes(&a_kv, "GET", &enc("own/big"), &[]).unwrap();
-    assert!(st == 200 && body == value("own/big", (3 << 20) + 7), "{st}");
+    assert!(
+        st == 200 && body == value_of("own/big", (3 << 20) + 7),
+        "{st}"
+    );
 
     // An unmodified client with no memory reads and writes B's segment over TE-TCP.
     let r = run_role("guest", &master.rpc, &master.metadata, &[], &logs);
@@ -68,7 +55,10 @@ fn two_moongates_move_values_over_quic_and_fall_back_to_tcp() {
     assert_eq!(get("put py/big"), 0, "{r}");
     // ... and A reads what it wrote, over QUIC.
     let (st, body) = http_bytes(&a_kv, "GET", &enc("py/big"), &[]).unwrap();
-    assert!(st == 200 && body == value("py/big", (5 << 20) + 1), "{st}");
+    assert!(
+        st == 200 && body == value_of("py/big", (5 << 20) + 1),
+        "{st}"
+    );
 
     let m = a.metrics();
     let t = |transport: &str, dir: &str| {
@@ -118,7 +108,7 @@ fn two_moongates_move_values_over_quic_and_fall_back_to_tcp() {
     let (c, c_kv) = kv_moongate(&master, "");
     let (st, body) = http_bytes(&c_kv, "GET", &enc("own/small"), &[]).unwrap();
     assert!(
-        st == 200 && body == value("own/small", 5000),
+        st == 200 && body == value_of("own/small", 5000),
         "{st}\n{}",
         c.proc.log_text()
     );

@@ -494,3 +494,22 @@ impl Background {
         (st, serde_json::from_str(&text).unwrap())
     }
 }
+
+/// The deterministic value of a key, as tests/py/scenario.py makes it (its SHA-256
+/// repeated), so either side can check the other's bytes.
+pub fn value_of(key: &str, size: usize) -> Vec<u8> {
+    use sha2::Digest;
+    let seed = sha2::Sha256::digest(key.as_bytes());
+    seed.iter().copied().cycle().take(size).collect()
+}
+
+/// moongate with the kv face on a free port (plus `extra` lines in `[kv]`), ready.
+pub fn kv_moongate(master: &Master, extra: &str) -> (Moongate, String) {
+    let kv = format!("127.0.0.1:{}", free_port());
+    let mg = Moongate::start_config(&format!(
+        "[master_face]\nupstream = \"{}\"\n[kv]\nlisten = \"{kv}\"\nmetadata_url = \"{}\"\n{extra}",
+        master.rpc, master.metadata
+    ));
+    mg.wait_ready(master);
+    (mg, kv)
+}

@@ -301,16 +301,7 @@ impl QuicPool {
     }
 
     fn ranges(&self, len: u64) -> Vec<(u64, u64)> {
-        let parts = if len >= 4 << 20 {
-            self.streams as u64
-        } else {
-            1
-        };
-        let step = len.div_ceil(parts).max(1);
-        (0..parts)
-            .map(|i| (i * step, step.min(len.saturating_sub(i * step))))
-            .filter(|&(_, n)| n > 0)
-            .collect()
+        super::te_tcp::split_ranges(len, 4 << 20, self.streams)
     }
 
     pub async fn read(&self, peer: &QuicPeer, addr: u64, len: u64) -> Result<Bytes, QuicError> {

@@ -188,11 +188,26 @@ impl Store {
         let _ = self.own.set((name, mem));
     }
 
-    fn own_memory(&self, endpoint: &Bytes) -> Option<&super::segment::Memory> {
-        self.own
+    /// Where a replica in moongate's own segment lives: `None` for other segments, an
+    /// error for a range outside the segment.
+    fn in_own_segment(
+        &self,
+        d: &crate::codec::types::BufferDescriptor,
+    ) -> Result<Option<(&super::segment::Memory, usize)>, StoreError> {
+        let Some((_, own)) = self
+            .own
             .get()
-            .filter(|(name, _)| name == endpoint)
-            .map(|(_, m)| &**m)
+            .filter(|(name, _)| *name == d.transport_endpoint)
+        else {
+            return Ok(None);
+        };
+        let off = own
+            .offset_of(d.buffer_address, d.size)
+            .ok_or(StoreError::OutOfRange {
+                addr: d.buffer_address,
+                len: d.size,
+            })?;
+        Ok(Some((&**own, off)))
     }
 
     /// One call on a pooled connection of moongate's own; a connection that failed is
@@ -266,13 +281,7 @@ impl Store {
             return Err(StoreError::NoMemoryReplica);
         };
         let _room = self.reserve(d.size).await?;
-        if let Some(own) = self.own_memory(&d.transport_endpoint) {
-            let off = own
-                .offset_of(d.buffer_address, d.size)
-                .ok_or(StoreError::OutOfRange {
-                    addr: d.buffer_address,
-                    len: d.size,
-                })?;
+        if let Some((own, off)) = self.in_own_segment(d)? {
             let mut out = vec![0u8; d.size as usize];
             own.read_at(off, &mut out);
             self.metrics.kv.transfer(1, false, d.size);
@@ -381,13 +390,7 @@ impl Store {
                     want: value.len() as u64,
                 });
             }
-            if let Some(own) = self.own_memory(&d.transport_endpoint) {
-                let off =
-                    own.offset_of(d.buffer_address, d.size)
-                        .ok_or(StoreError::OutOfRange {
-                            addr: d.buffer_address,
-                            len: d.size,
-                        })?;
+            if let Some((own, off)) = self.in_own_segment(d)? {
                 own.write_at(off, value);
                 self.metrics.kv.transfer(1, true, d.size);
                 continue;

@@ -56,6 +56,21 @@ pub fn status(frame: [u8; 8]) -> Option<u32> {
     ((v >> 32) as u32 == STATUS_MAGIC).then_some(v as u32)
 }
 
+/// `(offset, len)` ranges covering `0..len`: one below `split_bytes`, else `parts` equal
+/// parts (the last one shorter), moved over that many connections or streams at once.
+pub fn split_ranges(len: u64, split_bytes: u64, parts: usize) -> Vec<(u64, u64)> {
+    let parts = if len >= split_bytes {
+        parts.max(1) as u64
+    } else {
+        1
+    };
+    let step = len.div_ceil(parts).max(1);
+    (0..parts)
+        .map(|i| (i * step, step.min(len.saturating_sub(i * step))))
+        .filter(|&(_, n)| n > 0)
+        .collect()
+}
+
 /// Idle connections per peer (`host:port` of its TE data listener).
 pub struct Pool {
     idle: Mutex<HashMap<String, Vec<TcpStream>>>,
@@ -141,18 +156,8 @@ impl Pool {
         Ok(())
     }
 
-    /// `(offset, len)` ranges: one below `split_bytes`, else up to `per_peer` equal parts.
     fn ranges(&self, len: u64) -> Vec<(u64, u64)> {
-        let parts = if len >= self.split_bytes {
-            self.per_peer as u64
-        } else {
-            1
-        };
-        let step = len.div_ceil(parts).max(1);
-        (0..parts)
-            .map(|i| (i * step, step.min(len.saturating_sub(i * step))))
-            .filter(|&(_, n)| n > 0)
-            .collect()
+        split_ranges(len, self.split_bytes, self.per_peer)
     }
 
     async fn read_into(
