@@ -52,3 +52,33 @@ def stop_all(procs):
                 pr.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pr.kill()
+
+
+def run_owner(master, metadata, segment_bytes, put=None):
+    """The owner role: mounts a segment of `segment_bytes`, puts `put` ({key: bytes}),
+    prints READY and holds the segment until stdin closes."""
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    import sys
+    from mooncake.store import MooncakeDistributedStore
+    s = MooncakeDistributedStore()
+    rc = s.setup("127.0.0.1", metadata, segment_bytes, 64 * MiB, "tcp", "", master)
+    if rc:
+        raise SystemExit(f"owner setup {rc}")
+    for k, v in (put or {}).items():
+        assert s.put(k, v) == 0, k
+    print("READY", s.get_hostname(), flush=True)
+    sys.stdin.read()
+    s.close()
+
+
+def spawn_owner(script, master, metadata, work):
+    """Starts `script --role owner` against `master` and waits for its READY line."""
+    import sys
+    owner = subprocess.Popen(
+        [sys.executable, script, "--role", "owner", "--master", master, "--metadata", metadata],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=open(f"{work}/owner.log", "w"), text=True)
+    if not owner.stdout.readline().startswith("READY"):
+        owner.kill()
+        raise SystemExit(f"owner failed; see {work}/owner.log")
+    return owner

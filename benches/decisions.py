@@ -28,27 +28,14 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import free_port, master_cmd, pct, stop_all, wait_http  # noqa: E402
+from benchlib import free_port, master_cmd, pct, run_owner, spawn_owner, stop_all, wait_http  # noqa: E402,E501
 
 MiB = 1 << 20
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
 
-
-
-
-
-
-
 def role_owner(a):
-    from mooncake.store import MooncakeDistributedStore
-    s = MooncakeDistributedStore()
-    rc = s.setup("127.0.0.1", a.metadata, 1024 * MiB, 16 * MiB, "tcp", "", a.master)
-    if rc:
-        raise SystemExit(f"owner setup {rc}")
-    print("READY", s.get_hostname(), flush=True)
-    sys.stdin.read()
-    s.close()
+    run_owner(a.master, a.metadata, 1024 * MiB)
 
 
 def role_client(a):
@@ -154,13 +141,8 @@ def main():
                 stdout=open(f"{work}/{side}.log", "w"), stderr=subprocess.STDOUT,
                 env={**os.environ, "RUST_LOG": "warn"}))
             wait_http(f"http://{admin}/ready")
-        owner = subprocess.Popen(
-            [sys.executable, __file__, "--role", "owner", "--master", f"127.0.0.1:{rpc}",
-             "--metadata", metadata], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=open(f"{work}/owner.log", "w"), text=True)
+        owner = spawn_owner(__file__, f"127.0.0.1:{rpc}", metadata, work)
         procs.append(owner)
-        if not owner.stdout.readline().startswith("READY"):
-            raise SystemExit("owner failed")
         runs = {side: [] for side in SIDES}
         for i in range(a.rounds):
             order = SIDES[i % len(SIDES):] + SIDES[:i % len(SIDES)]

@@ -25,28 +25,15 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import free_port, master_cmd, pct, stop_all, wait_http  # noqa: E402
+from benchlib import free_port, master_cmd, pct, run_owner, spawn_owner, stop_all, wait_http  # noqa: E402,E501
 
 MiB = 1 << 20
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
 
-
-
-
-
-
-
 # --------------------------------------------------------------------------- roles
 def role_owner(a):
-    from mooncake.store import MooncakeDistributedStore
-    s = MooncakeDistributedStore()
-    rc = s.setup("127.0.0.1", a.metadata, 1024 * MiB, 16 * MiB, "tcp", "", a.master)
-    if rc:
-        raise SystemExit(f"owner setup {rc}")
-    print("READY", s.get_hostname(), flush=True)
-    sys.stdin.read()
-    s.close()
+    run_owner(a.master, a.metadata, 1024 * MiB)
 
 
 def role_client(a):
@@ -155,14 +142,8 @@ def main():
                 [a.relay, f"127.0.0.1:{relay}", f"127.0.0.1:{rpc}"],
                 stdout=open(f"{work}/relay.log", "w"), stderr=subprocess.STDOUT))
         wait_http(f"http://127.0.0.1:{admin}/ready")
-        owner = subprocess.Popen(
-            [sys.executable, __file__, "--role", "owner", "--master", f"127.0.0.1:{rpc}",
-             "--metadata", metadata], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=open(f"{work}/owner.log", "w"), text=True)
+        owner = spawn_owner(__file__, f"127.0.0.1:{rpc}", metadata, work)
         procs.append(owner)
-        line = owner.stdout.readline()
-        if not line.startswith("READY"):
-            raise SystemExit(f"owner failed: {line}")
 
         sides = ["direct", "moongate"] + (["relay"] if a.relay else [])
         addr = {"direct": rpc, "moongate": listen, "relay": relay}

@@ -21,28 +21,16 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import free_port, master_cmd, pct, stop_all, wait_http  # noqa: E402
+from benchlib import free_port, master_cmd, pct, run_owner, spawn_owner, stop_all, wait_http  # noqa: E402,E501
 
 MiB = 1 << 20
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 SIZES = {"4k": 4096, "16m": 16 * MiB}
 
 
-
-
-
-
-
-
 def role_owner(a):
-    from mooncake.store import MooncakeDistributedStore
-    s = MooncakeDistributedStore()
-    assert s.setup("127.0.0.1", a.metadata, 256 * MiB, 64 * MiB, "tcp", "", a.master) == 0
-    for name, size in SIZES.items():
-        assert s.put(f"kv/{name}", os.urandom(size)) == 0
-    print("READY", flush=True)
-    sys.stdin.read()
-    s.close()
+    run_owner(a.master, a.metadata, 256 * MiB,
+              {f"kv/{name}": os.urandom(size) for name, size in SIZES.items()})
 
 
 def role_reader(a):
@@ -102,13 +90,8 @@ def main():
             stdout=open(f"{work}/moongate.log", "w"), stderr=subprocess.STDOUT,
             env={**os.environ, "RUST_LOG": "warn"}))
         wait_http(f"http://127.0.0.1:{admin}/ready")
-        owner = subprocess.Popen(
-            [sys.executable, __file__, "--role", "owner", "--master", f"127.0.0.1:{rpc}",
-             "--metadata", metadata], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=open(f"{work}/owner.log", "w"), text=True)
+        owner = spawn_owner(__file__, f"127.0.0.1:{rpc}", metadata, work)
         procs.append(owner)
-        if not owner.stdout.readline().startswith("READY"):
-            raise SystemExit("owner failed")
         for i in range(a.rounds):
             for side in (["mooncake", "moongate"] if i % 2 == 0 else ["moongate", "mooncake"]):
                 if side == "mooncake":

@@ -277,16 +277,8 @@ async fn route(
 pub async fn serve(listener: TcpListener, state: Arc<AdminState>, shutdown: CancellationToken) {
     let loopback = listener.local_addr().is_ok_and(|a| a.ip().is_loopback());
     loop {
-        let (sock, _) = tokio::select! {
-            _ = shutdown.cancelled() => return,
-            r = listener.accept() => match r {
-                Ok(a) => a,
-                Err(e) => {
-                    tracing::warn!(error = %e, "admin accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
+        let Some((sock, _)) = crate::accept::next(&listener, &shutdown, "admin").await else {
+            return;
         };
         let state = state.clone();
         tokio::spawn(async move {

@@ -8,6 +8,7 @@
 //! - [`config`]: the TOML file and its validation.
 //! - [`metrics`]: metric handles, registered once at start-up.
 
+pub mod accept;
 pub mod admin;
 pub mod codec;
 pub mod config;

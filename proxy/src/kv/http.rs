@@ -223,16 +223,8 @@ async fn route(state: Arc<KvState>, req: Request<Incoming>) -> Response<Full<Byt
 /// request or a broken connection affects only itself.
 pub async fn serve(listener: TcpListener, state: Arc<KvState>, shutdown: CancellationToken) {
     loop {
-        let (sock, _) = tokio::select! {
-            _ = shutdown.cancelled() => return,
-            r = listener.accept() => match r {
-                Ok(a) => a,
-                Err(e) => {
-                    tracing::warn!(error = %e, "kv accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
+        let Some((sock, _)) = crate::accept::next(&listener, &shutdown, "kv").await else {
+            return;
         };
         let _ = sock.set_nodelay(true);
         let state = state.clone();

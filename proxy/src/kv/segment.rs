@@ -78,16 +78,8 @@ impl Memory {
 /// Serves TE-TCP requests for `mem` until shutdown.
 pub async fn serve(listener: TcpListener, mem: Arc<Memory>, shutdown: CancellationToken) {
     loop {
-        let (sock, peer) = tokio::select! {
-            _ = shutdown.cancelled() => return,
-            r = listener.accept() => match r {
-                Ok(a) => a,
-                Err(e) => {
-                    tracing::warn!(error = %e, "segment accept failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
+        let Some((sock, peer)) = crate::accept::next(&listener, &shutdown, "segment").await else {
+            return;
         };
         let _ = sock.set_nodelay(true);
         let mem = mem.clone();
