@@ -311,3 +311,46 @@ fn the_own_segment_mounts_when_the_master_comes_up_later() {
     let (st, b) = http(&kv, "PUT", "/v1/kv/late", b"value").unwrap();
     assert_eq!(st, 201, "{b}");
 }
+
+/// The shipped Python example drives the kv face over its Unix socket: a 1 MiB round
+/// trip, exists, an absent key, delete.
+#[test]
+fn the_python_example_works_over_the_unix_socket() {
+    let master = Master::start();
+    let dir = tempdir();
+    let sock = dir.path().join("kv.sock");
+    let (mg, _kv) = kv_moongate(
+        &master,
+        &format!(
+            "segment_bytes = 16777216\nunix_path = \"{}\"\n",
+            sock.display()
+        ),
+    );
+    wait_for(
+        "own segment mounted",
+        Duration::from_secs(10),
+        &[&mg.proc],
+        || mg.proc.log_text().contains("own segment mounted"),
+    );
+    let out = std::process::Command::new(python())
+        .arg(repo_root().join("examples/python/kv_client.py"))
+        .arg("--unix")
+        .arg(&sock)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        mg.proc.log_text()
+    );
+    let r: serde_json::Value = serde_json::from_str(text.trim()).unwrap();
+    assert_eq!(r["roundtrip_ok"], true, "{r}");
+    assert_eq!(r["absent_get"], serde_json::Value::Null);
+    assert_eq!(
+        (r["deleted"].clone(), r["after_delete"].clone()),
+        (true.into(), serde_json::Value::Null)
+    );
+    drop(mg);
+}

@@ -57,6 +57,8 @@ pub struct PolicyConfig {
 pub struct KvConfig {
     /// `host:port` of the HTTP API; empty = off.
     pub listen: String,
+    /// Also serve the HTTP API on this Unix socket path; empty = no socket.
+    pub unix_path: String,
     /// The transfer engine's metadata server (`http://HOST:PORT/metadata`, the same
     /// string Mooncake clients get), where segments publish their data listeners.
     pub metadata_url: String,
@@ -95,6 +97,7 @@ impl Default for KvConfig {
     fn default() -> Self {
         KvConfig {
             listen: String::new(),
+            unix_path: String::new(),
             metadata_url: String::new(),
             max_value_bytes: 256 << 20,
             max_batch_keys: 10_000,

@@ -157,6 +157,28 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
                 policy: policy.clone(),
                 metrics: metrics.clone(),
             });
+            if !cfg.kv.unix_path.is_empty() {
+                let path = std::path::PathBuf::from(&cfg.kv.unix_path);
+                // A socket left by a previous run would make the bind fail.
+                if std::fs::symlink_metadata(&path)
+                    .is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()))
+                {
+                    let _ = std::fs::remove_file(&path);
+                }
+                let ul =
+                    tokio::net::UnixListener::bind(&path).map_err(|source| RunError::Bind {
+                        what: "kv unix socket",
+                        addr: cfg.kv.unix_path.clone(),
+                        source,
+                    })?;
+                tracing::info!(path = %cfg.kv.unix_path, "kv face listening on a Unix socket");
+                tokio::spawn(crate::kv::http::serve_unix(
+                    ul,
+                    path,
+                    state.clone(),
+                    shutdown.clone(),
+                ));
+            }
             tokio::spawn(crate::kv::http::serve(l, state, shutdown.clone()));
         }
     }

@@ -219,7 +219,7 @@ async fn route(state: Arc<KvState>, req: Request<Incoming>) -> Response<Full<Byt
     }
 }
 
-/// Serves the kv face until shutdown; each connection is its own task, so a bad
+/// Serves the kv face on TCP until shutdown; each connection is its own task, so a bad
 /// request or a broken connection affects only itself.
 pub async fn serve(listener: TcpListener, state: Arc<KvState>, shutdown: CancellationToken) {
     loop {
@@ -227,20 +227,50 @@ pub async fn serve(listener: TcpListener, state: Arc<KvState>, shutdown: Cancell
             return;
         };
         let _ = sock.set_nodelay(true);
+        tokio::spawn(serve_conn(sock, state.clone()));
+    }
+}
+
+/// Serves the kv face on a Unix socket until shutdown (same API, no TCP stack: for an
+/// engine on the same host), then removes the socket file.
+pub async fn serve_unix(
+    listener: tokio::net::UnixListener,
+    path: std::path::PathBuf,
+    state: Arc<KvState>,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let sock = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            r = listener.accept() => match r {
+                Ok((s, _)) => s,
+                Err(e) => {
+                    tracing::warn!(listener = "kv-unix", error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        tokio::spawn(serve_conn(sock, state.clone()));
+    }
+    let _ = std::fs::remove_file(&path);
+}
+
+/// One connection, HTTP/1.1 or HTTP/2 (prior knowledge), until it ends.
+async fn serve_conn<S>(io: S, state: Arc<KvState>)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let svc = service_fn(move |req| {
         let state = state.clone();
-        tokio::spawn(async move {
-            let svc = service_fn(move |req| {
-                let state = state.clone();
-                async move { Ok::<_, Infallible>(counted(state, req).await) }
-            });
-            let mut b = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-            b.http1()
-                .timer(TokioTimer::new())
-                .header_read_timeout(Duration::from_secs(10));
-            if let Err(e) = b.serve_connection(TokioIo::new(sock), svc).await {
-                tracing::debug!(error = %e, "kv connection ended with an error");
-            }
-        });
+        async move { Ok::<_, Infallible>(counted(state, req).await) }
+    });
+    let mut b = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    b.http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_secs(10));
+    if let Err(e) = b.serve_connection(TokioIo::new(io), svc).await {
+        tracing::debug!(error = %e, "kv connection ended with an error");
     }
 }
 

@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""A small client for moongate's kv face (docs/kv-api.md), standard library only.
+
+    from kv_client import KvClient
+    kv = KvClient("127.0.0.1:50060")          # or KvClient(unix="/run/moongate/kv.sock")
+    kv.put("model/0/blk42", block_bytes)
+    data = kv.get("model/0/blk42")           # None when absent
+    kv.exists(["model/0/blk42", "other"])    # [True, False]
+    kv.delete("model/0/blk42")               # False when absent
+
+Errors other than "absent" raise KvError with the status and moongate's reason; 503
+means the node's byte budget is full (retry later), 409 on delete means a reader holds
+a lease on the key (Mooncake leases a key for 10 s after every lookup that found it,
+reads included). One keep-alive connection per
+client object; not thread-safe (make one per thread).
+
+Run as a script for a round trip: `python kv_client.py (--addr HOST:PORT | --unix PATH)`.
+"""
+import argparse
+import http.client
+import json
+import os
+import socket
+import sys
+import urllib.parse
+
+
+class KvError(Exception):
+    def __init__(self, status, reason):
+        super().__init__(f"{status}: {reason}")
+        self.status = status
+        self.reason = reason
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path, timeout):
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout)
+        s.connect(self._path)
+        self.sock = s
+
+
+class KvClient:
+    def __init__(self, addr=None, unix=None, timeout=30.0):
+        if (addr is None) == (unix is None):
+            raise ValueError("give addr=HOST:PORT or unix=PATH")
+        if unix:
+            self._conn = _UnixConnection(unix, timeout)
+        else:
+            host, port = addr.rsplit(":", 1)
+            self._conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+
+    def _call(self, method, path, body=None):
+        self._conn.request(method, path, body=body)
+        r = self._conn.getresponse()
+        data = r.read()
+        return r.status, data
+
+    @staticmethod
+    def _path(key):
+        return "/v1/kv/" + urllib.parse.quote(key, safe="")
+
+    @staticmethod
+    def _fail(status, data):
+        try:
+            reason = json.loads(data)["error"]
+        except Exception:
+            reason = data.decode(errors="replace")
+        raise KvError(status, reason)
+
+    def put(self, key, value):
+        status, data = self._call("PUT", self._path(key), bytes(value))
+        if status != 201:
+            self._fail(status, data)
+
+    def get(self, key):
+        status, data = self._call("GET", self._path(key))
+        if status == 404:
+            return None
+        if status != 200:
+            self._fail(status, data)
+        return data
+
+    def delete(self, key):
+        status, data = self._call("DELETE", self._path(key))
+        if status == 404:
+            return False
+        if status != 204:
+            self._fail(status, data)
+        return True
+
+    def exists(self, keys):
+        status, data = self._call("POST", "/v1/kv/exists", json.dumps(list(keys)).encode())
+        if status != 200:
+            self._fail(status, data)
+        return json.loads(data)
+
+
+def main():
+    p = argparse.ArgumentParser(description="kv face round trip")
+    p.add_argument("--addr")
+    p.add_argument("--unix")
+    p.add_argument("--key", default="example/block")
+    p.add_argument("--size", type=int, default=1 << 20)
+    a = p.parse_args()
+    kv = KvClient(addr=a.addr, unix=a.unix)
+    value = os.urandom(a.size)
+    kv.put(a.key, value)
+    back = kv.get(a.key)
+    found = kv.exists([a.key, a.key + "/absent"])
+    # A key just read is leased: delete one that was only written.
+    kv.put(a.key + "/tmp", b"short-lived")
+    result = {"roundtrip_ok": back == value, "exists": found,
+              "absent_get": kv.get(a.key + "/absent"), "deleted": kv.delete(a.key + "/tmp"),
+              "after_delete": kv.get(a.key + "/tmp")}
+    print(json.dumps(result))
+    sys.exit(0 if result["roundtrip_ok"] and found == [True, False] else 1)
+
+
+if __name__ == "__main__":
+    main()
