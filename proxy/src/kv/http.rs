@@ -6,7 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, Limited, StreamBody};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
@@ -14,7 +15,17 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use super::store::{Store, StoreError};
+use super::store::{Store, StoreError, Value};
+
+/// The chunks of a streamed value as HTTP body frames.
+fn tokio_stream_of(
+    mut rx: tokio::sync::mpsc::Receiver<Result<Bytes, std::io::Error>>,
+) -> impl futures_util::Stream<Item = Result<hyper::body::Frame<Bytes>, std::io::Error>> {
+    futures_util::stream::poll_fn(move |cx| {
+        rx.poll_recv(cx)
+            .map(|o| o.map(|r| r.map(hyper::body::Frame::data)))
+    })
+}
 use crate::codec::types::ErrorCode;
 
 /// What the face shares across connections.
@@ -28,8 +39,15 @@ pub struct KvState {
     pub metrics: Arc<crate::metrics::Metrics>,
 }
 
-fn reply(status: StatusCode, body: impl Into<Bytes>, ctype: &'static str) -> Response<Full<Bytes>> {
-    let mut r = Response::new(Full::new(body.into()));
+/// Every answer's body: whole, or a value streamed from its owner as it arrives.
+type Body = BoxBody<Bytes, std::io::Error>;
+
+fn reply(status: StatusCode, body: impl Into<Bytes>, ctype: &'static str) -> Response<Body> {
+    let mut r = Response::new(
+        Full::new(body.into())
+            .map_err(|never| match never {})
+            .boxed(),
+    );
     *r.status_mut() = status;
     r.headers_mut().insert(
         hyper::header::CONTENT_TYPE,
@@ -38,7 +56,7 @@ fn reply(status: StatusCode, body: impl Into<Bytes>, ctype: &'static str) -> Res
     r
 }
 
-fn error(status: StatusCode, msg: impl std::fmt::Display) -> Response<Full<Bytes>> {
+fn error(status: StatusCode, msg: impl std::fmt::Display) -> Response<Body> {
     let body = serde_json::json!({ "error": msg.to_string() }).to_string();
     reply(status, body, "application/json")
 }
@@ -86,7 +104,7 @@ fn form_urlencoded_decode(s: &str) -> Option<Vec<u8>> {
     Some(out)
 }
 
-async fn body(req: Request<Incoming>, limit: usize) -> Result<Bytes, Response<Full<Bytes>>> {
+async fn body(req: Request<Incoming>, limit: usize) -> Result<Bytes, Response<Body>> {
     match Limited::new(req.into_body(), limit).collect().await {
         Ok(c) => Ok(c.to_bytes()),
         Err(e)
@@ -106,7 +124,7 @@ async fn body(req: Request<Incoming>, limit: usize) -> Result<Bytes, Response<Fu
 }
 
 /// Counts the answer by op and status class.
-async fn counted(state: Arc<KvState>, req: Request<Incoming>) -> Response<Full<Bytes>> {
+async fn counted(state: Arc<KvState>, req: Request<Incoming>) -> Response<Body> {
     let op = match *req.method() {
         Method::GET => 0,
         Method::PUT => 1,
@@ -142,7 +160,7 @@ async fn put(state: &KvState, key: Bytes, value: Bytes) -> Result<(), StoreError
     state.store.put(key, value, start).await
 }
 
-async fn route(state: Arc<KvState>, req: Request<Incoming>) -> Response<Full<Bytes>> {
+async fn route(state: Arc<KvState>, req: Request<Incoming>) -> Response<Body> {
     let path = req.uri().path().to_string();
     let method = req.method().clone();
     if path == "/v1/kv/exists" && method == Method::POST {
@@ -193,7 +211,20 @@ async fn route(state: Arc<KvState>, req: Request<Incoming>) -> Response<Full<Byt
     };
     match method {
         Method::GET => match state.store.get(key).await {
-            Ok(Some(v)) => reply(StatusCode::OK, v, "application/octet-stream"),
+            Ok(Some(Value::Whole(v))) => reply(StatusCode::OK, v, "application/octet-stream"),
+            Ok(Some(Value::Stream { len, chunks })) => {
+                let frames = tokio_stream_of(chunks);
+                let mut r = Response::new(StreamBody::new(frames).boxed());
+                r.headers_mut().insert(
+                    hyper::header::CONTENT_TYPE,
+                    hyper::header::HeaderValue::from_static("application/octet-stream"),
+                );
+                r.headers_mut().insert(
+                    hyper::header::CONTENT_LENGTH,
+                    hyper::header::HeaderValue::from(len),
+                );
+                r
+            }
             Ok(None) => error(StatusCode::NOT_FOUND, "no such key"),
             Err(e) => error(status_of(&e), e),
         },

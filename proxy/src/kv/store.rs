@@ -62,22 +62,39 @@ pub struct Store {
     own: std::sync::OnceLock<(Bytes, std::sync::Arc<super::segment::Memory>)>,
     metrics: std::sync::Arc<crate::metrics::Metrics>,
     /// Value bytes of gets and puts in progress, node-wide, in KiB permits.
-    budget: tokio::sync::Semaphore,
+    budget: std::sync::Arc<tokio::sync::Semaphore>,
     budget_kib: u32,
     busy_wait: Duration,
 }
 
-/// Budget permits of a transfer in progress; returned on drop.
-pub struct Reserved<'a> {
-    _permit: tokio::sync::SemaphorePermit<'a>,
+/// Budget permits of a transfer in progress; returned on drop (a streamed value holds
+/// them until its last byte is sent).
+pub struct Reserved {
+    _permit: tokio::sync::OwnedSemaphorePermit,
     bytes: u64,
-    gauge: &'a prometheus_client::metrics::gauge::Gauge,
+    metrics: std::sync::Arc<crate::metrics::Metrics>,
 }
 
-impl Drop for Reserved<'_> {
+impl Drop for Reserved {
     fn drop(&mut self) {
-        self.gauge.dec_by(self.bytes as i64);
+        self.metrics.kv.inflight_bytes.dec_by(self.bytes as i64);
     }
+}
+
+/// Values from this size on are streamed from the owner's TE-TCP listener to the caller
+/// as they arrive (both hops overlap, and no whole-value buffer is held).
+const STREAM_FROM: u64 = 1 << 20;
+/// Bytes per chunk of a streamed value.
+const STREAM_CHUNK: usize = 1 << 20;
+
+/// A value read from the store.
+pub enum Value {
+    Whole(Bytes),
+    /// `len` bytes arriving in chunks; an `Err` chunk means the transfer broke.
+    Stream {
+        len: u64,
+        chunks: tokio::sync::mpsc::Receiver<Result<Bytes, std::io::Error>>,
+    },
 }
 
 /// Limits of the kv face's byte budget.
@@ -86,6 +103,39 @@ pub struct Budget {
     pub max_inflight_bytes: u64,
     /// How long a request waits for room before it is answered busy.
     pub busy_wait: Duration,
+}
+
+/// Forwards `len` bytes from a TE-TCP connection whose READ was accepted, chunk by
+/// chunk; the budget reservation lives until the last chunk is handed on.
+fn stream_value(mut s: tokio::net::TcpStream, len: u64, room: Reserved) -> Value {
+    use tokio::io::AsyncReadExt;
+    let (tx, rx) = tokio::sync::mpsc::channel(2);
+    tokio::spawn(async move {
+        let _room = room;
+        let mut left = len as usize;
+        while left > 0 {
+            let mut buf = bytes::BytesMut::with_capacity(STREAM_CHUNK.min(left));
+            let n = STREAM_CHUNK.min(left);
+            while buf.len() < n {
+                match s.read_buf(&mut buf).await {
+                    Ok(0) => {
+                        let _ = tx.send(Err(std::io::ErrorKind::UnexpectedEof.into())).await;
+                        return;
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        let _ = tx.send(Err(e)).await;
+                        return;
+                    }
+                }
+            }
+            left -= buf.len();
+            if tx.send(Ok(buf.freeze())).await.is_err() {
+                return; // the caller went away
+            }
+        }
+    });
+    Value::Stream { len, chunks: rx }
 }
 
 /// A client id for this process: Mooncake's are random UUIDs; std's hasher seeds give
@@ -131,7 +181,7 @@ impl Store {
             quic: None,
             own: std::sync::OnceLock::new(),
             metrics,
-            budget: tokio::sync::Semaphore::new(budget_kib as usize),
+            budget: std::sync::Arc::new(tokio::sync::Semaphore::new(budget_kib as usize)),
             budget_kib,
             busy_wait: budget.busy_wait,
         }
@@ -142,15 +192,16 @@ impl Store {
     }
 
     /// Reserves `bytes` of the in-flight budget, waiting at most `busy_wait`.
-    pub async fn reserve(&self, bytes: u64) -> Result<Reserved<'_>, StoreError> {
+    pub async fn reserve(&self, bytes: u64) -> Result<Reserved, StoreError> {
         let kib = (bytes.div_ceil(1024) as u32).clamp(1, self.budget_kib);
-        match tokio::time::timeout(self.busy_wait, self.budget.acquire_many(kib)).await {
+        let wait = self.budget.clone().acquire_many_owned(kib);
+        match tokio::time::timeout(self.busy_wait, wait).await {
             Ok(Ok(p)) => {
                 self.metrics.kv.inflight_bytes.inc_by(bytes as i64);
                 Ok(Reserved {
                     _permit: p,
                     bytes,
-                    gauge: &self.metrics.kv.inflight_bytes,
+                    metrics: self.metrics.clone(),
                 })
             }
             _ => {
@@ -258,7 +309,7 @@ impl Store {
     }
 
     /// The value of `key`, or `None` when the store does not have it.
-    pub async fn get(&self, key: Bytes) -> Result<Option<Bytes>, StoreError> {
+    pub async fn get(&self, key: Bytes) -> Result<Option<Value>, StoreError> {
         let resp = self
             .call(Request::GetReplicaList(KeyArgs {
                 key,
@@ -280,12 +331,12 @@ impl Store {
         let Some(d) = mem else {
             return Err(StoreError::NoMemoryReplica);
         };
-        let _room = self.reserve(d.size).await?;
+        let room = self.reserve(d.size).await?;
         if let Some((own, off)) = self.in_own_segment(d)? {
             let mut out = vec![0u8; d.size as usize];
             own.read_at(off, &mut out);
             self.metrics.kv.transfer(1, false, d.size);
-            return Ok(Some(Bytes::from(out)));
+            return Ok(Some(Value::Whole(Bytes::from(out))));
         }
         let seg = self.metadata.segment(&d.transport_endpoint).await?;
         if !seg.covers(d.buffer_address, d.size) {
@@ -304,7 +355,22 @@ impl Store {
             .await
         {
             self.metrics.kv.transfer(2, false, d.size);
-            return Ok(Some(v));
+            return Ok(Some(Value::Whole(v)));
+        }
+        if d.size >= STREAM_FROM {
+            let s = match self
+                .te
+                .open_read(&seg.data, d.buffer_address, d.size, seg.v2)
+                .await
+            {
+                Ok(s) => s,
+                Err(e) => {
+                    self.metadata.forget(&d.transport_endpoint);
+                    return Err(e.into());
+                }
+            };
+            self.metrics.kv.transfer(0, false, d.size);
+            return Ok(Some(stream_value(s, d.size, room)));
         }
         match self
             .te
@@ -313,7 +379,7 @@ impl Store {
         {
             Ok(v) => {
                 self.metrics.kv.transfer(0, false, d.size);
-                Ok(Some(v))
+                Ok(Some(Value::Whole(v)))
             }
             Err(e) => {
                 self.metadata.forget(&d.transport_endpoint);

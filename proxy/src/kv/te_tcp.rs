@@ -122,6 +122,34 @@ impl Pool {
         }
     }
 
+    /// Starts a READ of `len` bytes at `addr` and returns the connection once the peer
+    /// accepted it (v2 status OK), so the caller streams the bytes as they arrive. The
+    /// connection is not returned to the pool.
+    pub async fn open_read(
+        &self,
+        peer: &str,
+        addr: u64,
+        len: u64,
+        v2: bool,
+    ) -> Result<TcpStream, TeError> {
+        let mut s = self.take(peer).await?;
+        let io = |source| TeError::Io {
+            peer: peer.to_string(),
+            source,
+        };
+        let start = async {
+            s.write_all(&header(len, addr, false, v2))
+                .await
+                .map_err(io)?;
+            if v2 {
+                self.expect_ok(&mut s, peer, addr, len).await?;
+            }
+            Ok::<_, TeError>(())
+        };
+        self.bounded(peer, start).await?;
+        Ok(s)
+    }
+
     /// Reads `len` bytes at `addr` in the peer's memory.
     pub async fn read(&self, peer: &str, addr: u64, len: u64, v2: bool) -> Result<Bytes, TeError> {
         let mut out = BytesMut::zeroed(len as usize);
