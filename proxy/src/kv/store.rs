@@ -85,7 +85,7 @@ impl Drop for Reserved {
 /// as they arrive (both hops overlap, and no whole-value buffer is held).
 const STREAM_FROM: u64 = 1 << 20;
 /// Bytes per chunk of a streamed value.
-const STREAM_CHUNK: usize = 1 << 20;
+const STREAM_CHUNK: usize = 256 << 10;
 
 /// A value read from the store.
 pub enum Value {
@@ -109,7 +109,7 @@ pub struct Budget {
 /// chunk; the budget reservation lives until the last chunk is handed on.
 fn stream_value(mut s: tokio::net::TcpStream, len: u64, room: Reserved) -> Value {
     use tokio::io::AsyncReadExt;
-    let (tx, rx) = tokio::sync::mpsc::channel(2);
+    let (tx, rx) = tokio::sync::mpsc::channel(8);
     tokio::spawn(async move {
         let _room = room;
         let mut left = len as usize;
