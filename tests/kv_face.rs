@@ -354,3 +354,51 @@ fn the_python_example_works_over_the_unix_socket() {
     );
     drop(mg);
 }
+
+/// The Rust client crate (clients/rust) over TCP and over the Unix socket.
+#[test]
+fn the_rust_client_crate_round_trips() {
+    let master = Master::start();
+    let dir = tempdir();
+    let sock = dir.path().join("kv.sock");
+    let (mg, kv) = kv_moongate(
+        &master,
+        &format!(
+            "segment_bytes = 16777216\nunix_path = \"{}\"\n",
+            sock.display()
+        ),
+    );
+    wait_for(
+        "own segment mounted",
+        Duration::from_secs(10),
+        &[&mg.proc],
+        || mg.proc.log_text().contains("own segment mounted"),
+    );
+    let mut tcp = moongate_kv::Client::connect_tcp(&kv).unwrap();
+    let mut unix = moongate_kv::Client::connect_unix(&sock).unwrap();
+    let big = value_of("rust/big", (2 << 20) + 5);
+    tcp.put("rust/big", &big).unwrap();
+    unix.put("rust/\"odd\" key", b"x").unwrap();
+    assert_eq!(unix.get("rust/big").unwrap().as_deref(), Some(&big[..]));
+    assert_eq!(
+        tcp.exists(&["rust/big", "rust/\"odd\" key", "nope"])
+            .unwrap(),
+        [true, true, false]
+    );
+    assert_eq!(tcp.get("nope").unwrap(), None);
+    assert!(!unix.delete("nope").unwrap());
+    match tcp.put("rust/empty", b"") {
+        Err(moongate_kv::Error::Status {
+            status: 400,
+            reason,
+        }) => {
+            assert!(reason.contains("empty"), "{reason}")
+        }
+        other => panic!("expected 400, got {other:?}"),
+    }
+    // keep-alive: the same connection keeps working after an error answer
+    assert_eq!(
+        tcp.get("rust/big").unwrap().map(|v| v.len()),
+        Some(big.len())
+    );
+}
