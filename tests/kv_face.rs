@@ -130,19 +130,7 @@ fn own_segment_serves_unmodified_clients_and_unregisters_on_shutdown() {
     let master = Master::start();
     let (mut mg, kv) = kv_moongate(&master, "segment_bytes = 67108864\n");
     let logs = [&master.proc, &mg.proc];
-    wait_for(
-        "own segment mounted",
-        Duration::from_secs(10),
-        &logs,
-        || mg.proc.log_text().contains("own segment mounted"),
-    );
-    let log = mg.proc.log_text();
-    let name = log
-        .split("own segment mounted segment=")
-        .nth(1)
-        .and_then(|r| r.split_whitespace().next())
-        .expect("segment name in the log")
-        .to_string();
+    let name = wait_segment_mounted(&mg);
     // Only moongate's segment exists: these land in it and are read back in place.
     let (st, b) = http(
         &kv,
@@ -245,12 +233,7 @@ fn kv_puts_are_decided_by_the_active_policy() {
             plugin.display()
         ),
     );
-    wait_for(
-        "own segment mounted",
-        Duration::from_secs(10),
-        &[&mg.proc],
-        || mg.proc.log_text().contains("own segment mounted"),
-    );
+    wait_segment_mounted(&mg);
     let (st, b) = http(&kv, "PUT", "/v1/kv/deny%2Fx", b"value").unwrap();
     assert_eq!(st, 507, "{b}");
     let (st, b) = http(&kv, "PUT", "/v1/kv/ok%2Fx", b"value").unwrap();
@@ -298,16 +281,11 @@ fn the_own_segment_mounts_when_the_master_comes_up_later() {
                 .contains("cannot mount the own segment yet")
         },
     );
-    let master = Master::start_with(MasterOpts {
+    let _master = Master::start_with(MasterOpts {
         ports: Some((rpc, http_port)),
         ..Default::default()
     });
-    wait_for(
-        "own segment mounted",
-        Duration::from_secs(15),
-        &[&mg.proc, &master.proc],
-        || mg.proc.log_text().contains("own segment mounted"),
-    );
+    wait_segment_mounted(&mg);
     let (st, b) = http(&kv, "PUT", "/v1/kv/late", b"value").unwrap();
     assert_eq!(st, 201, "{b}");
 }
@@ -326,12 +304,7 @@ fn the_python_example_works_over_the_unix_socket() {
             sock.display()
         ),
     );
-    wait_for(
-        "own segment mounted",
-        Duration::from_secs(10),
-        &[&mg.proc],
-        || mg.proc.log_text().contains("own segment mounted"),
-    );
+    wait_segment_mounted(&mg);
     let out = std::process::Command::new(python())
         .arg(repo_root().join("examples/python/kv_client.py"))
         .arg("--unix")
@@ -368,12 +341,7 @@ fn the_rust_client_crate_round_trips() {
             sock.display()
         ),
     );
-    wait_for(
-        "own segment mounted",
-        Duration::from_secs(10),
-        &[&mg.proc],
-        || mg.proc.log_text().contains("own segment mounted"),
-    );
+    wait_segment_mounted(&mg);
     let mut tcp = moongate_kv::Client::connect_tcp(&kv).unwrap();
     let mut unix = moongate_kv::Client::connect_unix(&sock).unwrap();
     let big = value_of("rust/big", (2 << 20) + 5);

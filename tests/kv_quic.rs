@@ -5,7 +5,6 @@
 
 mod support;
 
-use std::time::Duration;
 use support::*;
 
 fn enc(key: &str) -> String {
@@ -19,12 +18,7 @@ fn two_moongates_move_values_over_quic_and_fall_back_to_tcp() {
         &master,
         "segment_bytes = 67108864\nquic_listen = \"127.0.0.1:0\"\n",
     );
-    wait_for(
-        "B's segment mounted",
-        Duration::from_secs(10),
-        &[&b.proc],
-        || b.proc.log_text().contains("own segment mounted"),
-    );
+    let name = wait_segment_mounted(&b);
     assert!(b.proc.log_text().contains("own segment served over QUIC"));
     let (a, a_kv) = kv_moongate(&master, "");
     let logs = [&master.proc, &a.proc, &b.proc];
@@ -79,14 +73,6 @@ fn two_moongates_move_values_over_quic_and_fall_back_to_tcp() {
 
     // C does not trust B's QUIC identity (a forged fingerprint in the metadata server):
     // it falls back to TE-TCP and still reads bit-exact.
-    let name = b
-        .proc
-        .log_text()
-        .split("own segment mounted segment=")
-        .nth(1)
-        .and_then(|r| r.split_whitespace().next())
-        .unwrap()
-        .to_string();
     let md = master
         .metadata
         .trim_start_matches("http://")

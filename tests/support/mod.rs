@@ -513,3 +513,21 @@ pub fn kv_moongate(master: &Master, extra: &str) -> (Moongate, String) {
     mg.wait_ready(master);
     (mg, kv)
 }
+
+/// Waits until moongate logs its own segment mounted; returns the segment's name
+/// (`host:port` of its TE-TCP listener).
+pub fn wait_segment_mounted(mg: &Moongate) -> String {
+    wait_for(
+        "own segment mounted",
+        Duration::from_secs(15),
+        &[&mg.proc],
+        || mg.proc.log_text().contains("own segment mounted"),
+    );
+    mg.proc
+        .log_text()
+        .split("own segment mounted segment=")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .expect("segment name in the log")
+        .to_string()
+}
