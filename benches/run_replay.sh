@@ -13,22 +13,9 @@ bash scripts/bootstrap.sh
 profile=${PROFILE:-debug}
 if [ "$profile" = release ]; then cargo build --release --locked --bin moongate; else cargo build --locked --bin moongate; fi
 py=${MOONGATE_PYTHON:-$root/.venv/bin/python}
-master_bin=$("$py" -c 'import os, mooncake; print(os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master"))')
-free_port() { "$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-rpc=$(free_port); http=$(free_port); mport=$(free_port); listen=$(free_port); admin=$(free_port)
-work=$(mktemp -d)
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
-  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
-  if [ -n "${KEEP:-}" ]; then echo "logs kept in $work" >&2; else rm -rf "$work"; fi
-}
-trap cleanup EXIT
-export MC_TCP_BIND_ADDRESS=127.0.0.1
-"$master_bin" --rpc_port="$rpc" --rpc_address=127.0.0.1 --enable_http_metadata_server=true \
-  --http_metadata_server_host=127.0.0.1 --http_metadata_server_port="$http" \
-  --metrics_port="$mport" --metrics_host=127.0.0.1 >"$work/master.log" 2>&1 &
-pids+=($!)
+source scripts/lib.sh
+start_master
+listen=$(free_port); admin=$(free_port)
 cat >"$work/moongate.toml" <<TOML
 [master_face]
 listen = "127.0.0.1:$listen"

@@ -9,19 +9,8 @@ cd "$root"
 bash scripts/bootstrap.sh
 cargo build --locked --bin moongate
 py=${MOONGATE_PYTHON:-$root/.venv/bin/python}
-master_bin=$("$py" -c 'import os, mooncake; print(os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master"))')
-
-free_port() { "$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-rpc=$(free_port); http=$(free_port); mport=$(free_port); listen=$(free_port); admin=$(free_port)
-work=$(mktemp -d)
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
-  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
-  rm -rf "$work"
-}
-trap cleanup EXIT
-export MC_TCP_BIND_ADDRESS=127.0.0.1
+source scripts/lib.sh
+listen=$(free_port); admin=$(free_port)
 
 wait_until() { # what, seconds, command...
   local what=$1 secs=$2; shift 2
@@ -29,11 +18,8 @@ wait_until() { # what, seconds, command...
   echo "demo: $what did not come up; logs:" >&2; tail -n 30 "$work"/*.log >&2; exit 1
 }
 
-echo "demo: starting mooncake_master (rpc 127.0.0.1:$rpc, metadata 127.0.0.1:$http)"
-"$master_bin" --rpc_port="$rpc" --rpc_address=127.0.0.1 --enable_http_metadata_server=true \
-  --http_metadata_server_host=127.0.0.1 --http_metadata_server_port="$http" \
-  --metrics_port="$mport" >"$work/master.log" 2>&1 &
-pids+=($!)
+start_master
+echo "demo: started mooncake_master (rpc 127.0.0.1:$rpc, metadata 127.0.0.1:$http)"
 
 echo "demo: starting moongate (master face 127.0.0.1:$listen, admin 127.0.0.1:$admin)"
 target/debug/moongate run --listen "127.0.0.1:$listen" --upstream "127.0.0.1:$rpc" \
