@@ -25,6 +25,28 @@ fn values_cross_between_the_python_client_and_the_kv_face_bit_exact() {
     let (st, body) = http_bytes(&kv, "GET", "/v1/kv/py%2Fbig", &[]).unwrap();
     assert_eq!(st, 200);
     assert!(body == value_of("py/big", (3 << 20) + 7), "py/big differs");
+    // The same two in one batch (one BatchGetReplicaList, reads over TE-TCP).
+    let (st, body) = http_bytes(
+        &kv,
+        "POST",
+        "/v1/kv/batch/get",
+        br#"["py/big", "nope", "py/small"]"#,
+    )
+    .unwrap();
+    assert_eq!(st, 200);
+    let recs = get_records(&body);
+    assert_eq!(
+        recs.iter().map(|r| r.0).collect::<Vec<_>>(),
+        [200, 404, 200]
+    );
+    assert!(
+        recs[0].1 == value_of("py/big", (3 << 20) + 7),
+        "batch py/big differs"
+    );
+    assert!(
+        recs[2].1 == value_of("py/small", 5000),
+        "batch py/small differs"
+    );
 
     // moongate put -> Python get (after the peer is told to read)
     let (st, b) = http(&kv, "PUT", "/v1/kv/kv%2Fsmall", &value_of("kv/small", 5000)).unwrap();
@@ -240,13 +262,21 @@ fn kv_puts_are_decided_by_the_active_policy() {
     assert_eq!(st, 201, "{b}");
     let (st, body) = http_bytes(&kv, "GET", "/v1/kv/ok%2Fx", &[]).unwrap();
     assert_eq!((st, body.as_slice()), (200, &b"value"[..]));
+    // A batch: the plugin denies one key, the others are stored, outcomes in order.
+    let batch = put_records(&[
+        ("ok/b1", b"one".to_vec()),
+        ("deny/b2", b"two".to_vec()),
+        ("ok/b3", b"three".to_vec()),
+    ]);
+    let (st, b) = http(&kv, "POST", "/v1/kv/batch/put", &batch).unwrap();
+    assert_eq!((st, statuses(&b)), (200, vec![201, 507, 201]), "{b}");
     let m = mg.metrics();
     assert_eq!(
         metric_value(
             &m,
             "moongate_kv_transfers_total{transport=\"local\",direction=\"write\"}"
         ),
-        1.0,
+        3.0,
         "{m}"
     );
     assert_eq!(
@@ -325,6 +355,8 @@ fn the_python_example_works_over_the_unix_socket() {
         (r["deleted"].clone(), r["after_delete"].clone()),
         (true.into(), serde_json::Value::Null)
     );
+    assert_eq!(r["batch_ok"], true, "{r}");
+    assert_eq!(r["batch_put"], serde_json::json!([null, 409]), "{r}");
     drop(mg);
 }
 
@@ -369,4 +401,206 @@ fn the_rust_client_crate_round_trips() {
         tcp.get("rust/big").unwrap().map(|v| v.len()),
         Some(big.len())
     );
+    // batches, on the same keep-alive connections (the get answer is chunked)
+    let put = unix
+        .batch_put(&[
+            ("rust/b1", b"one"),
+            ("rust/big", b"dup"),
+            ("rust/b2", b"two"),
+        ])
+        .unwrap();
+    assert!(put[0].is_ok() && put[2].is_ok(), "{put:?}");
+    assert!(
+        matches!(&put[1], Err(moongate_kv::Error::Status { status: 409, .. })),
+        "{put:?}"
+    );
+    let got = tcp.batch_get(&["rust/b2", "nope", "rust/big"]).unwrap();
+    assert_eq!(got[0].as_ref().unwrap().as_deref(), Some(&b"two"[..]));
+    assert_eq!(got[1].as_ref().unwrap(), &None);
+    assert_eq!(got[2].as_ref().unwrap().as_deref(), Some(&big[..]));
+    assert_eq!(tcp.exists(&["rust/b1"]).unwrap(), [true]);
+}
+
+/// A batch put body: `u16 key_len | key | u64 value_len | value` per record (LE).
+fn put_records(items: &[(&str, Vec<u8>)]) -> Vec<u8> {
+    let mut b = Vec::new();
+    for (k, v) in items {
+        b.extend_from_slice(&(k.len() as u16).to_le_bytes());
+        b.extend_from_slice(k.as_bytes());
+        b.extend_from_slice(&(v.len() as u64).to_le_bytes());
+        b.extend_from_slice(v);
+    }
+    b
+}
+
+/// A batch get answer: `u16 status | u64 len | payload` per key (LE).
+fn get_records(mut b: &[u8]) -> Vec<(u16, Vec<u8>)> {
+    let mut out = Vec::new();
+    while !b.is_empty() {
+        assert!(b.len() >= 10, "a cut record head: {b:?}");
+        let status = u16::from_le_bytes([b[0], b[1]]);
+        let len = u64::from_le_bytes(b[2..10].try_into().unwrap()) as usize;
+        out.push((status, b[10..10 + len].to_vec()));
+        b = &b[10 + len..];
+    }
+    out
+}
+
+fn statuses(json: &str) -> Vec<u64> {
+    let v: serde_json::Value = serde_json::from_str(json).unwrap_or_else(|e| panic!("{e}: {json}"));
+    let arr = v.as_array().or_else(|| v["results"].as_array()).unwrap();
+    arr.iter().map(|o| o["status"].as_u64().unwrap()).collect()
+}
+
+/// Batch get and put carry many keys per call, cut into parts under the byte budget;
+/// a caller that holds the whole budget makes the others get a clear 503 (never a
+/// queue), and once it goes away everyone carries on. Malformed batch bodies get 400
+/// with the outcomes of the records before the break.
+#[test]
+fn batch_calls_move_many_keys_in_parts_with_backpressure() {
+    let master = Master::start();
+    let (mg, kv) = kv_moongate(
+        &master,
+        "segment_bytes = 67108864\nbatch_part_bytes = 1048576\nmax_inflight_bytes = 4194304\n\
+         busy_wait_ms = 300\nmax_value_bytes = 4194304\nmax_batch_keys = 100\n",
+    );
+    wait_segment_mounted(&mg);
+    let log = || mg.proc.log_text();
+
+    // 40 values of 100 KiB (about 4 parts), an empty one, an oversize one, a repeat.
+    let names: Vec<String> = (0..40).map(|i| format!("batch/{i}")).collect();
+    let mut items: Vec<(&str, Vec<u8>)> = names
+        .iter()
+        .map(|n| (n.as_str(), value_of(n, 100 << 10)))
+        .collect();
+    items.push(("batch/empty", Vec::new()));
+    items.push(("batch/huge", vec![1u8; (4 << 20) + 1]));
+    items.push(("batch/0", b"again".to_vec()));
+    let (st, b) = http(&kv, "POST", "/v1/kv/batch/put", &put_records(&items)).unwrap();
+    assert_eq!(st, 200, "{b}\n{}", log());
+    let got = statuses(&b);
+    assert_eq!(&got[..40], &[201; 40][..], "{b}");
+    assert_eq!(&got[40..], &[400, 413, 409], "{b}");
+
+    let mut ask: Vec<String> = names.clone();
+    ask.push("batch/missing".into());
+    let (st, body) = http_bytes(
+        &kv,
+        "POST",
+        "/v1/kv/batch/get",
+        serde_json::to_string(&ask).unwrap().as_bytes(),
+    )
+    .unwrap();
+    assert_eq!(st, 200, "{}", String::from_utf8_lossy(&body));
+    let recs = get_records(&body);
+    assert_eq!(recs.len(), 41);
+    for (n, (s, v)) in names.iter().zip(&recs) {
+        assert_eq!(*s, 200, "{n}: {}", String::from_utf8_lossy(v));
+        assert!(*v == value_of(n, 100 << 10), "{n} differs");
+    }
+    assert_eq!(recs[40].0, 404);
+    let m = mg.metrics();
+    assert!(
+        metric_value(&m, "moongate_kv_batch_parts_total") >= 8.0,
+        "two batches of ~4 MiB in 1 MiB parts\n{m}"
+    );
+    assert_eq!(
+        metric_value(
+            &m,
+            "moongate_kv_requests_total{op=\"batch_get\",status=\"2xx\"}"
+        ),
+        1.0
+    );
+
+    // A slow caller announces a 4 MiB value and sends part of it: its reservation holds
+    // the whole budget, so others are answered busy instead of waiting in a queue.
+    let mut slow = TcpStream::connect(&kv).unwrap();
+    let mut head = Vec::new();
+    head.extend_from_slice(&5u16.to_le_bytes());
+    head.extend_from_slice(b"slowk");
+    head.extend_from_slice(&(4u64 << 20).to_le_bytes());
+    write!(
+        slow,
+        "POST /v1/kv/batch/put HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n",
+        head.len() + (4 << 20)
+    )
+    .unwrap();
+    slow.write_all(&head).unwrap();
+    slow.write_all(&[9u8; 1000]).unwrap();
+    wait_for(
+        "the slow put holds the budget",
+        Duration::from_secs(10),
+        &[&mg.proc],
+        || metric_value(&mg.metrics(), "moongate_kv_inflight_bytes") >= (4 << 20) as f64,
+    );
+    let (st, body) =
+        http_bytes(&kv, "POST", "/v1/kv/batch/get", br#"["batch/1","batch/2"]"#).unwrap();
+    assert_eq!(st, 200);
+    let recs = get_records(&body);
+    assert_eq!(recs.iter().map(|r| r.0).collect::<Vec<_>>(), [503, 503]);
+    assert!(
+        String::from_utf8_lossy(&recs[0].1).contains("busy"),
+        "{recs:?}"
+    );
+    let (st, b) = http(
+        &kv,
+        "POST",
+        "/v1/kv/batch/put",
+        &put_records(&[("batch/late", vec![3u8; 10])]),
+    )
+    .unwrap();
+    assert_eq!((st, statuses(&b)), (200, vec![503]), "{b}");
+    let (st, b) = http(&kv, "PUT", "/v1/kv/single", b"v").unwrap();
+    assert_eq!(st, 503, "{b}");
+    assert!(metric_value(&mg.metrics(), "moongate_kv_busy_total") >= 3.0);
+    // The slow caller goes away: its bytes are given back, nothing of it was stored.
+    drop(slow);
+    wait_for(
+        "the budget is free again",
+        Duration::from_secs(10),
+        &[&mg.proc],
+        || metric_value(&mg.metrics(), "moongate_kv_inflight_bytes") == 0.0,
+    );
+    let (st, b) = http(
+        &kv,
+        "POST",
+        "/v1/kv/batch/put",
+        &put_records(&[("batch/late", vec![3u8; 10])]),
+    )
+    .unwrap();
+    assert_eq!((st, statuses(&b)), (200, vec![201]), "{b}");
+    let (st, b) = http(&kv, "POST", "/v1/kv/exists", br#"["slowk","batch/late"]"#).unwrap();
+    assert_eq!((st, b.as_str()), (200, "[false,true]"));
+
+    // Malformed bodies: the records before the break are handled and reported.
+    let mut broken = put_records(&[("batch/before", b"x".to_vec())]);
+    broken.extend_from_slice(&[0, 0, 1, 0, 0, 0, 0, 0, 0, 0]); // an empty key
+    let (st, b) = http(&kv, "POST", "/v1/kv/batch/put", &broken).unwrap();
+    assert_eq!(st, 400, "{b}");
+    assert!(b.contains("empty key"), "{b}");
+    assert_eq!(statuses(&b), vec![201]);
+    let mut cut = put_records(&[("batch/cut", vec![5u8; 100])]);
+    cut.truncate(50);
+    let (st, b) = http(&kv, "POST", "/v1/kv/batch/put", &cut).unwrap();
+    assert_eq!(st, 400, "{b}");
+    assert!(b.contains("ended inside a record"), "{b}");
+    let (st, b) = http(&kv, "POST", "/v1/kv/batch/get", b"[1, 2]").unwrap();
+    assert_eq!(st, 400, "{b}");
+    let many: Vec<String> = (0..101).map(|i| format!("k{i}")).collect();
+    let (st, _) = http(
+        &kv,
+        "POST",
+        "/v1/kv/batch/get",
+        serde_json::to_string(&many).unwrap().as_bytes(),
+    )
+    .unwrap();
+    assert_eq!(st, 413);
+    let too_many: Vec<(&str, Vec<u8>)> = many.iter().map(|k| (k.as_str(), b"v".to_vec())).collect();
+    let (st, b) = http(&kv, "POST", "/v1/kv/batch/put", &put_records(&too_many)).unwrap();
+    assert_eq!(st, 413, "{b}");
+    assert_eq!(statuses(&b).len(), 100);
+    assert!(service_ready(&mg.listen));
+    let (st, body) = http_bytes(&kv, "GET", "/v1/kv/batch%2F39", &[]).unwrap();
+    assert_eq!(st, 200);
+    assert!(body == value_of("batch/39", 100 << 10));
 }

@@ -7,6 +7,8 @@
     data = kv.get("model/0/blk42")           # None when absent
     kv.exists(["model/0/blk42", "other"])    # [True, False]
     kv.delete("model/0/blk42")               # False when absent
+    kv.batch_put([("a", b"1"), ("b", b"2")])  # [None, None] (or a KvError per item)
+    kv.batch_get(["a", "b", "c"])            # [b"1", b"2", None] (or a KvError per key)
 
 Errors other than "absent" raise KvError with the status and moongate's reason; 503
 means the node's byte budget is full (retry later), 409 on delete means a reader holds
@@ -21,6 +23,7 @@ import http.client
 import json
 import os
 import socket
+import struct
 import sys
 import urllib.parse
 
@@ -99,6 +102,39 @@ class KvClient:
             self._fail(status, data)
         return json.loads(data)
 
+    def batch_get(self, keys):
+        """Values in key order: bytes, None when absent, or a KvError (503: busy, retry)."""
+        keys = list(keys)
+        status, data = self._call("POST", "/v1/kv/batch/get", json.dumps(keys).encode())
+        if status != 200:
+            self._fail(status, data)
+        out, at = [], 0
+        while at < len(data):  # u16 status | u64 len | payload, little-endian
+            st, n = struct.unpack_from("<HQ", data, at)
+            payload = data[at + 10:at + 10 + n]
+            at += 10 + n
+            if st == 200:
+                out.append(payload)
+            elif st == 404:
+                out.append(None)
+            else:
+                out.append(KvError(st, json.loads(payload).get("error", "")))
+        if len(out) != len(keys):
+            raise KvError(0, f"{len(out)} answers for {len(keys)} keys")
+        return out
+
+    def batch_put(self, items):
+        """Stores (key, value) pairs in one call: None per stored item, else a KvError."""
+        body = bytearray()
+        for key, value in items:  # u16 key_len | key | u64 value_len | value
+            k = key.encode()
+            body += struct.pack("<H", len(k)) + k + struct.pack("<Q", len(value)) + bytes(value)
+        status, data = self._call("POST", "/v1/kv/batch/put", bytes(body))
+        if status != 200:
+            self._fail(status, data)
+        return [None if o["status"] == 201 else KvError(o["status"], o.get("error", ""))
+                for o in json.loads(data)]
+
 
 def main():
     p = argparse.ArgumentParser(description="kv face round trip")
@@ -114,11 +150,16 @@ def main():
     found = kv.exists([a.key, a.key + "/absent"])
     # A key just read is leased: delete one that was only written.
     kv.put(a.key + "/tmp", b"short-lived")
+    stored = kv.batch_put([(a.key + "/b1", b"one"), (a.key, b"again")])
+    batch = kv.batch_get([a.key + "/b1", a.key + "/absent", a.key])
     result = {"roundtrip_ok": back == value, "exists": found,
               "absent_get": kv.get(a.key + "/absent"), "deleted": kv.delete(a.key + "/tmp"),
-              "after_delete": kv.get(a.key + "/tmp")}
+              "after_delete": kv.get(a.key + "/tmp"),
+              "batch_put": [None if e is None else e.status for e in stored],
+              "batch_ok": batch[0] == b"one" and batch[1] is None and batch[2] == value}
     print(json.dumps(result))
-    sys.exit(0 if result["roundtrip_ok"] and found == [True, False] else 1)
+    ok = result["roundtrip_ok"] and found == [True, False] and result["batch_ok"]
+    sys.exit(0 if ok and result["batch_put"] == [None, 409] else 1)
 
 
 if __name__ == "__main__":

@@ -64,8 +64,11 @@ pub struct KvConfig {
     pub metadata_url: String,
     /// Largest value a PUT may carry.
     pub max_value_bytes: usize,
-    /// Keys one `POST /v1/kv/exists` may ask about.
+    /// Keys one `POST /v1/kv/exists` or batch call may carry.
     pub max_batch_keys: usize,
+    /// Value bytes per part of a batch get or put: each part reserves its bytes in the
+    /// in-flight budget before it moves.
+    pub batch_part_bytes: u64,
     /// Transfer-engine connections kept per peer; a value of 4 MiB or more moves over
     /// this many at once.
     pub te_connections_per_peer: usize,
@@ -101,6 +104,7 @@ impl Default for KvConfig {
             metadata_url: String::new(),
             max_value_bytes: 256 << 20,
             max_batch_keys: 10_000,
+            batch_part_bytes: 64 << 20,
             te_connections_per_peer: 4,
             timeout_ms: 30_000,
             tenant: "default".into(),
@@ -446,6 +450,7 @@ impl Config {
             }
             positive(&mut errs, "kv.max_value_bytes", kv.max_value_bytes as u64);
             positive(&mut errs, "kv.max_batch_keys", kv.max_batch_keys as u64);
+            positive(&mut errs, "kv.batch_part_bytes", kv.batch_part_bytes);
             positive(
                 &mut errs,
                 "kv.te_connections_per_peer",

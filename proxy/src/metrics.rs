@@ -354,7 +354,7 @@ impl EvictionMetrics {
 }
 
 /// kv face operations, in label order.
-pub const KV_OPS: [&str; 4] = ["get", "put", "delete", "exists"];
+pub const KV_OPS: [&str; 6] = ["get", "put", "delete", "exists", "batch_get", "batch_put"];
 /// HTTP status classes, in label order.
 pub const KV_STATUS: [&str; 3] = ["2xx", "4xx", "5xx"];
 /// How kv bytes moved: TE-TCP to a peer segment, in place in moongate's own segment, or
@@ -376,7 +376,9 @@ struct KvXferLabels {
 /// Handles of the kv face.
 pub struct KvMetrics {
     /// `[op][status class]`
-    pub requests: [[Counter; 3]; 4],
+    pub requests: [[Counter; 3]; 6],
+    /// Parts batch gets and puts were cut into.
+    pub batch_parts: Counter,
     /// `[transport][read, write]`
     pub transfers: [[Counter; 2]; 3],
     pub transfer_bytes: [[Counter; 2]; 3],
@@ -392,7 +394,8 @@ impl KvMetrics {
         let req = Family::<KvReqLabels, Counter>::default();
         registry.register(
             "moongate_kv_requests",
-            "kv face requests by op (get, put, delete, exists) and status class",
+            "kv face requests by op (get, put, delete, exists, batch_get, batch_put) and \
+             status class",
             req.clone(),
         );
         let xfer = Family::<KvXferLabels, Counter>::default();
@@ -414,6 +417,12 @@ impl KvMetrics {
             "moongate_kv_busy",
             "kv requests answered 503: the node's in-flight byte budget stayed full",
             busy.clone(),
+        );
+        let batch_parts = Counter::default();
+        registry.register(
+            "moongate_kv_batch_parts",
+            "Parts kv batch gets and puts were cut into under the byte budget",
+            batch_parts.clone(),
         );
         let rdma_devices = Gauge::default();
         registry.register(
@@ -445,6 +454,7 @@ impl KvMetrics {
             }),
             transfers: x(&xfer),
             transfer_bytes: x(&bytes),
+            batch_parts,
             busy,
             inflight_bytes,
             rdma_devices,

@@ -154,6 +154,7 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
                 store,
                 max_value_bytes: cfg.kv.max_value_bytes,
                 max_batch_keys: cfg.kv.max_batch_keys,
+                batch_part_bytes: cfg.kv.batch_part_bytes,
                 policy: policy.clone(),
                 metrics: metrics.clone(),
             });

@@ -212,7 +212,30 @@ pub fn http_bytes(addr: &str, method: &str, path: &str, body: &[u8]) -> Option<(
     let head_end = raw.windows(4).position(|w| w == b"\r\n\r\n")?;
     let head = String::from_utf8_lossy(&raw[..head_end]).into_owned();
     let status = head.split_whitespace().nth(1)?.parse().ok()?;
-    Some((status, raw[head_end + 4..].to_vec()))
+    let body = &raw[head_end + 4..];
+    if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        return Some((status, dechunk(body)?));
+    }
+    Some((status, body.to_vec()))
+}
+
+/// The payload of an HTTP/1.1 chunked body; `None` when it is not whole.
+fn dechunk(mut b: &[u8]) -> Option<Vec<u8>> {
+    let mut out = Vec::new();
+    loop {
+        let eol = b.windows(2).position(|w| w == b"\r\n")?;
+        let size_hex = std::str::from_utf8(&b[..eol]).ok()?;
+        let size = usize::from_str_radix(size_hex.split(';').next()?.trim(), 16).ok()?;
+        b = &b[eol + 2..];
+        if size == 0 {
+            return Some(out);
+        }
+        out.extend_from_slice(b.get(..size)?);
+        b = b.get(size + 2..)?;
+    }
 }
 
 pub struct Master {

@@ -140,6 +140,7 @@ impl Client {
             .and_then(|s| s.parse().ok())
             .ok_or_else(|| Error::Protocol(format!("status line {line:?}")))?;
         let mut len = None;
+        let mut chunked = false;
         loop {
             line.clear();
             if self.reader.read_line(&mut line)? == 0 {
@@ -154,11 +155,43 @@ impl Client {
             {
                 len = value.trim().parse::<usize>().ok();
             }
+            if let Some((name, value)) = l.split_once(':')
+                && name.eq_ignore_ascii_case("transfer-encoding")
+            {
+                chunked = value.trim().eq_ignore_ascii_case("chunked");
+            }
+        }
+        if chunked {
+            return Ok((status, self.read_chunked()?));
         }
         let len = len.ok_or_else(|| Error::Protocol("no Content-Length".into()))?;
         let mut data = vec![0u8; len];
         self.reader.read_exact(&mut data)?;
         Ok((status, data))
+    }
+
+    /// A streamed (chunked) body: batch get answers are sent as they are read.
+    fn read_chunked(&mut self) -> Result<Vec<u8>, Error> {
+        let mut data = Vec::new();
+        let mut line = String::new();
+        loop {
+            line.clear();
+            self.reader.read_line(&mut line)?;
+            let size = line.trim_end().split(';').next().unwrap_or("");
+            let size = usize::from_str_radix(size.trim(), 16)
+                .map_err(|_| Error::Protocol(format!("chunk size {line:?}")))?;
+            if size == 0 {
+                // No trailers are sent; the empty line ends the body.
+                line.clear();
+                self.reader.read_line(&mut line)?;
+                return Ok(data);
+            }
+            let at = data.len();
+            data.resize(at + size, 0);
+            self.reader.read_exact(&mut data[at..])?;
+            let mut crlf = [0u8; 2];
+            self.reader.read_exact(&mut crlf)?;
+        }
     }
 
     fn fail(status: u16, body: &[u8]) -> Error {
@@ -217,6 +250,168 @@ impl Client {
             (s, b) => Err(Self::fail(s, &b)),
         }
     }
+
+    /// The values of `keys` in one call, in order: `Ok(None)` for an absent key, `Err`
+    /// for a key that could not be read (503: the node was busy; retry it later).
+    pub fn batch_get(&mut self, keys: &[&str]) -> Result<Vec<KeyResult>, Error> {
+        let mut body = String::from("[");
+        for (i, k) in keys.iter().enumerate() {
+            if i > 0 {
+                body.push(',');
+            }
+            json_string(k, &mut body);
+        }
+        body.push(']');
+        let (status, b) = self.call("POST", "/v1/kv/batch/get", body.as_bytes())?;
+        if status != 200 {
+            return Err(Self::fail(status, &b));
+        }
+        let recs = get_records(&b)?;
+        if recs.len() != keys.len() {
+            return Err(Error::Protocol(format!(
+                "{} answers for {} keys",
+                recs.len(),
+                keys.len()
+            )));
+        }
+        Ok(recs
+            .into_iter()
+            .map(|(s, v)| match s {
+                200 => Ok(Some(v.to_vec())),
+                404 => Ok(None),
+                s => Err(Self::fail(s, v)),
+            })
+            .collect())
+    }
+
+    /// Stores `items` in one call; one result per item, in order (a 503 item was not
+    /// stored because the node was busy: retry it later).
+    pub fn batch_put(&mut self, items: &[(&str, &[u8])]) -> Result<Vec<Result<(), Error>>, Error> {
+        let (status, b) = self.call("POST", "/v1/kv/batch/put", &put_records(items)?)?;
+        if status != 200 {
+            return Err(Self::fail(status, &b));
+        }
+        let text = String::from_utf8_lossy(&b);
+        let outcomes = parse_outcomes(&text)?;
+        if outcomes.len() != items.len() {
+            return Err(Error::Protocol(format!(
+                "{} outcomes for {} items",
+                outcomes.len(),
+                items.len()
+            )));
+        }
+        Ok(outcomes
+            .into_iter()
+            .map(|(s, reason)| match s {
+                201 => Ok(()),
+                status => Err(Error::Status { status, reason }),
+            })
+            .collect())
+    }
+}
+
+/// One key of a batch get: the value, `None` when absent, or why it was not read.
+pub type KeyResult = Result<Option<Vec<u8>>, Error>;
+
+/// A batch put body: `u16 key_len | key | u64 value_len | value` per record (LE).
+fn put_records(items: &[(&str, &[u8])]) -> Result<Vec<u8>, Error> {
+    let mut b = Vec::new();
+    for (k, v) in items {
+        let klen = u16::try_from(k.len())
+            .map_err(|_| Error::Protocol(format!("key of {} bytes", k.len())))?;
+        b.extend_from_slice(&klen.to_le_bytes());
+        b.extend_from_slice(k.as_bytes());
+        b.extend_from_slice(&(v.len() as u64).to_le_bytes());
+        b.extend_from_slice(v);
+    }
+    Ok(b)
+}
+
+/// A batch get answer: `(status, payload)` per key, `u16 status | u64 len | payload`.
+fn get_records(mut b: &[u8]) -> Result<Vec<(u16, &[u8])>, Error> {
+    let mut out = Vec::new();
+    while !b.is_empty() {
+        let cut = || Error::Protocol("a batch answer ends inside a record".into());
+        let head = b.get(..10).ok_or_else(cut)?;
+        let status = u16::from_le_bytes([head[0], head[1]]);
+        let len = u64::from_le_bytes(head[2..10].try_into().map_err(|_| cut())?) as usize;
+        let payload = b.get(10..10usize.saturating_add(len)).ok_or_else(cut)?;
+        out.push((status, payload));
+        b = &b[10 + len..];
+    }
+    Ok(out)
+}
+
+/// The `(status, error)` of each entry of a batch put answer
+/// (`[{"status":201},{"error":"...","status":409}]`: flat objects, keys in any order).
+fn parse_outcomes(text: &str) -> Result<Vec<(u16, String)>, Error> {
+    let bad = || Error::Protocol(format!("batch put answer {text:?}"));
+    let mut out = Vec::new();
+    let (mut status, mut error) = (None, String::new());
+    let mut key: Option<String> = None;
+    let mut rest = text;
+    while let Some(c) = rest.chars().next() {
+        rest = &rest[c.len_utf8()..];
+        match c {
+            '"' => {
+                let s = json_unescape(rest).ok_or_else(bad)?;
+                // Skip the string itself: up to its closing, unescaped quote.
+                let mut esc = false;
+                let end = rest
+                    .char_indices()
+                    .find(|&(_, ch)| {
+                        let closes = ch == '"' && !esc;
+                        esc = ch == '\\' && !esc;
+                        closes
+                    })
+                    .ok_or_else(bad)?
+                    .0;
+                rest = &rest[end + 1..];
+                match key.take() {
+                    Some(k) if k == "error" => error = s,
+                    Some(_) => {}
+                    None => key = Some(s),
+                }
+            }
+            '0'..='9' => {
+                let digits: String = std::iter::once(c)
+                    .chain(rest.chars().take_while(char::is_ascii_digit))
+                    .collect();
+                rest = &rest[digits.len() - 1..];
+                if key.take().as_deref() == Some("status") {
+                    status = Some(digits.parse().map_err(|_| bad())?);
+                }
+            }
+            '}' => {
+                out.push((status.take().ok_or_else(bad)?, std::mem::take(&mut error)));
+                key = None;
+            }
+            _ => {}
+        }
+    }
+    Ok(out)
+}
+
+/// The JSON string starting at `s` (after its opening quote), unescaped.
+fn json_unescape(s: &str) -> Option<String> {
+    let mut out = String::new();
+    let mut it = s.chars();
+    loop {
+        match it.next()? {
+            '"' => return Some(out),
+            '\\' => match it.next()? {
+                'n' => out.push('\n'),
+                't' => out.push('\t'),
+                'r' => out.push('\r'),
+                'u' => {
+                    let hex: String = it.by_ref().take(4).collect();
+                    out.push(char::from_u32(u32::from_str_radix(&hex, 16).ok()?).unwrap_or('?'));
+                }
+                c => out.push(c),
+            },
+            c => out.push(c),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -232,5 +427,24 @@ mod tests {
         assert_eq!(parse_bools(b"[true,false]").unwrap(), [true, false]);
         assert_eq!(parse_bools(b"[]").unwrap(), Vec::<bool>::new());
         assert!(parse_bools(b"{}").is_err());
+        assert_eq!(
+            parse_outcomes(r#"[{"status":201},{"error":"key \"k\" {exists}","status":409}]"#)
+                .unwrap(),
+            [
+                (201, String::new()),
+                (409, "key \"k\" {exists}".to_string())
+            ]
+        );
+        let mut b = vec![200, 0, 2, 0, 0, 0, 0, 0, 0, 0, b'h', b'i'];
+        b.extend_from_slice(&[148, 1, 0, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(
+            get_records(&b).unwrap(),
+            [(200, &b"hi"[..]), (404, &b""[..])]
+        );
+        assert!(get_records(&b[..11]).is_err());
+        assert_eq!(
+            put_records(&[("k", b"v")]).unwrap(),
+            [1, 0, b'k', 1, 0, 0, 0, 0, 0, 0, 0, b'v']
+        );
     }
 }

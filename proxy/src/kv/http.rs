@@ -32,8 +32,10 @@ use crate::codec::types::ErrorCode;
 pub struct KvState {
     pub store: Store,
     pub max_value_bytes: usize,
-    /// Keys per `POST /v1/kv/exists`.
+    /// Keys per `POST /v1/kv/exists` and per batch call.
     pub max_batch_keys: usize,
+    /// Value bytes per part of a batch call (see [`super::batch`]).
+    pub batch_part_bytes: u64,
     /// The policies that decide placement and admission of puts, as on the master face.
     pub policy: Arc<crate::policy::registry::Registry>,
     pub metrics: Arc<crate::metrics::Metrics>,
@@ -64,6 +66,7 @@ fn error(status: StatusCode, msg: impl std::fmt::Display) -> Response<Body> {
 /// The one place store errors become HTTP statuses.
 pub fn status_of(e: &StoreError) -> StatusCode {
     match e {
+        StoreError::Busy(_) => StatusCode::SERVICE_UNAVAILABLE,
         StoreError::Refused(ErrorCode::NO_AVAILABLE_HANDLE) => StatusCode::INSUFFICIENT_STORAGE,
         StoreError::Refused(ErrorCode::OBJECT_ALREADY_EXISTS)
         | StoreError::Refused(ErrorCode::OBJECT_HAS_LEASE) => StatusCode::CONFLICT,
@@ -125,10 +128,12 @@ async fn body(req: Request<Incoming>, limit: usize) -> Result<Bytes, Response<Bo
 
 /// Counts the answer by op and status class.
 async fn counted(state: Arc<KvState>, req: Request<Incoming>) -> Response<Body> {
-    let op = match *req.method() {
-        Method::GET => 0,
-        Method::PUT => 1,
-        Method::DELETE => 2,
+    let op = match (req.method(), req.uri().path()) {
+        (&Method::GET, _) => 0,
+        (&Method::PUT, _) => 1,
+        (&Method::DELETE, _) => 2,
+        (_, "/v1/kv/batch/get") => 4,
+        (_, "/v1/kv/batch/put") => 5,
         _ => 3,
     };
     let metrics = state.metrics.clone();
@@ -160,48 +165,103 @@ async fn put(state: &KvState, key: Bytes, value: Bytes) -> Result<(), StoreError
     state.store.put(key, value, start).await
 }
 
+/// The JSON array of keys a batch call asks about, at most `kv.max_batch_keys`.
+async fn keys_of(state: &KvState, req: Request<Incoming>) -> Result<Vec<Bytes>, Response<Body>> {
+    let raw = body(req, 64 << 20).await?;
+    let keys: Vec<String> = serde_json::from_slice(&raw).map_err(|e| {
+        error(
+            StatusCode::BAD_REQUEST,
+            format!("expected a JSON array of key strings: {e}"),
+        )
+    })?;
+    if keys.len() > state.max_batch_keys {
+        return Err(error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "{} keys; at most {} per call",
+                keys.len(),
+                state.max_batch_keys
+            ),
+        ));
+    }
+    if keys.iter().any(String::is_empty) {
+        return Err(error(StatusCode::BAD_REQUEST, "an empty key"));
+    }
+    Ok(keys.into_iter().map(Bytes::from).collect())
+}
+
+async fn exists(state: &KvState, req: Request<Incoming>) -> Response<Body> {
+    let keys = match keys_of(state, req).await {
+        Ok(k) if k.is_empty() => return reply(StatusCode::OK, "[]", "application/json"),
+        Ok(k) => k,
+        Err(r) => return r,
+    };
+    match state.store.exists(keys).await {
+        Ok(v) => reply(
+            StatusCode::OK,
+            serde_json::to_vec(&v).unwrap_or_default(),
+            "application/json",
+        ),
+        Err(e) => error(status_of(&e), e),
+    }
+}
+
+/// `POST /v1/kv/batch/get`: one `BatchGetReplicaList`, then the values streamed as
+/// records in key order, part by part under the byte budget ([`super::batch`]).
+async fn batch_get(state: Arc<KvState>, req: Request<Incoming>) -> Response<Body> {
+    let keys = match keys_of(&state, req).await {
+        Ok(k) if k.is_empty() => return reply(StatusCode::OK, "", super::records::CONTENT_TYPE),
+        Ok(k) => k,
+        Err(r) => return r,
+    };
+    let located = match state.store.locate_many(keys.clone()).await {
+        Ok(l) => l,
+        Err(e) => return error(status_of(&e), e),
+    };
+    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(8);
+    tokio::spawn(super::batch::get_parts(state, keys, located, tx));
+    let frames = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|b| (Ok::<_, std::io::Error>(hyper::body::Frame::data(b)), rx))
+    });
+    let mut r = Response::new(StreamBody::new(frames).boxed());
+    r.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static(super::records::CONTENT_TYPE),
+    );
+    r
+}
+
+/// `POST /v1/kv/batch/put`: records read as they arrive and stored part by part; one
+/// outcome per record. A body that breaks off is answered with its status, and the
+/// outcomes of the records before the break (those were handled).
+async fn batch_put(state: &KvState, req: Request<Incoming>) -> Response<Body> {
+    let a = super::batch::put_parts(state, req.into_body()).await;
+    match a.broken {
+        None => reply(
+            StatusCode::OK,
+            serde_json::to_vec(&a.outcomes).unwrap_or_default(),
+            "application/json",
+        ),
+        Some((status, why)) => reply(
+            status,
+            serde_json::json!({ "error": why, "results": a.outcomes }).to_string(),
+            "application/json",
+        ),
+    }
+}
+
 async fn route(state: Arc<KvState>, req: Request<Incoming>) -> Response<Body> {
     let path = req.uri().path().to_string();
     let method = req.method().clone();
-    if path == "/v1/kv/exists" && method == Method::POST {
-        let raw = match body(req, 64 << 20).await {
-            Ok(b) => b,
-            Err(r) => return r,
-        };
-        let keys: Vec<String> = match serde_json::from_slice(&raw) {
-            Ok(k) => k,
-            Err(e) => {
-                return error(
-                    StatusCode::BAD_REQUEST,
-                    format!("expected a JSON array of key strings: {e}"),
-                );
-            }
-        };
-        if keys.len() > state.max_batch_keys {
-            return error(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                format!(
-                    "{} keys; at most {} per call",
-                    keys.len(),
-                    state.max_batch_keys
-                ),
-            );
+    if method == Method::POST {
+        match path.as_str() {
+            "/v1/kv/exists" => return exists(&state, req).await,
+            "/v1/kv/batch/get" => return batch_get(state, req).await,
+            "/v1/kv/batch/put" => return batch_put(&state, req).await,
+            _ => {}
         }
-        if keys.is_empty() {
-            return reply(StatusCode::OK, "[]", "application/json");
-        }
-        return match state
-            .store
-            .exists(keys.into_iter().map(Bytes::from).collect())
-            .await
-        {
-            Ok(v) => reply(
-                StatusCode::OK,
-                serde_json::to_vec(&v).unwrap_or_default(),
-                "application/json",
-            ),
-            Err(e) => error(status_of(&e), e),
-        };
     }
     let Some(key) = key_of(&path) else {
         return error(
@@ -325,5 +385,9 @@ mod tests {
             StatusCode::INSUFFICIENT_STORAGE
         );
         assert_eq!(status_of(&StoreError::Unexpected), StatusCode::BAD_GATEWAY);
+        assert_eq!(
+            status_of(&StoreError::Busy(1)),
+            StatusCode::SERVICE_UNAVAILABLE
+        );
     }
 }

@@ -8,6 +8,8 @@
 //! - `GET /v1/kv/{key}` -> 200 with the value, 404 when absent
 //! - `DELETE /v1/kv/{key}` -> 204, 404 when absent, 409 while a reader holds a lease
 //! - `POST /v1/kv/exists` with a JSON array of keys -> JSON array of booleans
+//! - `POST /v1/kv/batch/get` / `batch/put`: many keys per call in [`records`], moved in
+//!   parts under the node's byte budget ([`batch`])
 //!
 //! With `kv.segment_bytes` > 0 moongate also owns a memory segment ([`segment`],
 //! registered by [`mount`]): the master places puts from any client in it, unmodified
@@ -18,11 +20,13 @@
 //! Bytes move over the transfer engine's TCP transport ([`te_tcp`]) to and from the
 //! segments the master names; the master is reached on moongate's own connections.
 
+pub mod batch;
 pub mod http;
 pub mod metadata;
 pub mod mount;
 pub mod quic;
 pub mod rdma;
+pub mod records;
 pub mod segment;
 pub mod store;
 pub mod te_tcp;

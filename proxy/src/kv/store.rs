@@ -16,10 +16,12 @@ use thiserror::Error;
 use super::metadata::{Metadata, MetadataError};
 use super::te_tcp::{Pool, TeError};
 use crate::codec::message::{
-    KeyArgs, KeysArgs, PutEndArgs, PutRevokeArgs, PutStartArgs, RemoveArgs, Request, Response,
+    BatchPutEndArgs, BatchPutRevokeArgs, BatchPutStartArgs, KeyArgs, KeysArgs, PutEndArgs,
+    PutRevokeArgs, PutStartArgs, RemoveArgs, Request, Response,
 };
 use crate::codec::types::{
-    ErrorCode, ObjectMeta, ReplicaLocation, ReplicaStatus, ReplicaType, ReplicateConfig, Uuid,
+    BufferDescriptor, ErrorCode, GetReplicaListResponse, ObjectMeta, ReplicaLocation,
+    ReplicaStatus, ReplicaType, ReplicateConfig, Uuid,
 };
 use crate::upstream::{CallError, Conn};
 
@@ -87,6 +89,28 @@ const STREAM_FROM: u64 = 1 << 20;
 /// Bytes per chunk of a streamed value.
 const STREAM_CHUNK: usize = 256 << 10;
 
+/// Keys of one batch part transferred at once (each may itself use several
+/// connections when it is large).
+pub const BATCH_CONCURRENCY: usize = 16;
+
+/// Runs `jobs` with at most `limit` in progress at once; their outputs in job order.
+pub async fn in_order<F: std::future::Future>(jobs: Vec<F>, limit: usize) -> Vec<F::Output> {
+    use futures_util::StreamExt;
+    let mut out = Vec::with_capacity(jobs.len());
+    let mut waiting = jobs.into_iter();
+    let mut running = futures_util::stream::FuturesOrdered::new();
+    for f in waiting.by_ref().take(limit.max(1)) {
+        running.push_back(f);
+    }
+    while let Some(v) = running.next().await {
+        out.push(v);
+        if let Some(f) = waiting.next() {
+            running.push_back(f);
+        }
+    }
+    out
+}
+
 /// A value read from the store.
 pub enum Value {
     Whole(Bytes),
@@ -136,6 +160,19 @@ fn stream_value(mut s: tokio::net::TcpStream, len: u64, room: Reserved) -> Value
         }
     });
     Value::Stream { len, chunks: rx }
+}
+
+/// The first complete memory replica of an object (what Mooncake's client reads too).
+fn memory_replica(list: &GetReplicaListResponse) -> Result<&BufferDescriptor, StoreError> {
+    list.replicas
+        .iter()
+        .find_map(|r| match &r.location {
+            ReplicaLocation::Memory(m) if r.status == ReplicaStatus::COMPLETE => {
+                Some(&m.buffer_descriptor)
+            }
+            _ => None,
+        })
+        .ok_or(StoreError::NoMemoryReplica)
 }
 
 /// A client id for this process: Mooncake's are random UUIDs; std's hasher seeds give
@@ -191,6 +228,16 @@ impl Store {
         self.client_id
     }
 
+    /// Value bytes in flight now (reserved by gets and puts in progress).
+    pub fn inflight_bytes(&self) -> u64 {
+        u64::from(self.budget_kib - self.budget.available_permits() as u32) * 1024
+    }
+
+    /// The node's in-flight byte budget (`kv.max_inflight_bytes`).
+    pub fn budget_bytes(&self) -> u64 {
+        u64::from(self.budget_kib) * 1024
+    }
+
     /// Reserves `bytes` of the in-flight budget, waiting at most `busy_wait`.
     pub async fn reserve(&self, bytes: u64) -> Result<Reserved, StoreError> {
         let kib = (bytes.div_ceil(1024) as u32).clamp(1, self.budget_kib);
@@ -206,9 +253,7 @@ impl Store {
             }
             _ => {
                 self.metrics.kv.busy.inc();
-                Err(StoreError::Busy(
-                    u64::from(self.budget_kib - self.budget.available_permits() as u32) * 1024,
-                ))
+                Err(StoreError::Busy(self.inflight_bytes()))
             }
         }
     }
@@ -322,21 +367,62 @@ impl Store {
             Response::GetReplicaList(Err(e)) => return Err(StoreError::Refused(e)),
             _ => return Err(StoreError::Unexpected),
         };
-        let mem = list.replicas.iter().find_map(|r| match &r.location {
-            ReplicaLocation::Memory(m) if r.status == ReplicaStatus::COMPLETE => {
-                Some(&m.buffer_descriptor)
-            }
-            _ => None,
-        });
-        let Some(d) = mem else {
-            return Err(StoreError::NoMemoryReplica);
-        };
+        let d = memory_replica(&list)?;
         let room = self.reserve(d.size).await?;
+        self.fetch(d, Some(room)).await.map(Some)
+    }
+
+    /// Where the values of `keys` are, in one `BatchGetReplicaList`: per key the first
+    /// complete memory replica, `None` when the key is absent, or why it cannot be read.
+    pub async fn locate_many(
+        &self,
+        keys: Vec<Bytes>,
+    ) -> Result<Vec<Result<Option<BufferDescriptor>, StoreError>>, StoreError> {
+        let n = keys.len();
+        let resp = self
+            .call(Request::BatchGetReplicaList(KeysArgs {
+                keys,
+                tenant_id: self.tenant.clone(),
+            }))
+            .await?;
+        let Response::BatchGetReplicaList(v) = resp else {
+            return Err(StoreError::Unexpected);
+        };
+        if v.len() != n {
+            return Err(StoreError::Unexpected);
+        }
+        Ok(v.into_iter()
+            .map(|r| match r {
+                Ok(list) => memory_replica(&list).map(|d| Some(d.clone())),
+                Err(ErrorCode::OBJECT_NOT_FOUND) => Ok(None),
+                Err(e) => Err(StoreError::Refused(e)),
+            })
+            .collect())
+    }
+
+    /// Reads the replica `d` whole; the caller holds its budget. (Batch reads: their
+    /// part's reservation covers every value in it.)
+    pub async fn read_replica(&self, d: &BufferDescriptor) -> Result<Bytes, StoreError> {
+        match self.fetch(d, None).await? {
+            Value::Whole(b) => Ok(b),
+            Value::Stream { .. } => Err(StoreError::Unexpected),
+        }
+    }
+
+    /// Moves the replica `d` here: in place from the own segment, over QUIC from a
+    /// moongate that serves it, else over TE-TCP. With `room` (the caller's reservation),
+    /// a value of [`STREAM_FROM`] bytes and more from TE-TCP streams and keeps `room`
+    /// until its last chunk.
+    async fn fetch(
+        &self,
+        d: &BufferDescriptor,
+        room: Option<Reserved>,
+    ) -> Result<Value, StoreError> {
         if let Some((own, off)) = self.in_own_segment(d)? {
             let mut out = vec![0u8; d.size as usize];
             own.read_at(off, &mut out);
             self.metrics.kv.transfer(1, false, d.size);
-            return Ok(Some(Value::Whole(Bytes::from(out))));
+            return Ok(Value::Whole(Bytes::from(out)));
         }
         let seg = self.metadata.segment(&d.transport_endpoint).await?;
         if !seg.covers(d.buffer_address, d.size) {
@@ -355,37 +441,28 @@ impl Store {
             .await
         {
             self.metrics.kv.transfer(2, false, d.size);
-            return Ok(Some(Value::Whole(v)));
+            return Ok(Value::Whole(v));
         }
-        if d.size >= STREAM_FROM {
-            let s = match self
+        let forget = |e: TeError| {
+            self.metadata.forget(&d.transport_endpoint);
+            StoreError::from(e)
+        };
+        if let Some(room) = room.filter(|_| d.size >= STREAM_FROM) {
+            let s = self
                 .te
                 .open_read(&seg.data, d.buffer_address, d.size, seg.v2)
                 .await
-            {
-                Ok(s) => s,
-                Err(e) => {
-                    self.metadata.forget(&d.transport_endpoint);
-                    return Err(e.into());
-                }
-            };
+                .map_err(forget)?;
             self.metrics.kv.transfer(0, false, d.size);
-            return Ok(Some(stream_value(s, d.size, room)));
+            return Ok(stream_value(s, d.size, room));
         }
-        match self
+        let v = self
             .te
             .read(&seg.data, d.buffer_address, d.size, seg.v2)
             .await
-        {
-            Ok(v) => {
-                self.metrics.kv.transfer(0, false, d.size);
-                Ok(Some(Value::Whole(v)))
-            }
-            Err(e) => {
-                self.metadata.forget(&d.transport_endpoint);
-                Err(e.into())
-            }
-        }
+            .map_err(forget)?;
+        self.metrics.kv.transfer(0, false, d.size);
+        Ok(Value::Whole(v))
     }
 
     /// The `PutStart` this store sends for `key` (what a placement policy decides on).
@@ -436,6 +513,109 @@ impl Store {
             Response::PutEnd(Ok(())) => Ok(()),
             Response::PutEnd(Err(e)) => Err(StoreError::Refused(e)),
             _ => Err(StoreError::Unexpected),
+        }
+    }
+
+    /// The `BatchPutStart` this store sends for `keys` of `sizes` bytes (what a
+    /// placement policy decides on, as for a client's batch on the master face).
+    pub fn batch_put_start(&self, keys: Vec<Bytes>, sizes: Vec<u64>) -> Request {
+        Request::BatchPutStart(BatchPutStartArgs {
+            client_id: self.client_id,
+            keys,
+            slice_lengths: sizes,
+            config: ReplicateConfig::default(),
+            tenant_id: self.tenant.clone(),
+        })
+    }
+
+    /// Stores a batch of `(key, value)` whose budget the caller holds: `start` is the
+    /// `BatchPutStart` (from [`Store::batch_put_start`], possibly rewritten by a policy
+    /// that dropped denied keys; `fixup` puts their errors back in place). Every
+    /// allocated key is written ([`BATCH_CONCURRENCY`] at once), the written ones end
+    /// with one `BatchPutEnd`, the failed ones are revoked with one `BatchPutRevoke`.
+    /// One result per key in order; `Err` as a whole when the master's answers are
+    /// unusable.
+    pub async fn put_many(
+        &self,
+        values: &[(Bytes, Bytes)],
+        start: Request,
+        fixup: Option<&crate::policy::Fixup>,
+    ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+        let resp = self.call(start).await?;
+        let resp = match fixup {
+            Some(f) => f.apply(resp),
+            None => resp,
+        };
+        let Response::BatchPutStart(started) = resp else {
+            return Err(StoreError::Unexpected);
+        };
+        if started.len() != values.len() {
+            return Err(StoreError::Unexpected);
+        }
+        // (allocated, outcome): only allocated keys are ended or revoked.
+        let mut jobs = Vec::with_capacity(values.len());
+        for ((_, v), s) in values.iter().zip(started) {
+            jobs.push(self.write_allocated(s, v));
+        }
+        let mut done = in_order(jobs, BATCH_CONCURRENCY).await;
+        let (mut ended, mut revoked) = (Vec::new(), Vec::new());
+        for (i, (allocated, r)) in done.iter().enumerate() {
+            match (allocated, r) {
+                (true, Ok(())) => ended.push(i),
+                (true, Err(_)) => revoked.push(i),
+                _ => {}
+            }
+        }
+        if !revoked.is_empty() {
+            // Best effort, as for a single put: the write error is what the caller sees.
+            let _ = self
+                .call(Request::BatchPutRevoke(BatchPutRevokeArgs {
+                    client_id: self.client_id,
+                    keys: revoked.iter().map(|&i| values[i].0.clone()).collect(),
+                    replica_type: ReplicaType::ALL,
+                    tenant_id: self.tenant.clone(),
+                }))
+                .await;
+        }
+        if !ended.is_empty() {
+            let resp = self
+                .call(Request::BatchPutEnd(BatchPutEndArgs {
+                    client_id: self.client_id,
+                    object_metas: ended
+                        .iter()
+                        .map(|&i| ObjectMeta {
+                            key: values[i].0.clone(),
+                            object_checksum: None,
+                        })
+                        .collect(),
+                    replica_type: ReplicaType::ALL,
+                    tenant_id: self.tenant.clone(),
+                }))
+                .await?;
+            let Response::BatchPutEnd(v) = resp else {
+                return Err(StoreError::Unexpected);
+            };
+            if v.len() != ended.len() {
+                return Err(StoreError::Unexpected);
+            }
+            for (&i, r) in ended.iter().zip(v) {
+                if let Err(e) = r {
+                    done[i].1 = Err(StoreError::Refused(e));
+                }
+            }
+        }
+        Ok(done.into_iter().map(|(_, r)| r).collect())
+    }
+
+    /// Writes one key of a batch that `BatchPutStart` allocated; `(allocated, outcome)`.
+    async fn write_allocated(
+        &self,
+        started: Result<Vec<crate::codec::types::ReplicaDescriptor>, ErrorCode>,
+        value: &Bytes,
+    ) -> (bool, Result<(), StoreError>) {
+        match started {
+            Ok(replicas) => (true, self.write_replicas(&replicas, value).await),
+            Err(e) => (false, Err(StoreError::Refused(e))),
         }
     }
 

@@ -1,0 +1,291 @@
+//! Batch get and put on the kv face, cut into parts under the node's byte budget.
+//!
+//! A batch load is never one unbounded transfer: its values are cut into parts of at
+//! most `kv.batch_part_bytes` (or where the active policy's `split` hook says), each
+//! part reserves its bytes in the node's in-flight budget before it moves, and the next
+//! part starts only when the previous one has been handed to the caller's connection.
+//! When the budget stays full for `kv.busy_wait_ms`, the part's keys (and every later
+//! key) are answered 503 instead of queueing. Puts are read from the request body one
+//! record at a time, and a value is only buffered once its bytes have room.
+//!
+//! Knows the store and the policy host, not the HTTP routing around it.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use hyper::StatusCode;
+
+use super::http::{KvState, status_of};
+use super::records::{self, PutReader, RecordError};
+use super::store::{BATCH_CONCURRENCY, Reserved, StoreError, in_order};
+use crate::codec::types::BufferDescriptor;
+use crate::policy::PutAction;
+
+/// The outcome of one key of a batch.
+#[derive(Debug)]
+pub enum Outcome {
+    Ok,
+    Failed(StatusCode, String),
+}
+
+impl Outcome {
+    fn of(e: &StoreError) -> Outcome {
+        Outcome::Failed(status_of(e), e.to_string())
+    }
+
+    fn json(&self, ok: StatusCode) -> serde_json::Value {
+        match self {
+            Outcome::Ok => serde_json::json!({ "status": ok.as_u16() }),
+            Outcome::Failed(s, e) => serde_json::json!({ "status": s.as_u16(), "error": e }),
+        }
+    }
+}
+
+/// One get-answer record for a failed key.
+fn failed_record(status: StatusCode, msg: &str) -> [Bytes; 2] {
+    let body = Bytes::from(serde_json::json!({ "error": msg }).to_string());
+    [records::get_head(status.as_u16(), body.len() as u64), body]
+}
+
+/// Where a batch of values weighing `sizes` is cut: the active arm's `split` hook when
+/// it has one (it sees the node's budget), else parts of `kv.batch_part_bytes`.
+fn part_starts(state: &KvState, first_key: &Bytes, sizes: &[u64]) -> Vec<usize> {
+    let set = state.policy.current();
+    let arm = &set.arms[set.pick(&state.store.client_id(), Some(first_key))];
+    let mut points = if state.policy.splits_batches(arm) {
+        state.policy.split_points(
+            arm,
+            sizes.to_vec(),
+            state.store.inflight_bytes(),
+            state.store.budget_bytes(),
+        )
+    } else {
+        records::cut_by_bytes(sizes, state.batch_part_bytes)
+    };
+    // A plugin's answer is advice: keep it ordered, in range and without repeats.
+    points.retain(|&p| p > 0 && p < sizes.len());
+    points.sort_unstable();
+    points.dedup();
+    points
+}
+
+/// Runs a batch get whose keys were located (`BatchGetReplicaList`), sending the answer
+/// records in key order to `tx` part by part. Ends early when the caller goes away.
+pub async fn get_parts(
+    state: Arc<KvState>,
+    keys: Vec<Bytes>,
+    located: Vec<Result<Option<BufferDescriptor>, StoreError>>,
+    tx: tokio::sync::mpsc::Sender<Bytes>,
+) {
+    let sizes: Vec<u64> = located
+        .iter()
+        .map(|r| match r {
+            Ok(Some(d)) => d.size,
+            _ => 0,
+        })
+        .collect();
+    let mut starts = part_starts(&state, &keys[0], &sizes);
+    starts.push(keys.len());
+    state.metrics.kv.batch_parts.inc_by(starts.len() as u64);
+    let mut from = 0;
+    let mut busy: Option<String> = None;
+    for to in starts {
+        let bytes: u64 = sizes[from..to].iter().sum();
+        let room = match &busy {
+            Some(_) => None,
+            None if bytes == 0 => None,
+            None => match state.store.reserve(bytes).await {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    busy = Some(e.to_string());
+                    None
+                }
+            },
+        };
+        let mut jobs = Vec::with_capacity(to - from);
+        for r in &located[from..to] {
+            jobs.push(get_one(&state, r, busy.as_deref()));
+        }
+        let answers = in_order(jobs, BATCH_CONCURRENCY).await;
+        for [head, body] in answers {
+            if tx.send(head).await.is_err() || (!body.is_empty() && tx.send(body).await.is_err()) {
+                return; // the caller went away; the part's room is given back
+            }
+        }
+        drop(room);
+        from = to;
+    }
+}
+
+/// The answer record of one key of a batch get.
+async fn get_one(
+    state: &KvState,
+    located: &Result<Option<BufferDescriptor>, StoreError>,
+    busy: Option<&str>,
+) -> [Bytes; 2] {
+    match (located, busy) {
+        (Ok(None), _) => failed_record(StatusCode::NOT_FOUND, "no such key"),
+        (Err(e), _) => failed_record(status_of(e), &e.to_string()),
+        (Ok(Some(_)), Some(why)) => failed_record(StatusCode::SERVICE_UNAVAILABLE, why),
+        (Ok(Some(d)), None) => match state.store.read_replica(d).await {
+            Ok(v) => [records::get_head(200, v.len() as u64), v],
+            Err(e) => failed_record(status_of(&e), &e.to_string()),
+        },
+    }
+}
+
+/// A part of a batch put being gathered: its keys' positions, records and budget.
+#[derive(Default)]
+struct Part {
+    at: Vec<usize>,
+    values: Vec<(Bytes, Bytes)>,
+    bytes: u64,
+    room: Vec<Reserved>,
+}
+
+/// Stores a part through the policy host (placement rewrite or per-key denial, exactly
+/// as for a client's `BatchPutStart` on the master face) and records each key's outcome.
+async fn flush(state: &KvState, part: &mut Part, out: &mut [Option<Outcome>]) {
+    if part.values.is_empty() {
+        return;
+    }
+    state.metrics.kv.batch_parts.inc();
+    let p = std::mem::take(part);
+    let start = state.store.batch_put_start(
+        p.values.iter().map(|(k, _)| k.clone()).collect(),
+        p.values.iter().map(|(_, v)| v.len() as u64).collect(),
+    );
+    let set = state.policy.current();
+    let (start, fixup) = match state.policy.decide_put(&set, &start).map(|d| d.action) {
+        None | Some(PutAction::Forward) => (start, None),
+        Some(PutAction::Rewrite { request, fixup }) => (*request, fixup),
+        Some(PutAction::Answer(resp)) => {
+            // Every key refused by the policy.
+            let codes: Vec<_> = match resp {
+                crate::codec::message::Response::BatchPutStart(v) => v,
+                _ => Vec::new(),
+            };
+            for (n, &i) in p.at.iter().enumerate() {
+                let code = codes
+                    .get(n)
+                    .and_then(|r| r.as_ref().err().copied())
+                    .unwrap_or(crate::codec::types::ErrorCode::NO_AVAILABLE_HANDLE);
+                out[i] = Some(Outcome::of(&StoreError::Refused(code)));
+            }
+            return;
+        }
+    };
+    match state.store.put_many(&p.values, start, fixup.as_ref()).await {
+        Ok(results) => {
+            for (&i, r) in p.at.iter().zip(results) {
+                out[i] = Some(match r {
+                    Ok(()) => Outcome::Ok,
+                    Err(e) => Outcome::of(&e),
+                });
+            }
+        }
+        Err(e) => {
+            for &i in &p.at {
+                out[i] = Some(Outcome::of(&e));
+            }
+        }
+    }
+    drop(p.room);
+}
+
+/// What a batch put answers: the per-key outcomes (201 for stored keys), and for a body
+/// that broke off, the status and reason (the keys before it were still handled).
+pub struct PutAnswer {
+    pub outcomes: Vec<serde_json::Value>,
+    pub broken: Option<(StatusCode, String)>,
+}
+
+/// Reads put records from `body` and stores them part by part.
+pub async fn put_parts<B>(state: &KvState, body: B) -> PutAnswer
+where
+    B: hyper::body::Body<Data = Bytes> + Unpin,
+    B::Error: std::fmt::Display,
+{
+    let mut reader = PutReader::new(body);
+    let mut out: Vec<Option<Outcome>> = Vec::new();
+    let mut part = Part::default();
+    let mut busy: Option<String> = None;
+    let part_limit = state.batch_part_bytes.min(state.store.budget_bytes());
+    let broken = loop {
+        let (key, len) = match reader.next_head().await {
+            Ok(Some(h)) => h,
+            Ok(None) => break None,
+            Err(e) => break Some(record_error(e)),
+        };
+        if out.len() == state.max_batch_keys {
+            break Some((
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("more than {} keys per call", state.max_batch_keys),
+            ));
+        }
+        let i = out.len();
+        out.push(None);
+        let refuse = if len == 0 {
+            Some((StatusCode::BAD_REQUEST, "empty value".to_string()))
+        } else if len > state.max_value_bytes as u64 {
+            Some((
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!(
+                    "value over {} bytes (kv.max_value_bytes)",
+                    state.max_value_bytes
+                ),
+            ))
+        } else {
+            busy.clone()
+                .map(|why| (StatusCode::SERVICE_UNAVAILABLE, why))
+        };
+        if let Some((status, why)) = refuse {
+            out[i] = Some(Outcome::Failed(status, why));
+            if let Err(e) = reader.skip(len).await {
+                break Some(record_error(e));
+            }
+            continue;
+        }
+        if part.bytes + len > part_limit {
+            flush(state, &mut part, &mut out).await;
+        }
+        let room = match state.store.reserve(len).await {
+            Ok(r) => r,
+            Err(e) => {
+                busy = Some(e.to_string());
+                out[i] = Some(Outcome::of(&e));
+                if let Err(e) = reader.skip(len).await {
+                    break Some(record_error(e));
+                }
+                continue;
+            }
+        };
+        let value = match reader.value(len as usize).await {
+            Ok(v) => v,
+            Err(e) => {
+                out.pop();
+                break Some(record_error(e));
+            }
+        };
+        part.at.push(i);
+        part.values.push((key, value));
+        part.bytes += len;
+        part.room.push(room);
+    };
+    // Whatever was read whole is stored even when the body broke off later.
+    flush(state, &mut part, &mut out).await;
+    PutAnswer {
+        outcomes: out
+            .iter()
+            .map(|o| {
+                o.as_ref()
+                    .map_or(serde_json::Value::Null, |o| o.json(StatusCode::CREATED))
+            })
+            .collect(),
+        broken,
+    }
+}
+
+fn record_error(e: RecordError) -> (StatusCode, String) {
+    (StatusCode::BAD_REQUEST, e.to_string())
+}

@@ -1,0 +1,251 @@
+//! The binary record formats of the kv face's batch calls. Pure: knows no sockets, no
+//! store and no HTTP beyond pulling body frames.
+//!
+//! All integers are little-endian.
+//! - A batch put body is a sequence of `u16 key_len | key | u64 value_len | value`.
+//! - A batch get answer is a sequence of `u16 status | u64 len | payload`, one per asked
+//!   key in order: the value when `status` is 200, else `{"error": "..."}`.
+
+use bytes::{Buf, Bytes, BytesMut};
+use http_body_util::BodyExt;
+use thiserror::Error;
+
+/// Content type of both record streams.
+pub const CONTENT_TYPE: &str = "application/x-moongate-records";
+
+/// Bytes before the key of a put record, and before the payload of a get record.
+const KEY_HEAD: usize = 2;
+const LEN_HEAD: usize = 8;
+
+#[derive(Debug, Error)]
+pub enum RecordError {
+    #[error("the body ended inside a record ({0} bytes of it arrived)")]
+    Truncated(usize),
+    #[error("a record has an empty key")]
+    EmptyKey,
+    #[error("reading the body: {0}")]
+    Body(String),
+}
+
+/// The head of one get-answer record.
+pub fn get_head(status: u16, len: u64) -> Bytes {
+    let mut b = BytesMut::with_capacity(KEY_HEAD + LEN_HEAD);
+    b.extend_from_slice(&status.to_le_bytes());
+    b.extend_from_slice(&len.to_le_bytes());
+    b.freeze()
+}
+
+/// One put record, whole (for clients and tests).
+pub fn put_record(key: &[u8], value: &[u8]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(KEY_HEAD + key.len() + LEN_HEAD + value.len());
+    b.extend_from_slice(&(key.len() as u16).to_le_bytes());
+    b.extend_from_slice(key);
+    b.extend_from_slice(&(value.len() as u64).to_le_bytes());
+    b.extend_from_slice(value);
+    b
+}
+
+/// Splits a whole get answer into `(status, payload)` records (for clients and tests);
+/// `None` when it is not a sequence of whole records.
+pub fn parse_get_answer(mut b: &[u8]) -> Option<Vec<(u16, Vec<u8>)>> {
+    let mut out = Vec::new();
+    while !b.is_empty() {
+        if b.len() < KEY_HEAD + LEN_HEAD {
+            return None;
+        }
+        let status = b.get_u16_le();
+        let len = usize::try_from(b.get_u64_le()).ok()?;
+        if b.len() < len {
+            return None;
+        }
+        out.push((status, b[..len].to_vec()));
+        b = &b[len..];
+    }
+    Some(out)
+}
+
+/// Pulls put records out of a request body as it arrives: the caller reads a record's
+/// head, decides (size limits, byte budget), then takes or skips its value, so a value
+/// is only buffered once it has room.
+pub struct PutReader<B> {
+    body: B,
+    buf: BytesMut,
+    ended: bool,
+}
+
+impl<B> PutReader<B>
+where
+    B: hyper::body::Body<Data = Bytes> + Unpin,
+    B::Error: std::fmt::Display,
+{
+    pub fn new(body: B) -> Self {
+        PutReader {
+            body,
+            buf: BytesMut::new(),
+            ended: false,
+        }
+    }
+
+    /// Pulls body frames until `n` bytes are buffered; `false` when the body ended first.
+    async fn fill(&mut self, n: usize) -> Result<bool, RecordError> {
+        while self.buf.len() < n {
+            if self.ended {
+                return Ok(false);
+            }
+            match self.body.frame().await {
+                None => self.ended = true,
+                Some(Err(e)) => return Err(RecordError::Body(e.to_string())),
+                Some(Ok(f)) => {
+                    if let Ok(data) = f.into_data() {
+                        self.buf.extend_from_slice(&data);
+                    }
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    /// The next record's key and value length; `None` at the end of the body.
+    pub async fn next_head(&mut self) -> Result<Option<(Bytes, u64)>, RecordError> {
+        if !self.fill(1).await? {
+            return Ok(None);
+        }
+        if !self.fill(KEY_HEAD).await? {
+            return Err(RecordError::Truncated(self.buf.len()));
+        }
+        let klen = usize::from(u16::from_le_bytes([self.buf[0], self.buf[1]]));
+        if klen == 0 {
+            return Err(RecordError::EmptyKey);
+        }
+        if !self.fill(KEY_HEAD + klen + LEN_HEAD).await? {
+            return Err(RecordError::Truncated(self.buf.len()));
+        }
+        self.buf.advance(KEY_HEAD);
+        let key = self.buf.split_to(klen).freeze();
+        let len = self.buf.get_u64_le();
+        Ok(Some((key, len)))
+    }
+
+    /// The current record's value of `len` bytes.
+    pub async fn value(&mut self, len: usize) -> Result<Bytes, RecordError> {
+        if !self.fill(len).await? {
+            return Err(RecordError::Truncated(self.buf.len()));
+        }
+        Ok(self.buf.split_to(len).freeze())
+    }
+
+    /// Drops the current record's value of `len` bytes without holding it.
+    pub async fn skip(&mut self, mut len: u64) -> Result<(), RecordError> {
+        const STEP: u64 = 1 << 20;
+        while len > 0 {
+            let n = len.min(STEP) as usize;
+            if !self.fill(n).await? {
+                return Err(RecordError::Truncated(self.buf.len()));
+            }
+            self.buf.advance(n);
+            len -= n as u64;
+        }
+        Ok(())
+    }
+}
+
+/// Part boundaries (indexes where a new part starts) so that each part's values weigh at
+/// most `part_bytes`; a value larger than that is a part of its own.
+pub fn cut_by_bytes(sizes: &[u64], part_bytes: u64) -> Vec<usize> {
+    let mut points = Vec::new();
+    let mut acc = 0u64;
+    for (i, &s) in sizes.iter().enumerate() {
+        if i > 0 && acc.saturating_add(s) > part_bytes {
+            points.push(i);
+            acc = 0;
+        }
+        acc = acc.saturating_add(s);
+    }
+    points
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::StreamBody;
+
+    type Frames = futures_util::stream::Iter<
+        std::vec::IntoIter<Result<hyper::body::Frame<Bytes>, std::convert::Infallible>>,
+    >;
+
+    /// A body that delivers `bytes` in frames of `step` bytes.
+    fn body_in_frames(bytes: Vec<u8>, step: usize) -> StreamBody<Frames> {
+        let frames: Vec<_> = bytes
+            .chunks(step)
+            .map(|c| Ok(hyper::body::Frame::data(Bytes::copy_from_slice(c))))
+            .collect();
+        StreamBody::new(futures_util::stream::iter(frames))
+    }
+
+    #[tokio::test]
+    async fn put_records_parse_across_any_frame_boundary() {
+        let mut all = put_record(b"alpha", b"one");
+        all.extend(put_record(b"b", &[7u8; 3000]));
+        all.extend(put_record(b"gamma/3", b"x"));
+        for step in [1, 2, 7, 10, 4096] {
+            let mut r = PutReader::new(body_in_frames(all.clone(), step));
+            let (k, n) = r.next_head().await.unwrap().unwrap();
+            assert_eq!((&k[..], n), (&b"alpha"[..], 3));
+            assert_eq!(&r.value(3).await.unwrap()[..], b"one");
+            let (k, n) = r.next_head().await.unwrap().unwrap();
+            assert_eq!((&k[..], n), (&b"b"[..], 3000));
+            r.skip(n).await.unwrap();
+            let (k, n) = r.next_head().await.unwrap().unwrap();
+            assert_eq!(&k[..], b"gamma/3");
+            assert_eq!(&r.value(n as usize).await.unwrap()[..], b"x");
+            assert!(r.next_head().await.unwrap().is_none(), "step {step}");
+        }
+    }
+
+    #[tokio::test]
+    async fn truncated_and_malformed_records_are_errors() {
+        let whole = put_record(b"key", b"value");
+        for cut in 1..whole.len() {
+            let mut r = PutReader::new(body_in_frames(whole[..cut].to_vec(), 3));
+            let res = match r.next_head().await {
+                Err(e) => Err(e),
+                Ok(Some((_, n))) => r.value(n as usize).await.map(|_| ()),
+                Ok(None) => panic!("cut {cut}: a partial record read as the end"),
+            };
+            assert!(
+                matches!(res, Err(RecordError::Truncated(_))),
+                "cut {cut}: {res:?}"
+            );
+        }
+        let mut r = PutReader::new(body_in_frames(vec![0, 0, 1, 0, 0, 0, 0, 0, 0, 0], 4));
+        assert!(matches!(r.next_head().await, Err(RecordError::EmptyKey)));
+        // A length far beyond the body is a truncation, not an allocation.
+        let mut huge = vec![1, 0, b'k'];
+        huge.extend(u64::MAX.to_le_bytes());
+        let mut r = PutReader::new(body_in_frames(huge, 5));
+        let (_, n) = r.next_head().await.unwrap().unwrap();
+        assert!(matches!(r.skip(n).await, Err(RecordError::Truncated(_))));
+    }
+
+    #[test]
+    fn get_answers_round_trip() {
+        let mut b = get_head(200, 3).to_vec();
+        b.extend_from_slice(b"abc");
+        b.extend_from_slice(&get_head(404, 0));
+        assert_eq!(
+            parse_get_answer(&b),
+            Some(vec![(200, b"abc".to_vec()), (404, vec![])])
+        );
+        assert_eq!(parse_get_answer(&b[..5]), None);
+        assert_eq!(parse_get_answer(&b[..12]), None);
+    }
+
+    #[test]
+    fn parts_stay_under_the_byte_budget() {
+        assert_eq!(cut_by_bytes(&[], 10), Vec::<usize>::new());
+        assert_eq!(cut_by_bytes(&[4, 4, 4, 4], 10), vec![2]);
+        assert_eq!(cut_by_bytes(&[4, 4, 4, 4], 8), vec![2]);
+        assert_eq!(cut_by_bytes(&[20, 1, 20], 10), vec![1, 2]);
+        assert_eq!(cut_by_bytes(&[1; 5], 1), vec![1, 2, 3, 4]);
+    }
+}
