@@ -109,3 +109,166 @@ fn two_moongates_move_values_over_quic_and_fall_back_to_tcp() {
     );
     assert!(c.proc.log_text().contains("falling back to TE-TCP"));
 }
+
+/// The SHA-256 a moongate logged for its kv API over QUIC, and the bound address.
+fn api_quic_of(mg: &Moongate) -> (std::net::SocketAddr, [u8; 32]) {
+    wait_for(
+        "kv API over QUIC",
+        std::time::Duration::from_secs(10),
+        &[&mg.proc],
+        || mg.proc.log_text().contains("kv API served over QUIC"),
+    );
+    let log = mg.proc.log_text();
+    let line = log
+        .lines()
+        .find(|l| l.contains("kv API served over QUIC"))
+        .unwrap();
+    let field = |name: &str| {
+        line.split(&format!("{name}="))
+            .nth(1)
+            .and_then(|r| r.split_whitespace().next())
+            .unwrap_or_else(|| panic!("{name} in {line}"))
+            .to_string()
+    };
+    let mut sha = [0u8; 32];
+    let hex = field("sha256");
+    for (i, b) in sha.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
+    }
+    (field("quic").parse().unwrap(), sha)
+}
+
+/// A CA, and a client certificate it issued (PEM files in `dir`), plus one from a CA
+/// the server does not know.
+fn client_certs(
+    dir: &std::path::Path,
+) -> (
+    std::path::PathBuf,
+    moongate::kv::api_quic::ClientCert,
+    moongate::kv::api_quic::ClientCert,
+) {
+    use rcgen::{BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, KeyPair};
+    let issue = |ca: &rcgen::Certificate, ca_key: &KeyPair| {
+        let key = KeyPair::generate().unwrap();
+        let mut p = CertificateParams::new(vec!["engine-7".to_string()]).unwrap();
+        p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        let cert = p.signed_by(&key, ca, ca_key).unwrap();
+        moongate::kv::api_quic::ClientCert {
+            certs: vec![cert.der().clone()],
+            key: rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
+        }
+    };
+    let make_ca = || {
+        let key = KeyPair::generate().unwrap();
+        let mut p = CertificateParams::new(vec!["fleet-ca".to_string()]).unwrap();
+        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        (p.self_signed(&key).unwrap(), key)
+    };
+    let (ca, ca_key) = make_ca();
+    let (other, other_key) = make_ca();
+    let path = dir.join("clients-ca.pem");
+    std::fs::write(&path, ca.pem()).unwrap();
+    (path, issue(&ca, &ca_key), issue(&other, &other_key))
+}
+
+/// A remote caller uses the kv API over QUIC: the same endpoints and statuses as on
+/// TCP, many requests in parallel on one connection; with a client CA configured, only
+/// callers holding a certificate it issued get in; garbage datagrams and a broken
+/// stream leave the endpoint serving.
+#[test]
+fn the_kv_api_is_served_over_quic_to_remote_callers() {
+    use bytes::Bytes;
+    use moongate::kv::api_quic::ApiClient;
+    use std::time::Duration;
+    let master = Master::start();
+    let dir = tempdir();
+    let (ca, good, stranger) = client_certs(dir.path());
+    let (mg, kv) = kv_moongate(
+        &master,
+        &format!(
+            "segment_bytes = 33554432\napi_quic_listen = \"127.0.0.1:0\"\n\
+             api_quic_client_ca = \"{}\"\n",
+            ca.display()
+        ),
+    );
+    wait_segment_mounted(&mg);
+    let (addr, sha) = api_quic_of(&mg);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let t = Duration::from_secs(10);
+    rt.block_on(async {
+        // Without a certificate, or with one from another CA: refused at the handshake
+        // (or on the first request, as TLS 1.3 reports client-auth failures late).
+        for cert in [None, Some(stranger)] {
+            let refused = match ApiClient::connect(addr, sha, cert, t).await {
+                Err(_) => true,
+                Ok(c) => c.request("GET", "/v1/kv/x", Bytes::new()).await.is_err(),
+            };
+            assert!(refused, "{}", mg.proc.log_text());
+        }
+        // A wrong pin: the caller refuses the server.
+        assert!(ApiClient::connect(addr, [0u8; 32], None, t).await.is_err());
+
+        let c = ApiClient::connect(addr, sha, Some(good), t).await.unwrap();
+        let big = Bytes::from(value_of("remote/big", (3 << 20) + 3));
+        let (st, b) = c
+            .request("PUT", "/v1/kv/remote%2Fbig", big.clone())
+            .await
+            .unwrap();
+        assert_eq!(st, 201, "{b:?}");
+        // 32 puts on 32 streams at once over the one connection.
+        let puts = (0..32).map(|i| {
+            let c = &c;
+            async move {
+                let key = format!("remote/{i}");
+                c.request(
+                    "PUT",
+                    &format!("/v1/kv/remote%2F{i}"),
+                    Bytes::from(value_of(&key, 10_000)),
+                )
+                .await
+                .map(|r| r.0)
+            }
+        });
+        let sts = futures_util::future::join_all(puts).await;
+        assert!(sts.iter().all(|s| matches!(s, Ok(201))), "{sts:?}");
+        let (st, b) = c
+            .request("GET", "/v1/kv/remote%2Fbig", Bytes::new())
+            .await
+            .unwrap();
+        assert!(st == 200 && b == big, "{st}");
+        let (st, b) = c
+            .request(
+                "POST",
+                "/v1/kv/exists",
+                Bytes::from_static(br#"["remote/7","nope"]"#),
+            )
+            .await
+            .unwrap();
+        assert_eq!((st, &b[..]), (200, &b"[true,false]"[..]));
+        let (st, _) = c.request("GET", "/v1/kv/nope", Bytes::new()).await.unwrap();
+        assert_eq!(st, 404);
+
+        // Garbage on the UDP port, and a stream that carries no HTTP.
+        let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        for n in [1usize, 20, 1200] {
+            udp.send_to(&vec![0xAB; n], addr).unwrap();
+        }
+        let (mut send, mut recv) = c.connection().open_bi().await.unwrap();
+        send.write_all(b"\x00\x01 not http\r\n\r\n").await.unwrap();
+        send.finish().unwrap();
+        let raw = recv.read_to_end(1 << 16).await.unwrap_or_default();
+        assert!(
+            raw.is_empty() || raw.starts_with(b"HTTP/1.1 400"),
+            "{raw:?}"
+        );
+        let (st, _) = c
+            .request("GET", "/v1/kv/remote%2F3", Bytes::new())
+            .await
+            .unwrap();
+        assert_eq!(st, 200);
+    });
+    // The loopback listener sees the same objects.
+    let (st, body) = http_bytes(&kv, "GET", "/v1/kv/remote%2F31", &[]).unwrap();
+    assert!(st == 200 && body == value_of("remote/31", 10_000));
+    assert!(service_ready(&mg.listen));
+}

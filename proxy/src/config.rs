@@ -94,6 +94,11 @@ pub struct KvConfig {
     pub quic_client: bool,
     /// QUIC streams (and TE-TCP connections) one large value is spread over.
     pub quic_streams: usize,
+    /// Serve the kv API over QUIC here (UDP `host:port`) for callers on other hosts;
+    /// empty = off. Same certificate as `quic_listen`.
+    pub api_quic_listen: String,
+    /// PEM CA bundle; when set, QUIC API callers must present a certificate it issued.
+    pub api_quic_client_ca: String,
 }
 
 impl Default for KvConfig {
@@ -116,6 +121,8 @@ impl Default for KvConfig {
             quic_cert: String::new(),
             quic_key: String::new(),
             quic_client: true,
+            api_quic_listen: String::new(),
+            api_quic_client_ca: String::new(),
             quic_streams: 4,
         }
     }
@@ -472,12 +479,24 @@ impl Config {
                 }
             }
             positive(&mut errs, "kv.quic_streams", kv.quic_streams as u64);
+            if !kv.api_quic_listen.is_empty() {
+                check_addr(&mut errs, "kv.api_quic_listen", &kv.api_quic_listen);
+                if kv.quic_listen.is_empty() && kv.quic_cert.is_empty() != kv.quic_key.is_empty() {
+                    errs.push("kv.quic_cert and kv.quic_key: both or neither".into());
+                }
+            } else if !kv.api_quic_client_ca.is_empty() {
+                errs.push("kv.api_quic_client_ca: needs kv.api_quic_listen".into());
+            }
             if kv.segment_bytes > 0 {
                 check_addr(&mut errs, "kv.segment_listen", &kv.segment_listen);
                 if kv.segment_bytes < (1 << 20) {
                     errs.push("kv.segment_bytes: 0 (none) or at least 1 MiB".into());
                 }
             }
+        } else if !kv.api_quic_listen.is_empty() || !kv.unix_path.is_empty() {
+            errs.push(
+                "kv.api_quic_listen and kv.unix_path serve the kv face: set kv.listen".into(),
+            );
         }
         let ev = &self.eviction;
         if ev.enabled {

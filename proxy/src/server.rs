@@ -49,6 +49,8 @@ pub enum RunError {
     Policy(#[from] crate::policy::registry::RegistryError),
     #[error("own segment: {0}")]
     Segment(String),
+    #[error("kv API over QUIC: {0}")]
+    ApiQuic(String),
 }
 
 async fn bind(what: &'static str, addr: &str) -> Result<TcpListener, RunError> {
@@ -180,6 +182,9 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
                     shutdown.clone(),
                 ));
             }
+            if !cfg.kv.api_quic_listen.is_empty() {
+                api_quic(&cfg, state.clone(), shutdown.clone())?;
+            }
             tokio::spawn(crate::kv::http::serve(l, state, shutdown.clone()));
         }
     }
@@ -235,6 +240,30 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
         let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
     }
     let _ = admin_task.await;
+    Ok(())
+}
+
+/// Serves the kv API over QUIC for remote callers; logs the certificate's SHA-256 (what
+/// callers pin when the certificate is self-signed).
+fn api_quic(
+    cfg: &Config,
+    state: Arc<crate::kv::http::KvState>,
+    shutdown: CancellationToken,
+) -> Result<(), RunError> {
+    let err = |e: crate::kv::quic::QuicError| RunError::ApiQuic(e.to_string());
+    let id = crate::kv::quic::Identity::load_or_generate(&cfg.kv.quic_cert, &cfg.kv.quic_key)
+        .map_err(err)?;
+    let at: std::net::SocketAddr = cfg.kv.api_quic_listen.parse().map_err(|_| {
+        RunError::ApiQuic(format!("kv.api_quic_listen {:?}", cfg.kv.api_quic_listen))
+    })?;
+    let ep = crate::kv::api_quic::server(at, &id, &cfg.kv.api_quic_client_ca).map_err(err)?;
+    let bound = ep
+        .local_addr()
+        .map_err(|e| RunError::ApiQuic(e.to_string()))?;
+    let sha256: String = id.sha256.iter().map(|b| format!("{b:02x}")).collect();
+    tracing::info!(quic = %bound, %sha256,
+        client_certs = !cfg.kv.api_quic_client_ca.is_empty(), "kv API served over QUIC");
+    tokio::spawn(crate::kv::api_quic::serve(ep, state, shutdown));
     Ok(())
 }
 

@@ -348,7 +348,7 @@ pub async fn serve_unix(
 }
 
 /// One connection, HTTP/1.1 or HTTP/2 (prior knowledge), until it ends.
-async fn serve_conn<S>(io: S, state: Arc<KvState>)
+pub(super) async fn serve_conn<S>(io: S, state: Arc<KvState>)
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {

@@ -15,11 +15,14 @@
 //! registered by [`mount`]): the master places puts from any client in it, unmodified
 //! clients read it over TE-TCP, and the kv face reads and writes it without a socket.
 //!
+//! The same API is served over QUIC for remote callers ([`api_quic`]).
+//!
 //! Keys are the path segment after `/v1/kv/`, percent-decoded (UTF-8). Errors are
 //! `{"error": "..."}` with a status chosen in one place ([`http::status_of`]).
 //! Bytes move over the transfer engine's TCP transport ([`te_tcp`]) to and from the
 //! segments the master names; the master is reached on moongate's own connections.
 
+pub mod api_quic;
 pub mod batch;
 pub mod http;
 pub mod metadata;

@@ -81,13 +81,13 @@ impl Identity {
     }
 }
 
-fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+pub(super) fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
 /// Flow-control windows sized for multi-MiB values on fast links (quinn's defaults
 /// are tuned for the internet and cap a stream well below loopback speed).
-fn transport() -> Arc<quinn::TransportConfig> {
+pub(super) fn transport() -> Arc<quinn::TransportConfig> {
     let mut t = quinn::TransportConfig::default();
     // Probe past the 1452-byte internet default: loopback and datacenter links carry
     // jumbo datagrams, and fewer, larger packets are most of QUIC's cost here.
@@ -104,13 +104,28 @@ fn transport() -> Arc<quinn::TransportConfig> {
 
 /// Serves moongate's segment over QUIC until shutdown.
 pub fn server(listen: SocketAddr, id: &Identity) -> Result<quinn::Endpoint, QuicError> {
-    let mut tls = rustls::ServerConfig::builder_with_provider(provider())
+    endpoint(listen, id, ALPN, None)
+}
+
+/// A QUIC server endpoint: TLS 1.3 with `id`, one ALPN, and client certificates
+/// checked by `clients` when given.
+pub(super) fn endpoint(
+    listen: SocketAddr,
+    id: &Identity,
+    alpn: &[u8],
+    clients: Option<Arc<dyn rustls::server::danger::ClientCertVerifier>>,
+) -> Result<quinn::Endpoint, QuicError> {
+    let b = rustls::ServerConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
-        .map_err(|e| QuicError::Setup(e.to_string()))?
-        .with_no_client_auth()
+        .map_err(|e| QuicError::Setup(e.to_string()))?;
+    let b = match clients {
+        Some(v) => b.with_client_cert_verifier(v),
+        None => b.with_no_client_auth(),
+    };
+    let mut tls = b
         .with_single_cert(id.certs.clone(), id.key.clone_key())
         .map_err(|e| QuicError::Setup(format!("certificate: {e}")))?;
-    tls.alpn_protocols = vec![ALPN.to_vec()];
+    tls.alpn_protocols = vec![alpn.to_vec()];
     let crypto = QuicServerConfig::try_from(tls).map_err(|e| QuicError::Setup(e.to_string()))?;
     let mut cfg = quinn::ServerConfig::with_crypto(Arc::new(crypto));
     cfg.transport_config(transport());
@@ -155,9 +170,9 @@ pub async fn serve(endpoint: quinn::Endpoint, mem: Arc<Memory>, shutdown: Cancel
 
 /// Pins one certificate fingerprint; signatures are checked with the ring provider.
 #[derive(Debug)]
-struct Pinned {
-    sha256: [u8; 32],
-    algs: rustls::crypto::WebPkiSupportedAlgorithms,
+pub(super) struct Pinned {
+    pub(super) sha256: [u8; 32],
+    pub(super) algs: rustls::crypto::WebPkiSupportedAlgorithms,
 }
 
 impl rustls::client::danger::ServerCertVerifier for Pinned {
@@ -174,7 +189,7 @@ impl rustls::client::danger::ServerCertVerifier for Pinned {
             Ok(rustls::client::danger::ServerCertVerified::assertion())
         } else {
             Err(rustls::Error::General(
-                "certificate does not match the fingerprint in the metadata server".into(),
+                "certificate does not match the pinned SHA-256 fingerprint".into(),
             ))
         }
     }
