@@ -599,6 +599,30 @@ fn batch_calls_move_many_keys_in_parts_with_backpressure() {
     let (st, b) = http(&kv, "POST", "/v1/kv/batch/put", &put_records(&too_many)).unwrap();
     assert_eq!(st, 413, "{b}");
     assert_eq!(statuses(&b).len(), 100);
+    // A streamed PUT (announced 2 MiB) whose caller goes away half-way is revoked:
+    // nothing half-written is ever readable, and the key can be stored again.
+    let mut cut = TcpStream::connect(&kv).unwrap();
+    write!(
+        cut,
+        "PUT /v1/kv/stream%2Fcut HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n",
+        2 << 20
+    )
+    .unwrap();
+    cut.write_all(&vec![1u8; 1 << 20]).unwrap();
+    drop(cut);
+    let whole = value_of("stream/cut", 2 << 20);
+    wait_for(
+        "the cut put is revoked",
+        Duration::from_secs(10),
+        &[&mg.proc],
+        || http(&kv, "PUT", "/v1/kv/stream%2Fcut", &whole).is_some_and(|(s, _)| s == 201),
+    );
+    let (st, body) = http_bytes(&kv, "GET", "/v1/kv/stream%2Fcut", &[]).unwrap();
+    assert!(st == 200 && body == whole, "{st}");
+    assert_eq!(
+        metric_value(&mg.metrics(), "moongate_kv_inflight_bytes"),
+        0.0
+    );
     assert!(service_ready(&mg.listen));
     let (st, body) = http_bytes(&kv, "GET", "/v1/kv/batch%2F39", &[]).unwrap();
     assert_eq!(st, 200);

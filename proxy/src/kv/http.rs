@@ -67,6 +67,8 @@ fn error(status: StatusCode, msg: impl std::fmt::Display) -> Response<Body> {
 pub fn status_of(e: &StoreError) -> StatusCode {
     match e {
         StoreError::Busy(_) => StatusCode::SERVICE_UNAVAILABLE,
+        StoreError::Body(_) => StatusCode::BAD_REQUEST,
+        StoreError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
         StoreError::Refused(ErrorCode::NO_AVAILABLE_HANDLE) => StatusCode::INSUFFICIENT_STORAGE,
         StoreError::Refused(ErrorCode::OBJECT_ALREADY_EXISTS)
         | StoreError::Refused(ErrorCode::OBJECT_HAS_LEASE) => StatusCode::CONFLICT,
@@ -147,11 +149,16 @@ async fn counted(state: Arc<KvState>, req: Request<Incoming>) -> Response<Body> 
     r
 }
 
-/// A put through the policy host: the active arm's plugin may rewrite its placement or
-/// refuse it, exactly as for a client's `PutStart` on the master face.
-async fn put(state: &KvState, key: Bytes, value: Bytes) -> Result<(), StoreError> {
+/// The `PutStart` of a put, through the policy host: the active arm's plugin may
+/// rewrite its placement or refuse it, exactly as for a client's `PutStart` on the
+/// master face.
+fn decided_start(
+    state: &KvState,
+    key: Bytes,
+    len: u64,
+) -> Result<crate::codec::message::Request, StoreError> {
     use crate::policy::PutAction;
-    let start = state.store.put_start(key.clone(), value.len() as u64);
+    let start = state.store.put_start(key, len);
     let set = state.policy.current();
     let start = match state.policy.decide_put(&set, &start).map(|d| d.action) {
         None | Some(PutAction::Forward) => start,
@@ -162,8 +169,58 @@ async fn put(state: &KvState, key: Bytes, value: Bytes) -> Result<(), StoreError
             ));
         }
     };
-    state.store.put(key, value, start).await
+    Ok(start)
 }
+
+/// `PUT /v1/kv/{key}`: a body announced at [`STREAM_PUT_FROM`] bytes or more is passed
+/// on to the replicas as it arrives; smaller or unannounced ones are read whole first.
+async fn put(state: &KvState, key: Bytes, req: Request<Incoming>) -> Response<Body> {
+    let announced = req
+        .headers()
+        .get(hyper::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if announced.is_some_and(|n| n > state.max_value_bytes as u64) {
+        return error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "body over {} bytes (kv.max_value_bytes)",
+                state.max_value_bytes
+            ),
+        );
+    }
+    let done = match announced {
+        Some(len) if len >= STREAM_PUT_FROM => match decided_start(state, key.clone(), len) {
+            Ok(start) => {
+                state
+                    .store
+                    .put_streamed(key, len, req.into_body(), start)
+                    .await
+            }
+            Err(e) => Err(e),
+        },
+        _ => {
+            let value = match body(req, state.max_value_bytes).await {
+                Ok(b) => b,
+                Err(r) => return r,
+            };
+            if value.is_empty() {
+                return error(StatusCode::BAD_REQUEST, "empty value");
+            }
+            match decided_start(state, key.clone(), value.len() as u64) {
+                Ok(start) => state.store.put(key, value, start).await,
+                Err(e) => Err(e),
+            }
+        }
+    };
+    match done {
+        Ok(()) => reply(StatusCode::CREATED, "", "text/plain"),
+        Err(e) => error(status_of(&e), e),
+    }
+}
+
+/// Announced PUT bodies from this size on stream to the replicas.
+const STREAM_PUT_FROM: u64 = 1 << 20;
 
 /// The JSON array of keys a batch call asks about, at most `kv.max_batch_keys`.
 async fn keys_of(state: &KvState, req: Request<Incoming>) -> Result<Vec<Bytes>, Response<Body>> {
@@ -288,19 +345,7 @@ async fn route(state: Arc<KvState>, req: Request<Incoming>) -> Response<Body> {
             Ok(None) => error(StatusCode::NOT_FOUND, "no such key"),
             Err(e) => error(status_of(&e), e),
         },
-        Method::PUT => {
-            let value = match body(req, state.max_value_bytes).await {
-                Ok(b) => b,
-                Err(r) => return r,
-            };
-            if value.is_empty() {
-                return error(StatusCode::BAD_REQUEST, "empty value");
-            }
-            match put(&state, key, value).await {
-                Ok(()) => reply(StatusCode::CREATED, "", "text/plain"),
-                Err(e) => error(status_of(&e), e),
-            }
-        }
+        Method::PUT => put(&state, key, req).await,
         Method::DELETE => match state.store.remove(key).await {
             Ok(true) => reply(StatusCode::NO_CONTENT, "", "text/plain"),
             Ok(false) => error(StatusCode::NOT_FOUND, "no such key"),

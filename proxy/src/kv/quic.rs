@@ -351,6 +351,48 @@ impl QuicPool {
         Ok(())
     }
 
+    /// Starts a WRITE of `len` bytes at `addr` on a new stream; the caller sends the
+    /// bytes on the returned send half, then [`QuicPool::finish_write`].
+    pub async fn open_write(
+        &self,
+        peer: &QuicPeer,
+        addr: u64,
+        len: u64,
+    ) -> Result<(quinn::SendStream, quinn::RecvStream), QuicError> {
+        let conn = self.conn(peer).await?;
+        let err = |e: String| QuicError::Peer {
+            peer: peer.addr,
+            error: e,
+        };
+        let (mut send, recv) = conn.open_bi().await.map_err(|e| err(e.to_string()))?;
+        send.write_all(&header(len, addr, true, true))
+            .await
+            .map_err(|e| err(e.to_string()))?;
+        Ok((send, recv))
+    }
+
+    /// Ends a WRITE whose bytes were all sent: waits for the owner's status.
+    pub async fn finish_write(
+        &self,
+        peer: SocketAddr,
+        mut send: quinn::SendStream,
+        mut recv: quinn::RecvStream,
+        addr: u64,
+        len: u64,
+    ) -> Result<(), QuicError> {
+        let err = |e: String| QuicError::Peer { peer, error: e };
+        let _ = send.finish();
+        let mut st = [0u8; 8];
+        tokio::time::timeout(self.timeout, recv.read_exact(&mut st))
+            .await
+            .map_err(|_| QuicError::Timeout {
+                peer,
+                timeout: self.timeout,
+            })?
+            .map_err(|e| err(e.to_string()))?;
+        check(st, peer, addr, len)
+    }
+
     async fn one(
         &self,
         conn: &quinn::Connection,

@@ -39,6 +39,8 @@ pub enum StoreError {
     Metadata(#[from] MetadataError),
     #[error("{0}")]
     Transfer(#[from] TeError),
+    #[error("{0}")]
+    Quic(#[from] super::quic::QuicError),
     #[error("no complete memory replica (tiers other than memory are not read here yet)")]
     NoMemoryReplica,
     #[error("replica [{addr:#x}, +{len}) is outside the segment's advertised buffers")]
@@ -47,6 +49,10 @@ pub enum StoreError {
     SizeMismatch { got: u64, want: u64 },
     #[error("busy: {0} value bytes in flight on this node (kv.max_inflight_bytes); retry")]
     Busy(u64),
+    #[error("the request body: {0}")]
+    Body(String),
+    #[error("the request body did not arrive within {0:?} (kv.timeout_ms)")]
+    BodyTimeout(Duration),
 }
 
 pub struct Store {
@@ -88,6 +94,81 @@ impl Drop for Reserved {
 const STREAM_FROM: u64 = 1 << 20;
 /// Bytes per chunk of a streamed value.
 const STREAM_CHUNK: usize = 256 << 10;
+
+/// One replica a streamed put writes to.
+enum Sink<'a> {
+    Local {
+        mem: &'a super::segment::Memory,
+        off: usize,
+    },
+    Tcp {
+        s: tokio::net::TcpStream,
+        peer: String,
+        v2: bool,
+        addr: u64,
+        len: u64,
+    },
+    Quic {
+        send: quinn::SendStream,
+        recv: quinn::RecvStream,
+        peer: std::net::SocketAddr,
+        addr: u64,
+        len: u64,
+    },
+}
+
+impl Sink<'_> {
+    /// Passes on the chunk that starts `at` bytes into the value.
+    async fn send(&mut self, at: u64, chunk: &Bytes) -> Result<(), StoreError> {
+        use tokio::io::AsyncWriteExt;
+        match self {
+            Sink::Local { mem, off } => {
+                mem.write_at(*off + at as usize, chunk);
+                Ok(())
+            }
+            Sink::Tcp { s, peer, .. } => s.write_all(chunk).await.map_err(|source| {
+                StoreError::Transfer(TeError::Io {
+                    peer: peer.clone(),
+                    source,
+                })
+            }),
+            Sink::Quic { send, peer, .. } => send.write_chunk(chunk.clone()).await.map_err(|e| {
+                StoreError::Quic(super::quic::QuicError::Peer {
+                    peer: *peer,
+                    error: e.to_string(),
+                })
+            }),
+        }
+    }
+
+    /// Waits until the owner has the bytes; the transport index for metrics.
+    async fn finish(self, store: &Store) -> Result<usize, StoreError> {
+        match self {
+            Sink::Local { .. } => Ok(1),
+            Sink::Tcp {
+                s,
+                peer,
+                v2,
+                addr,
+                len,
+            } => {
+                store.te.finish_write(&peer, s, addr, len, v2).await?;
+                Ok(0)
+            }
+            Sink::Quic {
+                send,
+                recv,
+                peer,
+                addr,
+                len,
+            } => {
+                let q = store.quic.as_ref().ok_or(StoreError::Unexpected)?;
+                q.finish_write(peer, send, recv, addr, len).await?;
+                Ok(2)
+            }
+        }
+    }
+}
 
 /// Keys of one batch part transferred at once (each may itself use several
 /// connections when it is large).
@@ -487,33 +568,7 @@ impl Store {
             _ => return Err(StoreError::Unexpected),
         };
         let written = self.write_replicas(&replicas, &value).await;
-        if let Err(e) = written {
-            let _ = self
-                .call(Request::PutRevoke(PutRevokeArgs {
-                    client_id: self.client_id,
-                    key,
-                    replica_type: ReplicaType::ALL,
-                    tenant_id: self.tenant.clone(),
-                }))
-                .await;
-            return Err(e);
-        }
-        match self
-            .call(Request::PutEnd(PutEndArgs {
-                client_id: self.client_id,
-                object_meta: ObjectMeta {
-                    key,
-                    object_checksum: None,
-                },
-                replica_type: ReplicaType::ALL,
-                tenant_id: self.tenant.clone(),
-            }))
-            .await?
-        {
-            Response::PutEnd(Ok(())) => Ok(()),
-            Response::PutEnd(Err(e)) => Err(StoreError::Refused(e)),
-            _ => Err(StoreError::Unexpected),
-        }
+        self.end_put(key, written).await
     }
 
     /// The `BatchPutStart` this store sends for `keys` of `sizes` bytes (what a
@@ -617,6 +672,163 @@ impl Store {
             Ok(replicas) => (true, self.write_replicas(&replicas, value).await),
             Err(e) => (false, Err(StoreError::Refused(e))),
         }
+    }
+
+    /// Stores a value of `len` bytes that arrives in `body`, passing each chunk on to
+    /// every memory replica as it comes (no whole-value buffer; the caller's upload and
+    /// the writes overlap). The whole transfer is bounded by `kv.timeout_ms`; a body
+    /// that breaks off or lies about its length revokes the put.
+    pub async fn put_streamed<B>(
+        &self,
+        key: Bytes,
+        len: u64,
+        body: B,
+        start: Request,
+    ) -> Result<(), StoreError>
+    where
+        B: hyper::body::Body<Data = Bytes> + Unpin,
+        B::Error: std::fmt::Display,
+    {
+        let _room = self.reserve(len).await?;
+        let replicas = match self.call(start).await? {
+            Response::PutStart(Ok(r)) => r,
+            Response::PutStart(Err(e)) => return Err(StoreError::Refused(e)),
+            _ => return Err(StoreError::Unexpected),
+        };
+        let written = tokio::time::timeout(
+            self.call_timeout,
+            self.stream_replicas(&replicas, len, body),
+        )
+        .await
+        .unwrap_or(Err(StoreError::BodyTimeout(self.call_timeout)));
+        self.end_put(key, written).await
+    }
+
+    /// `PutEnd` after the replicas were written, `PutRevoke` (and the write's error)
+    /// when they were not.
+    async fn end_put(&self, key: Bytes, written: Result<(), StoreError>) -> Result<(), StoreError> {
+        if let Err(e) = written {
+            let _ = self
+                .call(Request::PutRevoke(PutRevokeArgs {
+                    client_id: self.client_id,
+                    key,
+                    replica_type: ReplicaType::ALL,
+                    tenant_id: self.tenant.clone(),
+                }))
+                .await;
+            return Err(e);
+        }
+        match self
+            .call(Request::PutEnd(PutEndArgs {
+                client_id: self.client_id,
+                object_meta: ObjectMeta {
+                    key,
+                    object_checksum: None,
+                },
+                replica_type: ReplicaType::ALL,
+                tenant_id: self.tenant.clone(),
+            }))
+            .await?
+        {
+            Response::PutEnd(Ok(())) => Ok(()),
+            Response::PutEnd(Err(e)) => Err(StoreError::Refused(e)),
+            _ => Err(StoreError::Unexpected),
+        }
+    }
+
+    /// Opens a write to every memory replica, then forwards the body to all of them.
+    async fn stream_replicas<B>(
+        &self,
+        replicas: &[crate::codec::types::ReplicaDescriptor],
+        len: u64,
+        mut body: B,
+    ) -> Result<(), StoreError>
+    where
+        B: hyper::body::Body<Data = Bytes> + Unpin,
+        B::Error: std::fmt::Display,
+    {
+        use http_body_util::BodyExt;
+        let mut sinks = Vec::with_capacity(replicas.len());
+        for r in replicas {
+            let ReplicaLocation::Memory(m) = &r.location else {
+                continue;
+            };
+            let d = &m.buffer_descriptor;
+            if d.size != len {
+                return Err(StoreError::SizeMismatch {
+                    got: d.size,
+                    want: len,
+                });
+            }
+            sinks.push(self.open_sink(d).await?);
+        }
+        let mut at = 0u64;
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| StoreError::Body(e.to_string()))?;
+            let Ok(chunk) = frame.into_data() else {
+                continue;
+            };
+            if at + chunk.len() as u64 > len {
+                return Err(StoreError::Body(format!(
+                    "more than the announced {len} bytes"
+                )));
+            }
+            for s in &mut sinks {
+                s.send(at, &chunk).await?;
+            }
+            at += chunk.len() as u64;
+        }
+        if at != len {
+            return Err(StoreError::Body(format!("ended after {at} of {len} bytes")));
+        }
+        for s in sinks {
+            let transport = s.finish(self).await?;
+            self.metrics.kv.transfer(transport, true, len);
+        }
+        Ok(())
+    }
+
+    /// A write to the replica `d`, ready for its bytes: in place, QUIC, or TE-TCP.
+    async fn open_sink(&self, d: &BufferDescriptor) -> Result<Sink<'_>, StoreError> {
+        if let Some((mem, off)) = self.in_own_segment(d)? {
+            return Ok(Sink::Local { mem, off });
+        }
+        let seg = self.metadata.segment(&d.transport_endpoint).await?;
+        if !seg.covers(d.buffer_address, d.size) {
+            self.metadata.forget(&d.transport_endpoint);
+            return Err(StoreError::OutOfRange {
+                addr: d.buffer_address,
+                len: d.size,
+            });
+        }
+        let (addr, len) = (d.buffer_address, d.size);
+        if let Some((send, recv, peer)) = self
+            .via_quic(&d.transport_endpoint, |q, peer| async move {
+                let (send, recv) = q.open_write(&peer, addr, len).await?;
+                Ok((send, recv, peer.addr))
+            })
+            .await
+        {
+            return Ok(Sink::Quic {
+                send,
+                recv,
+                peer,
+                addr,
+                len,
+            });
+        }
+        let s = self
+            .te
+            .open_write(&seg.data, addr, len, seg.v2)
+            .await
+            .inspect_err(|_| self.metadata.forget(&d.transport_endpoint))?;
+        Ok(Sink::Tcp {
+            s,
+            peer: seg.data.clone(),
+            v2: seg.v2,
+            addr,
+            len,
+        })
     }
 
     async fn write_replicas(

@@ -150,6 +150,46 @@ impl Pool {
         Ok(s)
     }
 
+    /// Starts a WRITE of `len` bytes at `addr`: the header is sent, the caller sends the
+    /// bytes as they arrive, then [`Pool::finish_write`].
+    pub async fn open_write(
+        &self,
+        peer: &str,
+        addr: u64,
+        len: u64,
+        v2: bool,
+    ) -> Result<TcpStream, TeError> {
+        let mut s = self.take(peer).await?;
+        self.bounded(peer, async {
+            s.write_all(&header(len, addr, true, v2))
+                .await
+                .map_err(|source| TeError::Io {
+                    peer: peer.to_string(),
+                    source,
+                })
+        })
+        .await?;
+        Ok(s)
+    }
+
+    /// Ends a WRITE whose bytes were all sent: waits for the owner's v2 status (the
+    /// bytes are in place) and keeps the connection for reuse.
+    pub async fn finish_write(
+        &self,
+        peer: &str,
+        mut s: TcpStream,
+        addr: u64,
+        len: u64,
+        v2: bool,
+    ) -> Result<(), TeError> {
+        if v2 {
+            self.bounded(peer, self.expect_ok(&mut s, peer, addr, len))
+                .await?;
+        }
+        self.give_back(peer, s);
+        Ok(())
+    }
+
     /// Reads `len` bytes at `addr` in the peer's memory.
     pub async fn read(&self, peer: &str, addr: u64, len: u64, v2: bool) -> Result<Bytes, TeError> {
         let mut out = BytesMut::zeroed(len as usize);
