@@ -69,6 +69,8 @@ def main():
     p.add_argument("--moongate", default="target/release/moongate")
     p.add_argument("--kv-bench", default="target/release/examples/kv_bench")
     p.add_argument("--json")
+    p.add_argument("--moongate-config", help="extra moongate TOML (e.g. a [runtime] or [kv] "
+                   "variant); the flags above still set addresses")
     a = p.parse_args()
     if a.role == "owner":
         return role_owner(a)
@@ -86,7 +88,8 @@ def main():
         procs.append(subprocess.Popen(
             [a.moongate, "run", "--listen", f"127.0.0.1:{free_port()}",
              "--upstream", f"127.0.0.1:{rpc}", "--admin", f"127.0.0.1:{admin}",
-             "--kv", f"127.0.0.1:{kv}", "--metadata", metadata],
+             "--kv", f"127.0.0.1:{kv}", "--metadata", metadata]
+            + (["--config", a.moongate_config] if a.moongate_config else []),
             stdout=open(f"{work}/moongate.log", "w"), stderr=subprocess.STDOUT,
             env={**os.environ, "RUST_LOG": "warn"}))
         wait_http(f"http://127.0.0.1:{admin}/ready")

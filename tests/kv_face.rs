@@ -13,7 +13,7 @@ use support::*;
 #[test]
 fn values_cross_between_the_python_client_and_the_kv_face_bit_exact() {
     let master = Master::start();
-    let (mg, kv) = kv_moongate(&master, "");
+    let (mg, kv) = kv_moongate(&master, "replica_cache_ms = 5000\n");
     let logs = [&master.proc, &mg.proc];
     let mut peer = Background::start("kvpeer", &master.rpc, &master.metadata, &logs);
     let log = || format!("{}\n{}", mg.proc.log_text(), peer_log(&peer.proc));
@@ -25,6 +25,16 @@ fn values_cross_between_the_python_client_and_the_kv_face_bit_exact() {
     let (st, body) = http_bytes(&kv, "GET", "/v1/kv/py%2Fbig", &[]).unwrap();
     assert_eq!(st, 200);
     assert!(body == value_of("py/big", (3 << 20) + 7), "py/big differs");
+    // Read again within the lease: the replica list is reused, no master call.
+    let (st, body) = http_bytes(&kv, "GET", "/v1/kv/py%2Fsmall", &[]).unwrap();
+    assert!(st == 200 && body == value_of("py/small", 5000));
+    let cache = |r: &str| {
+        metric_value(
+            &mg.metrics(),
+            &format!("moongate_kv_replica_cache_total{{result=\"{r}\"}}"),
+        )
+    };
+    assert_eq!((cache("hit"), cache("miss")), (1.0, 2.0));
     // The same two in one batch (one BatchGetReplicaList, reads over TE-TCP).
     let (st, body) = http_bytes(
         &kv,
@@ -90,6 +100,11 @@ fn values_cross_between_the_python_client_and_the_kv_face_bit_exact() {
     // The owner unmounted: its objects are gone with its segment.
     let (st, _) = http(&kv, "GET", "/v1/kv/kv%2Fsmall", &[]).unwrap();
     assert_eq!(st, 404);
+    // ... including one whose replica list is still cached: the read through it fails,
+    // the master is asked again and says absent.
+    let (st, _) = http(&kv, "GET", "/v1/kv/py%2Fbig", &[]).unwrap();
+    assert_eq!(st, 404, "{}", mg.proc.log_text());
+    assert_eq!(cache("stale"), 1.0);
 }
 
 fn peer_log(p: &Proc) -> String {

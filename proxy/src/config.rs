@@ -94,6 +94,9 @@ pub struct KvConfig {
     pub quic_client: bool,
     /// QUIC streams (and TE-TCP connections) one large value is spread over.
     pub quic_streams: usize,
+    /// Reuse the replica list of a GET for later GETs of the same key for this long
+    /// (never beyond half the master's read lease); 0 = every GET asks the master.
+    pub replica_cache_ms: u64,
     /// Serve the kv API over QUIC here (UDP `host:port`) for callers on other hosts;
     /// empty = off. Same certificate as `quic_listen`.
     pub api_quic_listen: String,
@@ -121,6 +124,7 @@ impl Default for KvConfig {
             quic_cert: String::new(),
             quic_key: String::new(),
             quic_client: true,
+            replica_cache_ms: 0,
             api_quic_listen: String::new(),
             api_quic_client_ca: String::new(),
             quic_streams: 4,
@@ -479,6 +483,13 @@ impl Config {
                 }
             }
             positive(&mut errs, "kv.quic_streams", kv.quic_streams as u64);
+            if kv.replica_cache_ms > 600_000 {
+                errs.push(
+                    "kv.replica_cache_ms: at most 600000 (it never outlives half the \
+                           master's read lease anyway)"
+                        .into(),
+                );
+            }
             if !kv.api_quic_listen.is_empty() {
                 check_addr(&mut errs, "kv.api_quic_listen", &kv.api_quic_listen);
                 if kv.quic_listen.is_empty() && kv.quic_cert.is_empty() != kv.quic_key.is_empty() {

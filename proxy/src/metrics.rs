@@ -362,6 +362,11 @@ pub const KV_STATUS: [&str; 3] = ["2xx", "4xx", "5xx"];
 pub const KV_TRANSPORTS: [&str; 3] = ["tcp", "local", "quic"];
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabel {
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct KvReqLabels {
     op: &'static str,
     status: &'static str,
@@ -379,6 +384,8 @@ pub struct KvMetrics {
     pub requests: [[Counter; 3]; 6],
     /// Parts batch gets and puts were cut into.
     pub batch_parts: Counter,
+    /// Replica cache lookups of gets: `[hit, miss, stale]`.
+    pub replica_cache: [Counter; 3],
     /// `[transport][read, write]`
     pub transfers: [[Counter; 2]; 3],
     pub transfer_bytes: [[Counter; 2]; 3],
@@ -418,6 +425,13 @@ impl KvMetrics {
             "kv requests answered 503: the node's in-flight byte budget stayed full",
             busy.clone(),
         );
+        let cache = Family::<ResultLabel, Counter>::default();
+        registry.register(
+            "moongate_kv_replica_cache",
+            "kv GETs by replica cache result (kv.replica_cache_ms): hit = no master call, \
+             miss = asked the master, stale = a cached replica was unreadable (asked again)",
+            cache.clone(),
+        );
         let batch_parts = Counter::default();
         registry.register(
             "moongate_kv_batch_parts",
@@ -455,6 +469,8 @@ impl KvMetrics {
             transfers: x(&xfer),
             transfer_bytes: x(&bytes),
             batch_parts,
+            replica_cache: ["hit", "miss", "stale"]
+                .map(|result| cache.get_or_create(&ResultLabel { result }).clone()),
             busy,
             inflight_bytes,
             rdma_devices,

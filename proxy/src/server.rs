@@ -131,7 +131,8 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
                     max_inflight_bytes: cfg.kv.max_inflight_bytes,
                     busy_wait: Duration::from_millis(cfg.kv.busy_wait_ms),
                 },
-            );
+            )
+            .with_replica_cache(Duration::from_millis(cfg.kv.replica_cache_ms));
             let rdma = crate::kv::rdma::detect();
             metrics.kv.rdma_devices.set(rdma.device_count() as i64);
             tracing::info!(reason = %rdma.fallback_reason(),

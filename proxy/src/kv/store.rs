@@ -73,6 +73,53 @@ pub struct Store {
     budget: std::sync::Arc<tokio::sync::Semaphore>,
     budget_kib: u32,
     busy_wait: Duration,
+    /// Replica descriptors reused within the master's read lease (`kv.replica_cache_ms`).
+    replicas: Option<ReplicaCache>,
+}
+
+/// Where recently read values are, reused while the read lease the master granted with
+/// the answer still has time left: within it the master neither evicts the object nor
+/// removes it (unforced), so its bytes stay where the descriptor says. A read through a
+/// cached descriptor that fails drops the entry and asks the master again.
+struct ReplicaCache {
+    ttl: Duration,
+    entries: Mutex<std::collections::HashMap<Bytes, (BufferDescriptor, std::time::Instant)>>,
+}
+
+/// Entries the replica cache holds at most (expired ones are swept when it is full).
+const REPLICA_CACHE_ENTRIES: usize = 65_536;
+
+impl ReplicaCache {
+    fn get(&self, key: &Bytes) -> Option<BufferDescriptor> {
+        let map = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        map.get(key)
+            .filter(|(_, until)| *until > std::time::Instant::now())
+            .map(|(d, _)| d.clone())
+    }
+
+    /// Keeps `d` for `key` for the cache's ttl, at most half the granted lease.
+    fn put(&self, key: Bytes, d: &BufferDescriptor, lease_ttl_ms: u64) {
+        let ttl = self.ttl.min(Duration::from_millis(lease_ttl_ms / 2));
+        if ttl.is_zero() {
+            return;
+        }
+        let now = std::time::Instant::now();
+        let mut map = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        if map.len() >= REPLICA_CACHE_ENTRIES {
+            map.retain(|_, (_, until)| *until > now);
+            if map.len() >= REPLICA_CACHE_ENTRIES {
+                return;
+            }
+        }
+        map.insert(key, (d.clone(), now + ttl));
+    }
+
+    fn forget(&self, key: &Bytes) {
+        self.entries
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(key);
+    }
 }
 
 /// Budget permits of a transfer in progress; returned on drop (a streamed value holds
@@ -302,7 +349,18 @@ impl Store {
             budget: std::sync::Arc::new(tokio::sync::Semaphore::new(budget_kib as usize)),
             budget_kib,
             busy_wait: budget.busy_wait,
+            replicas: None,
         }
+    }
+
+    /// Reuses replica descriptors for up to `ttl` (never longer than half the read
+    /// lease the master granted with them); zero leaves every get asking the master.
+    pub fn with_replica_cache(mut self, ttl: Duration) -> Store {
+        self.replicas = (!ttl.is_zero()).then(|| ReplicaCache {
+            ttl,
+            entries: Mutex::new(std::collections::HashMap::new()),
+        });
+        self
     }
 
     pub fn client_id(&self) -> Uuid {
@@ -436,9 +494,27 @@ impl Store {
 
     /// The value of `key`, or `None` when the store does not have it.
     pub async fn get(&self, key: Bytes) -> Result<Option<Value>, StoreError> {
+        if let Some(cache) = &self.replicas {
+            if let Some(d) = cache.get(&key) {
+                let room = self.reserve(d.size).await?;
+                match self.fetch(&d, Some(room)).await {
+                    Ok(v) => {
+                        self.metrics.kv.replica_cache[0].inc();
+                        return Ok(Some(v));
+                    }
+                    Err(e) => {
+                        tracing::debug!(error = %e, "cached replica unreadable; asking the master");
+                        self.metrics.kv.replica_cache[2].inc();
+                        cache.forget(&key);
+                    }
+                }
+            } else {
+                self.metrics.kv.replica_cache[1].inc();
+            }
+        }
         let resp = self
             .call(Request::GetReplicaList(KeyArgs {
-                key,
+                key: key.clone(),
                 tenant_id: self.tenant.clone(),
             }))
             .await?;
@@ -450,7 +526,11 @@ impl Store {
         };
         let d = memory_replica(&list)?;
         let room = self.reserve(d.size).await?;
-        self.fetch(d, Some(room)).await.map(Some)
+        let v = self.fetch(d, Some(room)).await?;
+        if let Some(cache) = &self.replicas {
+            cache.put(key, d, list.lease_ttl_ms);
+        }
+        Ok(Some(v))
     }
 
     /// Where the values of `keys` are, in one `BatchGetReplicaList`: per key the first
@@ -887,6 +967,9 @@ impl Store {
 
     /// Removes `key`; `false` when it was not there.
     pub async fn remove(&self, key: Bytes) -> Result<bool, StoreError> {
+        if let Some(cache) = &self.replicas {
+            cache.forget(&key);
+        }
         match self
             .call(Request::Remove(RemoveArgs {
                 key,
