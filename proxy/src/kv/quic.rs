@@ -351,6 +351,40 @@ impl QuicPool {
         Ok(())
     }
 
+    /// Starts a READ of `len` bytes at `addr` on a new stream and returns its receive
+    /// half once the owner accepted it, so the caller streams the bytes as they arrive.
+    pub async fn open_read(
+        &self,
+        peer: &QuicPeer,
+        addr: u64,
+        len: u64,
+    ) -> Result<quinn::RecvStream, QuicError> {
+        let conn = self.conn(peer).await?;
+        let err = |e: String| QuicError::Peer {
+            peer: peer.addr,
+            error: e,
+        };
+        let start = async {
+            let (mut send, mut recv) = conn.open_bi().await.map_err(|e| err(e.to_string()))?;
+            send.write_all(&header(len, addr, false, true))
+                .await
+                .map_err(|e| err(e.to_string()))?;
+            let _ = send.finish();
+            let mut st = [0u8; 8];
+            recv.read_exact(&mut st)
+                .await
+                .map_err(|e| err(e.to_string()))?;
+            check(st, peer.addr, addr, len)?;
+            Ok(recv)
+        };
+        tokio::time::timeout(self.timeout, start)
+            .await
+            .map_err(|_| QuicError::Timeout {
+                peer: peer.addr,
+                timeout: self.timeout,
+            })?
+    }
+
     /// Starts a WRITE of `len` bytes at `addr` on a new stream; the caller sends the
     /// bytes on the returned send half, then [`QuicPool::finish_write`].
     pub async fn open_write(

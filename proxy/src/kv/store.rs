@@ -259,7 +259,10 @@ pub struct Budget {
 
 /// Forwards `len` bytes from a TE-TCP connection whose READ was accepted, chunk by
 /// chunk; the budget reservation lives until the last chunk is handed on.
-fn stream_value(mut s: tokio::net::TcpStream, len: u64, room: Reserved) -> Value {
+fn stream_value<R>(mut s: R, len: u64, room: Reserved) -> Value
+where
+    R: tokio::io::AsyncRead + Unpin + Send + 'static,
+{
     use tokio::io::AsyncReadExt;
     let (tx, rx) = tokio::sync::mpsc::channel(8);
     tokio::spawn(async move {
@@ -594,14 +597,26 @@ impl Store {
                 len: d.size,
             });
         }
-        if let Some(v) = self
-            .via_quic(&d.transport_endpoint, |q, peer| {
-                let (at, n) = (d.buffer_address, d.size);
-                async move { q.read(&peer, at, n).await }
+        let (at, n) = (d.buffer_address, d.size);
+        let mut room = room;
+        if room.is_some() && n >= STREAM_FROM {
+            if let Some(recv) = self
+                .via_quic(&d.transport_endpoint, |q, peer| async move {
+                    q.open_read(&peer, at, n).await
+                })
+                .await
+                && let Some(r) = room.take()
+            {
+                self.metrics.kv.transfer(2, false, n);
+                return Ok(stream_value(recv, n, r));
+            }
+        } else if let Some(v) = self
+            .via_quic(&d.transport_endpoint, |q, peer| async move {
+                q.read(&peer, at, n).await
             })
             .await
         {
-            self.metrics.kv.transfer(2, false, d.size);
+            self.metrics.kv.transfer(2, false, n);
             return Ok(Value::Whole(v));
         }
         let forget = |e: TeError| {
