@@ -643,3 +643,141 @@ fn batch_calls_move_many_keys_in_parts_with_backpressure() {
     assert_eq!(st, 200);
     assert!(body == value_of("batch/39", 100 << 10));
 }
+
+/// Every regular file under `dir` (the master's disk tier), recursively.
+fn files_under(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(files_under(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// The master's disk tier (`--root_fs_dir`): moongate writes the disk replica of what it
+/// puts (plain and streamed) where the master says, reads a disk replica when no memory
+/// one is left (one written by the real client, and its own), and the real client
+/// reads moongate's. A disk replica moongate cannot write is revoked and the value
+/// stays in memory.
+#[test]
+fn the_disk_tier_is_written_and_read_both_ways() {
+    let root = tempdir();
+    let master = Master::start_with(MasterOpts {
+        root_fs_dir: Some(root.path().to_path_buf()),
+        ..Default::default()
+    });
+    // The real client puts "dk" (memory in its segment, the only one yet, + disk) and
+    // leaves: only the disk copy is left.
+    let r = run_role("disk", &master.rpc, &master.metadata, &[], &[&master.proc]);
+    assert_eq!(r.as_array().unwrap()[0][1], 0, "{r}");
+    let (mut a, kv) = kv_moongate(&master, "segment_bytes = 16777216\n");
+    wait_segment_mounted(&a);
+    let (st, body) = http_bytes(&kv, "GET", "/v1/kv/dk", &[]).unwrap();
+    assert_eq!(
+        st,
+        200,
+        "{}\n{}",
+        String::from_utf8_lossy(&body),
+        a.proc.log_text()
+    );
+    assert!(body == value_of("dk", 2000), "dk differs");
+    let disk = |m: &str, dir: &str| {
+        metric_value(
+            m,
+            &format!("moongate_kv_transfers_total{{transport=\"disk\",direction=\"{dir}\"}}"),
+        )
+    };
+    assert_eq!(disk(&a.metrics(), "read"), 1.0);
+
+    // moongate's puts write the disk replica too: the file holds the raw value.
+    let small = value_of("kvd/small", 5000);
+    let big = value_of("kvd/big", (2 << 20) + 3);
+    for (k, v) in [("kvd%2Fsmall", &small), ("kvd%2Fbig", &big)] {
+        let (st, b) = http(&kv, "PUT", &format!("/v1/kv/{k}"), v).unwrap();
+        assert_eq!(st, 201, "{b}\n{}", a.proc.log_text());
+    }
+    let files = files_under(root.path());
+    for v in [&small, &big] {
+        assert!(
+            files
+                .iter()
+                .any(|f| std::fs::read(f).ok().as_ref() == Some(v)),
+            "no disk file holds a value moongate put: {files:?}"
+        );
+    }
+    assert_eq!(disk(&a.metrics(), "write"), 2.0);
+
+    // A disk replica that cannot be written (a directory sits where its file goes): the
+    // put still succeeds, in memory only, and the disk replica is revoked.
+    let (st, _) = http(&kv, "PUT", "/v1/kv/kvd%2Ffail", b"first").unwrap();
+    assert_eq!(st, 201);
+    let path = files_under(root.path())
+        .into_iter()
+        .find(|f| std::fs::read(f).ok().as_deref() == Some(&b"first"[..]))
+        .expect("the first kvd/fail file");
+    let (st, b) = http(&kv, "DELETE", "/v1/kv/kvd%2Ffail", &[]).unwrap();
+    assert_eq!(st, 204, "{b}");
+    let _ = std::fs::remove_file(&path);
+    std::fs::create_dir_all(&path).unwrap();
+    let (st, b) = http(&kv, "PUT", "/v1/kv/kvd%2Ffail", b"second").unwrap();
+    assert_eq!(st, 201, "{b}\n{}", a.proc.log_text());
+    assert!(a.proc.log_text().contains("disk replica not written"));
+    let (st, body) = http_bytes(&kv, "GET", "/v1/kv/kvd%2Ffail", &[]).unwrap();
+    assert_eq!((st, body.as_slice()), (200, &b"second"[..]));
+
+    // Batch puts end their disk replicas too (a removal right after finds them ready).
+    let batch = put_records(&[
+        ("kvd/b1", value_of("kvd/b1", 3000)),
+        ("kvd/b2", value_of("kvd/b2", 70_000)),
+        ("kvd/b3", b"gone soon".to_vec()),
+    ]);
+    let (st, b) = http(&kv, "POST", "/v1/kv/batch/put", &batch).unwrap();
+    assert_eq!((st, statuses(&b)), (200, vec![201, 201, 201]), "{b}");
+    let (st, b) = http(&kv, "DELETE", "/v1/kv/kvd%2Fb3", &[]).unwrap();
+    assert_eq!(st, 204, "{b}");
+
+    // moongate leaves (its segment unmounts): its values live on in the disk tier.
+    a.proc.stop();
+    let (b_mg, b_kv) = kv_moongate(&master, "");
+    for (k, v) in [("kvd%2Fsmall", &small), ("kvd%2Fbig", &big)] {
+        let (st, body) = http_bytes(&b_kv, "GET", &format!("/v1/kv/{k}"), &[]).unwrap();
+        assert!(
+            st == 200 && body == *v,
+            "{k}: {st}\n{}",
+            b_mg.proc.log_text()
+        );
+    }
+    let (st, body) = http_bytes(
+        &b_kv,
+        "POST",
+        "/v1/kv/batch/get",
+        br#"["kvd/b1","kvd/b2","kvd/b3"]"#,
+    )
+    .unwrap();
+    assert_eq!(st, 200);
+    let recs = get_records(&body);
+    assert_eq!(
+        recs.iter().map(|r| r.0).collect::<Vec<_>>(),
+        [200, 200, 404]
+    );
+    assert!(recs[0].1 == value_of("kvd/b1", 3000) && recs[1].1 == value_of("kvd/b2", 70_000));
+    // The value whose disk replica was revoked left with the memory.
+    let (st, _) = http(&b_kv, "GET", "/v1/kv/kvd%2Ffail", &[]).unwrap();
+    assert_eq!(st, 404);
+    let r = run_role(
+        "diskget",
+        &master.rpc,
+        &master.metadata,
+        &[],
+        &[&master.proc, &b_mg.proc],
+    );
+    let ops = r.as_array().unwrap();
+    let get = |n: &str| ops.iter().find(|o| o[0] == n).unwrap()[1].clone();
+    assert_eq!(get("tiers kvd/small"), serde_json::json!(["disk"]), "{r}");
+    assert_eq!(get("get kvd/small")["ok"], true, "{r}");
+    assert_eq!(get("get kvd/big")["ok"], true, "{r}");
+}

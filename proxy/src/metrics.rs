@@ -359,7 +359,7 @@ pub const KV_OPS: [&str; 6] = ["get", "put", "delete", "exists", "batch_get", "b
 pub const KV_STATUS: [&str; 3] = ["2xx", "4xx", "5xx"];
 /// How kv bytes moved: TE-TCP to a peer segment, in place in moongate's own segment, or
 /// QUIC to a peer moongate's segment.
-pub const KV_TRANSPORTS: [&str; 3] = ["tcp", "local", "quic"];
+pub const KV_TRANSPORTS: [&str; 4] = ["tcp", "local", "quic", "disk"];
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ResultLabel {
@@ -387,8 +387,8 @@ pub struct KvMetrics {
     /// Replica cache lookups of gets: `[hit, miss, stale]`.
     pub replica_cache: [Counter; 3],
     /// `[transport][read, write]`
-    pub transfers: [[Counter; 2]; 3],
-    pub transfer_bytes: [[Counter; 2]; 3],
+    pub transfers: [[Counter; 2]; 4],
+    pub transfer_bytes: [[Counter; 2]; 4],
     /// Requests refused with 503 because the in-flight byte budget stayed full.
     pub busy: Counter,
     pub inflight_bytes: Gauge,
@@ -409,8 +409,8 @@ impl KvMetrics {
         registry.register(
             "moongate_kv_transfers",
             "Replica transfers of the kv face by transport (tcp: TE-TCP to a peer \
-             segment; local: moongate's own segment; quic: a peer moongate's segment) \
-             and direction",
+             segment; local: moongate's own segment; quic: a peer moongate's segment; \
+             disk: a file of the master's disk tier) and direction",
             xfer.clone(),
         );
         let bytes = Family::<KvXferLabels, Counter>::default();

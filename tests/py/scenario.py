@@ -278,6 +278,17 @@ def disk(run):
     run.finish()
 
 
+def diskget(run):
+    """Reads what moongate stored, after moongate's memory is gone (disk replicas only)."""
+    s = run.s
+    run.setup(0)
+    run.rec("tiers kvd/small", sorted(d["tier"] for d in run.desc(s.get_replica_desc("kvd/small"))))
+    run.check_get("kvd/small", 5000)
+    run.check_get("kvd/big", 2 * MiB + 3)
+    run.rec("close", s.close())
+    run.finish()
+
+
 def steer(run):
     s = run.s
     a = run.args
@@ -389,7 +400,8 @@ def place(run):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--role", required=True,
-                   choices=["owner", "reader", "idle", "loop", "demo", "hold", "place", "disk", "steer", "bulk", "chains", "kvpeer", "guest"])
+                   choices=["owner", "reader", "idle", "loop", "demo", "hold", "place", "disk", "steer", "bulk", "chains", "kvpeer", "guest",
+                            "diskget"])
     p.add_argument("--master", required=True)
     p.add_argument("--metadata", required=True)
     p.add_argument("--out", required=True)
@@ -402,7 +414,8 @@ def main():
     a = p.parse_args()
     run = Run(a)
     {"owner": owner, "reader": reader, "idle": idle, "loop": loop, "demo": demo,
-     "hold": hold, "place": place, "disk": disk, "steer": steer, "bulk": bulk, "chains": chains, "kvpeer": kvpeer, "guest": guest}[a.role](run)
+     "hold": hold, "place": place, "disk": disk, "steer": steer, "bulk": bulk, "chains": chains, "kvpeer": kvpeer, "guest": guest,
+     "diskget": diskget}[a.role](run)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,7 @@ use hyper::StatusCode;
 
 use super::http::{KvState, status_of};
 use super::records::{self, PutReader, RecordError};
-use super::store::{BATCH_CONCURRENCY, Reserved, StoreError, in_order};
-use crate::codec::types::BufferDescriptor;
+use super::store::{BATCH_CONCURRENCY, Reserved, Source, StoreError, in_order};
 use crate::policy::PutAction;
 
 /// The outcome of one key of a batch.
@@ -74,13 +73,13 @@ fn part_starts(state: &KvState, first_key: &Bytes, sizes: &[u64]) -> Vec<usize> 
 pub async fn get_parts(
     state: Arc<KvState>,
     keys: Vec<Bytes>,
-    located: Vec<Result<Option<BufferDescriptor>, StoreError>>,
+    located: Vec<Result<Option<Source>, StoreError>>,
     tx: tokio::sync::mpsc::Sender<Bytes>,
 ) {
     let sizes: Vec<u64> = located
         .iter()
         .map(|r| match r {
-            Ok(Some(d)) => d.size,
+            Ok(Some(d)) => d.size(),
             _ => 0,
         })
         .collect();
@@ -120,7 +119,7 @@ pub async fn get_parts(
 /// The answer record of one key of a batch get.
 async fn get_one(
     state: &KvState,
-    located: &Result<Option<BufferDescriptor>, StoreError>,
+    located: &Result<Option<Source>, StoreError>,
     busy: Option<&str>,
 ) -> [Bytes; 2] {
     match (located, busy) {

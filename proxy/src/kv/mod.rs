@@ -24,6 +24,7 @@
 
 pub mod api_quic;
 pub mod batch;
+pub mod disk;
 pub mod http;
 pub mod metadata;
 pub mod mount;

@@ -20,8 +20,8 @@ use crate::codec::message::{
     PutRevokeArgs, PutStartArgs, RemoveArgs, Request, Response,
 };
 use crate::codec::types::{
-    BufferDescriptor, ErrorCode, GetReplicaListResponse, ObjectMeta, ReplicaLocation,
-    ReplicaStatus, ReplicaType, ReplicateConfig, Uuid,
+    BufferDescriptor, DiskDescriptor, ErrorCode, GetReplicaListResponse, ObjectMeta,
+    ReplicaLocation, ReplicaStatus, ReplicaType, ReplicateConfig, Uuid,
 };
 use crate::upstream::{CallError, Conn};
 
@@ -41,8 +41,12 @@ pub enum StoreError {
     Transfer(#[from] TeError),
     #[error("{0}")]
     Quic(#[from] super::quic::QuicError),
-    #[error("no complete memory replica (tiers other than memory are not read here yet)")]
+    #[error(
+        "no complete memory or disk replica (NoF SSD, local-disk and DFS replicas are not read here)"
+    )]
     NoMemoryReplica,
+    #[error("{0}")]
+    Disk(#[from] super::disk::DiskError),
     #[error("replica [{addr:#x}, +{len}) is outside the segment's advertised buffers")]
     OutOfRange { addr: u64, len: u64 },
     #[error("replica size {got} differs from the object size {want}")]
@@ -141,6 +145,27 @@ impl Drop for Reserved {
 const STREAM_FROM: u64 = 1 << 20;
 /// Bytes per chunk of a streamed value.
 const STREAM_CHUNK: usize = 256 << 10;
+
+/// How a put's replicas were written (a memory replica that failed fails the put).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stored {
+    /// Memory replicas only (the master has no disk tier).
+    Memory,
+    /// Memory and disk replicas: the disk one is ended on its own (`PutEnd(DISK)`, as
+    /// Mooncake's client does; `PutEnd(ALL)` leaves it not ready).
+    MemoryAndDisk,
+    /// A disk replica could not be written (logged): it is revoked, the memory ones kept.
+    DiskFailed,
+}
+
+impl Stored {
+    fn and_disk(self, ok: bool) -> Stored {
+        match (self, ok) {
+            (Stored::DiskFailed, _) | (_, false) => Stored::DiskFailed,
+            _ => Stored::MemoryAndDisk,
+        }
+    }
+}
 
 /// One replica a streamed put writes to.
 enum Sink<'a> {
@@ -293,15 +318,42 @@ where
     Value::Stream { len, chunks: rx }
 }
 
-/// The first complete memory replica of an object (what Mooncake's client reads too).
-fn memory_replica(list: &GetReplicaListResponse) -> Result<&BufferDescriptor, StoreError> {
-    list.replicas
-        .iter()
+/// A replica moongate can read an object from.
+#[derive(Debug, Clone)]
+pub enum Source {
+    Memory(BufferDescriptor),
+    /// A file of the master's disk tier (`--root_fs_dir`), read when no memory replica
+    /// is left.
+    Disk(DiskDescriptor),
+}
+
+impl Source {
+    pub fn size(&self) -> u64 {
+        match self {
+            Source::Memory(d) => d.size,
+            Source::Disk(d) => d.object_size,
+        }
+    }
+}
+
+/// The first complete memory replica of an object (what Mooncake's client reads too),
+/// else its complete disk replica.
+fn readable(list: &GetReplicaListResponse) -> Result<Source, StoreError> {
+    let complete = || {
+        list.replicas
+            .iter()
+            .filter(|r| r.status == ReplicaStatus::COMPLETE)
+    };
+    complete()
         .find_map(|r| match &r.location {
-            ReplicaLocation::Memory(m) if r.status == ReplicaStatus::COMPLETE => {
-                Some(&m.buffer_descriptor)
-            }
+            ReplicaLocation::Memory(m) => Some(Source::Memory(m.buffer_descriptor.clone())),
             _ => None,
+        })
+        .or_else(|| {
+            complete().find_map(|r| match &r.location {
+                ReplicaLocation::Disk(d) => Some(Source::Disk(d.clone())),
+                _ => None,
+            })
         })
         .ok_or(StoreError::NoMemoryReplica)
 }
@@ -527,21 +579,34 @@ impl Store {
             Response::GetReplicaList(Err(e)) => return Err(StoreError::Refused(e)),
             _ => return Err(StoreError::Unexpected),
         };
-        let d = memory_replica(&list)?;
-        let room = self.reserve(d.size).await?;
-        let v = self.fetch(d, Some(room)).await?;
-        if let Some(cache) = &self.replicas {
-            cache.put(key, d, list.lease_ttl_ms);
+        match readable(&list)? {
+            Source::Memory(d) => {
+                let room = self.reserve(d.size).await?;
+                let v = self.fetch(&d, Some(room)).await?;
+                if let Some(cache) = &self.replicas {
+                    cache.put(key, &d, list.lease_ttl_ms);
+                }
+                Ok(Some(v))
+            }
+            Source::Disk(d) => {
+                let _room = self.reserve(d.object_size).await?;
+                Ok(Some(Value::Whole(self.read_disk(&d).await?)))
+            }
         }
-        Ok(Some(v))
     }
 
-    /// Where the values of `keys` are, in one `BatchGetReplicaList`: per key the first
-    /// complete memory replica, `None` when the key is absent, or why it cannot be read.
+    async fn read_disk(&self, d: &DiskDescriptor) -> Result<Bytes, StoreError> {
+        let v = super::disk::read(d).await?;
+        self.metrics.kv.transfer(3, false, d.object_size);
+        Ok(v)
+    }
+
+    /// Where the values of `keys` are, in one `BatchGetReplicaList`: per key the replica
+    /// to read, `None` when the key is absent, or why it cannot be read.
     pub async fn locate_many(
         &self,
         keys: Vec<Bytes>,
-    ) -> Result<Vec<Result<Option<BufferDescriptor>, StoreError>>, StoreError> {
+    ) -> Result<Vec<Result<Option<Source>, StoreError>>, StoreError> {
         let n = keys.len();
         let resp = self
             .call(Request::BatchGetReplicaList(KeysArgs {
@@ -557,19 +622,22 @@ impl Store {
         }
         Ok(v.into_iter()
             .map(|r| match r {
-                Ok(list) => memory_replica(&list).map(|d| Some(d.clone())),
+                Ok(list) => readable(&list).map(Some),
                 Err(ErrorCode::OBJECT_NOT_FOUND) => Ok(None),
                 Err(e) => Err(StoreError::Refused(e)),
             })
             .collect())
     }
 
-    /// Reads the replica `d` whole; the caller holds its budget. (Batch reads: their
-    /// part's reservation covers every value in it.)
-    pub async fn read_replica(&self, d: &BufferDescriptor) -> Result<Bytes, StoreError> {
-        match self.fetch(d, None).await? {
-            Value::Whole(b) => Ok(b),
-            Value::Stream { .. } => Err(StoreError::Unexpected),
+    /// Reads a replica whole; the caller holds its budget. (Batch reads: their part's
+    /// reservation covers every value in it.)
+    pub async fn read_replica(&self, src: &Source) -> Result<Bytes, StoreError> {
+        match src {
+            Source::Disk(d) => self.read_disk(d).await,
+            Source::Memory(d) => match self.fetch(d, None).await? {
+                Value::Whole(b) => Ok(b),
+                Value::Stream { .. } => Err(StoreError::Unexpected),
+            },
         }
     }
 
@@ -708,12 +776,49 @@ impl Store {
             jobs.push(self.write_allocated(s, v));
         }
         let mut done = in_order(jobs, BATCH_CONCURRENCY).await;
-        let (mut ended, mut revoked) = (Vec::new(), Vec::new());
+        let (mut ended, mut revoked, mut with_disk, mut disk_failed) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for (i, (allocated, r)) in done.iter().enumerate() {
             match (allocated, r) {
-                (true, Ok(())) => ended.push(i),
+                (true, Ok(Stored::Memory)) => ended.push(i),
+                (true, Ok(Stored::MemoryAndDisk)) => {
+                    with_disk.push(i);
+                    ended.push(i);
+                }
+                (true, Ok(Stored::DiskFailed)) => disk_failed.push(i),
                 (true, Err(_)) => revoked.push(i),
                 _ => {}
+            }
+        }
+        // Rare (a disk tier that cannot be written here): ended key by key.
+        for i in disk_failed {
+            if let Err(e) = self
+                .end_put(values[i].0.clone(), Ok(Stored::DiskFailed))
+                .await
+            {
+                done[i].1 = Err(e);
+            }
+        }
+        if !with_disk.is_empty() {
+            // The disk replicas end on their own, before ALL (as Mooncake's client does).
+            let resp = self
+                .call(Request::BatchPutEnd(BatchPutEndArgs {
+                    client_id: self.client_id,
+                    object_metas: with_disk
+                        .iter()
+                        .map(|&i| ObjectMeta {
+                            key: values[i].0.clone(),
+                            object_checksum: None,
+                        })
+                        .collect(),
+                    replica_type: ReplicaType::DISK,
+                    tenant_id: self.tenant.clone(),
+                }))
+                .await?;
+            if let Response::BatchPutEnd(v) = resp
+                && let Some(Err(e)) = v.into_iter().find(Result::is_err)
+            {
+                tracing::warn!(code = %e, "BatchPutEnd(DISK) refused");
             }
         }
         if !revoked.is_empty() {
@@ -754,7 +859,7 @@ impl Store {
                 }
             }
         }
-        Ok(done.into_iter().map(|(_, r)| r).collect())
+        Ok(done.into_iter().map(|(_, r)| r.map(|_| ())).collect())
     }
 
     /// Writes one key of a batch that `BatchPutStart` allocated; `(allocated, outcome)`.
@@ -762,7 +867,7 @@ impl Store {
         &self,
         started: Result<Vec<crate::codec::types::ReplicaDescriptor>, ErrorCode>,
         value: &Bytes,
-    ) -> (bool, Result<(), StoreError>) {
+    ) -> (bool, Result<Stored, StoreError>) {
         match started {
             Ok(replicas) => (true, self.write_replicas(&replicas, value).await),
             Err(e) => (false, Err(StoreError::Refused(e))),
@@ -799,32 +904,51 @@ impl Store {
         self.end_put(key, written).await
     }
 
-    /// `PutEnd` after the replicas were written, `PutRevoke` (and the write's error)
-    /// when they were not.
-    async fn end_put(&self, key: Bytes, written: Result<(), StoreError>) -> Result<(), StoreError> {
-        if let Err(e) = written {
-            let _ = self
-                .call(Request::PutRevoke(PutRevokeArgs {
-                    client_id: self.client_id,
-                    key,
-                    replica_type: ReplicaType::ALL,
-                    tenant_id: self.tenant.clone(),
-                }))
-                .await;
-            return Err(e);
-        }
-        match self
-            .call(Request::PutEnd(PutEndArgs {
+    /// `PutEnd(ALL)` after every replica was written (preceded by `PutEnd(DISK)` for a
+    /// disk replica); `PutRevoke(DISK)` then `PutEnd(ALL)` when only the disk replica
+    /// failed; `PutRevoke(ALL)` (and the write's error) when a memory replica failed.
+    async fn end_put(
+        &self,
+        key: Bytes,
+        written: Result<Stored, StoreError>,
+    ) -> Result<(), StoreError> {
+        let revoke = |key: Bytes, replica_type| {
+            self.call(Request::PutRevoke(PutRevokeArgs {
+                client_id: self.client_id,
+                key,
+                replica_type,
+                tenant_id: self.tenant.clone(),
+            }))
+        };
+        let end = |key: Bytes, replica_type| {
+            self.call(Request::PutEnd(PutEndArgs {
                 client_id: self.client_id,
                 object_meta: ObjectMeta {
                     key,
                     object_checksum: None,
                 },
-                replica_type: ReplicaType::ALL,
+                replica_type,
                 tenant_id: self.tenant.clone(),
             }))
-            .await?
-        {
+        };
+        match written {
+            Err(e) => {
+                let _ = revoke(key, ReplicaType::ALL).await;
+                return Err(e);
+            }
+            Ok(Stored::Memory) => {}
+            Ok(Stored::MemoryAndDisk) => {
+                if let Response::PutEnd(Err(e)) = end(key.clone(), ReplicaType::DISK).await? {
+                    tracing::warn!(code = %e, "PutEnd(DISK) refused");
+                }
+            }
+            Ok(Stored::DiskFailed) => {
+                if let Response::PutRevoke(Err(e)) = revoke(key.clone(), ReplicaType::DISK).await? {
+                    tracing::warn!(code = %e, "PutRevoke(DISK) refused");
+                }
+            }
+        }
+        match end(key, ReplicaType::ALL).await? {
             Response::PutEnd(Ok(())) => Ok(()),
             Response::PutEnd(Err(e)) => Err(StoreError::Refused(e)),
             _ => Err(StoreError::Unexpected),
@@ -837,14 +961,22 @@ impl Store {
         replicas: &[crate::codec::types::ReplicaDescriptor],
         len: u64,
         mut body: B,
-    ) -> Result<(), StoreError>
+    ) -> Result<Stored, StoreError>
     where
         B: hyper::body::Body<Data = Bytes> + Unpin,
         B::Error: std::fmt::Display,
     {
         use http_body_util::BodyExt;
         let mut sinks = Vec::with_capacity(replicas.len());
+        let mut disks = Vec::new();
+        let mut stored = Stored::Memory;
         for r in replicas {
+            if let ReplicaLocation::Disk(d) = &r.location {
+                match super::disk::Writer::create(d).await {
+                    Ok(w) => disks.push(w),
+                    Err(e) => stored = stored.and_disk(self.disk_failed(&e)),
+                }
+            }
             let ReplicaLocation::Memory(m) = &r.location else {
                 continue;
             };
@@ -871,6 +1003,16 @@ impl Store {
             for s in &mut sinks {
                 s.send(at, &chunk).await?;
             }
+            let mut failed = None;
+            for w in &mut disks {
+                if let Err(e) = w.write(&chunk).await {
+                    failed = Some(e);
+                }
+            }
+            if let Some(e) = failed {
+                stored = stored.and_disk(self.disk_failed(&e));
+                disks.clear();
+            }
             at += chunk.len() as u64;
         }
         if at != len {
@@ -880,7 +1022,17 @@ impl Store {
             let transport = s.finish(self).await?;
             self.metrics.kv.transfer(transport, true, len);
         }
-        Ok(())
+        for w in disks {
+            let ok = match w.finish().await {
+                Ok(()) => {
+                    self.metrics.kv.transfer(3, true, len);
+                    true
+                }
+                Err(e) => self.disk_failed(&e),
+            };
+            stored = stored.and_disk(ok);
+        }
+        Ok(stored)
     }
 
     /// A write to the replica `d`, ready for its bytes: in place, QUIC, or TE-TCP.
@@ -926,13 +1078,42 @@ impl Store {
         })
     }
 
+    /// Writes every memory replica (any failure fails the put), then every disk replica
+    /// (a failure there keeps the memory replicas: [`Stored::MemoryOnly`]).
     async fn write_replicas(
+        &self,
+        replicas: &[crate::codec::types::ReplicaDescriptor],
+        value: &Bytes,
+    ) -> Result<Stored, StoreError> {
+        self.write_memory_replicas(replicas, value).await?;
+        let mut stored = Stored::Memory;
+        for r in replicas {
+            if let ReplicaLocation::Disk(d) = &r.location {
+                let ok = match super::disk::write(d, value).await {
+                    Ok(()) => {
+                        self.metrics.kv.transfer(3, true, d.object_size);
+                        true
+                    }
+                    Err(e) => self.disk_failed(&e),
+                };
+                stored = stored.and_disk(ok);
+            }
+        }
+        Ok(stored)
+    }
+
+    /// Logs a disk replica that could not be written; always `false` (not written).
+    fn disk_failed(&self, e: &super::disk::DiskError) -> bool {
+        tracing::warn!(error = %e, "disk replica not written; the value stays in memory only");
+        false
+    }
+
+    async fn write_memory_replicas(
         &self,
         replicas: &[crate::codec::types::ReplicaDescriptor],
         value: &Bytes,
     ) -> Result<(), StoreError> {
         for r in replicas {
-            // Disk replicas are written by the master's own disk path, not by clients.
             let ReplicaLocation::Memory(m) = &r.location else {
                 continue;
             };
