@@ -145,8 +145,7 @@ impl ApiClient {
             "0.0.0.0:0".parse()
         }
         .map_err(|_| QuicError::Setup("bind".into()))?;
-        let endpoint = quinn::Endpoint::client(bind)
-            .map_err(|e| QuicError::Setup(format!("client endpoint: {e}")))?;
+        let endpoint = super::quic::bind(bind, None)?;
         let connecting = endpoint
             .connect_with(cfg, addr, "moongate")
             .map_err(|e| err(e.to_string()))?;

@@ -129,8 +129,39 @@ pub(super) fn endpoint(
     let crypto = QuicServerConfig::try_from(tls).map_err(|e| QuicError::Setup(e.to_string()))?;
     let mut cfg = quinn::ServerConfig::with_crypto(Arc::new(crypto));
     cfg.transport_config(transport());
-    quinn::Endpoint::server(cfg, listen)
-        .map_err(|e| QuicError::Setup(format!("bind {listen}: {e}")))
+    bind(listen, Some(cfg))
+}
+
+/// UDP payloads this endpoint accepts (the most UDP carries). quinn's default, 1472,
+/// is advertised to the peer as a hard cap and stops MTU discovery at Ethernet size;
+/// with this, discovery can find jumbo-frame (and loopback) paths.
+const MAX_UDP_PAYLOAD: u16 = 65_527;
+
+/// Socket buffer bytes asked for on QUIC's UDP sockets.
+const UDP_BUFFER_BYTES: usize = 8 << 20;
+
+/// A QUIC endpoint on `addr` (a server when `server` is given).
+pub(super) fn bind(
+    addr: SocketAddr,
+    server: Option<quinn::ServerConfig>,
+) -> Result<quinn::Endpoint, QuicError> {
+    let socket = std::net::UdpSocket::bind(addr)
+        .map_err(|e| QuicError::Setup(format!("bind {addr}: {e}")))?;
+    // The kernel's default (~208 KiB) overflows under a GSO burst of large datagrams:
+    // the drops read as loss, cut the congestion window and, seen as an MTU black hole,
+    // pin the path MTU at 1200. Ask for more; the kernel caps it at net.core.*mem_max.
+    let s = socket2::SockRef::from(&socket);
+    if let Err(e) = s
+        .set_recv_buffer_size(UDP_BUFFER_BYTES)
+        .and_then(|()| s.set_send_buffer_size(UDP_BUFFER_BYTES))
+    {
+        tracing::debug!(error = %e, "UDP buffer sizes not raised");
+    }
+    let mut cfg = quinn::EndpointConfig::default();
+    cfg.max_udp_payload_size(MAX_UDP_PAYLOAD)
+        .map_err(|e| QuicError::Setup(e.to_string()))?;
+    quinn::Endpoint::new(cfg, server, socket, Arc::new(quinn::TokioRuntime))
+        .map_err(|e| QuicError::Setup(format!("endpoint on {addr}: {e}")))
 }
 
 pub async fn serve(endpoint: quinn::Endpoint, mem: Arc<Memory>, shutdown: CancellationToken) {
@@ -255,11 +286,12 @@ pub struct QuicPool {
 
 impl QuicPool {
     pub fn new(timeout: Duration, streams: usize) -> Result<QuicPool, QuicError> {
-        let bind: SocketAddr = "127.0.0.1:0"
+        // Any address: peers are other hosts' moongates (IPv4, as Mooncake's segment
+        // names are).
+        let any: SocketAddr = "0.0.0.0:0"
             .parse()
             .map_err(|_| QuicError::Setup("bind".into()))?;
-        let endpoint = quinn::Endpoint::client(bind)
-            .map_err(|e| QuicError::Setup(format!("client endpoint: {e}")))?;
+        let endpoint = bind(any, None)?;
         Ok(QuicPool {
             endpoint,
             conns: Mutex::new(HashMap::new()),
