@@ -84,6 +84,19 @@ fn json_string(s: &str, out: &mut String) {
     out.push('"');
 }
 
+/// `keys` as a JSON array of strings.
+fn json_array(keys: &[&str]) -> String {
+    let mut body = String::from("[");
+    for (i, k) in keys.iter().enumerate() {
+        if i > 0 {
+            body.push(',');
+        }
+        json_string(k, &mut body);
+    }
+    body.push(']');
+    body
+}
+
 fn parse_bools(body: &[u8]) -> Result<Vec<bool>, Error> {
     let text = std::str::from_utf8(body).map_err(|e| Error::Protocol(e.to_string()))?;
     let inner = text
@@ -237,14 +250,7 @@ impl Client {
 
     /// Whether each of `keys` is stored, in order.
     pub fn exists(&mut self, keys: &[&str]) -> Result<Vec<bool>, Error> {
-        let mut body = String::from("[");
-        for (i, k) in keys.iter().enumerate() {
-            if i > 0 {
-                body.push(',');
-            }
-            json_string(k, &mut body);
-        }
-        body.push(']');
+        let body = json_array(keys);
         match self.call("POST", "/v1/kv/exists", body.as_bytes())? {
             (200, b) => parse_bools(&b),
             (s, b) => Err(Self::fail(s, &b)),
@@ -254,14 +260,7 @@ impl Client {
     /// The values of `keys` in one call, in order: `Ok(None)` for an absent key, `Err`
     /// for a key that could not be read (503: the node was busy; retry it later).
     pub fn batch_get(&mut self, keys: &[&str]) -> Result<Vec<KeyResult>, Error> {
-        let mut body = String::from("[");
-        for (i, k) in keys.iter().enumerate() {
-            if i > 0 {
-                body.push(',');
-            }
-            json_string(k, &mut body);
-        }
-        body.push(']');
+        let body = json_array(keys);
         let (status, b) = self.call("POST", "/v1/kv/batch/get", body.as_bytes())?;
         if status != 200 {
             return Err(Self::fail(status, &b));

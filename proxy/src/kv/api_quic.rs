@@ -61,36 +61,10 @@ pub fn server(
 /// Serves the kv API on `endpoint` until shutdown: a task per connection, one HTTP
 /// connection per stream.
 pub async fn serve(endpoint: quinn::Endpoint, state: Arc<KvState>, shutdown: CancellationToken) {
-    loop {
-        let incoming = tokio::select! {
-            _ = shutdown.cancelled() => {
-                endpoint.close(0u32.into(), b"shutdown");
-                return;
-            }
-            i = endpoint.accept() => match i {
-                Some(i) => i,
-                None => return,
-            },
-        };
-        let state = state.clone();
-        tokio::spawn(async move {
-            let conn = match incoming.await {
-                Ok(c) => c,
-                Err(e) => {
-                    tracing::info!(error = %e, "kv quic handshake failed");
-                    return;
-                }
-            };
-            let peer = conn.remote_address();
-            tracing::debug!(%peer, "kv quic caller connected");
-            while let Ok((send, recv)) = conn.accept_bi().await {
-                tokio::spawn(super::http::serve_conn(
-                    tokio::io::join(recv, send),
-                    state.clone(),
-                ));
-            }
-        });
-    }
+    super::quic::serve_streams(endpoint, shutdown, "kv API", move |stream, _| {
+        super::http::serve_conn(stream, state.clone())
+    })
+    .await
 }
 
 /// How a caller proves who it is to a server with `kv.api_quic_client_ca`.

@@ -164,7 +164,34 @@ pub(super) fn bind(
         .map_err(|e| QuicError::Setup(format!("endpoint on {addr}: {e}")))
 }
 
+/// Serves the own segment's TE exchange on every stream until shutdown.
 pub async fn serve(endpoint: quinn::Endpoint, mem: Arc<Memory>, shutdown: CancellationToken) {
+    serve_streams(endpoint, shutdown, "segment", move |stream, peer| {
+        let mem = mem.clone();
+        async move {
+            if let Err(e) = super::segment::serve_conn(stream, &mem).await {
+                tracing::debug!(%peer, error = %e, "quic segment stream closed");
+            }
+        }
+    })
+    .await
+}
+
+/// A bidirectional QUIC stream as one byte stream.
+pub(super) type BiStream = tokio::io::Join<quinn::RecvStream, quinn::SendStream>;
+
+/// Accepts connections on `endpoint` until shutdown, and runs `on_stream` as its own
+/// task for every bidirectional stream (so a bad stream ends only itself). `what`
+/// names the listener in logs.
+pub(super) async fn serve_streams<F, Fut>(
+    endpoint: quinn::Endpoint,
+    shutdown: CancellationToken,
+    what: &'static str,
+    on_stream: F,
+) where
+    F: Fn(BiStream, SocketAddr) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
     loop {
         let incoming = tokio::select! {
             _ = shutdown.cancelled() => {
@@ -176,24 +203,18 @@ pub async fn serve(endpoint: quinn::Endpoint, mem: Arc<Memory>, shutdown: Cancel
                 None => return,
             },
         };
-        let mem = mem.clone();
+        let on_stream = on_stream.clone();
         tokio::spawn(async move {
             let conn = match incoming.await {
                 Ok(c) => c,
                 Err(e) => {
-                    tracing::debug!(error = %e, "quic handshake failed");
+                    tracing::info!(listener = what, error = %e, "quic handshake failed");
                     return;
                 }
             };
             let peer = conn.remote_address();
             while let Ok((send, recv)) = conn.accept_bi().await {
-                let mem = mem.clone();
-                tokio::spawn(async move {
-                    let stream = tokio::io::join(recv, send);
-                    if let Err(e) = super::segment::serve_conn(stream, &mem).await {
-                        tracing::debug!(%peer, error = %e, "quic segment stream closed");
-                    }
-                });
+                tokio::spawn(on_stream(tokio::io::join(recv, send), peer));
             }
         });
     }

@@ -799,23 +799,23 @@ impl Store {
                 done[i].1 = Err(e);
             }
         }
+        let end = |at: &[usize], replica_type| {
+            self.call(Request::BatchPutEnd(BatchPutEndArgs {
+                client_id: self.client_id,
+                object_metas: at
+                    .iter()
+                    .map(|&i| ObjectMeta {
+                        key: values[i].0.clone(),
+                        object_checksum: None,
+                    })
+                    .collect(),
+                replica_type,
+                tenant_id: self.tenant.clone(),
+            }))
+        };
         if !with_disk.is_empty() {
             // The disk replicas end on their own, before ALL (as Mooncake's client does).
-            let resp = self
-                .call(Request::BatchPutEnd(BatchPutEndArgs {
-                    client_id: self.client_id,
-                    object_metas: with_disk
-                        .iter()
-                        .map(|&i| ObjectMeta {
-                            key: values[i].0.clone(),
-                            object_checksum: None,
-                        })
-                        .collect(),
-                    replica_type: ReplicaType::DISK,
-                    tenant_id: self.tenant.clone(),
-                }))
-                .await?;
-            if let Response::BatchPutEnd(v) = resp
+            if let Response::BatchPutEnd(v) = end(&with_disk, ReplicaType::DISK).await?
                 && let Some(Err(e)) = v.into_iter().find(Result::is_err)
             {
                 tracing::warn!(code = %e, "BatchPutEnd(DISK) refused");
@@ -833,21 +833,7 @@ impl Store {
                 .await;
         }
         if !ended.is_empty() {
-            let resp = self
-                .call(Request::BatchPutEnd(BatchPutEndArgs {
-                    client_id: self.client_id,
-                    object_metas: ended
-                        .iter()
-                        .map(|&i| ObjectMeta {
-                            key: values[i].0.clone(),
-                            object_checksum: None,
-                        })
-                        .collect(),
-                    replica_type: ReplicaType::ALL,
-                    tenant_id: self.tenant.clone(),
-                }))
-                .await?;
-            let Response::BatchPutEnd(v) = resp else {
+            let Response::BatchPutEnd(v) = end(&ended, ReplicaType::ALL).await? else {
                 return Err(StoreError::Unexpected);
             };
             if v.len() != ended.len() {
