@@ -57,12 +57,23 @@ pub fn scenario() -> PathBuf {
 }
 
 /// A port that was free a moment ago (bind to 0, read it, release it).
+/// A loopback port nothing listens on now, never the same one twice in this test
+/// process: the kernel may hand a just-closed port out again, and two servers told the
+/// same port (seen: a master whose RPC and metrics ports collided) fail to start.
 pub fn free_port() -> u16 {
-    TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|p| p.into_inner());
+    loop {
+        let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 pub fn tempdir() -> tempfile::TempDir {
