@@ -3,7 +3,7 @@
 16 MiB (GB/s) from the same owner segment.
 
 Setup: mooncake_master; an owner process (real client) with a 256 MiB segment that puts
-kv/4k and kv/16m; moongate with the kv face; then alternately, --rounds times:
+kv/4k, kv/16m and 64 values of 64 KiB (kv/b/0..63, read as one batch); moongate with the kv face; then alternately, --rounds times:
   mooncake  a reader process with an empty segment doing get_into of the same keys
             (the transfer engine's TCP path, as in ../shared/bench/mc_bench.py)
   moongate  examples/kv_bench: keep-alive HTTP GETs to the kv face
@@ -26,11 +26,16 @@ from benchlib import free_port, master_cmd, pct, run_owner, spawn_owner, stop_al
 MiB = 1 << 20
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 SIZES = {"4k": 4096, "16m": 16 * MiB}
+# A batch load: BATCH_N values of BATCH_SIZE (kv/b/0..), one call each side
+# (Mooncake's batch_get_into, moongate's POST /v1/kv/batch/get).
+BATCH_N, BATCH_SIZE = 64, 64 * 1024
+BATCH = f"batch{BATCH_N}x{BATCH_SIZE // 1024}k"
 
 
 def role_owner(a):
-    run_owner(a.master, a.metadata, 256 * MiB,
-              {f"kv/{name}": os.urandom(size) for name, size in SIZES.items()})
+    values = {f"kv/{name}": os.urandom(size) for name, size in SIZES.items()}
+    values.update({f"kv/b/{i}": os.urandom(BATCH_SIZE) for i in range(BATCH_N)})
+    run_owner(a.master, a.metadata, 256 * MiB, values)
 
 
 def role_reader(a):
@@ -54,6 +59,21 @@ def role_reader(a):
         total = time.perf_counter() - t0
         out[name] = {"p50_us": pct(lat, 0.5), "p99_us": pct(lat, 0.99),
                      "GBps": size * n / total / 1e9}
+    keys = [f"kv/b/{i}" for i in range(BATCH_N)]
+    addrs = [addr + i * BATCH_SIZE for i in range(BATCH_N)]
+    sizes = [BATCH_SIZE] * BATCH_N
+    n = max(20, a.count // 20)
+    for _ in range(3):
+        assert list(s.batch_get_into(keys, addrs, sizes)) == sizes
+    lat = []
+    t0 = time.perf_counter()
+    for _ in range(n):
+        t = time.perf_counter()
+        assert list(s.batch_get_into(keys, addrs, sizes)) == sizes
+        lat.append((time.perf_counter() - t) * 1e6)
+    total = time.perf_counter() - t0
+    out[BATCH] = {"p50_us": pct(lat, 0.5), "p99_us": pct(lat, 0.99),
+                  "GBps": BATCH_N * BATCH_SIZE * n / total / 1e9}
     s.unregister_buffer(addr)
     s.close()
     print(json.dumps(out), flush=True)
@@ -110,6 +130,10 @@ def main():
                         out = subprocess.run([a.kv_bench, f"127.0.0.1:{kv}", f"kv%2F{name}", str(n)],
                                              check=True, capture_output=True, text=True).stdout
                         r[name] = json.loads(out)
+                    n = max(20, a.count // 20)
+                    out = subprocess.run([a.kv_bench, f"127.0.0.1:{kv}", f"batch:kv/b/:{BATCH_N}",
+                                          str(n)], check=True, capture_output=True, text=True).stdout
+                    r[BATCH] = json.loads(out)
                     res[side].append(r)
                 print(f"round {i + 1}/{a.rounds} {side} done", file=sys.stderr, flush=True)
         owner.stdin.close()
@@ -119,7 +143,8 @@ def main():
     med = lambda side, name, m: statistics.median(r[name][m] for r in res[side])
     print(f"\nmedians over {a.rounds} rounds")
     print(f"{'':<28}{'mooncake client':>18}{'moongate kv face':>18}")
-    for name, metric in (("4k", "p50_us"), ("4k", "p99_us"), ("16m", "GBps")):
+    for name, metric in (("4k", "p50_us"), ("4k", "p99_us"), ("16m", "GBps"),
+                         (BATCH, "p50_us"), (BATCH, "GBps")):
         print(f"{name + ' remote get ' + metric:<28}{med('mooncake', name, metric):>18.2f}"
               f"{med('moongate', name, metric):>18.2f}")
     if a.json:

@@ -1,6 +1,8 @@
 //! A keep-alive HTTP/1.1 client for the kv face benchmark (`benches/kv_face.py`):
 //! `kv_bench ADDR KEY COUNT` GETs KEY COUNT times on one connection and prints one JSON
 //! line: p50/p99 latency in microseconds, bytes per GET, GB/s over the whole loop.
+//! `kv_bench ADDR batch:PREFIX:N COUNT` instead asks `POST /v1/kv/batch/get` for the N
+//! keys PREFIX0..PREFIX{N-1} per call (bytes = all N values).
 //! The last body is checked against the first one; the loop reads into one reused
 //! buffer, as Mooncake's `get_into` does into its registered buffer (a fresh zeroed
 //! allocation and a full compare per GET would bill the caller's own work to moongate).
@@ -9,44 +11,80 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::time::Instant;
 
-fn get(
+/// Sends one request and reads the answer's body (Content-Length or chunked) into
+/// `body`.
+fn call(
     r: &mut BufReader<TcpStream>,
     w: &mut TcpStream,
-    addr: &str,
-    path: &str,
+    head: &str,
+    req_body: &[u8],
     body: &mut Vec<u8>,
 ) {
-    write!(w, "GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n").expect("send");
+    w.write_all(head.as_bytes()).expect("send");
+    w.write_all(req_body).expect("send body");
     let mut line = String::new();
     r.read_line(&mut line).expect("status line");
     assert!(
         line.starts_with("HTTP/1.1 200"),
         "unexpected answer: {line}"
     );
-    let mut len = 0usize;
+    let mut len = None;
+    let mut chunked = false;
     loop {
         line.clear();
         r.read_line(&mut line).expect("header");
-        let l = line.trim_end();
+        let l = line.trim_end().to_ascii_lowercase();
         if l.is_empty() {
             break;
         }
-        if let Some(v) = l
-            .to_ascii_lowercase()
-            .strip_prefix("content-length:")
-            .map(|v| v.trim().to_string())
-        {
-            len = v.parse().expect("content-length");
+        if let Some(v) = l.strip_prefix("content-length:") {
+            len = Some(v.trim().parse::<usize>().expect("content-length"));
+        }
+        if l == "transfer-encoding: chunked" {
+            chunked = true;
         }
     }
-    body.resize(len, 0);
-    r.read_exact(body).expect("body");
+    if !chunked {
+        body.resize(len.expect("a length"), 0);
+        r.read_exact(body).expect("body");
+        return;
+    }
+    body.clear();
+    loop {
+        line.clear();
+        r.read_line(&mut line).expect("chunk size");
+        let n = usize::from_str_radix(line.trim_end(), 16).expect("chunk size");
+        if n == 0 {
+            line.clear();
+            r.read_line(&mut line).expect("last line");
+            return;
+        }
+        let at = body.len();
+        body.resize(at + n, 0);
+        r.read_exact(&mut body[at..]).expect("chunk");
+        let mut crlf = [0u8; 2];
+        r.read_exact(&mut crlf).expect("chunk end");
+    }
+}
+
+/// Checks a batch answer: `n` records, all status 200; returns the value bytes.
+fn batch_bytes(b: &[u8], n: usize) -> usize {
+    let (mut at, mut total) = (0, 0);
+    for _ in 0..n {
+        let status = u16::from_le_bytes([b[at], b[at + 1]]);
+        let len = u64::from_le_bytes(b[at + 2..at + 10].try_into().expect("len")) as usize;
+        assert_eq!(status, 200, "a key of the batch was not read");
+        total += len;
+        at += 10 + len;
+    }
+    assert_eq!(at, b.len(), "trailing bytes after the records");
+    total
 }
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let [_, addr, key, count] = &args[..] else {
-        eprintln!("usage: kv_bench ADDR KEY COUNT");
+        eprintln!("usage: kv_bench ADDR (KEY | batch:PREFIX:N) COUNT");
         std::process::exit(2);
     };
     let count: usize = count.parse().expect("COUNT");
@@ -54,15 +92,33 @@ fn main() {
     s.set_nodelay(true).expect("nodelay");
     let mut w = s.try_clone().expect("clone");
     let mut r = BufReader::with_capacity(1 << 20, s);
-    let path = format!("/v1/kv/{key}");
+    let (head, req_body, batch) = match key.strip_prefix("batch:") {
+        Some(spec) => {
+            let (prefix, n) = spec.rsplit_once(':').expect("batch:PREFIX:N");
+            let n: usize = n.parse().expect("N");
+            let keys: Vec<String> = (0..n).map(|i| format!("\"{prefix}{i}\"")).collect();
+            let json = format!("[{}]", keys.join(","));
+            let head = format!(
+                "POST /v1/kv/batch/get HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {}\r\n\r\n",
+                json.len()
+            );
+            (head, json.into_bytes(), Some(n))
+        }
+        None => (
+            format!("GET /v1/kv/{key} HTTP/1.1\r\nHost: {addr}\r\n\r\n"),
+            Vec::new(),
+            None,
+        ),
+    };
     let mut first = Vec::new();
-    get(&mut r, &mut w, addr, &path, &mut first);
+    call(&mut r, &mut w, &head, &req_body, &mut first);
+    let bytes = batch.map_or(first.len(), |n| batch_bytes(&first, n));
     let mut body = Vec::with_capacity(first.len());
     let mut lat = Vec::with_capacity(count);
     let start = Instant::now();
     for _ in 0..count {
         let t = Instant::now();
-        get(&mut r, &mut w, addr, &path, &mut body);
+        call(&mut r, &mut w, &head, &req_body, &mut body);
         lat.push(t.elapsed().as_secs_f64() * 1e6);
     }
     let total = start.elapsed().as_secs_f64();
@@ -71,9 +127,9 @@ fn main() {
     let p = |q: f64| lat[((lat.len() as f64 * q) as usize).min(lat.len() - 1)];
     println!(
         "{{\"bytes\": {}, \"p50_us\": {:.1}, \"p99_us\": {:.1}, \"GBps\": {:.3}}}",
-        first.len(),
+        bytes,
         p(0.5),
         p(0.99),
-        (first.len() * count) as f64 / total / 1e9
+        (bytes * count) as f64 / total / 1e9
     );
 }

@@ -17,7 +17,7 @@ use hyper::StatusCode;
 
 use super::http::{KvState, status_of};
 use super::records::{self, PutReader, RecordError};
-use super::store::{BATCH_CONCURRENCY, Reserved, Source, StoreError, in_order};
+use super::store::{BATCH_CONCURRENCY, Reserved, Source, StoreError};
 use crate::policy::PutAction;
 
 /// The outcome of one key of a batch.
@@ -105,8 +105,17 @@ pub async fn get_parts(
         for r in &located[from..to] {
             jobs.push(get_one(&state, r, busy.as_deref()));
         }
-        let answers = in_order(jobs, BATCH_CONCURRENCY).await;
-        for [head, body] in answers {
+        // Records go out in key order as soon as each is read (and all earlier ones
+        // were), so the caller's receive overlaps the part's remaining reads.
+        let mut waiting = jobs.into_iter();
+        let mut running = futures_util::stream::FuturesOrdered::new();
+        for job in waiting.by_ref().take(BATCH_CONCURRENCY) {
+            running.push_back(job);
+        }
+        while let Some([head, body]) = futures_util::StreamExt::next(&mut running).await {
+            if let Some(job) = waiting.next() {
+                running.push_back(job);
+            }
             if tx.send(head).await.is_err() || (!body.is_empty() && tx.send(body).await.is_err()) {
                 return; // the caller went away; the part's room is given back
             }

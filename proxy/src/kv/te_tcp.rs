@@ -71,10 +71,17 @@ pub fn split_ranges(len: u64, split_bytes: u64, parts: usize) -> Vec<(u64, u64)>
         .collect()
 }
 
+/// Idle connections kept per peer at least (the kv face's batch concurrency).
+const KEEP_PER_PEER: usize = 16;
+
 /// Idle connections per peer (`host:port` of its TE data listener).
 pub struct Pool {
     idle: Mutex<HashMap<String, Vec<TcpStream>>>,
+    /// Connections one large transfer is spread over.
     per_peer: usize,
+    /// Idle connections kept per peer: enough for a batch's concurrent transfers, so
+    /// they reuse connections instead of dialling and dropping one each.
+    keep: usize,
     timeout: Duration,
     /// Ranges at least this large are split over several connections.
     split_bytes: u64,
@@ -85,6 +92,7 @@ impl Pool {
         Pool {
             idle: Mutex::new(HashMap::new()),
             per_peer: per_peer.max(1),
+            keep: per_peer.max(KEEP_PER_PEER),
             timeout,
             split_bytes: 4 << 20,
         }
@@ -117,7 +125,7 @@ impl Pool {
     fn give_back(&self, peer: &str, s: TcpStream) {
         let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
         let v = idle.entry(peer.to_string()).or_default();
-        if v.len() < self.per_peer {
+        if v.len() < self.keep {
             v.push(s);
         }
     }
