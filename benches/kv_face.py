@@ -74,6 +74,20 @@ def role_reader(a):
     total = time.perf_counter() - t0
     out[BATCH] = {"p50_us": pct(lat, 0.5), "p99_us": pct(lat, 0.99),
                   "GBps": BATCH_N * BATCH_SIZE * n / total / 1e9}
+    # Puts of 16 MiB from the registered buffer into the owner's segment, each removed
+    # after its (timed) put so the segment never fills.
+    n = max(8, a.count // 100)
+    lat = []
+    for i in range(n + 2):
+        key = f"mc/put/{i}"
+        t = time.perf_counter()
+        assert s.put_from(key, addr, 16 * MiB) == 0, key
+        took = time.perf_counter() - t
+        if i >= 2:
+            lat.append(took)
+        assert s.remove(key) == 0, key
+    out["put16m"] = {"p50_us": pct(lat, 0.5) * 1e6, "p99_us": pct(lat, 0.99) * 1e6,
+                     "GBps": 16 * MiB * n / sum(lat) / 1e9}
     s.unregister_buffer(addr)
     s.close()
     print(json.dumps(out), flush=True)
@@ -134,6 +148,10 @@ def main():
                     out = subprocess.run([a.kv_bench, f"127.0.0.1:{kv}", f"batch:kv/b/:{BATCH_N}",
                                           str(n)], check=True, capture_output=True, text=True).stdout
                     r[BATCH] = json.loads(out)
+                    out = subprocess.run([a.kv_bench, f"127.0.0.1:{kv}", f"put:mg%2Fput%2F:{16 * MiB}",
+                                          str(max(8, a.count // 100))],
+                                         check=True, capture_output=True, text=True).stdout
+                    r["put16m"] = json.loads(out)
                     res[side].append(r)
                 print(f"round {i + 1}/{a.rounds} {side} done", file=sys.stderr, flush=True)
         owner.stdin.close()
@@ -144,8 +162,9 @@ def main():
     print(f"\nmedians over {a.rounds} rounds")
     print(f"{'':<28}{'mooncake client':>18}{'moongate kv face':>18}")
     for name, metric in (("4k", "p50_us"), ("4k", "p99_us"), ("16m", "GBps"),
-                         (BATCH, "p50_us"), (BATCH, "GBps")):
-        print(f"{name + ' remote get ' + metric:<28}{med('mooncake', name, metric):>18.2f}"
+                         (BATCH, "p50_us"), (BATCH, "GBps"), ("put16m", "GBps")):
+        op = " remote put " if name.startswith("put") else " remote get "
+        print(f"{name + op + metric:<28}{med('mooncake', name, metric):>18.2f}"
               f"{med('moongate', name, metric):>18.2f}")
     if a.json:
         with open(a.json, "w") as f:

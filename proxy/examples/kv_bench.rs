@@ -3,6 +3,8 @@
 //! line: p50/p99 latency in microseconds, bytes per GET, GB/s over the whole loop.
 //! `kv_bench ADDR batch:PREFIX:N COUNT` instead asks `POST /v1/kv/batch/get` for the N
 //! keys PREFIX0..PREFIX{N-1} per call (bytes = all N values).
+//! `kv_bench ADDR put:PREFIX:SIZE COUNT` PUTs COUNT values of SIZE bytes (PREFIX0..,
+//! one 201 each) and DELETEs each after its PUT; only the PUTs are timed.
 //! The last body is checked against the first one; the loop reads into one reused
 //! buffer, as Mooncake's `get_into` does into its registered buffer (a fresh zeroed
 //! allocation and a full compare per GET would bill the caller's own work to moongate).
@@ -25,7 +27,9 @@ fn call(
     let mut line = String::new();
     r.read_line(&mut line).expect("status line");
     assert!(
-        line.starts_with("HTTP/1.1 200"),
+        ["HTTP/1.1 200", "HTTP/1.1 201", "HTTP/1.1 204"]
+            .iter()
+            .any(|ok| line.starts_with(ok)),
         "unexpected answer: {line}"
     );
     let mut len = None;
@@ -45,7 +49,7 @@ fn call(
         }
     }
     if !chunked {
-        body.resize(len.expect("a length"), 0);
+        body.resize(len.unwrap_or(0), 0);
         r.read_exact(body).expect("body");
         return;
     }
@@ -81,6 +85,43 @@ fn batch_bytes(b: &[u8], n: usize) -> usize {
     total
 }
 
+/// PUTs `count` values of `size` bytes, each DELETEd after its (timed) PUT.
+fn puts(
+    r: &mut BufReader<TcpStream>,
+    w: &mut TcpStream,
+    addr: &str,
+    prefix: &str,
+    size: usize,
+    count: usize,
+) {
+    let value: Vec<u8> = (0..size).map(|i| (i * 31 + 7) as u8).collect();
+    let mut answer = Vec::new();
+    let mut lat = Vec::with_capacity(count);
+    let mut busy = 0.0;
+    for i in 0..count + 2 {
+        let path = format!("/v1/kv/{prefix}{i}");
+        let head = format!("PUT {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {size}\r\n\r\n");
+        let t = Instant::now();
+        call(r, w, &head, &value, &mut answer);
+        let took = t.elapsed().as_secs_f64();
+        if i >= 2 {
+            // the first two warm connections and caches up
+            lat.push(took * 1e6);
+            busy += took;
+        }
+        let del = format!("DELETE {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n");
+        call(r, w, &del, &[], &mut answer);
+    }
+    lat.sort_by(f64::total_cmp);
+    let p = |q: f64| lat[((lat.len() as f64 * q) as usize).min(lat.len() - 1)];
+    println!(
+        "{{\"bytes\": {size}, \"p50_us\": {:.1}, \"p99_us\": {:.1}, \"GBps\": {:.3}}}",
+        p(0.5),
+        p(0.99),
+        (size * count) as f64 / busy / 1e9
+    );
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let [_, addr, key, count] = &args[..] else {
@@ -92,6 +133,11 @@ fn main() {
     s.set_nodelay(true).expect("nodelay");
     let mut w = s.try_clone().expect("clone");
     let mut r = BufReader::with_capacity(1 << 20, s);
+    if let Some(spec) = key.strip_prefix("put:") {
+        let (prefix, size) = spec.rsplit_once(':').expect("put:PREFIX:SIZE");
+        let size: usize = size.parse().expect("SIZE");
+        return puts(&mut r, &mut w, addr, prefix, size, count);
+    }
     let (head, req_body, batch) = match key.strip_prefix("batch:") {
         Some(spec) => {
             let (prefix, n) = spec.rsplit_once(':').expect("batch:PREFIX:N");
