@@ -434,6 +434,63 @@ fn the_rust_client_crate_round_trips() {
     assert_eq!(got[1].as_ref().unwrap(), &None);
     assert_eq!(got[2].as_ref().unwrap().as_deref(), Some(&big[..]));
     assert_eq!(tcp.exists(&["rust/b1"]).unwrap(), [true]);
+
+    // HTTP/2 (prior knowledge) on the same listeners: many requests at once on one
+    // connection, over TCP and over the Unix socket.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let tcp = tokio::net::TcpStream::connect(&kv).await.unwrap();
+        h2_round_trips(tcp, "h2tcp", &big).await;
+        let unix = tokio::net::UnixStream::connect(&sock).await.unwrap();
+        h2_round_trips(unix, "h2unix", &big).await;
+    });
+}
+
+/// 20 PUTs and then 20 GETs in parallel on one HTTP/2 connection, plus a 2 MiB GET.
+async fn h2_round_trips<S>(io: S, prefix: &str, big: &[u8])
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, Full};
+    let (sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(io),
+    )
+    .await
+    .expect("h2 handshake");
+    tokio::spawn(conn);
+    let call = |method: &str, key: String, body: Vec<u8>| {
+        let mut sender = sender.clone();
+        let req = hyper::Request::builder()
+            .method(method)
+            .uri(format!("http://moongate/v1/kv/{key}"))
+            .body(Full::new(Bytes::from(body)))
+            .unwrap();
+        async move {
+            let resp = sender.send_request(req).await.expect("h2 request");
+            assert_eq!(resp.version(), hyper::Version::HTTP_2);
+            let status = resp.status().as_u16();
+            let body = resp.into_body().collect().await.unwrap().to_bytes();
+            (status, body)
+        }
+    };
+    let keys: Vec<String> = (0..20).map(|i| format!("{prefix}%2F{i}")).collect();
+    let puts = keys
+        .iter()
+        .map(|k| call("PUT", k.clone(), value_of(&k.replace("%2F", "/"), 30_000)));
+    for (st, b) in futures_util::future::join_all(puts).await {
+        assert_eq!(st, 201, "{b:?}");
+    }
+    let gets = keys.iter().map(|k| call("GET", k.clone(), Vec::new()));
+    for (k, (st, b)) in keys.iter().zip(futures_util::future::join_all(gets).await) {
+        assert!(
+            st == 200 && b[..] == value_of(&k.replace("%2F", "/"), 30_000)[..],
+            "{k}"
+        );
+    }
+    let (st, b) = call("GET", "rust%2Fbig".into(), Vec::new()).await;
+    assert!(st == 200 && b[..] == big[..]);
 }
 
 /// A batch put body: `u16 key_len | key | u64 value_len | value` per record (LE).
