@@ -10,7 +10,7 @@ bash scripts/bootstrap.sh
 cargo build --locked --bin moongate
 py=${MOONGATE_PYTHON:-$root/.venv/bin/python}
 source scripts/lib.sh
-listen=$(free_port); admin=$(free_port)
+listen=$(free_port); admin=$(free_port); kv=$(free_port)
 
 wait_until() { # what, seconds, command...
   local what=$1 secs=$2; shift 2
@@ -21,9 +21,12 @@ wait_until() { # what, seconds, command...
 start_master
 echo "demo: started mooncake_master (rpc 127.0.0.1:$rpc, metadata 127.0.0.1:$http)"
 
-echo "demo: starting moongate (master face 127.0.0.1:$listen, admin 127.0.0.1:$admin)"
-target/debug/moongate run --listen "127.0.0.1:$listen" --upstream "127.0.0.1:$rpc" \
-  --admin "127.0.0.1:$admin" >"$work/moongate.log" 2>&1 &
+echo "demo: starting moongate (master face 127.0.0.1:$listen, admin 127.0.0.1:$admin," \
+  "kv face 127.0.0.1:$kv with a 64 MiB segment of its own)"
+printf '[kv]\nsegment_bytes = 67108864\n' >"$work/moongate.toml"
+target/debug/moongate run --config "$work/moongate.toml" --listen "127.0.0.1:$listen" \
+  --upstream "127.0.0.1:$rpc" --admin "127.0.0.1:$admin" \
+  --kv "127.0.0.1:$kv" --metadata "http://127.0.0.1:$http/metadata" >"$work/moongate.log" 2>&1 &
 pids+=($!)
 wait_until "moongate readiness (master answering)" 30 curl -sf "http://127.0.0.1:$admin/ready"
 
@@ -31,10 +34,15 @@ echo "demo: real Mooncake client -> moongate -> master: 200 puts, 250 lookups, 1
 "$py" tests/py/scenario.py --role demo --master "127.0.0.1:$listen" \
   --metadata "http://127.0.0.1:$http/metadata" --out "$work/demo.json" 2>"$work/client.log"
 
+echo "demo: an engine without Mooncake's client -> moongate's kv face: put, get, exists,"
+echo "      batch put and batch get (examples/python/kv_client.py, 1 MiB value)"
+wait_until "moongate's own segment" 30 grep -q "own segment mounted" "$work/moongate.log"
+"$py" examples/python/kv_client.py --addr "127.0.0.1:$kv" | sed 's/^/  /'
+
 echo
 echo "demo: what moongate saw (GET http://127.0.0.1:$admin/metrics):"
 curl -s "http://127.0.0.1:$admin/metrics" | grep -E \
-  '^moongate_master_requests_total\{method="(PutStart|PutEnd|BatchExistKey|GetReplicaList|Ping)"\}|^moongate_master_errors_total.* [1-9]|^moongate_master_request_duration_seconds_(sum|count)\{method="PutStart"\}|^moongate_master_connections_total|^moongate_upstream_ready|^moongate_policy_(calls_total|decisions_total)\{.*\} [1-9]' \
+  '^moongate_master_requests_total\{method="(PutStart|PutEnd|BatchExistKey|GetReplicaList|Ping)"\}|^moongate_master_errors_total.* [1-9]|^moongate_master_request_duration_seconds_(sum|count)\{method="PutStart"\}|^moongate_master_connections_total|^moongate_upstream_ready|^moongate_policy_(calls_total|decisions_total)\{.*\} [1-9]|^moongate_kv_(requests|transfers)_total\{.*\} [1-9]' \
   | sed 's/^/  /'
 echo
 echo "demo: the policy in force (GET /plugins):"
