@@ -554,6 +554,18 @@ fn batch_calls_move_many_keys_in_parts_with_backpressure() {
     assert_eq!(&got[..40], &[201; 40][..], "{b}");
     assert_eq!(&got[40..], &[400, 413, 409], "{b}");
 
+    // The same key twice in one part: the first is stored, the second refused.
+    let (st, b) = http(
+        &kv,
+        "POST",
+        "/v1/kv/batch/put",
+        &put_records(&[("dup/a", b"one".to_vec()), ("dup/a", b"two".to_vec())]),
+    )
+    .unwrap();
+    assert_eq!((st, statuses(&b)), (200, vec![201, 409]), "{b}");
+    let (st, body) = http_bytes(&kv, "GET", "/v1/kv/dup%2Fa", &[]).unwrap();
+    assert_eq!((st, body.as_slice()), (200, &b"one"[..]));
+
     let mut ask: Vec<String> = names.clone();
     ask.push("batch/missing".into());
     let (st, body) = http_bytes(
