@@ -597,6 +597,30 @@ mod tests {
             sha256: [0; 32],
         };
         assert!(other.read(&wrong, 0x1000, 4).await.is_err());
+        // Bad input on a stream (a truncated header; garbage with a huge length; a
+        // write past the end) ends that stream only: the connection and the endpoint
+        // keep serving, and the segment is untouched.
+        let conn = pool.conn(&peer).await.unwrap();
+        for bad in [
+            &b"\x01\x02\x03"[..],
+            &header(u64::MAX, 0x1000, true, true)[..],
+            &header(16, 0x1000 + (8 << 20) - 8, true, true)[..],
+        ] {
+            let (mut send, mut recv) = conn.open_bi().await.unwrap();
+            send.write_all(bad).await.unwrap();
+            let _ = send.write_all(&[0xEE; 16]).await;
+            let _ = send.finish();
+            let answer = recv.read_to_end(64).await.unwrap_or_default();
+            assert!(
+                answer.is_empty()
+                    || status(answer[..8].try_into().unwrap()).is_some_and(|s| s != 0),
+                "{answer:?}"
+            );
+        }
+        let again = pool.read(&peer, 0x1000 + 11, 64).await.unwrap();
+        assert!(again[..] == data[..64]);
+        let tail = pool.read(&peer, 0x1000 + (8 << 20) - 8, 8).await.unwrap();
+        assert_eq!(&tail[..], &[0u8; 8], "a refused write left bytes behind");
         stop.cancel();
     }
 }
