@@ -132,7 +132,8 @@ impl Pool {
 
     /// Starts a READ of `len` bytes at `addr` and returns the connection once the peer
     /// accepted it (v2 status OK), so the caller streams the bytes as they arrive. The
-    /// connection is not returned to the pool.
+    /// caller owns the connection; only one whose `len` bytes were all read may go back
+    /// to the pool.
     pub async fn open_read(
         &self,
         peer: &str,
@@ -243,47 +244,29 @@ impl Pool {
         buf: &mut [u8],
         v2: bool,
     ) -> Result<(), TeError> {
-        let mut s = self.take(peer).await?;
-        let io = |source| TeError::Io {
-            peer: peer.to_string(),
-            source,
-        };
-        let len = buf.len() as u64;
-        let exchange = async {
-            s.write_all(&header(len, addr, false, v2))
-                .await
-                .map_err(io)?;
-            if v2 {
-                self.expect_ok(&mut s, peer, addr, len).await?;
-            }
-            s.read_exact(buf).await.map_err(io)?;
-            Ok::<_, TeError>(())
-        };
-        self.bounded(peer, exchange).await?;
+        let mut s = self.open_read(peer, addr, buf.len() as u64, v2).await?;
+        self.bounded(peer, async {
+            s.read_exact(buf).await.map_err(|source| TeError::Io {
+                peer: peer.to_string(),
+                source,
+            })
+        })
+        .await?;
         self.give_back(peer, s);
         Ok(())
     }
 
     async fn write_one(&self, peer: &str, addr: u64, data: &[u8], v2: bool) -> Result<(), TeError> {
-        let mut s = self.take(peer).await?;
-        let io = |source| TeError::Io {
-            peer: peer.to_string(),
-            source,
-        };
         let len = data.len() as u64;
-        let exchange = async {
-            s.write_all(&header(len, addr, true, v2))
-                .await
-                .map_err(io)?;
-            s.write_all(data).await.map_err(io)?;
-            if v2 {
-                self.expect_ok(&mut s, peer, addr, len).await?;
-            }
-            Ok::<_, TeError>(())
-        };
-        self.bounded(peer, exchange).await?;
-        self.give_back(peer, s);
-        Ok(())
+        let mut s = self.open_write(peer, addr, len, v2).await?;
+        self.bounded(peer, async {
+            s.write_all(data).await.map_err(|source| TeError::Io {
+                peer: peer.to_string(),
+                source,
+            })
+        })
+        .await?;
+        self.finish_write(peer, s, addr, len, v2).await
     }
 
     async fn expect_ok(
