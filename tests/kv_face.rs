@@ -92,10 +92,8 @@ fn values_cross_between_the_python_client_and_the_kv_face_bit_exact() {
     peer.tell();
     let (st, r) = peer.finish();
     assert!(st.success(), "{r}");
-    let ops = r.as_array().unwrap();
     for name in ["get kv/small", "get kv/big"] {
-        let o = ops.iter().find(|o| o[0] == name).unwrap();
-        assert_eq!(o[1]["ok"], true, "{name}: {r}");
+        assert_eq!(result(&r, name)["ok"], true, "{name}: {r}");
     }
     // The owner unmounted: its objects are gone with its segment.
     let (st, _) = http(&kv, "GET", "/v1/kv/kv%2Fsmall", &[]).unwrap();
@@ -211,8 +209,7 @@ fn own_segment_serves_unmodified_clients_and_unregisters_on_shutdown() {
 
     // An unmodified client with no memory of its own reads and writes moongate's.
     let r = run_role("guest", &mg.listen, &master.metadata, &[], &logs);
-    let ops = r.as_array().unwrap();
-    let get = |n: &str| ops.iter().find(|o| o[0] == n).unwrap()[1].clone();
+    let get = |n: &str| result(&r, n).clone();
     assert_eq!(get("get own/small")["ok"], true, "{r}");
     assert_eq!(get("get own/big")["ok"], true, "{r}");
     assert_eq!(get("put py/x"), 0, "{r}");
@@ -844,8 +841,7 @@ fn the_disk_tier_is_written_and_read_both_ways() {
         &[],
         &[&master.proc, &b_mg.proc],
     );
-    let ops = r.as_array().unwrap();
-    let get = |n: &str| ops.iter().find(|o| o[0] == n).unwrap()[1].clone();
+    let get = |n: &str| result(&r, n).clone();
     assert_eq!(get("tiers kvd/small"), serde_json::json!(["disk"]), "{r}");
     assert_eq!(get("get kvd/small")["ok"], true, "{r}");
     assert_eq!(get("get kvd/big")["ok"], true, "{r}");

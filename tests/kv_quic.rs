@@ -42,8 +42,7 @@ fn two_moongates_move_values_over_quic_and_fall_back_to_tcp() {
 
     // An unmodified client with no memory reads and writes B's segment over TE-TCP.
     let r = run_role("guest", &master.rpc, &master.metadata, &[], &logs);
-    let ops = r.as_array().unwrap();
-    let get = |n: &str| ops.iter().find(|o| o[0] == n).unwrap()[1].clone();
+    let get = |n: &str| result(&r, n).clone();
     assert_eq!(get("get own/small")["ok"], true, "{r}");
     assert_eq!(get("get own/big")["ok"], true, "{r}");
     assert_eq!(get("put py/big"), 0, "{r}");

@@ -34,10 +34,6 @@ fn place(mg: &Moongate, master: &Master, prefix: &str, count: usize) -> Value {
     )
 }
 
-fn result<'a>(r: &'a Value, name: &str) -> &'a Value {
-    &r.as_array().unwrap().iter().find(|o| o[0] == name).unwrap()[1]
-}
-
 #[test]
 fn tier_placement_puts_keys_where_its_rules_say_and_denies_with_the_code() {
     let master = Master::start();

@@ -60,6 +60,14 @@ pub fn scenario() -> PathBuf {
 /// A loopback port nothing listens on now, never the same one twice in this test
 /// process: the kernel may hand a just-closed port out again, and two servers told the
 /// same port (seen: a master whose RPC and metrics ports collided) fail to start.
+/// What a Python role recorded under `name` (its results are `[name, value]` pairs).
+pub fn result<'a>(r: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
+    r.as_array()
+        .and_then(|ops| ops.iter().find(|o| o[0] == name))
+        .map(|o| &o[1])
+        .unwrap_or_else(|| panic!("the role recorded no {name:?}: {r}"))
+}
+
 pub fn free_port() -> u16 {
     static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
     let mut given = GIVEN.lock().unwrap_or_else(|p| p.into_inner());

@@ -198,12 +198,10 @@ impl Sink<'_> {
                 mem.write_at(*off + at as usize, chunk);
                 Ok(())
             }
-            Sink::Tcp { s, peer, .. } => s.write_all(chunk).await.map_err(|source| {
-                StoreError::Transfer(TeError::Io {
-                    peer: peer.clone(),
-                    source,
-                })
-            }),
+            Sink::Tcp { s, peer, .. } => s
+                .write_all(chunk)
+                .await
+                .map_err(|e| StoreError::Transfer(super::te_tcp::io_error(peer)(e))),
             Sink::Quic { send, peer, .. } => send.write_chunk(chunk.clone()).await.map_err(|e| {
                 StoreError::Quic(super::quic::QuicError::Peer {
                     peer: *peer,
@@ -316,6 +314,15 @@ where
         }
     });
     Value::Stream { len, chunks: rx }
+}
+
+/// A batch answer that has one entry per asked key, or `Unexpected`.
+fn per_key<T>(answers: Vec<T>, keys: usize) -> Result<Vec<T>, StoreError> {
+    if answers.len() == keys {
+        Ok(answers)
+    } else {
+        Err(StoreError::Unexpected)
+    }
 }
 
 /// A replica moongate can read an object from.
@@ -535,10 +542,8 @@ impl Store {
         let Response::BatchExistKey(v) = resp else {
             return Err(StoreError::Unexpected);
         };
-        if v.len() != n {
-            return Err(StoreError::Unexpected);
-        }
-        v.into_iter()
+        per_key(v, n)?
+            .into_iter()
             .map(|r| match r {
                 Ok(b) => Ok(b),
                 Err(ErrorCode::OBJECT_NOT_FOUND) => Ok(false),
@@ -617,10 +622,8 @@ impl Store {
         let Response::BatchGetReplicaList(v) = resp else {
             return Err(StoreError::Unexpected);
         };
-        if v.len() != n {
-            return Err(StoreError::Unexpected);
-        }
-        Ok(v.into_iter()
+        Ok(per_key(v, n)?
+            .into_iter()
             .map(|r| match r {
                 Ok(list) => readable(&list).map(Some),
                 Err(ErrorCode::OBJECT_NOT_FOUND) => Ok(None),
@@ -767,9 +770,7 @@ impl Store {
         let Response::BatchPutStart(started) = resp else {
             return Err(StoreError::Unexpected);
         };
-        if started.len() != values.len() {
-            return Err(StoreError::Unexpected);
-        }
+        let started = per_key(started, values.len())?;
         // (allocated, outcome): only allocated keys are ended or revoked.
         let mut jobs = Vec::with_capacity(values.len());
         for ((_, v), s) in values.iter().zip(started) {
@@ -836,10 +837,7 @@ impl Store {
             let Response::BatchPutEnd(v) = end(&ended, ReplicaType::ALL).await? else {
                 return Err(StoreError::Unexpected);
             };
-            if v.len() != ended.len() {
-                return Err(StoreError::Unexpected);
-            }
-            for (&i, r) in ended.iter().zip(v) {
+            for (&i, r) in ended.iter().zip(per_key(v, ended.len())?) {
                 if let Err(e) = r {
                     done[i].1 = Err(StoreError::Refused(e));
                 }

@@ -41,6 +41,14 @@ pub enum TeError {
     Timeout { peer: String, timeout: Duration },
 }
 
+/// Maps an I/O error on the connection to `peer`.
+pub fn io_error(peer: &str) -> impl Fn(std::io::Error) -> TeError + '_ {
+    move |source| TeError::Io {
+        peer: peer.to_string(),
+        source,
+    }
+}
+
 /// Encodes a request header.
 pub fn header(size: u64, addr: u64, write: bool, v2: bool) -> [u8; 24] {
     let mut h = [0u8; 24];
@@ -114,10 +122,7 @@ impl Pool {
                 peer: peer.to_string(),
                 timeout: self.timeout,
             })?
-            .map_err(|source| TeError::Io {
-                peer: peer.to_string(),
-                source,
-            })?;
+            .map_err(io_error(peer))?;
         let _ = s.set_nodelay(true);
         Ok(s)
     }
@@ -142,14 +147,10 @@ impl Pool {
         v2: bool,
     ) -> Result<TcpStream, TeError> {
         let mut s = self.take(peer).await?;
-        let io = |source| TeError::Io {
-            peer: peer.to_string(),
-            source,
-        };
         let start = async {
             s.write_all(&header(len, addr, false, v2))
                 .await
-                .map_err(io)?;
+                .map_err(io_error(peer))?;
             if v2 {
                 self.expect_ok(&mut s, peer, addr, len).await?;
             }
@@ -172,10 +173,7 @@ impl Pool {
         self.bounded(peer, async {
             s.write_all(&header(len, addr, true, v2))
                 .await
-                .map_err(|source| TeError::Io {
-                    peer: peer.to_string(),
-                    source,
-                })
+                .map_err(io_error(peer))
         })
         .await?;
         Ok(s)
@@ -246,10 +244,7 @@ impl Pool {
     ) -> Result<(), TeError> {
         let mut s = self.open_read(peer, addr, buf.len() as u64, v2).await?;
         self.bounded(peer, async {
-            s.read_exact(buf).await.map_err(|source| TeError::Io {
-                peer: peer.to_string(),
-                source,
-            })
+            s.read_exact(buf).await.map_err(io_error(peer))
         })
         .await?;
         self.give_back(peer, s);
@@ -260,10 +255,7 @@ impl Pool {
         let len = data.len() as u64;
         let mut s = self.open_write(peer, addr, len, v2).await?;
         self.bounded(peer, async {
-            s.write_all(data).await.map_err(|source| TeError::Io {
-                peer: peer.to_string(),
-                source,
-            })
+            s.write_all(data).await.map_err(io_error(peer))
         })
         .await?;
         self.finish_write(peer, s, addr, len, v2).await
@@ -277,10 +269,7 @@ impl Pool {
         len: u64,
     ) -> Result<(), TeError> {
         let mut f = [0u8; 8];
-        s.read_exact(&mut f).await.map_err(|source| TeError::Io {
-            peer: peer.to_string(),
-            source,
-        })?;
+        s.read_exact(&mut f).await.map_err(io_error(peer))?;
         match status(f) {
             Some(0) => Ok(()),
             Some(status) => Err(TeError::Rejected {
