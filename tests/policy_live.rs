@@ -6,7 +6,7 @@ mod support;
 
 use bytes::Bytes;
 use moongate::policy::fnv1a;
-use moongate::policy::registry::arm_for_hash;
+use moongate::policy::arm_for_hash;
 use serde_json::Value;
 use support::*;
 

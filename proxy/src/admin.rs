@@ -24,7 +24,8 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
-use crate::policy::registry::{ExperimentSpec, Registry, RegistryError};
+use crate::policy::experiment::ExperimentSpec;
+use crate::policy::registry::{Registry, RegistryError};
 
 /// Largest plugin upload accepted.
 const MAX_PLUGIN_BYTES: usize = 32 << 20;
@@ -127,7 +128,7 @@ fn experiments_view(policy: &Registry) -> serde_json::Value {
         .map(|a| {
             serde_json::json!({
                 "name": a.name,
-                "plugin": a.plugin.name,
+                "plugin": a.plugin.name(),
                 "version": a.plugin.version(),
                 "stopped": a.is_stopped(),
             })

@@ -12,7 +12,8 @@ use moongate::codec::types::{ReplicateConfig, Uuid};
 use moongate::config::{PluginSpec, PolicyConfig};
 use moongate::metrics::Metrics;
 use moongate::policy::host::{CallError, HostLimits, LoadError, Plugin, PolicyEngine, wit};
-use moongate::policy::registry::{ArmSpec, ExperimentSpec, Registry, RegistryError};
+use moongate::policy::experiment::{ArmSpec, ExperimentSpec};
+use moongate::policy::registry::{Registry, RegistryError};
 use moongate::policy::{PutAction, put_view};
 
 fn plugin_bytes(name: &str) -> Vec<u8> {
@@ -225,7 +226,7 @@ fn swap_rollback_and_states() {
     assert_eq!(state("tiers"), "active");
     assert_eq!(state("default"), "last-good");
     assert_eq!(
-        held.arms[0].plugin.name, "default",
+        held.arms[0].plugin.name(), "default",
         "in-flight call keeps its version"
     );
     r.rollback("test").unwrap();
@@ -238,7 +239,7 @@ fn swap_rollback_and_states() {
     assert!(r.load("broken", b"not wasm", None).is_err());
     assert_eq!(state("broken"), "rejected");
     assert!(r.info("broken").unwrap().reason.is_some());
-    assert_eq!(r.current().arms[0].plugin.name, "default");
+    assert_eq!(r.current().arms[0].plugin.name(), "default");
     assert!(matches!(
         r.activate("nope"),
         Err(RegistryError::UnknownPlugin(_))
@@ -261,7 +262,7 @@ fn a_plugin_that_keeps_failing_after_activation_is_rolled_back() {
         // fail-open: every call gets a decision even when the plugin traps
         assert!(r.decide_put(&set, &req).is_some());
     }
-    assert_eq!(r.current().arms[0].plugin.name, "default", "rolled back");
+    assert_eq!(r.current().arms[0].plugin.name(), "default", "rolled back");
 }
 
 #[test]
@@ -271,7 +272,7 @@ fn experiment_assignment_follows_the_weights() {
         ..PolicyConfig::default()
     });
     r.set_experiment(ExperimentSpec {
-        assign: moongate::policy::registry::Assign::Key,
+        assign: moongate::policy::experiment::Assign::Key,
         control: None,
         arms: vec![
             ArmSpec {
@@ -317,7 +318,7 @@ fn latency_guardrail_stops_an_arm_and_its_traffic_goes_to_control() {
         ..PolicyConfig::default()
     });
     r.set_experiment(ExperimentSpec {
-        assign: moongate::policy::registry::Assign::Key,
+        assign: moongate::policy::experiment::Assign::Key,
         control: Some("base".into()),
         arms: vec![
             ArmSpec {
@@ -331,7 +332,7 @@ fn latency_guardrail_stops_an_arm_and_its_traffic_goes_to_control() {
                 weight: 50,
             },
         ],
-        guardrail: moongate::policy::registry::Guardrail {
+        guardrail: moongate::policy::experiment::Guardrail {
             max_error_ratio: 1.0,
             max_mean_latency_ms: 1.0,
             window_ms: 60_000,

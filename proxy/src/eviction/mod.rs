@@ -20,6 +20,7 @@
 //! Owns no client connection and no frame: it talks to the master through
 //! [`crate::upstream`] only.
 
+pub mod metrics;
 pub mod table;
 
 use std::sync::Arc;

@@ -18,7 +18,6 @@ use hyper::StatusCode;
 use super::http::{KvState, status_of};
 use super::records::{self, PutReader, RecordError};
 use super::store::{BATCH_CONCURRENCY, Reserved, Source, StoreError};
-use crate::policy::PutAction;
 
 /// The outcome of one key of a batch.
 #[derive(Debug)]
@@ -51,21 +50,16 @@ fn failed_record(status: StatusCode, msg: &str) -> [Bytes; 2] {
 fn part_starts(state: &KvState, first_key: &Bytes, sizes: &[u64]) -> Vec<usize> {
     let set = state.policy.current();
     let arm = &set.arms[set.pick(&state.store.client_id(), Some(first_key))];
-    let mut points = if state.policy.splits_batches(arm) {
+    if state.policy.splits_batches(arm) {
         state.policy.split_points(
             arm,
-            sizes.to_vec(),
+            sizes,
             state.store.inflight_bytes(),
             state.store.budget_bytes(),
         )
     } else {
         records::cut_by_bytes(sizes, state.batch_part_bytes)
-    };
-    // A plugin's answer is advice: keep it ordered, in range and without repeats.
-    points.retain(|&p| p > 0 && p < sizes.len());
-    points.sort_unstable();
-    points.dedup();
-    points
+    }
 }
 
 /// Runs a batch get whose keys were located (`BatchGetReplicaList`), sending the answer
@@ -163,28 +157,50 @@ async fn flush(state: &KvState, part: &mut Part, out: &mut [Option<Outcome>]) {
         p.values.iter().map(|(k, _)| k.clone()).collect(),
         p.values.iter().map(|(_, v)| v.len() as u64).collect(),
     );
-    let set = state.policy.current();
-    let (start, fixup) = match state.policy.decide_put(&set, &start).map(|d| d.action) {
-        None | Some(PutAction::Forward) => (start, None),
-        Some(PutAction::Rewrite { request, fixup }) => (*request, fixup),
-        Some(PutAction::Answer(resp)) => {
+    let started = std::time::Instant::now();
+    let (ticket, decided) = super::http::decide(state, start);
+    let (start, fixup) = match decided {
+        Ok(d) => d,
+        Err(resp) => {
             // Every key refused by the policy.
             let codes: Vec<_> = match resp {
                 crate::codec::message::Response::BatchPutStart(v) => v,
                 _ => Vec::new(),
             };
-            for (n, &i) in p.at.iter().enumerate() {
-                let code = codes
-                    .get(n)
-                    .and_then(|r| r.as_ref().err().copied())
-                    .unwrap_or(crate::codec::types::ErrorCode::NO_AVAILABLE_HANDLE);
-                out[i] = Some(Outcome::of(&StoreError::Refused(code)));
+            let refused: Vec<StoreError> = (0..p.at.len())
+                .map(|n| {
+                    StoreError::Refused(
+                        codes
+                            .get(n)
+                            .and_then(|r| r.as_ref().err().copied())
+                            .unwrap_or(crate::codec::types::ErrorCode::NO_AVAILABLE_HANDLE),
+                    )
+                })
+                .collect();
+            super::http::settle(
+                state,
+                ticket.as_ref(),
+                crate::codec::Method::BatchPutStart,
+                refused.iter().map(Err),
+                None,
+            );
+            for (&i, e) in p.at.iter().zip(&refused) {
+                out[i] = Some(Outcome::of(e));
             }
             return;
         }
     };
-    match state.store.put_many(&p.values, start, fixup.as_ref()).await {
+    let results = state.store.put_many(&p.values, start, fixup.as_ref()).await;
+    let latency = Some(started.elapsed());
+    match results {
         Ok(results) => {
+            super::http::settle(
+                state,
+                ticket.as_ref(),
+                crate::codec::Method::BatchPutStart,
+                results.iter().map(|r| r.as_ref().map(|_| ())),
+                latency,
+            );
             for (&i, r) in p.at.iter().zip(results) {
                 out[i] = Some(match r {
                     Ok(()) => Outcome::Ok,
@@ -193,6 +209,13 @@ async fn flush(state: &KvState, part: &mut Part, out: &mut [Option<Outcome>]) {
             }
         }
         Err(e) => {
+            super::http::settle(
+                state,
+                ticket.as_ref(),
+                crate::codec::Method::BatchPutStart,
+                p.at.iter().map(|_| Err(&e)),
+                latency,
+            );
             for &i in &p.at {
                 out[i] = Some(Outcome::of(&e));
             }

@@ -16,6 +16,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use super::store::{Store, StoreError, Value};
+use crate::policy::Ticket;
 
 /// The chunks of a streamed value as HTTP body frames.
 fn tokio_stream_of(
@@ -149,27 +150,90 @@ async fn counted(state: Arc<KvState>, req: Request<Incoming>) -> Response<Body> 
     r
 }
 
-/// The `PutStart` of a put, through the policy host: the active arm's plugin may
-/// rewrite its placement or refuse it, exactly as for a client's `PutStart` on the
-/// master face.
-fn decided_start(
+/// A put-family start through the decision lifecycle, exactly as a client's call on
+/// the master face: the active arm's plugin may rewrite its placement, deny keys, or
+/// refuse it whole (`Err`: the answer it gave instead). The ticket, when a plugin
+/// decided, is what [`settle`] needs once the put has ended.
+#[allow(clippy::type_complexity)]
+pub(super) fn decide(
     state: &KvState,
-    key: Bytes,
-    len: u64,
-) -> Result<crate::codec::message::Request, StoreError> {
-    use crate::policy::PutAction;
-    let start = state.store.put_start(key, len);
+    start: crate::codec::message::Request,
+) -> (
+    Option<Ticket>,
+    Result<
+        (crate::codec::message::Request, Option<crate::policy::Fixup>),
+        crate::codec::message::Response,
+    >,
+) {
     let set = state.policy.current();
-    let start = match state.policy.decide_put(&set, &start).map(|d| d.action) {
-        None | Some(PutAction::Forward) => start,
-        Some(PutAction::Rewrite { request, .. }) => *request,
-        Some(PutAction::Answer(resp)) => {
-            return Err(StoreError::Refused(
-                resp.first_error().unwrap_or(ErrorCode::NO_AVAILABLE_HANDLE),
-            ));
-        }
+    match state.policy.decide_put(&set, &start) {
+        None => (None, Ok((start, None))),
+        Some(d) => (Some(d.ticket), d.action.into_request(start)),
+    }
+}
+
+/// The end of a decided kv put: its per-key results feed the arm's guardrail and the
+/// plugin's `observe`, as for the master face (`latency`: the whole put, `None` when
+/// the policy refused it and nothing went upstream).
+pub(super) fn settle<'a>(
+    state: &KvState,
+    ticket: Option<&Ticket>,
+    method: crate::codec::Method,
+    results: impl Iterator<Item = Result<(), &'a StoreError>>,
+    latency: Option<Duration>,
+) {
+    let Some(t) = ticket else {
+        return;
     };
-    Ok(start)
+    let (mut keys, mut code) = (0usize, 0i32);
+    for r in results {
+        keys += 1;
+        if code == 0
+            && let Err(e) = r
+        {
+            code = match e {
+                StoreError::Refused(c) => c.0,
+                _ => -900,
+            };
+        }
+    }
+    state.policy.settle(
+        t,
+        &crate::policy::Outcome {
+            method: method.name(),
+            code,
+            failed: code != 0,
+            latency,
+            keys,
+        },
+    );
+}
+
+/// One put through the decision lifecycle: decide its `PutStart`, store, settle.
+async fn decided_put<F, Fut>(state: &KvState, key: Bytes, len: u64, store: F) -> Result<(), StoreError>
+where
+    F: FnOnce(crate::codec::message::Request) -> Fut,
+    Fut: std::future::Future<Output = Result<(), StoreError>>,
+{
+    let started = std::time::Instant::now();
+    let (ticket, decided) = decide(state, state.store.put_start(key, len));
+    let (done, latency) = match decided {
+        Ok((start, _)) => (store(start).await, Some(started.elapsed())),
+        Err(resp) => (
+            Err(StoreError::Refused(
+                resp.first_error().unwrap_or(ErrorCode::NO_AVAILABLE_HANDLE),
+            )),
+            None,
+        ),
+    };
+    settle(
+        state,
+        ticket.as_ref(),
+        crate::codec::Method::PutStart,
+        std::iter::once(done.as_ref().map(|_| ())),
+        latency,
+    );
+    done
 }
 
 /// `PUT /v1/kv/{key}`: a body announced at [`STREAM_PUT_FROM`] bytes or more is passed
@@ -190,15 +254,13 @@ async fn put(state: &KvState, key: Bytes, req: Request<Incoming>) -> Response<Bo
         );
     }
     let done = match announced {
-        Some(len) if len >= STREAM_PUT_FROM => match decided_start(state, key.clone(), len) {
-            Ok(start) => {
-                state
-                    .store
-                    .put_streamed(key, len, req.into_body(), start)
-                    .await
-            }
-            Err(e) => Err(e),
-        },
+        Some(len) if len >= STREAM_PUT_FROM => {
+            let body = req.into_body();
+            decided_put(state, key.clone(), len, |start| {
+                state.store.put_streamed(key, len, body, start)
+            })
+            .await
+        }
         _ => {
             let value = match body(req, state.max_value_bytes).await {
                 Ok(b) => b,
@@ -207,10 +269,11 @@ async fn put(state: &KvState, key: Bytes, req: Request<Incoming>) -> Response<Bo
             if value.is_empty() {
                 return error(StatusCode::BAD_REQUEST, "empty value");
             }
-            match decided_start(state, key.clone(), value.len() as u64) {
-                Ok(start) => state.store.put(key, value, start).await,
-                Err(e) => Err(e),
-            }
+            let len = value.len() as u64;
+            decided_put(state, key.clone(), len, |start| {
+                state.store.put(key, value, start)
+            })
+            .await
         }
     };
     match done {

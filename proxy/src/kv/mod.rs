@@ -27,6 +27,7 @@ pub mod batch;
 pub mod disk;
 pub mod http;
 pub mod metadata;
+pub mod metrics;
 pub mod mount;
 pub mod quic;
 pub mod rdma;

@@ -1,38 +1,34 @@
-//! One client connection and its own upstream connection (never shared: seq numbers are
-//! per connection). Two halves run concurrently:
+//! The tokio shell of one client connection and its own upstream connection (never
+//! shared: seq numbers are per connection). All protocol state lives in
+//! [`Session`]; this file only moves bytes and time in and out of it.
 //!
-//! - client -> master: split request frames, let [`intercept`] decide, queue an entry
-//!   per request in the bounded in-flight queue (forwarded, or answered by moongate),
-//!   forward;
-//! - master -> client: split response frames, pop the matching entry (the master answers
-//!   in request order), observe, forward; answers moongate gave itself go out when their
-//!   turn in the queue comes, so the client sees replies in request order.
+//! Two halves run concurrently and share the session under a lock held for
+//! microseconds (never across an await):
+//! - client -> master: read, cut request frames, hand each to the session (waiting for
+//!   room when the in-flight queue is full: backpressure, never a failed request),
+//!   write what the session gathered for the master;
+//! - master -> client: read, cut response frames, hand each to the session, write what
+//!   it gathered for the client (answers moongate gave itself included, in request
+//!   order).
 //!
 //! Both halves read whatever is available and forward all complete frames in one write,
-//! so pipelined requests stay pipelined. When the queue is full the client half stops
-//! reading (backpressure); it never fails a request.
-//!
-//! [`intercept`]: super::intercept
+//! so pipelined requests stay pipelined.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
-
-use std::collections::VecDeque;
-use std::sync::Mutex;
 
 use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::Shared;
-use super::intercept::{Decided, Queued, on_merged, on_request, on_response};
-use super::split::Merge;
+use super::session::Session;
 use crate::codec::frame::{check_request, check_response};
-use crate::codec::{FrameError, Method, RequestFrame, ResponseFrame};
+use crate::codec::{FrameError, RequestFrame, ResponseFrame};
 use crate::metrics::{FrameErrorKind, Side};
 
 const READ_CHUNK: usize = 64 << 10;
@@ -41,68 +37,18 @@ const READ_CHUNK: usize = 64 << 10;
 /// be answered before the connection closes anyway.
 const ANSWER_BEFORE_CLOSE: Duration = Duration::from_secs(5);
 
-/// A request not yet answered to the client.
-enum InFlight {
-    Upstream {
-        seq: u32,
-        method: Option<Method>,
-        sent: Instant,
-        decided: Option<Decided>,
-    },
-    Local(Bytes),
-}
-
-/// The per-connection in-flight queue, in request order. Bounded by `space`: the client
-/// half takes a permit per request, the master half returns it when the reply is out.
-struct Queue {
-    q: Mutex<VecDeque<InFlight>>,
-    space: Semaphore,
-    /// A local answer was queued: the master half may have something to send.
+/// The session and the wake-ups between the two halves.
+struct Shell {
+    session: Mutex<Session>,
+    /// The master half popped entries: the client half may hand in more requests.
+    room: Notify,
+    /// The client half left bytes for the client (a local answer).
     local: Notify,
 }
 
-impl Queue {
-    fn push(&self, e: InFlight) {
-        let local = matches!(e, InFlight::Local(_));
-        self.q
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push_back(e);
-        if local {
-            self.local.notify_one();
-        }
-    }
-    fn pop(&self) -> Option<InFlight> {
-        let e = self.q.lock().unwrap_or_else(|p| p.into_inner()).pop_front();
-        if e.is_some() {
-            self.space.add_permits(1);
-        }
-        e
-    }
-    /// Moves the local answers at the head of the queue to `out`.
-    fn drain_local(&self, out: &mut BytesMut) {
-        let mut q = self.q.lock().unwrap_or_else(|p| p.into_inner());
-        while let Some(InFlight::Local(_)) = q.front() {
-            if let Some(InFlight::Local(b)) = q.pop_front() {
-                out.extend_from_slice(&b);
-                self.space.add_permits(1);
-            }
-        }
-    }
-    /// The seq, part count and method of the head entry when it is a split batch call.
-    fn head_split(&self) -> Option<(u32, usize, Method)> {
-        match self.q.lock().unwrap_or_else(|p| p.into_inner()).front() {
-            Some(InFlight::Upstream {
-                seq,
-                method: Some(method),
-                decided: Some(d),
-                ..
-            }) if d.parts > 1 => Some((*seq, d.parts, *method)),
-            _ => None,
-        }
-    }
-    fn len(&self) -> usize {
-        self.q.lock().unwrap_or_else(|p| p.into_inner()).len()
+impl Shell {
+    fn lock(&self) -> MutexGuard<'_, Session> {
+        self.session.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -177,9 +123,9 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
 
     let (cr, cw) = client.into_split();
     let (ur, uw) = upstream.into_split();
-    let queue = Queue {
-        q: Mutex::new(VecDeque::new()),
-        space: Semaphore::new(cfg.max_inflight_per_connection),
+    let shell = Shell {
+        session: Mutex::new(Session::new(shared.clone())),
+        room: Notify::new(),
         local: Notify::new(),
     };
     let activity = Activity {
@@ -190,9 +136,9 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
 
     let c2s = async {
         let _done = client_done.clone().drop_guard();
-        client_to_master(cr, uw, &queue, &shared, &activity).await
+        client_to_master(cr, uw, &shell, &shared, &activity).await
     };
-    let s2c = master_to_client(ur, cw, &queue, &shared, &activity, &client_done);
+    let s2c = master_to_client(ur, cw, &shell, &shared, &activity, &client_done);
     let idle = idle_watch(&activity, cfg.idle_timeout());
     tokio::pin!(c2s, s2c, idle);
 
@@ -248,31 +194,15 @@ async fn idle_watch(activity: &Activity, limit: Option<Duration>) -> End {
     }
 }
 
-/// Writes out everything gathered for one side and counts it; `out` is left empty.
-async fn flush(
-    w: &mut OwnedWriteHalf,
-    out: &mut BytesMut,
-    bytes: &prometheus_client::metrics::counter::Counter,
-) -> std::io::Result<()> {
-    if !out.is_empty() {
-        w.write_all(out).await?;
-        bytes.inc_by(out.len() as u64);
-        out.clear();
-    }
-    Ok(())
-}
-
 async fn client_to_master(
     mut cr: OwnedReadHalf,
     mut uw: OwnedWriteHalf,
-    queue: &Queue,
+    shell: &Shell,
     shared: &Shared,
     activity: &Activity,
 ) -> End {
     let cfg = &shared.cfg;
     let mut buf = BytesMut::with_capacity(READ_CHUNK);
-    let mut out = BytesMut::with_capacity(READ_CHUNK);
-    let mut client: Option<crate::codec::types::Uuid> = None;
     loop {
         let n = tokio::select! {
             biased;
@@ -295,42 +225,40 @@ async fn client_to_master(
                     };
                     shared.metrics.frame_error(Side::client, kind);
                     // Forward what was complete before the bad frame, then close.
-                    let _ = flush(&mut uw, &mut out, &shared.metrics.bytes_to_master).await;
+                    let pending = shell.lock().poll_to_master();
+                    let _ = flush(&mut uw, pending, &shared.metrics.bytes_to_master).await;
                     return End::ClientFrame(e);
                 }
             };
-            // Take a queue slot before the request can reach the master, so its answer
-            // always finds its entry.
-            match queue.space.try_acquire() {
-                Ok(p) => p.forget(),
-                Err(_) => {
-                    // In-flight limit reached: push what we have, then wait for answers.
-                    if let Err(e) = flush(&mut uw, &mut out, &shared.metrics.bytes_to_master).await
-                    {
-                        return End::UpstreamIo(e);
-                    }
-                    match queue.space.acquire().await {
-                        Ok(p) => p.forget(),
-                        Err(_) => return End::Drained,
-                    }
+            // Room in the in-flight queue before the request can reach the master, so
+            // its answer always finds its entry.
+            loop {
+                let room = shell.room.notified();
+                if shell.lock().has_room() {
+                    break;
+                }
+                // In-flight limit reached: push what we have, then wait for answers.
+                let pending = shell.lock().poll_to_master();
+                if let Err(e) = flush(&mut uw, pending, &shared.metrics.bytes_to_master).await {
+                    return End::UpstreamIo(e);
+                }
+                tokio::select! {
+                    _ = room => {}
+                    _ = shared.shutdown.cancelled() => return End::Drained,
                 }
             }
             let (frame, raw) = RequestFrame::split(&mut buf, h);
-            let method = Method::from_function_id(h.function_id);
-            let sent = Instant::now();
-            queue.push(
-                match on_request(&frame, &raw, method, shared, &mut client, &mut out) {
-                    Queued::Upstream(decided) => InFlight::Upstream {
-                        seq: h.seq_num,
-                        method,
-                        sent,
-                        decided,
-                    },
-                    Queued::Local(bytes) => InFlight::Local(bytes),
-                },
-            );
+            let local = {
+                let mut s = shell.lock();
+                s.handle_request(&frame, &raw, Instant::now());
+                s.has_output_for_client()
+            };
+            if local {
+                shell.local.notify_one();
+            }
         }
-        if let Err(e) = flush(&mut uw, &mut out, &shared.metrics.bytes_to_master).await {
+        let pending = shell.lock().poll_to_master();
+        if let Err(e) = flush(&mut uw, pending, &shared.metrics.bytes_to_master).await {
             return End::UpstreamIo(e);
         }
         if buf.capacity() - buf.len() < 4096 {
@@ -339,25 +267,39 @@ async fn client_to_master(
     }
 }
 
+/// Writes out bytes gathered for one side and counts them.
+async fn flush(
+    w: &mut OwnedWriteHalf,
+    bytes: Option<Bytes>,
+    counter: &prometheus_client::metrics::counter::Counter,
+) -> std::io::Result<()> {
+    if let Some(b) = bytes {
+        w.write_all(&b).await?;
+        counter.inc_by(b.len() as u64);
+    }
+    Ok(())
+}
+
 async fn master_to_client(
     mut ur: OwnedReadHalf,
     mut cw: OwnedWriteHalf,
-    queue: &Queue,
+    shell: &Shell,
     shared: &Shared,
     activity: &Activity,
     client_done: &CancellationToken,
 ) -> End {
     let cfg = &shared.cfg;
     let mut buf = BytesMut::with_capacity(READ_CHUNK);
-    let mut out = BytesMut::with_capacity(READ_CHUNK);
     let mut client_gone = false;
-    let mut merge = Merge::default();
     loop {
-        queue.drain_local(&mut out);
-        if let Err(e) = flush(&mut cw, &mut out, &shared.metrics.bytes_to_client).await {
+        let (out, pending) = {
+            let mut s = shell.lock();
+            (s.poll_to_client(), s.in_flight())
+        };
+        if let Err(e) = flush(&mut cw, out, &shared.metrics.bytes_to_client).await {
             return End::ClientIo(e);
         }
-        if client_gone && queue.len() == 0 {
+        if client_gone && pending == 0 {
             // The client half stopped (shutdown) and every call is answered.
             return End::Drained;
         }
@@ -366,9 +308,12 @@ async fn master_to_client(
                 client_gone = true;
                 continue;
             }
-            _ = queue.local.notified() => continue,
+            _ = shell.local.notified() => continue,
             r = ur.read_buf(&mut buf) => match r {
-                Ok(0) => return End::UpstreamClosed { pending: queue.len() },
+                Ok(0) => {
+                    let pending = shell.lock().in_flight();
+                    return End::UpstreamClosed { pending };
+                }
                 Ok(_) => {}
                 Err(e) => return End::UpstreamIo(e),
             },
@@ -382,75 +327,14 @@ async fn master_to_client(
                     shared
                         .metrics
                         .frame_error(Side::upstream, FrameErrorKind::too_large);
-                    let _ = flush(&mut cw, &mut out, &shared.metrics.bytes_to_client).await;
+                    let pending = shell.lock().poll_to_client();
+                    let _ = flush(&mut cw, pending, &shared.metrics.bytes_to_client).await;
                     return End::UpstreamFrame(e);
                 }
             };
             let (frame, raw) = ResponseFrame::split(&mut buf, h);
-            // Answers moongate gave itself for earlier requests go first.
-            queue.drain_local(&mut out);
-            // The answers to the parts of a split batch come back to back; the entry
-            // leaves the queue with the last one.
-            let split = queue.head_split().filter(|(seq, ..)| *seq == h.seq_num);
-            if let Some((_, parts, method)) = split {
-                merge.add(method, &frame, &raw);
-                if merge.got < parts {
-                    continue;
-                }
-            }
-            match queue.pop() {
-                Some(InFlight::Upstream {
-                    seq,
-                    method,
-                    sent,
-                    decided,
-                }) if seq == h.seq_num => {
-                    let latency = sent.elapsed();
-                    shared
-                        .metrics
-                        .method(method)
-                        .latency
-                        .observe(latency.as_secs_f64());
-                    if split.is_some() {
-                        on_merged(
-                            seq,
-                            std::mem::take(&mut merge).finish(seq),
-                            method,
-                            decided.as_ref(),
-                            latency,
-                            shared,
-                            &mut out,
-                        );
-                    } else {
-                        on_response(
-                            &frame,
-                            &raw,
-                            method,
-                            decided.as_ref(),
-                            latency,
-                            shared,
-                            &mut out,
-                        );
-                    }
-                }
-                other => {
-                    // Not what the master does; relay and let the client judge (it closes
-                    // the connection on a seq it does not know).
-                    merge = Merge::default();
-                    shared
-                        .metrics
-                        .frame_error(Side::upstream, FrameErrorKind::unmatched_seq);
-                    let expected = match other {
-                        Some(InFlight::Upstream { seq, .. }) => Some(seq),
-                        _ => None,
-                    };
-                    tracing::warn!(seq = h.seq_num, expected, "response out of request order");
-                    out.extend_from_slice(&raw);
-                }
-            }
-        }
-        if let Err(e) = flush(&mut cw, &mut out, &shared.metrics.bytes_to_client).await {
-            return End::ClientIo(e);
+            shell.lock().handle_response(&frame, &raw, Instant::now());
+            shell.room.notify_one();
         }
         if buf.capacity() - buf.len() < 4096 {
             buf.reserve(READ_CHUNK);

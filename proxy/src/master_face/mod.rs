@@ -1,12 +1,13 @@
 //! The master face: a transparent coro_rpc endpoint for unmodified Mooncake clients.
 //!
 //! Each accepted client connection gets exactly one upstream connection to the master
-//! ([`connection`]); frames of methods moongate understands are decoded on the way
-//! ([`intercept`]), all others are relayed byte for byte. Bounded: connection count,
+//! ([`connection`], the tokio shell); what happens to each frame is decided by the
+//! connection's sans-IO [`session`]: frames of methods moongate understands are decoded
+//! on the way, all others are relayed byte for byte; batches may be cut ([`split`]). Bounded: connection count,
 //! frame size, in-flight requests per connection, connect and idle timeouts.
 
 pub mod connection;
-pub mod intercept;
+pub mod session;
 pub mod split;
 
 use std::sync::Arc;

@@ -18,7 +18,8 @@ use bytes::{Bytes, BytesMut};
 use crate::codec::frame::errc;
 use crate::codec::message::{Request, Response, RpcError};
 use crate::codec::{BodyStyle, Method, ResponseFrame, ResponseHeader};
-use crate::policy::registry::{Arm, Registry};
+use crate::policy::active::Arm;
+use crate::policy::registry::Registry;
 
 /// Where to cut `req` (indexes where a new part starts, rising, inside `1..keys`): every
 /// `max_keys` keys (0 = no bound) and wherever the arm's plugin says. Empty: send whole.
@@ -39,13 +40,17 @@ pub fn points(
         Vec::new()
     };
     if policy.splits_batches(arm) {
+        let zeros;
         let sizes = match req {
-            Request::BatchPutStart(a) | Request::BatchUpsertStart(a) => a.slice_lengths.clone(),
-            _ => vec![0; n],
+            Request::BatchPutStart(a) | Request::BatchUpsertStart(a) => &a.slice_lengths[..],
+            _ => {
+                zeros = vec![0; n];
+                &zeros[..]
+            }
         };
         let from_plugin = policy.split_points(arm, sizes, put_bytes_in_flight, 0);
         if !from_plugin.is_empty() {
-            points.extend(from_plugin.into_iter().filter(|&p| p < n));
+            points.extend(from_plugin);
             points.sort_unstable();
             points.dedup();
         }

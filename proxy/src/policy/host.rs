@@ -25,7 +25,7 @@ use wasmtime::{
     Trap,
 };
 
-use crate::metrics::PluginMetricsSink;
+use super::metrics::PluginMetricsSink;
 
 wasmtime::component::bindgen!({
     path: "../wit",
@@ -246,10 +246,6 @@ impl PolicyEngine {
             sink,
             stop_ticker: stop,
         }))
-    }
-
-    pub fn limits(&self) -> &HostLimits {
-        &self.limits
     }
 
     /// Compiles and links `bytes`, instantiates it, runs `configure` and the conformance
@@ -526,6 +522,33 @@ impl Plugin {
             })?;
         }
         Ok(())
+    }
+}
+
+impl super::Policy for Plugin {
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn sha256(&self) -> &str {
+        &self.sha256
+    }
+    fn interest(&self) -> Interest {
+        Plugin::interest(self)
+    }
+    fn on_put(&self, call: &wit::PutCall) -> Result<wit::PutDecision, CallError> {
+        Plugin::on_put(self, call)
+    }
+    fn on_lookup(&self, call: &wit::LookupCall) -> Result<Vec<Vec<u32>>, CallError> {
+        Plugin::on_lookup(self, call)
+    }
+    fn split(&self, call: &wit::SplitCall) -> Result<Vec<u32>, CallError> {
+        Plugin::split(self, call)
+    }
+    fn evict(&self, call: &wit::EvictCall) -> Result<Vec<u32>, CallError> {
+        Plugin::evict(self, call)
+    }
+    fn observe(&self, event: &wit::Observation) -> Result<(), CallError> {
+        Plugin::observe(self, event)
     }
 }
 

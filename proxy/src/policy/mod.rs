@@ -1,534 +1,62 @@
-//! Policies: sandboxed WebAssembly plugins that decide on the master face's traffic.
+//! Policies: sandboxed WebAssembly plugins that decide on moongate's traffic.
 //!
+//! Rooms, each owning one thing:
+//! - [`Policy`] (here): what a policy is to the rest of moongate: the hooks of the WIT
+//!   contract as plain calls. The wasm plugin ([`host::Plugin`]) implements it; tests
+//!   implement it with fakes, so nothing above this layer needs wasm to be tested.
 //! - [`host`]: the wasmtime host (compile once, one instance per plugin generation,
-//!   deadline and memory cap per call, fail-open / fail-closed).
-//! - [`registry`]: the active policy set in an `ArcSwap` (hot swap, last-good, automatic
-//!   rollback), experiments with weighted arms and guardrails, the watched directory.
-//! - this module: turning a decoded put-family request into the plugin's view and the
-//!   plugin's decision into an action on the wire.
+//!   deadline and memory cap per call, fail classification).
+//! - [`view`]: a decoded call as the plugin sees it, and the plugin's answer as an
+//!   action on decoded values (rewrite, partial deny + merge, local answer).
+//! - [`decision`]: the one decision lifecycle every caller goes through, the master face
+//!   and the kv face alike: decide -> apply -> settle (observe + guardrail), with the
+//!   fail mode and the hook metrics.
+//! - [`catalog`]: loaded plugins, their hashes, rejected uploads, the watched directory.
+//! - [`active`]: the set in force in an `ArcSwap`, swap, last-good, rollback, reaper.
+//! - [`experiment`]: arms, assignment, guardrail windows (pure).
+//! - [`registry`]: composes the three above into the handle the faces and admin hold.
+//! - [`config`], [`metrics`]: this layer's config section and metric families.
 //!
-//! The policy layer knows no frames or sockets: it takes decoded values and returns
-//! decoded values; the master face encodes.
+//! The policy layer knows no frames and no sockets: it takes decoded values and returns
+//! decoded values; the faces encode.
 
+pub mod active;
+pub mod catalog;
+pub mod config;
+pub mod decision;
+pub mod experiment;
 pub mod host;
+pub mod metrics;
 pub mod registry;
-
-use bytes::Bytes;
-
-use crate::codec::message::{BatchPutStartArgs, PutStartArgs, Request, Response};
-use crate::codec::types::{ErrorCode, ReplicateConfig, SoftPinAction, Uuid};
-use host::wit;
-
-/// What happens to a put-family call after the policy decided.
-#[derive(Debug)]
-pub enum PutAction {
-    /// Forward the received bytes.
-    Forward,
-    /// Forward this re-encoded request; when `fixup` is set, merge denied keys back into
-    /// the master's batch answer.
-    Rewrite {
-        request: Box<Request>,
-        fixup: Option<Fixup>,
-    },
-    /// Answer the client from moongate; nothing goes upstream.
-    Answer(Response),
-}
-
-/// Keys a policy denied out of a batch that was forwarded without them: their errors
-/// are put back at their positions in the master's answer, so the client sees one result
-/// per key in its own order.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Fixup {
-    pub total: usize,
-    /// (position in the client's batch, error), in rising position order.
-    pub denied: Vec<(usize, ErrorCode)>,
-}
-
-impl Fixup {
-    /// Merges the master's answer for the admitted keys with the denied ones. Answers of
-    /// other shapes (or of the wrong length) are returned unchanged.
-    pub fn apply(&self, resp: Response) -> Response {
-        match resp {
-            Response::BatchPutStart(v) => Response::BatchPutStart(self.merge(v)),
-            Response::BatchUpsertStart(v) => Response::BatchUpsertStart(self.merge(v)),
-            other => other,
-        }
-    }
-
-    fn merge<T>(&self, admitted: Vec<Result<T, ErrorCode>>) -> Vec<Result<T, ErrorCode>> {
-        if admitted.len() + self.denied.len() != self.total {
-            return admitted;
-        }
-        let mut out = Vec::with_capacity(self.total);
-        let mut rest = admitted.into_iter();
-        let mut denied = self.denied.iter().peekable();
-        for i in 0..self.total {
-            match denied.peek() {
-                Some((pos, code)) if *pos == i => {
-                    out.push(Err(*code));
-                    denied.next();
-                }
-                _ => {
-                    if let Some(r) = rest.next() {
-                        out.push(r);
-                    }
-                }
-            }
-        }
-        out
-    }
-}
-
-/// Packs keys into one buffer plus end offsets (one copy into the guest for a batch).
-pub fn pack_keys<'a>(keys: impl Iterator<Item = &'a Bytes>) -> wit::PackedKeys {
-    let mut bytes = Vec::new();
-    let mut ends = Vec::new();
-    for k in keys {
-        bytes.extend_from_slice(k);
-        ends.push(bytes.len() as u32);
-    }
-    wit::PackedKeys { bytes, ends }
-}
-
-fn lossy(b: &Bytes) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
-
-/// The plugin's view of a `ReplicateConfig`.
-pub fn to_wit_config(c: &ReplicateConfig) -> wit::ReplicateConfig {
-    wit::ReplicateConfig {
-        replica_num: c.replica_num,
-        nof_replica_num: c.nof_replica_num,
-        dfs_replica_num: c.dfs_replica_num,
-        soft_pin_action: match c.soft_pin_action {
-            SoftPinAction::ENABLE => wit::SoftPinAction::Enable,
-            SoftPinAction::DISABLE => wit::SoftPinAction::Disable,
-            _ => wit::SoftPinAction::Preserve,
-        },
-        soft_pin_ttl_ms: c.soft_pin_ttl_ms,
-        with_hard_pin: c.with_hard_pin,
-        preferred_segments: c.preferred_segments.iter().map(lossy).collect(),
-        preferred_segment: lossy(&c.preferred_segment),
-        prefer_alloc_in_same_node: c.prefer_alloc_in_same_node,
-    }
-}
-
-/// Applies a plugin's config to the original; fields the WIT does not expose (NoF
-/// segments, data type, host id, group ids) keep their values.
-pub fn apply_wit_config(orig: &ReplicateConfig, w: &wit::ReplicateConfig) -> ReplicateConfig {
-    ReplicateConfig {
-        replica_num: w.replica_num,
-        nof_replica_num: w.nof_replica_num,
-        dfs_replica_num: w.dfs_replica_num,
-        soft_pin_action: match w.soft_pin_action {
-            wit::SoftPinAction::Enable => SoftPinAction::ENABLE,
-            wit::SoftPinAction::Disable => SoftPinAction::DISABLE,
-            wit::SoftPinAction::Preserve => SoftPinAction::PRESERVE,
-        },
-        soft_pin_ttl_ms: w.soft_pin_ttl_ms,
-        with_hard_pin: w.with_hard_pin,
-        preferred_segments: w
-            .preferred_segments
-            .iter()
-            .map(|s| Bytes::copy_from_slice(s.as_bytes()))
-            .collect(),
-        preferred_segment: Bytes::copy_from_slice(w.preferred_segment.as_bytes()),
-        ..orig.clone()
-    }
-}
-
-/// A put-family request as the policy sees it.
-pub struct PutView<'a> {
-    pub kind: wit::PutKind,
-    pub client: Uuid,
-    pub keys: &'a [Bytes],
-    pub sizes: &'a [u64],
-    pub config: &'a ReplicateConfig,
-}
-
-/// The put-family view of a request, or `None` for other methods.
-pub fn put_view(req: &Request) -> Option<PutView<'_>> {
-    fn single<'a>(kind: wit::PutKind, a: &'a PutStartArgs) -> PutView<'a> {
-        PutView {
-            kind,
-            client: a.client_id,
-            keys: std::slice::from_ref(&a.key),
-            sizes: std::slice::from_ref(&a.slice_length),
-            config: &a.config,
-        }
-    }
-    fn batch<'a>(kind: wit::PutKind, a: &'a BatchPutStartArgs) -> PutView<'a> {
-        PutView {
-            kind,
-            client: a.client_id,
-            keys: &a.keys,
-            sizes: &a.slice_lengths,
-            config: &a.config,
-        }
-    }
-    Some(match req {
-        Request::PutStart(a) => single(wit::PutKind::Put, a),
-        Request::UpsertStart(a) => single(wit::PutKind::Upsert, a),
-        Request::BatchPutStart(a) => batch(wit::PutKind::BatchPut, a),
-        Request::BatchUpsertStart(a) => batch(wit::PutKind::BatchUpsert, a),
-        _ => return None,
-    })
-}
-
-impl PutView<'_> {
-    pub fn to_wit(&self) -> wit::PutCall {
-        wit::PutCall {
-            kind: self.kind,
-            client: self.client.to_string(),
-            keys: pack_keys(self.keys.iter()),
-            sizes: self.sizes.to_vec(),
-            config: to_wit_config(self.config),
-        }
-    }
-}
-
-/// The plugin's view of a lookup answer: the keys asked for and, per key, its replicas'
-/// tiers and sizes in the master's order (keys with an error have none).
-pub fn lookup_call(keys: &[Bytes], resp: &Response) -> Option<wit::LookupCall> {
-    use crate::codec::types::{GetReplicaListResponse, ReplicaLocation};
-    let answers: Vec<&Result<GetReplicaListResponse, ErrorCode>> = match resp {
-        Response::GetReplicaList(r) => vec![r],
-        Response::BatchGetReplicaList(v) => v.iter().collect(),
-        _ => return None,
-    };
-    if answers.len() != keys.len() {
-        return None;
-    }
-    let mut call = wit::LookupCall {
-        keys: pack_keys(keys.iter()),
-        counts: Vec::with_capacity(keys.len()),
-        tiers: Vec::new(),
-        sizes: Vec::new(),
-    };
-    for a in answers {
-        let reps = a.as_ref().map(|l| &l.replicas[..]).unwrap_or(&[]);
-        call.counts.push(reps.len() as u32);
-        for r in reps {
-            let (tier, size) = match &r.location {
-                ReplicaLocation::Memory(d) => (wit::Tier::Memory, d.buffer_descriptor.size),
-                ReplicaLocation::Nof(d) => (wit::Tier::Nof, d.buffer_descriptor.size),
-                ReplicaLocation::Disk(d) => (wit::Tier::Disk, d.object_size),
-                ReplicaLocation::LocalDisk(d) => (wit::Tier::LocalDisk, d.object_size),
-                ReplicaLocation::DistributedFs(d) => (wit::Tier::Dfs, d.object_size),
-            };
-            call.tiers.push(tier);
-            call.sizes.push(size);
-        }
-    }
-    Some(call)
-}
-
-/// Applies a lookup decision: per key, the kept replicas in the plugin's order; a key
-/// with none left is answered OBJECT_NOT_FOUND (the engine recomputes it). Returns
-/// whether anything changed.
-pub fn apply_lookup(resp: &mut Response, keep: &[Vec<u32>]) -> bool {
-    use crate::codec::types::GetReplicaListResponse;
-    fn one(r: &mut Result<GetReplicaListResponse, ErrorCode>, keep: &[u32]) -> bool {
-        let Ok(list) = r else {
-            return false;
-        };
-        if keep.is_empty() {
-            *r = Err(ErrorCode::OBJECT_NOT_FOUND);
-            return true;
-        }
-        let same = keep.len() == list.replicas.len()
-            && keep.iter().enumerate().all(|(i, &k)| i as u32 == k);
-        if !same {
-            let old = std::mem::take(&mut list.replicas);
-            list.replicas = keep
-                .iter()
-                .filter_map(|&i| old.get(i as usize).cloned())
-                .collect();
-        }
-        !same
-    }
-    if keep.is_empty() {
-        return false;
-    }
-    match resp {
-        Response::GetReplicaList(r) => one(r, &keep[0]),
-        Response::BatchGetReplicaList(v) => v
-            .iter_mut()
-            .zip(keep)
-            .fold(false, |changed, (r, k)| one(r, k) | changed),
-        _ => false,
-    }
-}
-
-/// Index into [`crate::metrics::DECISIONS`] of an action.
-pub fn decision_index(a: &PutAction) -> usize {
-    match a {
-        PutAction::Forward => 0,
-        PutAction::Rewrite { fixup: None, .. } => 1,
-        PutAction::Rewrite { fixup: Some(_), .. } => 2,
-        PutAction::Answer(_) => 3,
-    }
-}
-
-/// Turns a plugin's decision on `req` into what to do on the wire.
-pub fn put_action(req: &Request, d: &wit::PutDecision) -> PutAction {
-    let Some(view) = put_view(req) else {
-        return PutAction::Forward;
-    };
-    let config = d.config.as_ref().map(|c| apply_wit_config(view.config, c));
-    let config = config.filter(|c| c != view.config);
-    let denied: Vec<(usize, ErrorCode)> = d
-        .admissions
-        .iter()
-        .enumerate()
-        .filter_map(|(i, a)| match a {
-            wit::Admission::Deny(code) => Some((i, ErrorCode(*code))),
-            wit::Admission::Admit => None,
-        })
-        .collect();
-    let method = req.method();
-    let n = view.keys.len();
-    if !denied.is_empty() && denied.len() == n {
-        // Every key refused: answer like the master would, per key for batches.
-        let resp = match req {
-            Request::PutStart(_) | Request::UpsertStart(_) => {
-                Response::error(method, denied[0].1, 1)
-            }
-            _ => Some(match method {
-                crate::codec::Method::BatchUpsertStart => {
-                    Response::BatchUpsertStart(denied.iter().map(|(_, c)| Err(*c)).collect())
-                }
-                _ => Response::BatchPutStart(denied.iter().map(|(_, c)| Err(*c)).collect()),
-            }),
-        };
-        return resp.map_or(PutAction::Forward, PutAction::Answer);
-    }
-    if denied.is_empty() && config.is_none() {
-        return PutAction::Forward;
-    }
-    let mut req = req.clone();
-    let fixup = if denied.is_empty() {
-        None
-    } else {
-        Some(Fixup {
-            total: n,
-            denied: denied.clone(),
-        })
-    };
-    match &mut req {
-        Request::PutStart(a) | Request::UpsertStart(a) => {
-            if let Some(c) = config {
-                a.config = c;
-            }
-        }
-        Request::BatchPutStart(a) | Request::BatchUpsertStart(a) => {
-            if let Some(c) = config {
-                a.config = c;
-            }
-            if !denied.is_empty() {
-                let mut d = denied.iter().map(|(i, _)| *i).peekable();
-                let mut keys = Vec::with_capacity(n - denied.len());
-                let mut sizes = Vec::with_capacity(n - denied.len());
-                for (i, (k, s)) in a.keys.iter().zip(&a.slice_lengths).enumerate() {
-                    if d.peek() == Some(&i) {
-                        d.next();
-                    } else {
-                        keys.push(k.clone());
-                        sizes.push(*s);
-                    }
-                }
-                a.keys = keys;
-                a.slice_lengths = sizes;
-            }
-        }
-        _ => {}
-    }
-    PutAction::Rewrite {
-        request: Box::new(req),
-        fixup,
-    }
-}
-
-/// Failure handling when a plugin produces no decision.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum FailMode {
-    /// Mooncake's own behaviour: forward the call unchanged.
-    Open,
-    /// Deny the call with the configured error code.
-    Closed,
-}
-
-/// The decision a failed plugin call stands for.
-pub fn failed_decision(mode: FailMode, keys: usize, code: i32) -> wit::PutDecision {
-    match mode {
-        FailMode::Open => wit::PutDecision {
-            config: None,
-            admissions: Vec::new(),
-        },
-        FailMode::Closed => wit::PutDecision {
-            config: None,
-            admissions: vec![wit::Admission::Deny(code); keys],
-        },
-    }
-}
-
-/// FNV-1a (64-bit): a stable hash for arm assignment that tests and operators can
-/// recompute.
-pub fn fnv1a(data: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in data {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
-}
+pub mod view;
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::codec::message::BatchPutStartArgs;
+pub mod fake;
 
-    fn batch(keys: &[&str]) -> Request {
-        Request::BatchPutStart(BatchPutStartArgs {
-            client_id: Uuid::default(),
-            keys: keys
-                .iter()
-                .map(|k| Bytes::copy_from_slice(k.as_bytes()))
-                .collect(),
-            slice_lengths: keys.iter().map(|k| k.len() as u64).collect(),
-            config: ReplicateConfig::default(),
-            tenant_id: Bytes::from_static(b"default"),
-        })
-    }
+pub use config::{FailMode, PolicyConfig};
+pub use decision::{Outcome, PutDecided, Ticket};
+pub use experiment::{arm_for_hash, fnv1a};
+pub use host::{CallError, Interest, wit};
+pub use view::{Fixup, PutAction, pack_keys, put_action, put_view};
 
-    #[test]
-    fn partial_denial_forwards_the_rest_and_merges_in_order() {
-        let req = batch(&["a", "bb", "ccc", "dddd"]);
-        let d = wit::PutDecision {
-            config: None,
-            admissions: vec![
-                wit::Admission::Admit,
-                wit::Admission::Deny(-200),
-                wit::Admission::Admit,
-                wit::Admission::Deny(-600),
-            ],
-        };
-        let PutAction::Rewrite {
-            request,
-            fixup: Some(f),
-        } = put_action(&req, &d)
-        else {
-            panic!("expected a rewrite with fixup");
-        };
-        let Request::BatchPutStart(a) = *request else {
-            panic!("a batch stays a batch");
-        };
-        assert_eq!(
-            a.keys,
-            vec![Bytes::from_static(b"a"), Bytes::from_static(b"ccc")]
-        );
-        assert_eq!(a.slice_lengths, vec![1, 3]);
-        let merged = f.apply(Response::BatchPutStart(vec![
-            Ok(vec![]),
-            Err(ErrorCode(-705)),
-        ]));
-        assert_eq!(
-            merged,
-            Response::BatchPutStart(vec![
-                Ok(vec![]),
-                Err(ErrorCode(-200)),
-                Err(ErrorCode(-705)),
-                Err(ErrorCode(-600)),
-            ])
-        );
+/// A policy as moongate calls it: the hooks of `wit/policy.wit`, each a plain call that
+/// returns a decision or why there is none. Implementations must be cheap to call from
+/// the request path (microseconds) and must not block on I/O.
+pub trait Policy: Send + Sync + std::fmt::Debug {
+    /// Catalog name.
+    fn name(&self) -> &str;
+    /// Hex sha256 of the code (the component bytes for a plugin).
+    fn sha256(&self) -> &str;
+    /// Short version label for metrics: the first 12 hex digits of the sha256.
+    fn version(&self) -> &str {
+        let s = self.sha256();
+        &s[..s.len().min(12)]
     }
-
-    #[test]
-    fn all_denied_is_answered_locally_and_unchanged_is_forwarded() {
-        let req = batch(&["a", "b"]);
-        let d = failed_decision(FailMode::Closed, 2, -200);
-        assert!(
-            matches!(put_action(&req, &d), PutAction::Answer(Response::BatchPutStart(v)) if v.len() == 2)
-        );
-        let same = wit::PutDecision {
-            config: Some(to_wit_config(&ReplicateConfig::default())),
-            admissions: vec![],
-        };
-        assert!(matches!(put_action(&req, &same), PutAction::Forward));
-    }
-
-    #[test]
-    fn lookup_steering_reorders_drops_and_cuts() {
-        use crate::codec::types::*;
-        let rep = |id: u64, loc: ReplicaLocation| ReplicaDescriptor {
-            id,
-            location: loc,
-            status: ReplicaStatus::COMPLETE,
-        };
-        let disk = |n: u64| {
-            ReplicaLocation::Disk(DiskDescriptor {
-                file_path: Bytes::new(),
-                object_size: n,
-            })
-        };
-        let list = |reps: Vec<ReplicaDescriptor>| {
-            Ok(GetReplicaListResponse {
-                replicas: reps,
-                lease_ttl_ms: 1,
-                object_checksum: None,
-            })
-        };
-        let mut resp = Response::BatchGetReplicaList(vec![
-            list(vec![rep(1, disk(10)), rep(2, disk(20))]),
-            list(vec![rep(3, disk(30))]),
-            Err(ErrorCode::OBJECT_NOT_FOUND),
-        ]);
-        let keys = [
-            Bytes::from_static(b"a"),
-            Bytes::from_static(b"b"),
-            Bytes::from_static(b"c"),
-        ];
-        let call = lookup_call(&keys, &resp).unwrap();
-        assert_eq!(call.counts, vec![2, 1, 0]);
-        assert_eq!(call.sizes, vec![10, 20, 30]);
-        assert!(
-            lookup_call(&keys[..2], &resp).is_none(),
-            "key count must match"
-        );
-        assert!(
-            !apply_lookup(&mut resp.clone(), &[vec![0, 1], vec![0], vec![]]),
-            "identity"
-        );
-        assert!(apply_lookup(&mut resp, &[vec![1], vec![], vec![]]));
-        let Response::BatchGetReplicaList(v) = resp else {
-            unreachable!()
-        };
-        assert_eq!(
-            v[0].as_ref()
-                .unwrap()
-                .replicas
-                .iter()
-                .map(|r| r.id)
-                .collect::<Vec<_>>(),
-            vec![2]
-        );
-        assert_eq!(v[1], Err(ErrorCode::OBJECT_NOT_FOUND));
-        assert_eq!(v[2], Err(ErrorCode::OBJECT_NOT_FOUND));
-    }
-
-    #[test]
-    fn config_rewrite_keeps_fields_the_plugin_cannot_see() {
-        let orig = ReplicateConfig {
-            host_id: Bytes::from_static(b"node-7"),
-            ..ReplicateConfig::default()
-        };
-        let mut w = to_wit_config(&orig);
-        w.preferred_segment = "127.0.0.1:1234".into();
-        w.replica_num = 2;
-        let c = apply_wit_config(&orig, &w);
-        assert_eq!(&c.host_id[..], b"node-7");
-        assert_eq!(&c.preferred_segment[..], b"127.0.0.1:1234");
-        assert_eq!(c.replica_num, 2);
-    }
+    /// The hooks it wants called; the others are never called.
+    fn interest(&self) -> Interest;
+    fn on_put(&self, call: &wit::PutCall) -> Result<wit::PutDecision, CallError>;
+    fn on_lookup(&self, call: &wit::LookupCall) -> Result<Vec<Vec<u32>>, CallError>;
+    fn split(&self, call: &wit::SplitCall) -> Result<Vec<u32>, CallError>;
+    fn evict(&self, call: &wit::EvictCall) -> Result<Vec<u32>, CallError>;
+    fn observe(&self, event: &wit::Observation) -> Result<(), CallError>;
 }

@@ -10,6 +10,11 @@ use std::time::Duration;
 use serde::Deserialize;
 use thiserror::Error;
 
+pub mod check;
+
+use check::{check_addr, positive};
+pub use crate::policy::config::{PluginSpec, PolicyConfig, RollbackConfig};
+
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
@@ -22,33 +27,7 @@ pub struct Config {
     pub eviction: EvictionConfig,
     pub kv: KvConfig,
     /// An experiment to start with (instead of `policy.active`).
-    pub experiment: Option<crate::policy::registry::ExperimentSpec>,
-}
-
-/// Policy plugins: which one serves, and the limits every plugin call runs under.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
-pub struct PolicyConfig {
-    /// The plugin that decides when no experiment runs; `default` is embedded.
-    pub active: String,
-    /// What a failed plugin call (trap, timeout, out of memory, invalid answer) means:
-    /// `open` = Mooncake's own behaviour, `closed` = deny with `fail_closed_code`.
-    pub fail_mode: crate::policy::FailMode,
-    /// ErrorCode of fail-closed denials; -200 (NO_AVAILABLE_HANDLE) is what vLLM treats
-    /// as backpressure.
-    pub fail_closed_code: i32,
-    /// Deadline of one hook call.
-    pub call_timeout_ms: u64,
-    /// Linear memory one plugin instance may use.
-    pub memory_limit_bytes: u64,
-    /// Plugin instances alive at once (loaded generations, last-good, experiment arms).
-    pub max_instances: u32,
-    /// Directory watched for `NAME.wasm` files to load (empty: no watching).
-    pub watch_dir: String,
-    pub watch_interval_ms: u64,
-    pub rollback: RollbackConfig,
-    /// Plugins to load at start-up and their configs.
-    pub plugins: Vec<PluginSpec>,
+    pub experiment: Option<crate::policy::experiment::ExperimentSpec>,
 }
 
 /// The kv face: moongate as a native Mooncake client behind a small HTTP API.
@@ -180,61 +159,6 @@ impl Default for EvictionConfig {
             max_candidates: 4_096,
             lease_ms: 10_000,
             call_timeout_ms: 5_000,
-        }
-    }
-}
-
-/// Automatic return to the last-good policy after a bad activation.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
-pub struct RollbackConfig {
-    /// How long after an activation its failures are watched.
-    pub window_ms: u64,
-    /// Calls needed before a verdict.
-    pub min_calls: u64,
-    /// Share of failed plugin calls (trap, timeout, oom, invalid) that triggers rollback.
-    pub max_failure_ratio: f64,
-}
-
-/// A plugin to load.
-#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
-pub struct PluginSpec {
-    /// Catalog name; `default` configures the embedded plugin.
-    pub name: String,
-    /// Component file; without it only the config applies (for `default`, or for a
-    /// plugin that arrives later by the admin API or the watched directory).
-    pub path: Option<String>,
-    /// Refuse the file unless its sha256 (hex) matches.
-    pub sha256: Option<String>,
-    /// Config handed to the plugin's `configure` (usually JSON).
-    #[serde(default)]
-    pub config: String,
-}
-
-impl Default for PolicyConfig {
-    fn default() -> Self {
-        PolicyConfig {
-            active: "default".into(),
-            fail_mode: crate::policy::FailMode::Open,
-            fail_closed_code: -200,
-            call_timeout_ms: 10,
-            memory_limit_bytes: 16 << 20,
-            max_instances: 64,
-            watch_dir: String::new(),
-            watch_interval_ms: 1_000,
-            rollback: RollbackConfig::default(),
-            plugins: Vec::new(),
-        }
-    }
-}
-
-impl Default for RollbackConfig {
-    fn default() -> Self {
-        RollbackConfig {
-            window_ms: 30_000,
-            min_calls: 20,
-            max_failure_ratio: 0.05,
         }
     }
 }
@@ -546,54 +470,12 @@ impl Config {
                 );
             }
         }
-        let p = &self.policy;
-        positive(&mut errs, "policy.call_timeout_ms", p.call_timeout_ms);
-        positive(
+        self.policy.validate(
             &mut errs,
-            "policy.max_instances",
-            u64::from(p.max_instances),
+            self.experiment
+                .iter()
+                .flat_map(|e| e.arms.iter().map(|a| (a.name.as_str(), a.plugin.as_str()))),
         );
-        positive(&mut errs, "policy.watch_interval_ms", p.watch_interval_ms);
-        if p.memory_limit_bytes < (1 << 20) {
-            errs.push("policy.memory_limit_bytes: must be at least 1 MiB".into());
-        }
-        if p.fail_closed_code >= 0 {
-            errs.push("policy.fail_closed_code: must be a negative Mooncake ErrorCode".into());
-        }
-        if !(0.0..=1.0).contains(&p.rollback.max_failure_ratio) {
-            errs.push("policy.rollback.max_failure_ratio: must be within [0, 1]".into());
-        }
-        let mut seen = std::collections::HashSet::new();
-        for spec in &p.plugins {
-            if !seen.insert(spec.name.as_str()) {
-                errs.push(format!("policy.plugins: {:?} is listed twice", spec.name));
-            }
-            if spec.name == "default" && spec.path.is_some() {
-                errs.push("policy.plugins: `default` is embedded; it takes no path".into());
-            }
-            if let Some(path) = &spec.path
-                && !Path::new(path).is_file()
-            {
-                errs.push(format!(
-                    "policy.plugins.{}: {path:?} is not a file",
-                    spec.name
-                ));
-            }
-        }
-        let known = |n: &str| n == "default" || p.plugins.iter().any(|s| s.name == n);
-        if !known(&p.active) {
-            errs.push(format!("policy.active: no plugin named {:?}", p.active));
-        }
-        if let Some(exp) = &self.experiment {
-            for a in &exp.arms {
-                if !known(&a.plugin) {
-                    errs.push(format!(
-                        "experiment.arms.{}: no plugin named {:?}",
-                        a.name, a.plugin
-                    ));
-                }
-            }
-        }
         if tracing_subscriber::EnvFilter::try_new(&self.log.level).is_err() {
             errs.push(format!(
                 "log.level: {:?} is not a valid tracing filter",
@@ -605,22 +487,6 @@ impl Config {
         } else {
             Err(ConfigError::Invalid(errs))
         }
-    }
-}
-
-fn positive(errs: &mut Vec<String>, key: &str, v: u64) {
-    if v == 0 {
-        errs.push(format!("{key}: must be greater than 0"));
-    }
-}
-
-/// `host:port` with a numeric port; the host may be a name (resolved when used).
-fn check_addr(errs: &mut Vec<String>, key: &str, v: &str) {
-    let ok = v
-        .rsplit_once(':')
-        .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok());
-    if !ok {
-        errs.push(format!("{key}: {v:?} is not HOST:PORT"));
     }
 }
 
@@ -644,7 +510,7 @@ mod tests {
 
     #[test]
     fn reference_file_states_the_defaults() {
-        let text = include_str!("../../config/reference.toml");
+        let text = include_str!("../../../config/reference.toml");
         assert_eq!(Config::parse(text).unwrap(), Config::default());
     }
 

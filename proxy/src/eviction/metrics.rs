@@ -1,0 +1,94 @@
+//! The evictor's metrics (registered even when eviction is off, so dashboards see 0).
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+/// What started an eviction round, in label order.
+pub const EVICTION_TRIGGERS: [&str; 2] = ["usage", "denials"];
+/// What became of an eviction candidate moongate acted on, in label order.
+pub const EVICTION_RESULTS: [&str; 4] = ["removed", "leased", "not_found", "error"];
+/// Where an eviction round failed, in label order.
+pub const EVICTION_STAGES: [&str; 2] = ["usage", "remove"];
+
+/// Handles of the evictor (registered even when eviction is off, so dashboards see 0).
+pub struct EvictionMetrics {
+    /// by [`EVICTION_TRIGGERS`] index
+    pub rounds: [Counter; 2],
+    /// by [`EVICTION_RESULTS`] index
+    pub keys: [Counter; 4],
+    pub removed_bytes: Counter,
+    /// by [`EVICTION_STAGES`] index
+    pub errors: [Counter; 2],
+    pub table_keys: Gauge,
+    /// Master memory usage (allocated / capacity) in parts per million at the last read.
+    pub usage_ppm: Gauge,
+}
+
+impl EvictionMetrics {
+    pub fn register(registry: &mut Registry) -> EvictionMetrics {
+        fn family<const N: usize>(
+            registry: &mut Registry,
+            name: &str,
+            help: &str,
+            key: &'static str,
+            values: [&'static str; N],
+        ) -> [Counter; N] {
+            // One label whose name varies by family: a one-pair label set.
+            let f = Family::<[(&'static str, &'static str); 1], Counter>::default();
+            registry.register(name, help, f.clone());
+            values.map(|value| f.get_or_create(&[(key, value)]).clone())
+        }
+        let rounds = family(
+            registry,
+            "moongate_eviction_rounds",
+            "Eviction rounds by trigger (usage: master memory over eviction.high_watermark; \
+             denials: the master refused puts with NO_AVAILABLE_HANDLE)",
+            "trigger",
+            EVICTION_TRIGGERS,
+        );
+        let keys = family(
+            registry,
+            "moongate_eviction_keys",
+            "Eviction victims by result (removed; leased: a reader holds a lease, kept; \
+             not_found: already gone, forgotten; error)",
+            "result",
+            EVICTION_RESULTS,
+        );
+        let errors = family(
+            registry,
+            "moongate_eviction_errors",
+            "Eviction rounds cut short, by stage (usage read, removals)",
+            "stage",
+            EVICTION_STAGES,
+        );
+        let removed_bytes = Counter::default();
+        registry.register(
+            "moongate_eviction_removed_bytes",
+            "Bytes of keys moongate removed",
+            removed_bytes.clone(),
+        );
+        let table_keys = Gauge::default();
+        registry.register(
+            "moongate_eviction_table_keys",
+            "Keys in moongate's eviction table",
+            table_keys.clone(),
+        );
+        let usage_ppm = Gauge::default();
+        registry.register(
+            "moongate_master_memory_usage_ppm",
+            "Master memory allocated / capacity, parts per million, at the last read",
+            usage_ppm.clone(),
+        );
+        EvictionMetrics {
+            rounds,
+            keys,
+            removed_bytes,
+            errors,
+            table_keys,
+            usage_ppm,
+        }
+    }
+}
+

@@ -1,0 +1,141 @@
+//! The kv face's metrics: requests by op and status, transfers by transport and
+//! direction, the byte budget, the replica cache, batch parts.
+
+use prometheus_client::encoding::{EncodeLabelSet};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+/// kv face operations, in label order.
+pub const KV_OPS: [&str; 6] = ["get", "put", "delete", "exists", "batch_get", "batch_put"];
+/// HTTP status classes, in label order.
+pub const KV_STATUS: [&str; 3] = ["2xx", "4xx", "5xx"];
+/// How kv bytes moved: TE-TCP to a peer segment, in place in moongate's own segment, or
+/// QUIC to a peer moongate's segment.
+pub const KV_TRANSPORTS: [&str; 4] = ["tcp", "local", "quic", "disk"];
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabel {
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KvReqLabels {
+    op: &'static str,
+    status: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KvXferLabels {
+    transport: &'static str,
+    direction: &'static str,
+}
+
+/// Handles of the kv face.
+pub struct KvMetrics {
+    /// `[op][status class]`
+    pub requests: [[Counter; 3]; 6],
+    /// Parts batch gets and puts were cut into.
+    pub batch_parts: Counter,
+    /// Replica cache lookups of gets: `[hit, miss, stale]`.
+    pub replica_cache: [Counter; 3],
+    /// `[transport][read, write]`
+    pub transfers: [[Counter; 2]; 4],
+    pub transfer_bytes: [[Counter; 2]; 4],
+    /// Requests refused with 503 because the in-flight byte budget stayed full.
+    pub busy: Counter,
+    pub inflight_bytes: Gauge,
+    /// RDMA devices found at start (the data path falls back to TCP / QUIC regardless).
+    pub rdma_devices: Gauge,
+}
+
+impl KvMetrics {
+    pub fn register(registry: &mut Registry) -> KvMetrics {
+        let req = Family::<KvReqLabels, Counter>::default();
+        registry.register(
+            "moongate_kv_requests",
+            "kv face requests by op (get, put, delete, exists, batch_get, batch_put) and \
+             status class",
+            req.clone(),
+        );
+        let xfer = Family::<KvXferLabels, Counter>::default();
+        registry.register(
+            "moongate_kv_transfers",
+            "Replica transfers of the kv face by transport (tcp: TE-TCP to a peer \
+             segment; local: moongate's own segment; quic: a peer moongate's segment; \
+             disk: a file of the master's disk tier) and direction",
+            xfer.clone(),
+        );
+        let bytes = Family::<KvXferLabels, Counter>::default();
+        registry.register(
+            "moongate_kv_transfer_bytes",
+            "Bytes moved by the kv face, by transport and direction",
+            bytes.clone(),
+        );
+        let busy = Counter::default();
+        registry.register(
+            "moongate_kv_busy",
+            "kv requests answered 503: the node's in-flight byte budget stayed full",
+            busy.clone(),
+        );
+        let cache = Family::<ResultLabel, Counter>::default();
+        registry.register(
+            "moongate_kv_replica_cache",
+            "kv GETs by replica cache result (kv.replica_cache_ms): hit = no master call, \
+             miss = asked the master, stale = a cached replica was unreadable (asked again)",
+            cache.clone(),
+        );
+        let batch_parts = Counter::default();
+        registry.register(
+            "moongate_kv_batch_parts",
+            "Parts kv batch gets and puts were cut into under the byte budget",
+            batch_parts.clone(),
+        );
+        let rdma_devices = Gauge::default();
+        registry.register(
+            "moongate_kv_rdma_devices",
+            "RDMA devices found at start (feature rdma); the RDMA data path is not \
+             implemented, transfers use tcp / quic",
+            rdma_devices.clone(),
+        );
+        let inflight_bytes = Gauge::default();
+        registry.register(
+            "moongate_kv_inflight_bytes",
+            "Value bytes of kv gets and puts in progress",
+            inflight_bytes.clone(),
+        );
+        let x = |f: &Family<KvXferLabels, Counter>| {
+            KV_TRANSPORTS.map(|transport| {
+                ["read", "write"].map(|direction| {
+                    f.get_or_create(&KvXferLabels {
+                        transport,
+                        direction,
+                    })
+                    .clone()
+                })
+            })
+        };
+        KvMetrics {
+            requests: KV_OPS.map(|op| {
+                KV_STATUS.map(|status| req.get_or_create(&KvReqLabels { op, status }).clone())
+            }),
+            transfers: x(&xfer),
+            transfer_bytes: x(&bytes),
+            batch_parts,
+            replica_cache: ["hit", "miss", "stale"]
+                .map(|result| cache.get_or_create(&ResultLabel { result }).clone()),
+            busy,
+            inflight_bytes,
+            rdma_devices,
+        }
+    }
+
+    /// Counts one transfer of `bytes` (`transport`: index into [`KV_TRANSPORTS`]).
+    pub fn transfer(&self, transport: usize, write: bool, bytes: u64) {
+        let d = usize::from(write);
+        self.transfers[transport][d].inc();
+        self.transfer_bytes[transport][d].inc_by(bytes);
+    }
+}
+

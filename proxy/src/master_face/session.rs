@@ -1,0 +1,563 @@
+//! One client connection's protocol state, with no I/O and no clocks (the caller passes
+//! the time): the in-flight queue, seq matching, answers moongate gives itself, the
+//! merge of split batches, and what happens to each frame on its way.
+//!
+//! [`super::connection`] is the tokio shell around it: it reads bytes, cuts frames,
+//! feeds them in with [`Session::handle_request`] / [`Session::handle_response`], and
+//! writes what [`Session::poll_to_master`] / [`Session::poll_to_client`] hand out.
+//!
+//! Phase order for a request: classify (method) -> decode (typed methods; a body that
+//! does not decode is relayed as is) -> decide ([`crate::policy::decision`]: put family
+//! through the plugin; other calls get the arm that serves them) -> queue an entry ->
+//! forward (received bytes, re-encoded rewrite, or bounded parts of a batch: [`split`])
+//! or answer locally (every key denied; the answer goes out when its turn comes).
+//!
+//! For a response: match seq (the master answers in request order; the parts of a split
+//! batch come back to back and the entry leaves with the last) -> decode -> record for
+//! eviction -> merge denied keys back -> steer lookups -> tally tiers -> settle (arm
+//! metrics, guardrail, the plugin's `observe`) -> forward.
+//!
+//! The queue is bounded by `master_face.max_inflight_per_connection`: the shell asks
+//! [`Session::has_room`] before it hands in a request and stops reading the client when
+//! there is none (backpressure; a request is never failed for it).
+//!
+//! [`split`]: super::split
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+
+use super::Shared;
+use super::split::{self, InFlightBytes, Merge, Merged};
+use crate::codec::frame::errc;
+use crate::codec::message::{Request, Response, RpcError, is_typed};
+use crate::codec::types::Uuid;
+use crate::codec::{BodyStyle, Method, RequestFrame, ResponseFrame, ResponseHeader};
+use crate::config::Reencode;
+use crate::eviction::Tracked;
+use crate::metrics::{ErrorKind, FrameErrorKind, MethodMetrics, Side};
+use crate::policy::{Fixup, Outcome, PutAction, PutDecided, Ticket};
+
+/// What the session keeps of a forwarded call until its answer arrives.
+pub struct Entry {
+    /// The set and arm that serve it (kept alive until the answer: a swap meanwhile
+    /// changes nothing for this call).
+    pub ticket: Ticket,
+    pub fixup: Option<Fixup>,
+    /// Keys of a lookup whose answer the arm's plugin steers (`on-lookup`).
+    pub lookup_keys: Option<Vec<Bytes>>,
+    /// Upstream calls this request went out as (1 unless a batch was split).
+    pub parts: usize,
+    /// The put bytes this call holds in the node-wide in-flight count until it ends.
+    pub in_flight: Option<InFlightBytes>,
+    /// What the answer tells the eviction table (eviction on).
+    pub tracked: Option<Tracked>,
+}
+
+/// A request not yet answered to the client, in request order.
+enum InFlight {
+    Upstream {
+        seq: u32,
+        method: Option<Method>,
+        sent: Instant,
+        entry: Option<Entry>,
+    },
+    /// Answered by moongate: these bytes go to the client when its turn comes.
+    Local(Bytes),
+}
+
+/// The protocol state of one client connection and its upstream connection.
+pub struct Session {
+    shared: Arc<Shared>,
+    queue: VecDeque<InFlight>,
+    /// The Mooncake client id, once a request carried it: a connection belongs to one
+    /// client process, so by-client arms hold for the calls that do not carry it.
+    client: Option<Uuid>,
+    merge: Merge,
+    to_master: BytesMut,
+    to_client: BytesMut,
+}
+
+impl Session {
+    pub fn new(shared: Arc<Shared>) -> Session {
+        Session {
+            shared,
+            queue: VecDeque::new(),
+            client: None,
+            merge: Merge::default(),
+            to_master: BytesMut::with_capacity(64 << 10),
+            to_client: BytesMut::with_capacity(64 << 10),
+        }
+    }
+
+    /// Whether another request may be handed in (the in-flight bound).
+    pub fn has_room(&self) -> bool {
+        self.queue.len() < self.shared.cfg.max_inflight_per_connection
+    }
+
+    /// Requests not yet answered to the client.
+    pub fn in_flight(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// Whether bytes wait for the client (a local answer due now).
+    pub fn has_output_for_client(&self) -> bool {
+        !self.to_client.is_empty()
+    }
+
+    /// The bytes gathered for the master since the last poll, if any.
+    pub fn poll_to_master(&mut self) -> Option<Bytes> {
+        (!self.to_master.is_empty()).then(|| self.to_master.split().freeze())
+    }
+
+    /// The bytes gathered for the client since the last poll, if any.
+    pub fn poll_to_client(&mut self) -> Option<Bytes> {
+        (!self.to_client.is_empty()).then(|| self.to_client.split().freeze())
+    }
+
+    /// Moves the local answers at the head of the queue to the client's bytes.
+    fn drain_local(&mut self) {
+        while let Some(InFlight::Local(_)) = self.queue.front() {
+            if let Some(InFlight::Local(b)) = self.queue.pop_front() {
+                self.to_client.extend_from_slice(&b);
+            }
+        }
+    }
+
+    /// Handles one whole client request (`raw`: its bytes as received) that arrived at
+    /// `now`. The caller checked [`Session::has_room`].
+    pub fn handle_request(&mut self, frame: &RequestFrame, raw: &Bytes, now: Instant) {
+        let method = Method::from_function_id(frame.header.function_id);
+        let queued = self.on_request(frame, raw, method);
+        self.queue.push_back(match queued {
+            Some(Ok(entry)) => InFlight::Upstream {
+                seq: frame.header.seq_num,
+                method,
+                sent: now,
+                entry: Some(entry),
+            },
+            None => InFlight::Upstream {
+                seq: frame.header.seq_num,
+                method,
+                sent: now,
+                entry: None,
+            },
+            Some(Err(local)) => InFlight::Local(local),
+        });
+        // A local answer with nothing before it goes out at once.
+        self.drain_local();
+    }
+
+    /// Decodes, decides and forwards one request: `Some(Ok)` forwarded with an entry,
+    /// `Some(Err(bytes))` answered locally, `None` relayed without one.
+    #[allow(clippy::type_complexity)]
+    fn on_request(
+        &mut self,
+        frame: &RequestFrame,
+        raw: &Bytes,
+        method: Option<Method>,
+    ) -> Option<Result<Entry, Bytes>> {
+        let shared = self.shared.clone();
+        let m = shared.metrics.method(method);
+        m.requests.inc();
+        let Some((req, style)) = decode_request(frame, method, m) else {
+            self.to_master.extend_from_slice(raw);
+            return None;
+        };
+        if let Some(id) = req.client_id() {
+            self.client = Some(id);
+        }
+        let policy = &shared.policy;
+        let set = policy.current();
+        let Some(PutDecided { action, ticket }) = policy.decide_put(&set, &req) else {
+            let ticket = policy.ticket(set, &self.client.unwrap_or_default(), req.first_key());
+            let arm = ticket.arm();
+            arm.metrics.requests[req.method().index()].requests.inc();
+            let lookup_keys = match &req {
+                Request::GetReplicaList(a) if policy.steers_lookups(arm) => {
+                    Some(vec![a.key.clone()])
+                }
+                Request::BatchGetReplicaList(a) if policy.steers_lookups(arm) => {
+                    Some(a.keys.clone())
+                }
+                _ => None,
+            };
+            let parts = self.forward(frame, raw, &req, style, false, &ticket);
+            return Some(Ok(self.entry(ticket, None, lookup_keys, parts, &req)));
+        };
+        let am = &ticket.arm().metrics.requests[req.method().index()];
+        am.requests.inc();
+        match action {
+            PutAction::Forward => {
+                let parts = self.forward(frame, raw, &req, style, false, &ticket);
+                Some(Ok(self.entry(ticket, None, None, parts, &req)))
+            }
+            PutAction::Rewrite { request, fixup } => {
+                let parts = self.forward(frame, raw, &request, style, true, &ticket);
+                // Tracked from what went upstream: the table records the master's answer
+                // to it, before denied keys are merged back (moongate's denials are not
+                // memory pressure).
+                Some(Ok(self.entry(ticket, fixup, None, parts, &request)))
+            }
+            PutAction::Answer(resp) => {
+                let denied = resp.error_count() as u64;
+                m.error(ErrorKind::app, denied);
+                am.error(ErrorKind::app, denied);
+                policy.settle(
+                    &ticket,
+                    &Outcome {
+                        method: req.method().name(),
+                        code: resp.first_error().map_or(0, |e| e.0),
+                        failed: true,
+                        latency: None,
+                        keys: resp.key_count(),
+                    },
+                );
+                let mut body = BytesMut::new();
+                resp.encode_body(style, &mut body);
+                let mut bytes = BytesMut::with_capacity(16 + body.len());
+                ResponseFrame {
+                    header: ResponseHeader::new(frame.header.seq_num, errc::OK, 0),
+                    body: body.freeze(),
+                    attachment: Bytes::new(),
+                }
+                .write(&mut bytes);
+                Some(Err(bytes.freeze()))
+            }
+        }
+    }
+
+    fn entry(
+        &self,
+        ticket: Ticket,
+        fixup: Option<Fixup>,
+        lookup_keys: Option<Vec<Bytes>>,
+        parts: usize,
+        sent: &Request,
+    ) -> Entry {
+        Entry {
+            ticket,
+            fixup,
+            lookup_keys,
+            parts,
+            in_flight: put_bytes(sent, &self.shared),
+            tracked: self.shared.eviction.as_ref().and_then(|_| Tracked::of(sent)),
+        }
+    }
+
+    /// Sends `req` upstream: as received, re-encoded (`changed`, or `reencode = "always"`),
+    /// or as bounded parts of a batch. Returns the number of upstream calls.
+    fn forward(
+        &mut self,
+        frame: &RequestFrame,
+        raw: &Bytes,
+        req: &Request,
+        style: BodyStyle,
+        changed: bool,
+        ticket: &Ticket,
+    ) -> usize {
+        let shared = &self.shared;
+        // An attachment cannot be cut with the keys; batch calls never carry one.
+        if frame.attachment.is_empty() {
+            let points = split::points(
+                req,
+                shared.cfg.max_batch_keys,
+                &shared.policy,
+                ticket.arm(),
+                shared.put_bytes_in_flight.load(Ordering::Relaxed),
+            );
+            if let Some(parts) = (!points.is_empty())
+                .then(|| req.split_at(&points))
+                .flatten()
+            {
+                for p in &parts {
+                    write_request(frame, p, style, &mut self.to_master);
+                }
+                shared.metrics.split(req.method(), parts.len());
+                return parts.len();
+            }
+        }
+        if changed || shared.cfg.reencode == Reencode::Always {
+            write_request(frame, req, style, &mut self.to_master);
+        } else {
+            self.to_master.extend_from_slice(raw);
+        }
+        1
+    }
+
+    /// Handles one whole master response (`raw`: its bytes as received) that arrived at
+    /// `now`.
+    pub fn handle_response(&mut self, frame: &ResponseFrame, raw: &Bytes, now: Instant) {
+        // Answers moongate gave itself for earlier requests go first.
+        self.drain_local();
+        let seq = frame.header.seq_num;
+        // The answers to the parts of a split batch come back to back; the entry leaves
+        // the queue with the last one.
+        let split = match self.queue.front() {
+            Some(InFlight::Upstream {
+                seq: s,
+                method: Some(method),
+                entry: Some(e),
+                ..
+            }) if e.parts > 1 && *s == seq => Some((e.parts, *method)),
+            _ => None,
+        };
+        if let Some((parts, method)) = split {
+            self.merge.add(method, frame, raw);
+            if self.merge.got < parts {
+                return;
+            }
+        }
+        match self.queue.pop_front() {
+            Some(InFlight::Upstream {
+                seq: s,
+                method,
+                sent,
+                entry,
+            }) if s == seq => {
+                let latency = now.saturating_duration_since(sent);
+                self.shared
+                    .metrics
+                    .method(method)
+                    .latency
+                    .observe(latency.as_secs_f64());
+                let shared = self.shared.clone();
+                let a = Answering::new(method, entry.as_ref(), latency, &shared);
+                if split.is_some() {
+                    match std::mem::take(&mut self.merge).finish(seq) {
+                        Merged::Failed(bytes) => {
+                            let err_code =
+                                bytes.get(2).copied().unwrap_or(errc::RPC_THROW_EXCEPTION);
+                            let body = bytes.slice(bytes.len().min(16)..);
+                            a.transport_error(err_code, &body);
+                            self.to_client.extend_from_slice(&bytes);
+                        }
+                        Merged::Reply(resp, style) => {
+                            let header = ResponseHeader::new(seq, errc::OK, 0);
+                            a.reply(resp, style, header, &Bytes::new(), None, &mut self.to_client);
+                        }
+                    }
+                } else {
+                    a.response(frame, raw, &mut self.to_client);
+                }
+            }
+            other => {
+                // Not what the master does; relay and let the client judge (it closes the
+                // connection on a seq it does not know). The popped entry is dropped: its
+                // call will never be answered in order.
+                self.merge = Merge::default();
+                self.shared
+                    .metrics
+                    .frame_error(Side::upstream, FrameErrorKind::unmatched_seq);
+                let expected = match &other {
+                    Some(InFlight::Upstream { seq, .. }) => Some(*seq),
+                    _ => None,
+                };
+                tracing::warn!(seq, expected, "response out of request order");
+                self.to_client.extend_from_slice(raw);
+            }
+        }
+        self.drain_local();
+    }
+}
+
+fn decode_request(
+    frame: &RequestFrame,
+    method: Option<Method>,
+    m: &MethodMetrics,
+) -> Option<(Request, BodyStyle)> {
+    let method = method.filter(|m| is_typed(*m))?;
+    match Request::decode(method, &frame.body)? {
+        Ok(d) => Some(d),
+        Err(e) => {
+            // The master will answer invalid_rpc_arguments itself; relay untouched.
+            m.error(ErrorKind::decode, 1);
+            tracing::debug!(%method, error = %e, "request body did not decode; relaying raw");
+            None
+        }
+    }
+}
+
+fn write_request(frame: &RequestFrame, req: &Request, style: BodyStyle, out: &mut BytesMut) {
+    let mut body = BytesMut::with_capacity(frame.body.len() + 64);
+    req.encode_body(style, &mut body);
+    RequestFrame {
+        header: frame.header,
+        body: body.freeze(),
+        attachment: frame.attachment.clone(),
+    }
+    .write(out);
+}
+
+/// Put bytes a forwarded put-family start holds until it is answered.
+fn put_bytes(req: &Request, shared: &Shared) -> Option<InFlightBytes> {
+    let bytes = match req {
+        Request::PutStart(a) | Request::UpsertStart(a) => a.slice_length,
+        Request::BatchPutStart(a) | Request::BatchUpsertStart(a) => a.slice_lengths.iter().sum(),
+        _ => return None,
+    };
+    Some(InFlightBytes::take(&shared.put_bytes_in_flight, bytes))
+}
+
+/// Per-answer context: the metric handles and arm of the call being answered.
+struct Answering<'a> {
+    method: Option<Method>,
+    entry: Option<&'a Entry>,
+    latency: Duration,
+    shared: &'a Shared,
+    m: &'a MethodMetrics,
+    am: Option<&'a MethodMetrics>,
+}
+
+impl<'a> Answering<'a> {
+    fn new(
+        method: Option<Method>,
+        entry: Option<&'a Entry>,
+        latency: Duration,
+        shared: &'a Shared,
+    ) -> Self {
+        let am = entry
+            .zip(method)
+            .map(|(e, method)| &e.ticket.arm().metrics.requests[method.index()]);
+        if let Some(am) = am {
+            am.latency.observe(latency.as_secs_f64());
+        }
+        Answering {
+            method,
+            entry,
+            latency,
+            shared,
+            m: shared.metrics.method(method),
+            am,
+        }
+    }
+
+    /// A response as received: decoded when typed and successful, else relayed.
+    fn response(&self, frame: &ResponseFrame, raw: &Bytes, out: &mut BytesMut) {
+        if frame.header.err_code != errc::OK {
+            self.transport_error(frame.header.err_code, &frame.body);
+            out.extend_from_slice(raw);
+            return;
+        }
+        let decoded = match self.method {
+            Some(method) if is_typed(method) => match Response::decode(method, &frame.body) {
+                Some(Ok(d)) => Some(d),
+                Some(Err(e)) => {
+                    self.m.error(ErrorKind::decode, 1);
+                    tracing::debug!(%method, error = %e, "response body did not decode; relaying raw");
+                    None
+                }
+                None => None,
+            },
+            _ => None,
+        };
+        let Some((resp, style)) = decoded else {
+            out.extend_from_slice(raw);
+            return;
+        };
+        self.reply(resp, style, frame.header, &frame.attachment, Some(raw), out);
+    }
+
+    /// The master (or a part of a split call) failed the call as a whole.
+    fn transport_error(&self, err_code: u8, body: &Bytes) {
+        self.m.error(ErrorKind::rpc, 1);
+        if let Some(am) = self.am {
+            am.error(ErrorKind::rpc, 1);
+        }
+        if let Some(e) = self.entry {
+            self.shared.policy.settle(
+                &e.ticket,
+                &Outcome {
+                    method: self.method.map_or("unknown", Method::name),
+                    code: -900,
+                    failed: true,
+                    latency: Some(self.latency),
+                    keys: 0,
+                },
+            );
+        }
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            let msg = RpcError::decode(err_code, body)
+                .map(|(e, _)| String::from_utf8_lossy(&e.message).into_owned())
+                .unwrap_or_default();
+            tracing::debug!(method = self.method.map(Method::name), err_code, %msg,
+                "master answered with a transport error");
+        }
+    }
+
+    /// A decoded successful reply: fix up, steer, tally, settle, then write it out
+    /// (`raw`, the bytes as received, when nothing changed it).
+    fn reply(
+        &self,
+        mut resp: Response,
+        style: BodyStyle,
+        header: ResponseHeader,
+        attachment: &Bytes,
+        raw: Option<&Bytes>,
+        out: &mut BytesMut,
+    ) {
+        let entry = self.entry;
+        let fixup = entry.and_then(|e| e.fixup.as_ref());
+        // The master's own answer (before fixup and steering) says what it stores.
+        if let (Some(ev), Some(e)) = (&self.shared.eviction, entry)
+            && let Some(t) = &e.tracked
+        {
+            ev.record(t, &resp, e.ticket.arm);
+        }
+        if let Some(f) = fixup {
+            resp = f.apply(resp);
+        }
+        let mut steered = false;
+        if let Some(e) = entry
+            && let Some(keys) = e.lookup_keys.as_deref()
+        {
+            steered = self
+                .shared
+                .policy
+                .steer_lookup(e.ticket.arm(), keys, &mut resp);
+        }
+        if let Some(e) = entry {
+            let tally = crate::tiers::Tally::of(&resp);
+            if !tally.is_empty() {
+                e.ticket.arm().metrics.add_tally(&tally);
+            }
+        }
+        let errors = resp.error_count() as u64;
+        self.m.error(ErrorKind::app, errors);
+        if let Some(am) = self.am {
+            am.error(ErrorKind::app, errors);
+        }
+        if let Some(e) = entry {
+            self.shared.policy.settle(
+                &e.ticket,
+                &Outcome {
+                    method: resp.method().name(),
+                    code: resp.first_error().map_or(0, |e| e.0),
+                    failed: errors > 0,
+                    latency: Some(self.latency),
+                    keys: resp.key_count(),
+                },
+            );
+        }
+        match raw {
+            Some(raw)
+                if fixup.is_none() && !steered && self.shared.cfg.reencode != Reencode::Always =>
+            {
+                out.extend_from_slice(raw)
+            }
+            _ => {
+                let mut body = BytesMut::with_capacity(64 + 16 * resp.key_count());
+                resp.encode_body(style, &mut body);
+                ResponseFrame {
+                    header,
+                    body: body.freeze(),
+                    attachment: attachment.clone(),
+                }
+                .write(out);
+            }
+        }
+    }
+}

@@ -1,0 +1,198 @@
+//! The policies in force: one [`ActiveSet`] of arms in an `ArcSwap`, replaced whole.
+//!
+//! A call takes the set once and finishes on it, so a swap never disturbs a call in
+//! flight. The set before the current one is kept as last-good (rollback returns to it);
+//! replaced sets are dropped by a reaper thread after a delay, never on the request path.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use bytes::Bytes;
+
+use super::Policy;
+use super::experiment::{Assign, ExperimentSpec, Window, arm_for_hash, assignment_hash};
+use super::metrics::{ArmMetrics, PolicyFamilies};
+
+/// An arm in force: its policy generation and its metric handles.
+pub struct Arm {
+    pub name: String,
+    pub plugin: Arc<dyn Policy>,
+    pub(super) weight: u64,
+    pub metrics: ArmMetrics,
+    stopped: AtomicBool,
+    /// Guardrail window (experiments only).
+    pub(super) window: Mutex<Window>,
+}
+
+impl Arm {
+    pub fn new(name: &str, plugin: Arc<dyn Policy>, weight: u64, families: &PolicyFamilies) -> Arm {
+        Arm {
+            metrics: families.arm(plugin.name(), plugin.version(), name),
+            name: name.to_string(),
+            plugin,
+            weight,
+            stopped: AtomicBool::new(false),
+            window: Mutex::new(Window::new(Instant::now())),
+        }
+    }
+
+    pub fn is_stopped(&self) -> bool {
+        self.stopped.load(Ordering::Relaxed)
+    }
+
+    /// Stops the arm; `true` if this call stopped it.
+    pub(super) fn stop(&self) -> bool {
+        !self.stopped.swap(true, Ordering::Relaxed)
+    }
+}
+
+/// The policies in force at one moment.
+pub struct ActiveSet {
+    pub generation: u64,
+    pub arms: Vec<Arm>,
+    pub control: usize,
+    pub assign: Assign,
+    pub experiment: Option<ExperimentSpec>,
+    pub(super) activated: Instant,
+    /// Plugin-failure calls seen since activation (automatic rollback).
+    pub(super) probation: Mutex<Window>,
+}
+
+impl ActiveSet {
+    pub fn new(
+        arms: Vec<Arm>,
+        control: usize,
+        assign: Assign,
+        experiment: Option<ExperimentSpec>,
+    ) -> ActiveSet {
+        let now = Instant::now();
+        ActiveSet {
+            generation: 0,
+            arms,
+            control,
+            assign,
+            experiment,
+            activated: now,
+            probation: Mutex::new(Window::new(now)),
+        }
+    }
+
+    /// The arm serving a call from `client` about `key`.
+    pub fn pick(&self, client: &crate::codec::types::Uuid, key: Option<&Bytes>) -> usize {
+        if self.arms.len() == 1 {
+            return 0;
+        }
+        let h = assignment_hash(self.assign, client, key);
+        let i = arm_for_hash(h, self.arms.iter().map(|a| a.weight));
+        if self.arms[i].is_stopped() {
+            self.control
+        } else {
+            i
+        }
+    }
+}
+
+/// How long a replaced set is kept alive before the reaper drops it: calls that
+/// started on it finish well within this.
+const RETIRE_AFTER: Duration = Duration::from_secs(5);
+
+/// The set in force, the last-good one, and the reaper of replaced ones.
+pub struct Active {
+    current: ArcSwap<ActiveSet>,
+    last_good: Mutex<Option<Arc<ActiveSet>>>,
+    generation: AtomicU64,
+    retire: Mutex<std::sync::mpsc::Sender<Arc<ActiveSet>>>,
+    /// Serializes activations (swap + last-good bookkeeping); never taken by calls.
+    swap_lock: Mutex<()>,
+}
+
+impl Active {
+    /// An empty set in force (no arms) and a reaper thread.
+    pub fn new() -> std::io::Result<Active> {
+        let (tx, rx) = std::sync::mpsc::channel::<Arc<ActiveSet>>();
+        std::thread::Builder::new()
+            .name("moongate-reaper".into())
+            .spawn(move || {
+                // Dropping a generation (instances, compiled code) can take milliseconds.
+                for set in rx {
+                    std::thread::sleep(RETIRE_AFTER);
+                    drop(set);
+                }
+            })?;
+        Ok(Active {
+            current: ArcSwap::from_pointee(ActiveSet::new(Vec::new(), 0, Assign::Client, None)),
+            last_good: Mutex::new(None),
+            generation: AtomicU64::new(0),
+            retire: Mutex::new(tx),
+            swap_lock: Mutex::new(()),
+        })
+    }
+
+    /// The set in force; hold it for the whole call.
+    pub fn current(&self) -> Arc<ActiveSet> {
+        self.current.load_full()
+    }
+
+    /// Whether `set` is still the one in force.
+    pub fn is_current(&self, set: &Arc<ActiveSet>) -> bool {
+        Arc::ptr_eq(set, &self.current.load())
+    }
+
+    pub fn last_good(&self) -> Option<Arc<ActiveSet>> {
+        self.last_good
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Forgets the last-good set (at start-up: nobody chose the set before the first).
+    pub fn clear_last_good(&self) {
+        *self.last_good.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+
+    fn retire(&self, set: Arc<ActiveSet>) {
+        let _ = self
+            .retire
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .send(set);
+    }
+
+    /// Puts `set` in force; the one it replaces becomes last-good. Returns its generation.
+    pub fn swap_in(&self, mut set: ActiveSet, families: &PolicyFamilies) -> u64 {
+        let _g = self.swap_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let generation = self.generation.fetch_add(1, Ordering::Relaxed) + 1;
+        set.generation = generation;
+        let old = self.current.swap(Arc::new(set));
+        if !old.arms.is_empty() {
+            let prev = self
+                .last_good
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .replace(old);
+            if let Some(prev) = prev {
+                self.retire(prev);
+            }
+        }
+        families.swaps.inc();
+        families.active_generation.set(generation as i64);
+        generation
+    }
+
+    /// Returns to the last-good set; `None` when there is none.
+    pub fn rollback(&self, families: &PolicyFamilies) -> Option<u64> {
+        let _g = self.swap_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let prev = self
+            .last_good
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()?;
+        let old = self.current.swap(prev.clone());
+        self.retire(old);
+        families.rollbacks.inc();
+        families.active_generation.set(prev.generation as i64);
+        Some(prev.generation)
+    }
+}

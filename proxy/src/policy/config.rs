@@ -1,0 +1,157 @@
+//! The `[policy]` section: which plugin serves, and the limits every plugin call runs
+//! under. Owned here so that the policy layer never imports the process-wide config
+//! (`crate::config` composes this section, not the other way round).
+
+use serde::Deserialize;
+
+/// What a failed plugin call (trap, timeout, out of memory, invalid answer) means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FailMode {
+    /// Mooncake's own behaviour: forward the call unchanged.
+    Open,
+    /// Deny the call with the configured error code.
+    Closed,
+}
+
+/// Policy plugins: which one serves, and the limits every plugin call runs under.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct PolicyConfig {
+    /// The plugin that decides when no experiment runs; `default` is embedded.
+    pub active: String,
+    /// What a failed plugin call (trap, timeout, out of memory, invalid answer) means:
+    /// `open` = Mooncake's own behaviour, `closed` = deny with `fail_closed_code`.
+    pub fail_mode: FailMode,
+    /// ErrorCode of fail-closed denials; -200 (NO_AVAILABLE_HANDLE) is what vLLM treats
+    /// as backpressure.
+    pub fail_closed_code: i32,
+    /// Deadline of one hook call.
+    pub call_timeout_ms: u64,
+    /// Linear memory one plugin instance may use.
+    pub memory_limit_bytes: u64,
+    /// Plugin instances alive at once (loaded generations, last-good, experiment arms).
+    pub max_instances: u32,
+    /// Directory watched for `NAME.wasm` files to load (empty: no watching).
+    pub watch_dir: String,
+    pub watch_interval_ms: u64,
+    pub rollback: RollbackConfig,
+    /// Plugins to load at start-up and their configs.
+    pub plugins: Vec<PluginSpec>,
+}
+
+/// Automatic return to the last-good policy after a bad activation.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RollbackConfig {
+    /// How long after an activation its failures are watched.
+    pub window_ms: u64,
+    /// Calls needed before a verdict.
+    pub min_calls: u64,
+    /// Share of failed plugin calls (trap, timeout, oom, invalid) that triggers rollback.
+    pub max_failure_ratio: f64,
+}
+
+/// A plugin to load.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct PluginSpec {
+    /// Catalog name; `default` configures the embedded plugin.
+    pub name: String,
+    /// Component file; without it only the config applies (for `default`, or for a
+    /// plugin that arrives later by the admin API or the watched directory).
+    pub path: Option<String>,
+    /// Refuse the file unless its sha256 (hex) matches.
+    pub sha256: Option<String>,
+    /// Config handed to the plugin's `configure` (usually JSON).
+    #[serde(default)]
+    pub config: String,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        PolicyConfig {
+            active: "default".into(),
+            fail_mode: FailMode::Open,
+            fail_closed_code: -200,
+            call_timeout_ms: 10,
+            memory_limit_bytes: 16 << 20,
+            max_instances: 64,
+            watch_dir: String::new(),
+            watch_interval_ms: 1_000,
+            rollback: RollbackConfig::default(),
+            plugins: Vec::new(),
+        }
+    }
+}
+
+impl Default for RollbackConfig {
+    fn default() -> Self {
+        RollbackConfig {
+            window_ms: 30_000,
+            min_calls: 20,
+            max_failure_ratio: 0.05,
+        }
+    }
+}
+
+impl PolicyConfig {
+    /// The config string of plugin `name` (empty when it has none).
+    pub fn plugin_config(&self, name: &str) -> String {
+        self.plugins
+            .iter()
+            .find(|p| p.name == name)
+            .map(|p| p.config.clone())
+            .unwrap_or_default()
+    }
+
+    /// Appends every problem of this section to `errs`; `experiment_plugins` are the
+    /// plugins an `[experiment]` names (they must be loadable too).
+    pub fn validate<'a>(
+        &self,
+        errs: &mut Vec<String>,
+        experiment_plugins: impl Iterator<Item = (&'a str, &'a str)>,
+    ) {
+        use crate::config::check::positive;
+        positive(errs, "policy.call_timeout_ms", self.call_timeout_ms);
+        positive(errs, "policy.max_instances", u64::from(self.max_instances));
+        positive(errs, "policy.watch_interval_ms", self.watch_interval_ms);
+        if self.memory_limit_bytes < (1 << 20) {
+            errs.push("policy.memory_limit_bytes: must be at least 1 MiB".into());
+        }
+        if self.fail_closed_code >= 0 {
+            errs.push("policy.fail_closed_code: must be a negative Mooncake ErrorCode".into());
+        }
+        if !(0.0..=1.0).contains(&self.rollback.max_failure_ratio) {
+            errs.push("policy.rollback.max_failure_ratio: must be within [0, 1]".into());
+        }
+        let mut seen = std::collections::HashSet::new();
+        for spec in &self.plugins {
+            if !seen.insert(spec.name.as_str()) {
+                errs.push(format!("policy.plugins: {:?} is listed twice", spec.name));
+            }
+            if spec.name == "default" && spec.path.is_some() {
+                errs.push("policy.plugins: `default` is embedded; it takes no path".into());
+            }
+            if let Some(path) = &spec.path
+                && !std::path::Path::new(path).is_file()
+            {
+                errs.push(format!(
+                    "policy.plugins.{}: {path:?} is not a file",
+                    spec.name
+                ));
+            }
+        }
+        let known = |n: &str| n == "default" || self.plugins.iter().any(|s| s.name == n);
+        if !known(&self.active) {
+            errs.push(format!("policy.active: no plugin named {:?}", self.active));
+        }
+        for (arm, plugin) in experiment_plugins {
+            if !known(plugin) {
+                errs.push(format!(
+                    "experiment.arms.{arm}: no plugin named {plugin:?}"
+                ));
+            }
+        }
+    }
+}

@@ -1,0 +1,322 @@
+//! The decision lifecycle, the same for every caller (the master face and the kv face):
+//!
+//! ```text
+//!  decide ---------------> apply ----------------> settle
+//!  pick the arm (set       the caller acts on      the outcome feeds the arm's
+//!  held in a Ticket),      the action: forward,    guardrail (experiments), the
+//!  call the hook, count,   rewrite, answer         rollback probation was fed at
+//!  fail mode on failure    locally                 decide, and the plugin's observe
+//! ```
+//!
+//! Every hook call goes through here: it is timed into the arm's histogram, counted by
+//! result, and a failure applies `policy.fail_mode` (open: Mooncake's own behaviour;
+//! closed: deny). Knows no frames and no sockets: callers pass decoded values.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+
+use super::active::{ActiveSet, Arm};
+use super::host::{CallError, Interest, wit};
+use super::metrics::CALL_RESULTS;
+use super::registry::Registry;
+use super::view::{PutAction, apply_lookup, decision_index, failed_decision, lookup_call, put_action, put_view};
+use super::FailMode;
+use crate::codec::message::{Request, Response};
+use crate::codec::types::Uuid;
+
+/// A decision taken: the set and arm that took it. Held until the outcome is known, so
+/// a swap meanwhile changes nothing for this call.
+#[derive(Clone)]
+pub struct Ticket {
+    pub set: Arc<ActiveSet>,
+    pub arm: usize,
+    /// The arm's plugin decided this call (put family): its outcome feeds the guardrail
+    /// and `observe`. Other calls are only accounted to the arm that serves them.
+    pub by_plugin: bool,
+    /// The plugin failed on this call (the fail mode's decision stood in): it counts
+    /// against the arm's guardrail.
+    pub plugin_failed: bool,
+}
+
+impl Ticket {
+    pub fn arm(&self) -> &Arm {
+        &self.set.arms[self.arm]
+    }
+}
+
+/// A put-family call's decision.
+pub struct PutDecided {
+    pub action: PutAction,
+    pub ticket: Ticket,
+}
+
+/// How a decided call ended, as the caller saw it.
+#[derive(Debug, Clone, Copy)]
+pub struct Outcome<'a> {
+    /// Master method name, e.g. "PutStart" (what `observe` receives).
+    pub method: &'a str,
+    /// 0 on success, else the first Mooncake ErrorCode, or -900 for a transport error.
+    pub code: i32,
+    /// The call failed as a whole or for any of its keys (policy denials included).
+    pub failed: bool,
+    /// Time the call took upstream (the master call; for the kv face the whole put).
+    /// `None` when nothing went upstream (answered locally): then only the guardrail
+    /// hears of it, not `observe`.
+    pub latency: Option<Duration>,
+    pub keys: usize,
+}
+
+/// The [`CALL_RESULTS`] index of a hook call's result.
+fn result_index(r: &Result<impl Sized, CallError>) -> usize {
+    match r {
+        Ok(_) => 0,
+        Err(e) => CALL_RESULTS.iter().position(|k| *k == e.kind()).unwrap_or(1),
+    }
+}
+
+impl Registry {
+    /// The ticket of a call no plugin decides (lookups, ends, removes): the arm that
+    /// serves `client` / `key`, for per-arm accounting and lookup steering.
+    pub fn ticket(&self, set: Arc<ActiveSet>, client: &Uuid, key: Option<&Bytes>) -> Ticket {
+        let arm = set.pick(client, key);
+        Ticket {
+            set,
+            arm,
+            by_plugin: false,
+            plugin_failed: false,
+        }
+    }
+
+    /// Decides a put-family request (`None` for other methods): picks the arm, asks its
+    /// plugin (when it wants `on-put`), and turns the answer, or the fail mode's
+    /// decision, into an action.
+    pub fn decide_put(&self, set: &Arc<ActiveSet>, req: &Request) -> Option<PutDecided> {
+        let view = put_view(req)?;
+        let arm_i = set.pick(&view.client, view.keys.first());
+        let arm = &set.arms[arm_i];
+        let ticket = |plugin_failed| Ticket {
+            set: set.clone(),
+            arm: arm_i,
+            by_plugin: true,
+            plugin_failed,
+        };
+        if !arm.plugin.interest().contains(Interest::PUT) {
+            arm.metrics.decisions[0].inc();
+            return Some(PutDecided {
+                action: PutAction::Forward,
+                ticket: ticket(false),
+            });
+        }
+        let started = Instant::now();
+        let result = arm.plugin.on_put(&view.to_wit());
+        arm.metrics
+            .put_latency
+            .observe(started.elapsed().as_secs_f64());
+        arm.metrics.put_calls[result_index(&result)].inc();
+        let plugin_failed = result.is_err();
+        self.note_plugin_call(set, arm, plugin_failed);
+        let decision = result.unwrap_or_else(|e| {
+            self.warn_failed(arm, "on-put", &e);
+            failed_decision(self.cfg.fail_mode, view.keys.len(), self.cfg.fail_closed_code)
+        });
+        let action = put_action(req, &decision);
+        arm.metrics.decisions[decision_index(&action)].inc();
+        Some(PutDecided {
+            action,
+            ticket: ticket(plugin_failed),
+        })
+    }
+
+    fn warn_failed(&self, arm: &Arm, hook: &str, e: &CallError) {
+        tracing::warn!(plugin = %arm.plugin.name(), version = arm.plugin.version(),
+            arm = %arm.name, hook, error = %e, fail_mode = ?self.cfg.fail_mode,
+            "policy call failed");
+    }
+
+    /// Whether the arm's plugin steers lookups (`on-lookup`).
+    pub fn steers_lookups(&self, arm: &Arm) -> bool {
+        arm.plugin.interest().contains(Interest::LOOKUP)
+    }
+
+    /// Lets the arm's plugin reorder or drop the replicas of a lookup answer for `keys`.
+    /// A failed call applies the fail mode (open: unchanged; closed: every key not
+    /// found). Returns whether the answer changed.
+    pub fn steer_lookup(&self, arm: &Arm, keys: &[Bytes], resp: &mut Response) -> bool {
+        let Some(call) = lookup_call(keys, resp) else {
+            return false;
+        };
+        let started = Instant::now();
+        let result = arm.plugin.on_lookup(&call);
+        arm.metrics
+            .lookup_latency
+            .observe(started.elapsed().as_secs_f64());
+        arm.metrics.lookup_calls[result_index(&result)].inc();
+        let keep = match result {
+            Ok(k) => k,
+            Err(e) => {
+                self.warn_failed(arm, "on-lookup", &e);
+                match self.cfg.fail_mode {
+                    FailMode::Open => return false,
+                    FailMode::Closed => vec![Vec::new(); call.counts.len()],
+                }
+            }
+        };
+        apply_lookup(resp, &keep)
+    }
+
+    /// Whether the arm's plugin chooses batch split points (`split`).
+    pub fn splits_batches(&self, arm: &Arm) -> bool {
+        arm.plugin.interest().contains(Interest::BATCH_SPLIT)
+    }
+
+    /// Where the arm's plugin cuts a batch whose keys weigh `sizes` bytes (0 where the
+    /// request does not say), given the bytes in flight on this node and the limit:
+    /// indexes where a new part starts, rising, inside `1..sizes.len()` (a plugin's answer
+    /// is advice; it is cleaned to that). Empty when the plugin has no `split` hook or
+    /// the call failed (either fail mode): splitting only changes how a batch travels,
+    /// never its answer.
+    pub fn split_points(&self, arm: &Arm, sizes: &[u64], in_flight: u64, limit: u64) -> Vec<usize> {
+        if !self.splits_batches(arm) {
+            return Vec::new();
+        }
+        let n = sizes.len();
+        let call = wit::SplitCall {
+            sizes: sizes.to_vec(),
+            budget: wit::BudgetState {
+                in_flight_bytes: in_flight,
+                limit_bytes: limit,
+            },
+        };
+        let started = Instant::now();
+        let result = arm.plugin.split(&call);
+        arm.metrics
+            .split_latency
+            .observe(started.elapsed().as_secs_f64());
+        arm.metrics.split_calls[result_index(&result)].inc();
+        match result {
+            Ok(points) => {
+                let mut points: Vec<usize> = points
+                    .into_iter()
+                    .map(|p| p as usize)
+                    .filter(|&p| p > 0 && p < n)
+                    .collect();
+                points.sort_unstable();
+                points.dedup();
+                points
+            }
+            Err(e) => {
+                tracing::warn!(plugin = %arm.plugin.name(), arm = %arm.name, error = %e,
+                    "batch split call failed; batch left whole");
+                Vec::new()
+            }
+        }
+    }
+
+    /// Asks the arm's plugin for eviction victims among `call`'s candidates. `None` when
+    /// the plugin has no `evict` hook or the call failed (either fail mode): the evictor
+    /// then falls back to least recently used first.
+    pub fn evict_victims(&self, arm: &Arm, call: &wit::EvictCall) -> Option<Vec<usize>> {
+        if !arm.plugin.interest().contains(Interest::EVICT) {
+            return None;
+        }
+        let started = Instant::now();
+        let result = arm.plugin.evict(call);
+        arm.metrics
+            .evict_latency
+            .observe(started.elapsed().as_secs_f64());
+        arm.metrics.evict_calls[result_index(&result)].inc();
+        match result {
+            Ok(v) => Some(v.into_iter().map(|i| i as usize).collect()),
+            Err(e) => {
+                tracing::warn!(plugin = %arm.plugin.name(), arm = %arm.name, error = %e,
+                    "evict call failed; least recently used victims instead");
+                None
+            }
+        }
+    }
+
+    /// The end of a decided call: its outcome feeds the arm's guardrail and, when it went
+    /// upstream, the plugin's `observe`. Calls no plugin decided are not settled.
+    pub fn settle(&self, t: &Ticket, o: &Outcome<'_>) {
+        if !t.by_plugin {
+            return;
+        }
+        let arm = t.arm();
+        self.note_arm_outcome(&t.set, arm, o.failed || t.plugin_failed, o.latency);
+        let Some(latency) = o.latency else {
+            return;
+        };
+        if !arm.plugin.interest().contains(Interest::OBSERVE) {
+            return;
+        }
+        let event = wit::Observation {
+            method: o.method.to_string(),
+            outcome: o.code,
+            latency_us: latency.as_micros() as u64,
+            keys: o.keys as u32,
+        };
+        if let Err(e) = arm.plugin.observe(&event) {
+            tracing::debug!(plugin = %arm.plugin.name(), error = %e, "observe hook failed");
+        }
+    }
+
+    /// Automatic rollback: a set activated less than `rollback.window_ms` ago whose
+    /// plugin failures exceed the budget goes back to last-good.
+    fn note_plugin_call(&self, set: &Arc<ActiveSet>, arm: &Arm, failed: bool) {
+        let rb = &self.cfg.rollback;
+        // Experiments have guardrails instead (fed one outcome per call by `settle`).
+        if set.experiment.is_some() {
+            return;
+        }
+        let window = Duration::from_millis(rb.window_ms);
+        if set.activated.elapsed() > window {
+            return;
+        }
+        let breach = {
+            let mut w = set.probation.lock().unwrap_or_else(|p| p.into_inner());
+            w.add(set.activated, Duration::MAX, failed, None);
+            w.calls >= rb.min_calls && w.failure_ratio() > rb.max_failure_ratio
+        };
+        if breach && self.active.is_current(set) {
+            let why = format!(
+                "plugin {} failed more than {:.0}% of calls within {} ms of activation",
+                arm.plugin.name(),
+                rb.max_failure_ratio * 100.0,
+                rb.window_ms
+            );
+            let _ = self.rollback(&why);
+        }
+    }
+
+    /// Guardrail bookkeeping for an experiment arm: `failed` for a plugin failure or a
+    /// client-visible error, `latency` of the upstream call when known.
+    pub fn note_arm_outcome(
+        &self,
+        set: &ActiveSet,
+        arm: &Arm,
+        failed: bool,
+        latency: Option<Duration>,
+    ) {
+        let Some(exp) = &set.experiment else {
+            return;
+        };
+        if set.arms.len() < 2 || std::ptr::eq(arm, &set.arms[set.control]) || arm.is_stopped() {
+            return;
+        }
+        let g = &exp.guardrail;
+        let breach = {
+            let mut w = arm.window.lock().unwrap_or_else(|p| p.into_inner());
+            w.add(Instant::now(), Duration::from_millis(g.window_ms), failed, latency);
+            w.breach(g)
+        };
+        if let Some(why) = breach
+            && arm.stop()
+        {
+            self.metrics.policy.guardrail_stops.inc();
+            tracing::warn!(arm = %arm.name, plugin = %arm.plugin.name(), reason = %why,
+                control = %set.arms[set.control].name, "guardrail stopped an experiment arm");
+        }
+    }
+}
