@@ -5,8 +5,8 @@
 mod support;
 
 use bytes::Bytes;
-use moongate::policy::fnv1a;
 use moongate::policy::arm_for_hash;
+use moongate::policy::fnv1a;
 use serde_json::Value;
 use support::*;
 

@@ -11,8 +11,8 @@ use moongate::codec::message::{BatchPutStartArgs, PutStartArgs, Request};
 use moongate::codec::types::{ReplicateConfig, Uuid};
 use moongate::config::{PluginSpec, PolicyConfig};
 use moongate::metrics::Metrics;
-use moongate::policy::host::{CallError, HostLimits, LoadError, Plugin, PolicyEngine, wit};
 use moongate::policy::experiment::{ArmSpec, ExperimentSpec};
+use moongate::policy::host::{CallError, HostLimits, LoadError, Plugin, PolicyEngine, wit};
 use moongate::policy::registry::{Registry, RegistryError};
 use moongate::policy::{PutAction, put_view};
 
@@ -226,7 +226,8 @@ fn swap_rollback_and_states() {
     assert_eq!(state("tiers"), "active");
     assert_eq!(state("default"), "last-good");
     assert_eq!(
-        held.arms[0].plugin.name(), "default",
+        held.arms[0].plugin.name(),
+        "default",
         "in-flight call keeps its version"
     );
     r.rollback("test").unwrap();

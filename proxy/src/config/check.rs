@@ -16,4 +16,3 @@ pub fn check_addr(errs: &mut Vec<String>, key: &str, v: &str) {
         errs.push(format!("{key}: {v:?} is not HOST:PORT"));
     }
 }
-

@@ -12,8 +12,8 @@ use thiserror::Error;
 
 pub mod check;
 
-use check::{check_addr, positive};
 pub use crate::policy::config::{PluginSpec, PolicyConfig, RollbackConfig};
+use check::{check_addr, positive};
 
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]

@@ -210,7 +210,12 @@ pub(super) fn settle<'a>(
 }
 
 /// One put through the decision lifecycle: decide its `PutStart`, store, settle.
-async fn decided_put<F, Fut>(state: &KvState, key: Bytes, len: u64, store: F) -> Result<(), StoreError>
+async fn decided_put<F, Fut>(
+    state: &KvState,
+    key: Bytes,
+    len: u64,
+    store: F,
+) -> Result<(), StoreError>
 where
     F: FnOnce(crate::codec::message::Request) -> Fut,
     Fut: std::future::Future<Output = Result<(), StoreError>>,

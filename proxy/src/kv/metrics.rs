@@ -1,7 +1,7 @@
 //! The kv face's metrics: requests by op and status, transfers by transport and
 //! direction, the byte budget, the replica cache, batch parts.
 
-use prometheus_client::encoding::{EncodeLabelSet};
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -138,4 +138,3 @@ impl KvMetrics {
         self.transfer_bytes[transport][d].inc_by(bytes);
     }
 }
-

@@ -244,7 +244,11 @@ impl Session {
             lookup_keys,
             parts,
             in_flight: put_bytes(sent, &self.shared),
-            tracked: self.shared.eviction.as_ref().and_then(|_| Tracked::of(sent)),
+            tracked: self
+                .shared
+                .eviction
+                .as_ref()
+                .and_then(|_| Tracked::of(sent)),
         }
     }
 
@@ -337,7 +341,14 @@ impl Session {
                         }
                         Merged::Reply(resp, style) => {
                             let header = ResponseHeader::new(seq, errc::OK, 0);
-                            a.reply(resp, style, header, &Bytes::new(), None, &mut self.to_client);
+                            a.reply(
+                                resp,
+                                style,
+                                header,
+                                &Bytes::new(),
+                                None,
+                                &mut self.to_client,
+                            );
                         }
                     }
                 } else {
@@ -559,5 +570,359 @@ impl<'a> Answering<'a> {
                 .write(out);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The session driven directly: no master, no sockets, no wasm (a fake policy).
+
+    use super::*;
+    use crate::codec::frame::{check_request, check_response};
+    use crate::codec::message::{BatchPutStartArgs, KeyArgs, KeysArgs, PutStartArgs};
+    use crate::codec::types::{ErrorCode, ReplicateConfig};
+    use crate::codec::{RequestHeader, ResponseHeader};
+    use crate::config::MasterFaceConfig;
+    use crate::metrics::Metrics;
+    use crate::policy::Policy;
+    use crate::policy::fake::Fake;
+    use crate::policy::registry::Registry;
+
+    fn session_with(cfg: MasterFaceConfig, fake: Arc<Fake>) -> (Session, Arc<Shared>) {
+        let metrics = Arc::new(Metrics::new());
+        let policy: Arc<dyn Policy> = fake;
+        let shared = Arc::new(Shared {
+            cfg,
+            metrics: metrics.clone(),
+            shutdown: Default::default(),
+            policy: Registry::with_policies(Default::default(), None, metrics, vec![policy])
+                .unwrap(),
+            put_bytes_in_flight: Default::default(),
+            eviction: None,
+        });
+        (Session::new(shared.clone()), shared)
+    }
+
+    fn session(fake: Arc<Fake>) -> (Session, Arc<Shared>) {
+        session_with(MasterFaceConfig::default(), fake)
+    }
+
+    fn key(k: &str) -> Bytes {
+        Bytes::copy_from_slice(k.as_bytes())
+    }
+
+    fn exist(k: &str) -> Request {
+        Request::ExistKey(KeyArgs {
+            key: key(k),
+            tenant_id: key("default"),
+        })
+    }
+
+    fn put(k: &str) -> Request {
+        Request::PutStart(PutStartArgs {
+            client_id: Uuid::default(),
+            key: key(k),
+            slice_length: 10,
+            config: ReplicateConfig::default(),
+            tenant_id: key("default"),
+        })
+    }
+
+    fn batch_put(keys: &[&str]) -> Request {
+        Request::BatchPutStart(BatchPutStartArgs {
+            client_id: Uuid::default(),
+            keys: keys.iter().map(|k| key(k)).collect(),
+            slice_lengths: keys.iter().map(|_| 10).collect(),
+            config: ReplicateConfig::default(),
+            tenant_id: key("default"),
+        })
+    }
+
+    /// A request as the client sends it.
+    fn request(seq: u32, req: &Request) -> (RequestFrame, Bytes) {
+        let mut body = BytesMut::new();
+        req.encode_body(BodyStyle::MOONCAKE, &mut body);
+        let mut raw = BytesMut::new();
+        RequestHeader::new(seq, req.method().function_id(), body.len() as u32).write(&mut raw);
+        raw.extend_from_slice(&body);
+        let h = check_request(&raw, 1 << 20).unwrap().unwrap();
+        let (f, raw) = RequestFrame::split(&mut raw, h);
+        (f, raw)
+    }
+
+    /// A master answer.
+    fn answer(seq: u32, resp: &Response) -> (ResponseFrame, Bytes) {
+        let mut body = BytesMut::new();
+        resp.encode_body(BodyStyle::MOONCAKE, &mut body);
+        frame(ResponseHeader::new(seq, errc::OK, body.len() as u32), body)
+    }
+
+    fn transport_error(seq: u32) -> (ResponseFrame, Bytes) {
+        let mut body = BytesMut::new();
+        RpcError {
+            code: u16::from(errc::RPC_THROW_EXCEPTION),
+            message: key("boom"),
+        }
+        .encode_body(BodyStyle::MOONCAKE, &mut body);
+        frame(
+            ResponseHeader::new(seq, errc::RPC_THROW_EXCEPTION, body.len() as u32),
+            body,
+        )
+    }
+
+    fn frame(h: ResponseHeader, body: BytesMut) -> (ResponseFrame, Bytes) {
+        let mut raw = BytesMut::new();
+        h.write(&mut raw);
+        raw.extend_from_slice(&body);
+        let h = check_response(&raw, 1 << 20).unwrap().unwrap();
+        ResponseFrame::split(&mut raw, h)
+    }
+
+    /// The requests in bytes the session sent the master: (seq, decoded).
+    fn sent(bytes: Option<Bytes>) -> Vec<(u32, Request)> {
+        let mut buf = BytesMut::from(&bytes.unwrap_or_default()[..]);
+        let mut out = Vec::new();
+        while let Some(h) = check_request(&buf, 1 << 20).unwrap() {
+            let (f, _) = RequestFrame::split(&mut buf, h);
+            let m = Method::from_function_id(h.function_id).unwrap();
+            out.push((h.seq_num, Request::decode(m, &f.body).unwrap().unwrap().0));
+        }
+        assert!(buf.is_empty(), "a partial frame went out");
+        out
+    }
+
+    /// The replies in bytes the session sent the client: (seq, err_code, frame).
+    fn replies(bytes: Option<Bytes>) -> Vec<(u32, u8, ResponseFrame)> {
+        let mut buf = BytesMut::from(&bytes.unwrap_or_default()[..]);
+        let mut out = Vec::new();
+        while let Some(h) = check_response(&buf, 1 << 20).unwrap() {
+            let (f, _) = ResponseFrame::split(&mut buf, h);
+            out.push((h.seq_num, h.err_code, f));
+        }
+        assert!(buf.is_empty(), "a partial frame went out");
+        out
+    }
+
+    fn decoded(m: Method, f: &ResponseFrame) -> Response {
+        Response::decode(m, &f.body).unwrap().unwrap().0
+    }
+
+    #[test]
+    fn pipelined_calls_with_arbitrary_seqs_are_answered_in_order_byte_for_byte() {
+        let (mut s, _) = session(Arc::new(Fake::new("p")));
+        let now = Instant::now();
+        let seqs = [7u32, 3, 100_000];
+        for (i, &seq) in seqs.iter().enumerate() {
+            let (f, raw) = request(seq, &exist(&format!("k{i}")));
+            s.handle_request(&f, &raw, now);
+        }
+        let up = sent(s.poll_to_master());
+        assert_eq!(up.iter().map(|(q, _)| *q).collect::<Vec<_>>(), seqs);
+        assert_eq!(s.in_flight(), 3);
+        let mut want = BytesMut::new();
+        for (i, &seq) in seqs.iter().enumerate() {
+            let (f, raw) = answer(seq, &Response::ExistKey(Ok(i % 2 == 0)));
+            want.extend_from_slice(&raw);
+            s.handle_response(&f, &raw, now + Duration::from_micros(50));
+        }
+        assert_eq!(
+            s.poll_to_client().unwrap(),
+            want.freeze(),
+            "relayed as received"
+        );
+        assert_eq!(s.in_flight(), 0);
+    }
+
+    #[test]
+    fn a_local_answer_waits_for_the_calls_before_it() {
+        let fake = Arc::new(Fake::new("deny").deny_prefix("deny/", -200));
+        let (mut s, shared) = session(fake.clone());
+        let now = Instant::now();
+        for (seq, req) in [(1, exist("a")), (2, put("deny/x")), (3, exist("b"))] {
+            let (f, raw) = request(seq, &req);
+            s.handle_request(&f, &raw, now);
+        }
+        // The denied put never reaches the master, and its answer is not due yet.
+        let up = sent(s.poll_to_master());
+        assert_eq!(up.iter().map(|(q, _)| *q).collect::<Vec<_>>(), [1, 3]);
+        assert!(s.poll_to_client().is_none());
+        let (f, raw) = answer(1, &Response::ExistKey(Ok(true)));
+        s.handle_response(&f, &raw, now);
+        let out = replies(s.poll_to_client());
+        assert_eq!(out.iter().map(|(q, ..)| *q).collect::<Vec<_>>(), [1, 2]);
+        assert_eq!(
+            decoded(Method::PutStart, &out[1].2),
+            Response::PutStart(Err(ErrorCode::NO_AVAILABLE_HANDLE))
+        );
+        let (f, raw) = answer(3, &Response::ExistKey(Ok(false)));
+        s.handle_response(&f, &raw, now);
+        assert_eq!(replies(s.poll_to_client())[0].0, 3);
+        assert_eq!(s.in_flight(), 0);
+        // Denied locally: the guardrail heard of it, observe did not (nothing went up).
+        assert!(fake.observations().is_empty());
+        assert_eq!(
+            shared.metrics.method(Some(Method::PutStart)).errors[ErrorKind::app as usize].get(),
+            1
+        );
+    }
+
+    #[test]
+    fn a_local_answer_with_nothing_before_it_goes_out_at_once() {
+        let (mut s, _) = session(Arc::new(Fake::new("deny").deny_prefix("deny/", -200)));
+        let (f, raw) = request(9, &put("deny/now"));
+        s.handle_request(&f, &raw, Instant::now());
+        assert!(s.has_output_for_client());
+        assert!(s.poll_to_master().is_none());
+        assert_eq!(replies(s.poll_to_client())[0].0, 9);
+        assert_eq!(s.in_flight(), 0);
+    }
+
+    #[test]
+    fn a_partial_denial_is_merged_back_in_key_order_and_observed() {
+        let fake = Arc::new(Fake::new("deny").deny_prefix("deny/", -200));
+        let (mut s, _) = session(fake.clone());
+        let now = Instant::now();
+        let (f, raw) = request(5, &batch_put(&["a", "deny/b", "c", "deny/d"]));
+        s.handle_request(&f, &raw, now);
+        let up = sent(s.poll_to_master());
+        let Request::BatchPutStart(a) = &up[0].1 else {
+            panic!("{up:?}")
+        };
+        assert_eq!(a.keys, vec![key("a"), key("c")]);
+        let (f, raw) = answer(
+            5,
+            &Response::BatchPutStart(vec![Ok(vec![]), Err(ErrorCode::OBJECT_ALREADY_EXISTS)]),
+        );
+        s.handle_response(&f, &raw, now + Duration::from_micros(80));
+        let out = replies(s.poll_to_client());
+        assert_eq!(
+            decoded(Method::BatchPutStart, &out[0].2),
+            Response::BatchPutStart(vec![
+                Ok(vec![]),
+                Err(ErrorCode::NO_AVAILABLE_HANDLE),
+                Err(ErrorCode::OBJECT_ALREADY_EXISTS),
+                Err(ErrorCode::NO_AVAILABLE_HANDLE),
+            ])
+        );
+        assert_eq!(
+            fake.observations(),
+            [("BatchPutStart".to_string(), -200, 4)]
+        );
+    }
+
+    #[test]
+    fn a_split_batch_whose_part_fails_fails_as_a_whole_with_the_clients_seq() {
+        let cfg = MasterFaceConfig {
+            max_batch_keys: 2,
+            ..MasterFaceConfig::default()
+        };
+        let (mut s, shared) = session_with(cfg, Arc::new(Fake::new("p")));
+        let now = Instant::now();
+        let keys: Vec<Bytes> = (0..5).map(|i| key(&format!("k{i}"))).collect();
+        let req = Request::BatchExistKey(KeysArgs {
+            keys,
+            tenant_id: key("default"),
+        });
+        let (f, raw) = request(42, &req);
+        s.handle_request(&f, &raw, now);
+        let up = sent(s.poll_to_master());
+        assert_eq!(
+            up.iter()
+                .map(|(q, r)| (*q, r.key_count()))
+                .collect::<Vec<_>>(),
+            [(42, 2), (42, 2), (42, 1)]
+        );
+        let (f, raw) = answer(42, &Response::BatchExistKey(vec![Ok(true), Ok(true)]));
+        s.handle_response(&f, &raw, now);
+        let (f, raw) = transport_error(42);
+        s.handle_response(&f, &raw, now);
+        assert_eq!(s.in_flight(), 1, "the entry stays until its last part");
+        assert!(s.poll_to_client().is_none());
+        let (f, raw) = answer(42, &Response::BatchExistKey(vec![Ok(false)]));
+        s.handle_response(&f, &raw, now);
+        let out = replies(s.poll_to_client());
+        assert_eq!(out.len(), 1);
+        assert_eq!((out[0].0, out[0].1), (42, errc::RPC_THROW_EXCEPTION));
+        assert_eq!(s.in_flight(), 0);
+        assert_eq!(
+            shared.metrics.method(Some(Method::BatchExistKey)).errors[ErrorKind::rpc as usize]
+                .get(),
+            1
+        );
+    }
+
+    #[test]
+    fn split_parts_merge_into_the_unsplit_answer() {
+        let cfg = MasterFaceConfig {
+            max_batch_keys: 2,
+            ..MasterFaceConfig::default()
+        };
+        let (mut s, _) = session_with(cfg, Arc::new(Fake::new("p")));
+        let now = Instant::now();
+        let req = Request::BatchExistKey(KeysArgs {
+            keys: (0..3).map(|i| key(&format!("k{i}"))).collect(),
+            tenant_id: key("default"),
+        });
+        let (f, raw) = request(8, &req);
+        s.handle_request(&f, &raw, now);
+        assert_eq!(sent(s.poll_to_master()).len(), 2);
+        for part in [
+            vec![Ok(true), Err(ErrorCode::OBJECT_NOT_FOUND)],
+            vec![Ok(false)],
+        ] {
+            let (f, raw) = answer(8, &Response::BatchExistKey(part));
+            s.handle_response(&f, &raw, now);
+        }
+        let out = replies(s.poll_to_client());
+        assert_eq!(
+            decoded(Method::BatchExistKey, &out[0].2),
+            Response::BatchExistKey(vec![Ok(true), Err(ErrorCode::OBJECT_NOT_FOUND), Ok(false)])
+        );
+    }
+
+    #[test]
+    fn the_in_flight_bound_is_reported_and_freed_by_answers() {
+        let cfg = MasterFaceConfig {
+            max_inflight_per_connection: 2,
+            ..MasterFaceConfig::default()
+        };
+        let (mut s, _) = session_with(cfg, Arc::new(Fake::new("p")));
+        let now = Instant::now();
+        for seq in 1..=2 {
+            assert!(s.has_room());
+            let (f, raw) = request(seq, &exist("k"));
+            s.handle_request(&f, &raw, now);
+        }
+        assert!(!s.has_room(), "backpressure at the bound");
+        let (f, raw) = answer(1, &Response::ExistKey(Ok(true)));
+        s.handle_response(&f, &raw, now);
+        assert!(s.has_room());
+    }
+
+    #[test]
+    fn an_answer_with_an_unknown_seq_is_relayed_and_counted() {
+        let (mut s, shared) = session(Arc::new(Fake::new("p")));
+        let now = Instant::now();
+        let (f, raw) = request(1, &exist("k"));
+        s.handle_request(&f, &raw, now);
+        let (f, raw) = answer(77, &Response::ExistKey(Ok(true)));
+        s.handle_response(&f, &raw, now);
+        assert_eq!(s.poll_to_client().unwrap(), raw);
+        assert!(shared.metrics.encode().contains(
+            "moongate_master_frame_errors_total{side=\"upstream\",kind=\"unmatched_seq\"} 1"
+        ));
+    }
+
+    #[test]
+    fn a_decided_put_is_observed_with_its_latency_and_keys() {
+        let fake = Arc::new(Fake::new("deny").deny_prefix("nothing-matches/", -200));
+        let (mut s, _) = session(fake.clone());
+        let now = Instant::now();
+        let (f, raw) = request(3, &put("k"));
+        s.handle_request(&f, &raw, now);
+        let (f, raw) = answer(3, &Response::PutStart(Ok(vec![])));
+        s.handle_response(&f, &raw, now + Duration::from_micros(120));
+        assert_eq!(fake.observations(), [("PutStart".to_string(), 0, 1)]);
+        assert_eq!(fake.observed.lock().unwrap()[0].latency_us, 120);
     }
 }

@@ -148,9 +148,7 @@ impl PolicyConfig {
         }
         for (arm, plugin) in experiment_plugins {
             if !known(plugin) {
-                errs.push(format!(
-                    "experiment.arms.{arm}: no plugin named {plugin:?}"
-                ));
+                errs.push(format!("experiment.arms.{arm}: no plugin named {plugin:?}"));
             }
         }
     }

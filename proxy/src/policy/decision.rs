@@ -17,12 +17,14 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
+use super::FailMode;
 use super::active::{ActiveSet, Arm};
 use super::host::{CallError, Interest, wit};
 use super::metrics::CALL_RESULTS;
 use super::registry::Registry;
-use super::view::{PutAction, apply_lookup, decision_index, failed_decision, lookup_call, put_action, put_view};
-use super::FailMode;
+use super::view::{
+    PutAction, apply_lookup, decision_index, failed_decision, lookup_call, put_action, put_view,
+};
 use crate::codec::message::{Request, Response};
 use crate::codec::types::Uuid;
 
@@ -72,7 +74,10 @@ pub struct Outcome<'a> {
 fn result_index(r: &Result<impl Sized, CallError>) -> usize {
     match r {
         Ok(_) => 0,
-        Err(e) => CALL_RESULTS.iter().position(|k| *k == e.kind()).unwrap_or(1),
+        Err(e) => CALL_RESULTS
+            .iter()
+            .position(|k| *k == e.kind())
+            .unwrap_or(1),
     }
 }
 
@@ -119,7 +124,11 @@ impl Registry {
         self.note_plugin_call(set, arm, plugin_failed);
         let decision = result.unwrap_or_else(|e| {
             self.warn_failed(arm, "on-put", &e);
-            failed_decision(self.cfg.fail_mode, view.keys.len(), self.cfg.fail_closed_code)
+            failed_decision(
+                self.cfg.fail_mode,
+                view.keys.len(),
+                self.cfg.fail_closed_code,
+            )
         });
         let action = put_action(req, &decision);
         arm.metrics.decisions[decision_index(&action)].inc();
@@ -308,7 +317,12 @@ impl Registry {
         let g = &exp.guardrail;
         let breach = {
             let mut w = arm.window.lock().unwrap_or_else(|p| p.into_inner());
-            w.add(Instant::now(), Duration::from_millis(g.window_ms), failed, latency);
+            w.add(
+                Instant::now(),
+                Duration::from_millis(g.window_ms),
+                failed,
+                latency,
+            );
             w.breach(g)
         };
         if let Some(why) = breach
@@ -318,5 +332,208 @@ impl Registry {
             tracing::warn!(arm = %arm.name, plugin = %arm.plugin.name(), reason = %why,
                 control = %set.arms[set.control].name, "guardrail stopped an experiment arm");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The lifecycle with fake policies: no wasm, no master.
+
+    use super::*;
+    use crate::codec::message::PutStartArgs;
+    use crate::codec::types::{ErrorCode, ReplicateConfig};
+    use crate::metrics::Metrics;
+    use crate::policy::experiment::{ArmSpec, Assign, ExperimentSpec, Guardrail};
+    use crate::policy::fake::Fake;
+    use crate::policy::{Policy, PolicyConfig};
+
+    fn put(key: &'static str) -> Request {
+        Request::PutStart(PutStartArgs {
+            client_id: Uuid::default(),
+            key: Bytes::from_static(key.as_bytes()),
+            slice_length: 1,
+            config: ReplicateConfig::default(),
+            tenant_id: Bytes::from_static(b"default"),
+        })
+    }
+
+    fn registry(
+        cfg: PolicyConfig,
+        exp: Option<ExperimentSpec>,
+        fakes: Vec<Arc<Fake>>,
+    ) -> Arc<Registry> {
+        let policies = fakes.into_iter().map(|f| f as Arc<dyn Policy>).collect();
+        Registry::with_policies(cfg, exp, Arc::new(Metrics::new()), policies).unwrap()
+    }
+
+    fn trapping(name: &str) -> Arc<Fake> {
+        Arc::new(Fake::new(name).on_put(|_| Err(CallError::Trap("unreachable".into()))))
+    }
+
+    #[test]
+    fn a_failed_call_applies_the_fail_mode() {
+        let open = registry(PolicyConfig::default(), None, vec![trapping("t")]);
+        let d = open.decide_put(&open.current(), &put("k")).unwrap();
+        assert!(matches!(d.action, PutAction::Forward));
+        assert!(d.ticket.plugin_failed && d.ticket.by_plugin);
+        let closed = registry(
+            PolicyConfig {
+                fail_mode: FailMode::Closed,
+                fail_closed_code: -200,
+                ..PolicyConfig::default()
+            },
+            None,
+            vec![trapping("t")],
+        );
+        let d = closed.decide_put(&closed.current(), &put("k")).unwrap();
+        assert!(matches!(
+            d.action,
+            PutAction::Answer(Response::PutStart(Err(ErrorCode::NO_AVAILABLE_HANDLE)))
+        ));
+        let arm = &closed.current().arms[0];
+        assert_eq!(arm.metrics.put_calls[1].get(), 1, "counted as a trap");
+    }
+
+    #[test]
+    fn a_plugin_that_keeps_failing_right_after_activation_is_rolled_back() {
+        let mut cfg = PolicyConfig::default();
+        cfg.rollback.min_calls = 4;
+        let r = registry(
+            cfg,
+            None,
+            vec![Arc::new(Fake::new("good")), trapping("bad")],
+        );
+        r.activate("bad").unwrap();
+        for _ in 0..4 {
+            r.decide_put(&r.current(), &put("k")).unwrap();
+        }
+        assert_eq!(r.current().arms[0].plugin.name(), "good");
+    }
+
+    fn experiment(guardrail: Guardrail) -> ExperimentSpec {
+        ExperimentSpec {
+            assign: Assign::Key,
+            control: Some("base".into()),
+            arms: vec![
+                ArmSpec {
+                    name: "base".into(),
+                    plugin: "base".into(),
+                    weight: 1,
+                },
+                ArmSpec {
+                    name: "new".into(),
+                    plugin: "new".into(),
+                    weight: 1,
+                },
+            ],
+            guardrail,
+        }
+    }
+
+    #[test]
+    fn settled_failures_stop_an_experiment_arm_and_observe_hears_them() {
+        let new = Arc::new(Fake::new("new").deny_prefix("", -200));
+        let r = registry(
+            PolicyConfig::default(),
+            Some(experiment(Guardrail {
+                max_error_ratio: 0.5,
+                max_mean_latency_ms: 0.0,
+                window_ms: 60_000,
+                min_calls: 3,
+            })),
+            vec![Arc::new(Fake::new("base")), new.clone()],
+        );
+        let set = r.current();
+        let t = Ticket {
+            set: set.clone(),
+            arm: 1,
+            by_plugin: true,
+            plugin_failed: false,
+        };
+        let failed = Outcome {
+            method: "PutStart",
+            code: -200,
+            failed: true,
+            latency: Some(Duration::from_micros(90)),
+            keys: 1,
+        };
+        for _ in 0..2 {
+            r.settle(&t, &failed);
+        }
+        assert!(!set.arms[1].is_stopped(), "below min_calls");
+        r.settle(&t, &failed);
+        assert!(set.arms[1].is_stopped());
+        assert_eq!(new.observations().len(), 3);
+        // Its traffic now goes to the control arm.
+        assert!(
+            (0..100).all(|i| set.pick(&Uuid::default(), Some(&Bytes::from(format!("k{i}")))) == 0)
+        );
+        // A call no plugin decided is not settled.
+        let untouched = Ticket {
+            by_plugin: false,
+            ..t.clone()
+        };
+        r.settle(&untouched, &failed);
+        assert_eq!(new.observations().len(), 3);
+        // Nothing went upstream: the guardrail hears of it, observe does not.
+        r.settle(
+            &t,
+            &Outcome {
+                latency: None,
+                ..failed
+            },
+        );
+        assert_eq!(new.observations().len(), 3);
+    }
+
+    #[test]
+    fn split_points_are_cleaned_and_a_failed_split_leaves_the_batch_whole() {
+        let messy = Arc::new(Fake::new("messy").split(|_| Ok(vec![0, 3, 1, 3, 9])));
+        let r = registry(PolicyConfig::default(), None, vec![messy]);
+        let set = r.current();
+        assert_eq!(r.split_points(&set.arms[0], &[1, 1, 1, 1], 0, 0), [1, 3]);
+        let broken = Arc::new(
+            Fake::new("broken").split(|_| Err(CallError::Timeout(Duration::from_millis(1)))),
+        );
+        let r = registry(PolicyConfig::default(), None, vec![broken]);
+        let set = r.current();
+        assert!(r.split_points(&set.arms[0], &[1, 1], 0, 0).is_empty());
+        assert_eq!(
+            set.arms[0].metrics.split_calls[2].get(),
+            1,
+            "counted as a timeout"
+        );
+        let none = registry(
+            PolicyConfig::default(),
+            None,
+            vec![Arc::new(Fake::new("none"))],
+        );
+        let set = none.current();
+        assert!(none.split_points(&set.arms[0], &[1, 1], 0, 0).is_empty());
+    }
+
+    #[test]
+    fn lookup_steering_fail_closed_answers_not_found() {
+        use crate::codec::types::GetReplicaListResponse;
+        let failing = Arc::new(Fake::new("f").on_lookup(|_| Err(CallError::OutOfMemory)));
+        let r = registry(
+            PolicyConfig {
+                fail_mode: FailMode::Closed,
+                ..PolicyConfig::default()
+            },
+            None,
+            vec![failing],
+        );
+        let mut resp = Response::GetReplicaList(Ok(GetReplicaListResponse {
+            replicas: vec![],
+            lease_ttl_ms: 1,
+            object_checksum: None,
+        }));
+        let set = r.current();
+        assert!(r.steer_lookup(&set.arms[0], &[Bytes::from_static(b"k")], &mut resp));
+        assert_eq!(
+            resp,
+            Response::GetReplicaList(Err(ErrorCode::OBJECT_NOT_FOUND))
+        );
     }
 }

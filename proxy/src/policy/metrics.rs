@@ -172,7 +172,6 @@ struct LookupLabels {
     arm: String,
 }
 
-
 /// Handles for the policy layer's metric families.
 pub struct PolicyFamilies {
     calls: Family<PolicyCallLabels, Counter>,

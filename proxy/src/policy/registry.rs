@@ -197,7 +197,10 @@ impl Registry {
     pub fn set_experiment(&self, spec: ExperimentSpec) -> Result<u64, RegistryError> {
         if spec.arms.is_empty() {
             let cur = self.current();
-            let keep = cur.arms.get(cur.control).map(|a| a.plugin.name().to_string());
+            let keep = cur
+                .arms
+                .get(cur.control)
+                .map(|a| a.plugin.name().to_string());
             return self.activate(keep.as_deref().unwrap_or("default"));
         }
         let control = spec.check().map_err(RegistryError::BadExperiment)?;

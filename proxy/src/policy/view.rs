@@ -4,10 +4,10 @@
 
 use bytes::Bytes;
 
-use crate::codec::message::{BatchPutStartArgs, PutStartArgs, Request, Response};
-use crate::codec::types::{ErrorCode, ReplicateConfig, SoftPinAction, Uuid};
 use super::FailMode;
 use super::host::wit;
+use crate::codec::message::{BatchPutStartArgs, PutStartArgs, Request, Response};
+use crate::codec::types::{ErrorCode, ReplicateConfig, SoftPinAction, Uuid};
 
 /// What happens to a put-family call after the policy decided.
 #[derive(Debug)]
