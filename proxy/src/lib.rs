@@ -10,6 +10,7 @@
 
 pub mod accept;
 pub mod admin;
+pub mod calls;
 pub mod codec;
 pub mod config;
 pub mod eviction;
@@ -18,5 +19,4 @@ pub mod master_face;
 pub mod metrics;
 pub mod policy;
 pub mod server;
-pub mod tiers;
 pub mod upstream;

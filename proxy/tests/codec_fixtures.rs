@@ -328,7 +328,7 @@ fn a_rewrite_changes_the_width_of_the_whole_message() {
 
 #[test]
 fn tier_tallies_from_captured_answers() {
-    use moongate::tiers::Tally;
+    use moongate::calls::Tally;
     let tally = |session: &str, index: u64| {
         let f = frame(session, index);
         let (resp, _) = Response::decode(f.method.unwrap(), &f.body)

@@ -212,6 +212,22 @@ pack_struct! {
     }
 }
 
+/// The tier a replica lives on: the kinds of Mooncake's replica descriptors. The one
+/// tier vocabulary of moongate; the plugin contract (`wit::Tier`) and the metric labels
+/// are mapped from it in one place each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Tier {
+    Memory,
+    /// NVMe-oF SSD.
+    Nof,
+    /// The master's `--root_fs_dir` disk tier.
+    Disk,
+    /// A client's offloaded replica.
+    LocalDisk,
+    /// A distributed filesystem.
+    Dfs,
+}
+
 /// `Replica::Descriptor::descriptor_variant`: which tier a replica is on.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ReplicaLocation {
@@ -220,6 +236,29 @@ pub enum ReplicaLocation {
     Disk(DiskDescriptor),
     LocalDisk(LocalDiskDescriptor),
     DistributedFs(DfsDescriptor),
+}
+
+impl ReplicaLocation {
+    pub fn tier(&self) -> Tier {
+        match self {
+            ReplicaLocation::Memory(_) => Tier::Memory,
+            ReplicaLocation::Nof(_) => Tier::Nof,
+            ReplicaLocation::Disk(_) => Tier::Disk,
+            ReplicaLocation::LocalDisk(_) => Tier::LocalDisk,
+            ReplicaLocation::DistributedFs(_) => Tier::Dfs,
+        }
+    }
+
+    /// The object's size as this replica states it.
+    pub fn size(&self) -> u64 {
+        match self {
+            ReplicaLocation::Memory(d) => d.buffer_descriptor.size,
+            ReplicaLocation::Nof(d) => d.buffer_descriptor.size,
+            ReplicaLocation::Disk(d) => d.object_size,
+            ReplicaLocation::LocalDisk(d) => d.object_size,
+            ReplicaLocation::DistributedFs(d) => d.object_size,
+        }
+    }
 }
 
 impl Pack for ReplicaLocation {

@@ -30,8 +30,10 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tokio_util::sync::CancellationToken;
 
+use crate::calls::Seen;
+pub use crate::calls::Tracked;
 use crate::codec::message::{RemoveArgs, Request, Response};
-use crate::codec::types::{ErrorCode, ReplicaLocation};
+use crate::codec::types::ErrorCode;
 use crate::config::EvictionConfig;
 use crate::metrics::Metrics;
 use crate::policy::host::wit;
@@ -41,84 +43,6 @@ pub use table::{Entry, KeyTable, Tier};
 
 /// Removals per pipelined burst on moongate's own connection.
 const CHUNK: usize = 1000;
-
-/// What an answer can tell the table, taken from its request on the way up.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Tracked {
-    Put {
-        tenant: Bytes,
-        keys: Vec<(Bytes, u64)>,
-    },
-    /// PutEnd / UpsertEnd and their batch forms: the keys are stored.
-    End(Vec<Bytes>),
-    /// PutRevoke / BatchPutRevoke: the put was abandoned.
-    Revoke(Vec<Bytes>),
-    Lookup(Vec<Bytes>),
-    Remove(Bytes),
-    RemoveAll,
-}
-
-impl Tracked {
-    /// The part of `req` the table needs, for the methods that change or show what is
-    /// stored.
-    pub fn of(req: &Request) -> Option<Tracked> {
-        Some(match req {
-            Request::PutStart(a) | Request::UpsertStart(a) => Tracked::Put {
-                tenant: a.tenant_id.clone(),
-                keys: vec![(a.key.clone(), a.slice_length)],
-            },
-            Request::BatchPutStart(a) | Request::BatchUpsertStart(a) => Tracked::Put {
-                tenant: a.tenant_id.clone(),
-                keys: a
-                    .keys
-                    .iter()
-                    .cloned()
-                    .zip(a.slice_lengths.iter().copied())
-                    .collect(),
-            },
-            Request::ExistKey(a) | Request::GetReplicaList(a) => {
-                Tracked::Lookup(vec![a.key.clone()])
-            }
-            Request::BatchExistKey(a) | Request::BatchGetReplicaList(a) => {
-                Tracked::Lookup(a.keys.clone())
-            }
-            Request::PutEnd(a) | Request::UpsertEnd(a) => {
-                Tracked::End(vec![a.object_meta.key.clone()])
-            }
-            Request::BatchPutEnd(a) => {
-                Tracked::End(a.object_metas.iter().map(|m| m.key.clone()).collect())
-            }
-            Request::BatchUpsertEnd(a) => {
-                Tracked::End(a.object_metas.iter().map(|m| m.key.clone()).collect())
-            }
-            Request::PutRevoke(a) => Tracked::Revoke(vec![a.key.clone()]),
-            Request::BatchPutRevoke(a) => Tracked::Revoke(a.keys.clone()),
-            Request::Remove(a) => Tracked::Remove(a.key.clone()),
-            Request::RemoveAll(_) => Tracked::RemoveAll,
-            _ => return None,
-        })
-    }
-}
-
-fn tier_of(loc: &ReplicaLocation) -> Tier {
-    match loc {
-        ReplicaLocation::Memory(_) => Tier::Memory,
-        ReplicaLocation::Nof(_) => Tier::Nof,
-        ReplicaLocation::Disk(_) => Tier::Disk,
-        ReplicaLocation::LocalDisk(_) => Tier::LocalDisk,
-        ReplicaLocation::DistributedFs(_) => Tier::Dfs,
-    }
-}
-
-fn wit_tier(t: Tier) -> wit::Tier {
-    match t {
-        Tier::Memory => wit::Tier::Memory,
-        Tier::Nof => wit::Tier::Nof,
-        Tier::Disk => wit::Tier::Disk,
-        Tier::LocalDisk => wit::Tier::LocalDisk,
-        Tier::Dfs => wit::Tier::Dfs,
-    }
-}
 
 /// The evictor's shared state: the key table, the denial count, the metric handles.
 pub struct Eviction {
@@ -148,130 +72,27 @@ impl Eviction {
         self.clock.elapsed().as_millis() as u64
     }
 
-    /// Updates the table from a successful answer (`arm`: the arm that served the call).
+    /// Updates the table from a successful answer to a tracked request (`arm`: the arm
+    /// that served the call). What the answer means is the method family's business
+    /// ([`crate::calls`]); the table only applies it.
     pub fn record(&self, t: &Tracked, resp: &Response, arm: usize) {
         let now = self.now_ms();
-        match (t, resp) {
-            (Tracked::Put { tenant, keys }, Response::PutStart(r) | Response::UpsertStart(r)) => {
-                self.record_put(tenant, keys, std::slice::from_ref(r), arm, now)
-            }
-            (
-                Tracked::Put { tenant, keys },
-                Response::BatchPutStart(v) | Response::BatchUpsertStart(v),
-            ) => self.record_put(tenant, keys, v, arm, now),
-            (Tracked::Lookup(keys), Response::ExistKey(r)) => {
-                self.record_exist(keys, std::slice::from_ref(r), now)
-            }
-            (Tracked::Lookup(keys), Response::BatchExistKey(v)) => self.record_exist(keys, v, now),
-            (Tracked::Lookup(keys), Response::GetReplicaList(r)) => {
-                self.record_lists(keys, std::slice::from_ref(r), now)
-            }
-            (Tracked::Lookup(keys), Response::BatchGetReplicaList(v)) => {
-                self.record_lists(keys, v, now)
-            }
-            (Tracked::End(keys), Response::PutEnd(Ok(())) | Response::UpsertEnd(Ok(()))) => {
-                self.table.complete(keys.iter())
-            }
-            (Tracked::End(keys), Response::BatchPutEnd(v) | Response::BatchUpsertEnd(v)) => {
-                self.table.complete(
-                    keys.iter()
-                        .zip(v)
-                        .filter(|(_, r)| r.is_ok())
-                        .map(|(k, _)| k),
-                )
-            }
-            (Tracked::Revoke(keys), Response::PutRevoke(_) | Response::BatchPutRevoke(_)) => {
-                self.table.forget(keys.iter())
-            }
-            (Tracked::Remove(key), Response::Remove(r)) => {
-                if matches!(r, Ok(()) | Err(ErrorCode::OBJECT_NOT_FOUND)) {
-                    self.table.forget(std::iter::once(key));
+        for seen in t.seen(resp) {
+            match seen {
+                Seen::Stored { tenant, keys } => self.table.put(&tenant, &keys, arm, now),
+                Seen::Denied(bytes) => {
+                    self.denied_bytes.fetch_add(bytes, Ordering::Relaxed);
                 }
+                Seen::Completed(keys) => self.table.complete(keys.iter()),
+                Seen::Found(keys) => self.table.hit(keys.iter().map(|(k, t)| (k, *t)), now),
+                Seen::Gone(keys) => self.table.forget(keys.iter()),
+                Seen::Cleared => self.table.clear(),
             }
-            (Tracked::RemoveAll, Response::RemoveAll(n)) if *n >= 0 => self.table.clear(),
-            _ => {}
         }
         self.metrics
             .eviction
             .table_keys
             .set(self.table.len() as i64);
-    }
-
-    fn record_put(
-        &self,
-        tenant: &Bytes,
-        keys: &[(Bytes, u64)],
-        answers: &[crate::codec::types::Expected<Vec<crate::codec::types::ReplicaDescriptor>>],
-        arm: usize,
-        now: u64,
-    ) {
-        if answers.len() != keys.len() {
-            return;
-        }
-        let mut accepted = Vec::with_capacity(keys.len());
-        let mut denied = 0u64;
-        for ((key, size), a) in keys.iter().zip(answers) {
-            match a {
-                Ok(reps) => accepted.push((
-                    key.clone(),
-                    *size,
-                    reps.first().map_or(Tier::Memory, |r| tier_of(&r.location)),
-                )),
-                Err(ErrorCode::NO_AVAILABLE_HANDLE) => denied += size,
-                Err(_) => {}
-            }
-        }
-        if !accepted.is_empty() {
-            self.table.put(tenant, &accepted, arm, now);
-        }
-        if denied > 0 {
-            self.denied_bytes.fetch_add(denied, Ordering::Relaxed);
-        }
-    }
-
-    fn record_exist(
-        &self,
-        keys: &[Bytes],
-        answers: &[crate::codec::types::Expected<bool>],
-        now: u64,
-    ) {
-        if answers.len() != keys.len() {
-            return;
-        }
-        let found = keys
-            .iter()
-            .zip(answers)
-            .filter(|(_, a)| matches!(a, Ok(true)))
-            .map(|(k, _)| (k, None));
-        self.table.hit(found, now);
-        let gone = keys
-            .iter()
-            .zip(answers)
-            .filter(|(_, a)| matches!(a, Ok(false) | Err(ErrorCode::OBJECT_NOT_FOUND)))
-            .map(|(k, _)| k);
-        self.table.forget(gone);
-    }
-
-    fn record_lists(
-        &self,
-        keys: &[Bytes],
-        answers: &[crate::codec::types::Expected<crate::codec::types::GetReplicaListResponse>],
-        now: u64,
-    ) {
-        if answers.len() != keys.len() {
-            return;
-        }
-        let found = keys.iter().zip(answers).filter_map(|(k, a)| {
-            let list = a.as_ref().ok()?;
-            Some((k, list.replicas.first().map(|r| tier_of(&r.location))))
-        });
-        self.table.hit(found, now);
-        let gone = keys
-            .iter()
-            .zip(answers)
-            .filter(|(_, a)| matches!(a, Err(ErrorCode::OBJECT_NOT_FOUND)))
-            .map(|(k, _)| k);
-        self.table.forget(gone);
     }
 
     /// Runs the triggers and rounds until shutdown.
@@ -452,7 +273,10 @@ impl Eviction {
             let call = wit::EvictCall {
                 keys: crate::policy::pack_keys(idx.iter().map(|&i| &cands[i].0)),
                 sizes: idx.iter().map(|&i| cands[i].1.size).collect(),
-                tiers: idx.iter().map(|&i| wit_tier(cands[i].1.tier)).collect(),
+                tiers: idx
+                    .iter()
+                    .map(|&i| crate::policy::view::wit_tier(cands[i].1.tier))
+                    .collect(),
                 age_ms: idx
                     .iter()
                     .map(|&i| now.saturating_sub(cands[i].1.last_ms))
@@ -502,23 +326,6 @@ mod tests {
         assert_eq!(lru(&[10, 10, 10], 15), [0, 1]);
         assert_eq!(lru(&[10, 10], 0), Vec::<usize>::new());
         assert_eq!(lru(&[10], 100), [0]);
-    }
-
-    #[test]
-    fn tracked_from_requests() {
-        let r = Request::RemoveAll(crate::codec::message::RemoveAllArgs {
-            force: true,
-            tenant_id: Bytes::new(),
-        });
-        assert_eq!(Tracked::of(&r), Some(Tracked::RemoveAll));
-        let r = Request::BatchExistKey(crate::codec::message::KeysArgs {
-            keys: vec![Bytes::from_static(b"a")],
-            tenant_id: Bytes::new(),
-        });
-        assert_eq!(
-            Tracked::of(&r),
-            Some(Tracked::Lookup(vec![Bytes::from_static(b"a")]))
-        );
     }
 
     #[test]

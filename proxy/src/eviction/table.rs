@@ -10,16 +10,7 @@ use std::sync::Mutex;
 
 use bytes::Bytes;
 
-/// Where an entry's replica lives, as far as moongate saw (first replica of the put or
-/// of the last lookup); the kinds of Mooncake's replica descriptors.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Tier {
-    Memory,
-    Nof,
-    Disk,
-    LocalDisk,
-    Dfs,
-}
+pub use crate::codec::types::Tier;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Entry {

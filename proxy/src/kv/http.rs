@@ -16,6 +16,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use super::store::{Store, StoreError, Value};
+use crate::calls::AnswerExt;
 use crate::policy::Ticket;
 
 /// The chunks of a streamed value as HTTP body frames.

@@ -32,12 +32,12 @@ use bytes::{Bytes, BytesMut};
 
 use super::Shared;
 use super::split::{self, InFlightBytes, Merge, Merged};
+use crate::calls::{self, AnswerExt, CallExt, Tracked};
 use crate::codec::frame::errc;
 use crate::codec::message::{Request, Response, RpcError, is_typed};
 use crate::codec::types::Uuid;
 use crate::codec::{BodyStyle, Method, RequestFrame, ResponseFrame, ResponseHeader};
 use crate::config::Reencode;
-use crate::eviction::Tracked;
 use crate::metrics::{ErrorKind, FrameErrorKind, MethodMetrics, Side};
 use crate::policy::{Fixup, Outcome, PutAction, PutDecided, Ticket};
 
@@ -176,13 +176,8 @@ impl Session {
             let ticket = policy.ticket(set, &self.client.unwrap_or_default(), req.first_key());
             let arm = ticket.arm();
             arm.metrics.requests[req.method().index()].requests.inc();
-            let lookup_keys = match &req {
-                Request::GetReplicaList(a) if policy.steers_lookups(arm) => {
-                    Some(vec![a.key.clone()])
-                }
-                Request::BatchGetReplicaList(a) if policy.steers_lookups(arm) => {
-                    Some(a.keys.clone())
-                }
+            let lookup_keys = match calls::call(&req) {
+                calls::Call::Lookup(l) if policy.steers_lookups(arm) => Some(l.keys().to_vec()),
                 _ => None,
             };
             let parts = self.forward(frame, raw, &req, style, false, &ticket);
@@ -405,12 +400,11 @@ fn write_request(frame: &RequestFrame, req: &Request, style: BodyStyle, out: &mu
 
 /// Put bytes a forwarded put-family start holds until it is answered.
 fn put_bytes(req: &Request, shared: &Shared) -> Option<InFlightBytes> {
-    let bytes = match req {
-        Request::PutStart(a) | Request::UpsertStart(a) => a.slice_length,
-        Request::BatchPutStart(a) | Request::BatchUpsertStart(a) => a.slice_lengths.iter().sum(),
-        _ => return None,
-    };
-    Some(InFlightBytes::take(&shared.put_bytes_in_flight, bytes))
+    let put = calls::put::Put::of(req)?;
+    Some(InFlightBytes::take(
+        &shared.put_bytes_in_flight,
+        put.bytes(),
+    ))
 }
 
 /// Per-answer context: the metric handles and arm of the call being answered.
@@ -531,7 +525,7 @@ impl<'a> Answering<'a> {
                 .steer_lookup(e.ticket.arm(), keys, &mut resp);
         }
         if let Some(e) = entry {
-            let tally = crate::tiers::Tally::of(&resp);
+            let tally = calls::Tally::of(&resp);
             if !tally.is_empty() {
                 e.ticket.arm().metrics.add_tally(&tally);
             }

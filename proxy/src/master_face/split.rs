@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::{Bytes, BytesMut};
 
+use crate::calls::{AnswerExt, CallExt};
 use crate::codec::frame::errc;
 use crate::codec::message::{Request, Response, RpcError};
 use crate::codec::{BodyStyle, Method, ResponseFrame, ResponseHeader};
@@ -31,7 +32,7 @@ pub fn points(
     put_bytes_in_flight: u64,
 ) -> Vec<usize> {
     let n = req.key_count();
-    if n < 2 || !splittable(req.method()) {
+    if n < 2 || !crate::calls::splittable(req.method()) {
         return Vec::new();
     }
     let mut points: Vec<usize> = if max_keys > 0 && n > max_keys {
@@ -41,9 +42,9 @@ pub fn points(
     };
     if policy.splits_batches(arm) {
         let zeros;
-        let sizes = match req {
-            Request::BatchPutStart(a) | Request::BatchUpsertStart(a) => &a.slice_lengths[..],
-            _ => {
+        let sizes = match crate::calls::put::Put::of(req) {
+            Some(p) => p.sizes(),
+            None => {
                 zeros = vec![0; n];
                 &zeros[..]
             }
@@ -56,21 +57,6 @@ pub fn points(
         }
     }
     points
-}
-
-/// The batch methods whose reply is one result per key in key order, so parts can be
-/// concatenated. (`BatchRemove` and `BatchQueryIp` are relayed whole: not typed here.)
-pub fn splittable(method: Method) -> bool {
-    matches!(
-        method,
-        Method::BatchExistKey
-            | Method::BatchGetReplicaList
-            | Method::BatchPutStart
-            | Method::BatchUpsertStart
-            | Method::BatchPutEnd
-            | Method::BatchUpsertEnd
-            | Method::BatchPutRevoke
-    )
 }
 
 /// The answers of a split call's parts so far.

@@ -130,7 +130,7 @@ pub struct ArmMetrics {
     pub decisions: [Counter; 4],
     /// Decoded requests served by this arm, by [`Method::index`].
     pub requests: Vec<MethodMetrics>,
-    /// `[tier][outcome]` keys and bytes of lookup answers ([`crate::tiers`]).
+    /// `[tier][outcome]` keys and bytes of lookup answers ([`crate::calls::Tally`]).
     pub tier_keys: [[Counter; 3]; 4],
     pub tier_bytes: [[Counter; 3]; 4],
     /// `ExistKey` / `BatchExistKey` keys: `[hit, miss]`.
@@ -139,7 +139,7 @@ pub struct ArmMetrics {
 
 impl ArmMetrics {
     /// Adds one answer's tier tally.
-    pub fn add_tally(&self, t: &crate::tiers::Tally) {
+    pub fn add_tally(&self, t: &crate::calls::Tally) {
         for tier in 0..4 {
             for outcome in 0..3 {
                 if t.keys[tier][outcome] > 0 {
@@ -270,8 +270,8 @@ impl PolicyFamilies {
     }
 
     fn tier_family(&self, f: &Family<TierLabels, Counter>, arm: &str) -> [[Counter; 3]; 4] {
-        crate::tiers::TIERS.map(|tier| {
-            crate::tiers::OUTCOMES.map(|outcome| {
+        crate::calls::TIER_LABELS.map(|tier| {
+            crate::calls::OUTCOMES.map(|outcome| {
                 f.get_or_create(&TierLabels {
                     tier: tier.into(),
                     outcome: outcome.into(),

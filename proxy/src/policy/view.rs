@@ -6,8 +6,9 @@ use bytes::Bytes;
 
 use super::FailMode;
 use super::host::wit;
-use crate::codec::message::{BatchPutStartArgs, PutStartArgs, Request, Response};
-use crate::codec::types::{ErrorCode, ReplicateConfig, SoftPinAction, Uuid};
+use crate::calls::put::{self, Put};
+use crate::codec::message::{Request, Response};
+use crate::codec::types::{ErrorCode, ReplicateConfig, SoftPinAction, Tier, Uuid};
 
 /// What happens to a put-family call after the policy decided.
 #[derive(Debug)]
@@ -52,34 +53,7 @@ impl Fixup {
     /// Merges the master's answer for the admitted keys with the denied ones. Answers of
     /// other shapes (or of the wrong length) are returned unchanged.
     pub fn apply(&self, resp: Response) -> Response {
-        match resp {
-            Response::BatchPutStart(v) => Response::BatchPutStart(self.merge(v)),
-            Response::BatchUpsertStart(v) => Response::BatchUpsertStart(self.merge(v)),
-            other => other,
-        }
-    }
-
-    fn merge<T>(&self, admitted: Vec<Result<T, ErrorCode>>) -> Vec<Result<T, ErrorCode>> {
-        if admitted.len() + self.denied.len() != self.total {
-            return admitted;
-        }
-        let mut out = Vec::with_capacity(self.total);
-        let mut rest = admitted.into_iter();
-        let mut denied = self.denied.iter().peekable();
-        for i in 0..self.total {
-            match denied.peek() {
-                Some((pos, code)) if *pos == i => {
-                    out.push(Err(*code));
-                    denied.next();
-                }
-                _ => {
-                    if let Some(r) = rest.next() {
-                        out.push(r);
-                    }
-                }
-            }
-        }
-        out
+        put::merge_denied(resp, self.total, &self.denied)
     }
 }
 
@@ -152,31 +126,30 @@ pub struct PutView<'a> {
 
 /// The put-family view of a request, or `None` for other methods.
 pub fn put_view(req: &Request) -> Option<PutView<'_>> {
-    fn single<'a>(kind: wit::PutKind, a: &'a PutStartArgs) -> PutView<'a> {
-        PutView {
-            kind,
-            client: a.client_id,
-            keys: std::slice::from_ref(&a.key),
-            sizes: std::slice::from_ref(&a.slice_length),
-            config: &a.config,
-        }
-    }
-    fn batch<'a>(kind: wit::PutKind, a: &'a BatchPutStartArgs) -> PutView<'a> {
-        PutView {
-            kind,
-            client: a.client_id,
-            keys: &a.keys,
-            sizes: &a.slice_lengths,
-            config: &a.config,
-        }
-    }
-    Some(match req {
-        Request::PutStart(a) => single(wit::PutKind::Put, a),
-        Request::UpsertStart(a) => single(wit::PutKind::Upsert, a),
-        Request::BatchPutStart(a) => batch(wit::PutKind::BatchPut, a),
-        Request::BatchUpsertStart(a) => batch(wit::PutKind::BatchUpsert, a),
-        _ => return None,
+    let p = Put::of(req)?;
+    Some(PutView {
+        kind: match (p.kind(), p.is_batch()) {
+            (put::Kind::Put, false) => wit::PutKind::Put,
+            (put::Kind::Upsert, false) => wit::PutKind::Upsert,
+            (put::Kind::Put, true) => wit::PutKind::BatchPut,
+            (put::Kind::Upsert, true) => wit::PutKind::BatchUpsert,
+        },
+        client: p.client_id(),
+        keys: p.keys(),
+        sizes: p.sizes(),
+        config: p.config(),
     })
+}
+
+/// The plugin's name for a tier.
+pub fn wit_tier(t: Tier) -> wit::Tier {
+    match t {
+        Tier::Memory => wit::Tier::Memory,
+        Tier::Nof => wit::Tier::Nof,
+        Tier::Disk => wit::Tier::Disk,
+        Tier::LocalDisk => wit::Tier::LocalDisk,
+        Tier::Dfs => wit::Tier::Dfs,
+    }
 }
 
 impl PutView<'_> {
@@ -194,12 +167,7 @@ impl PutView<'_> {
 /// The plugin's view of a lookup answer: the keys asked for and, per key, its replicas'
 /// tiers and sizes in the master's order (keys with an error have none).
 pub fn lookup_call(keys: &[Bytes], resp: &Response) -> Option<wit::LookupCall> {
-    use crate::codec::types::{GetReplicaListResponse, ReplicaLocation};
-    let answers: Vec<&Result<GetReplicaListResponse, ErrorCode>> = match resp {
-        Response::GetReplicaList(r) => vec![r],
-        Response::BatchGetReplicaList(v) => v.iter().collect(),
-        _ => return None,
-    };
+    let answers = crate::calls::lookup::results(resp)?;
     if answers.len() != keys.len() {
         return None;
     }
@@ -213,15 +181,8 @@ pub fn lookup_call(keys: &[Bytes], resp: &Response) -> Option<wit::LookupCall> {
         let reps = a.as_ref().map(|l| &l.replicas[..]).unwrap_or(&[]);
         call.counts.push(reps.len() as u32);
         for r in reps {
-            let (tier, size) = match &r.location {
-                ReplicaLocation::Memory(d) => (wit::Tier::Memory, d.buffer_descriptor.size),
-                ReplicaLocation::Nof(d) => (wit::Tier::Nof, d.buffer_descriptor.size),
-                ReplicaLocation::Disk(d) => (wit::Tier::Disk, d.object_size),
-                ReplicaLocation::LocalDisk(d) => (wit::Tier::LocalDisk, d.object_size),
-                ReplicaLocation::DistributedFs(d) => (wit::Tier::Dfs, d.object_size),
-            };
-            call.tiers.push(tier);
-            call.sizes.push(size);
+            call.tiers.push(wit_tier(r.location.tier()));
+            call.sizes.push(r.location.size());
         }
     }
     Some(call)
@@ -254,14 +215,13 @@ pub fn apply_lookup(resp: &mut Response, keep: &[Vec<u32>]) -> bool {
     if keep.is_empty() {
         return false;
     }
-    match resp {
-        Response::GetReplicaList(r) => one(r, &keep[0]),
-        Response::BatchGetReplicaList(v) => v
-            .iter_mut()
-            .zip(keep)
-            .fold(false, |changed, (r, k)| one(r, k) | changed),
-        _ => false,
-    }
+    let Some(answers) = crate::calls::lookup::results_mut(resp) else {
+        return false;
+    };
+    answers
+        .iter_mut()
+        .zip(keep)
+        .fold(false, |changed, (r, k)| one(r, k) | changed)
 }
 
 /// Index into [`crate::metrics::DECISIONS`] of an action.
@@ -276,11 +236,11 @@ pub fn decision_index(a: &PutAction) -> usize {
 
 /// Turns a plugin's decision on `req` into what to do on the wire.
 pub fn put_action(req: &Request, d: &wit::PutDecision) -> PutAction {
-    let Some(view) = put_view(req) else {
+    let Some(put) = Put::of(req) else {
         return PutAction::Forward;
     };
-    let config = d.config.as_ref().map(|c| apply_wit_config(view.config, c));
-    let config = config.filter(|c| c != view.config);
+    let config = d.config.as_ref().map(|c| apply_wit_config(put.config(), c));
+    let config = config.filter(|c| c != put.config());
     let denied: Vec<(usize, ErrorCode)> = d
         .admissions
         .iter()
@@ -290,65 +250,25 @@ pub fn put_action(req: &Request, d: &wit::PutDecision) -> PutAction {
             wit::Admission::Admit => None,
         })
         .collect();
-    let method = req.method();
-    let n = view.keys.len();
+    let n = put.keys().len();
     if !denied.is_empty() && denied.len() == n {
         // Every key refused: answer like the master would, per key for batches.
-        let resp = match req {
-            Request::PutStart(_) | Request::UpsertStart(_) => {
-                Response::error(method, denied[0].1, 1)
-            }
-            _ => Some(match method {
-                crate::codec::Method::BatchUpsertStart => {
-                    Response::BatchUpsertStart(denied.iter().map(|(_, c)| Err(*c)).collect())
-                }
-                _ => Response::BatchPutStart(denied.iter().map(|(_, c)| Err(*c)).collect()),
-            }),
-        };
-        return resp.map_or(PutAction::Forward, PutAction::Answer);
+        let codes: Vec<ErrorCode> = denied.iter().map(|(_, c)| *c).collect();
+        return PutAction::Answer(put.refused(&codes));
     }
     if denied.is_empty() && config.is_none() {
         return PutAction::Forward;
     }
-    let mut req = req.clone();
-    let fixup = if denied.is_empty() {
-        None
-    } else {
-        Some(Fixup {
-            total: n,
-            denied: denied.clone(),
-        })
-    };
-    match &mut req {
-        Request::PutStart(a) | Request::UpsertStart(a) => {
-            if let Some(c) = config {
-                a.config = c;
-            }
+    let mut dropped = vec![false; n];
+    for (i, _) in &denied {
+        if let Some(d) = dropped.get_mut(*i) {
+            *d = true;
         }
-        Request::BatchPutStart(a) | Request::BatchUpsertStart(a) => {
-            if let Some(c) = config {
-                a.config = c;
-            }
-            if !denied.is_empty() {
-                let mut d = denied.iter().map(|(i, _)| *i).peekable();
-                let mut keys = Vec::with_capacity(n - denied.len());
-                let mut sizes = Vec::with_capacity(n - denied.len());
-                for (i, (k, s)) in a.keys.iter().zip(&a.slice_lengths).enumerate() {
-                    if d.peek() == Some(&i) {
-                        d.next();
-                    } else {
-                        keys.push(k.clone());
-                        sizes.push(*s);
-                    }
-                }
-                a.keys = keys;
-                a.slice_lengths = sizes;
-            }
-        }
-        _ => {}
     }
+    let request = put.rewritten(config, |i| !dropped[i]);
+    let fixup = (!denied.is_empty()).then_some(Fixup { total: n, denied });
     PutAction::Rewrite {
-        request: Box::new(req),
+        request: Box::new(request),
         fixup,
     }
 }

@@ -1,0 +1,99 @@
+//! The exist family: `ExistKey` and `BatchExistKey`. Keys, how a batch is cut and
+//! merged, hits and misses (lookup metrics), and what the answers tell the eviction
+//! table.
+
+use std::ops::Range;
+
+use bytes::Bytes;
+
+use super::{Seen, Tally};
+use crate::codec::Method;
+use crate::codec::message::{KeyArgs, KeysArgs, Request, Response};
+use crate::codec::types::{ErrorCode, Expected};
+
+/// A decoded existence check.
+#[derive(Debug, Clone, Copy)]
+pub enum Exist<'a> {
+    One(&'a KeyArgs),
+    Batch(&'a KeysArgs),
+}
+
+impl<'a> Exist<'a> {
+    pub fn keys(&self) -> &'a [Bytes] {
+        match self {
+            Exist::One(a) => std::slice::from_ref(&a.key),
+            Exist::Batch(a) => &a.keys,
+        }
+    }
+
+    pub(super) fn split(&self, parts: &[Range<usize>]) -> Option<Vec<Request>> {
+        let Exist::Batch(a) = self else {
+            return None;
+        };
+        Some(
+            parts
+                .iter()
+                .map(|r| {
+                    Request::BatchExistKey(KeysArgs {
+                        keys: a.keys[r.clone()].to_vec(),
+                        tenant_id: a.tenant_id.clone(),
+                    })
+                })
+                .collect(),
+        )
+    }
+}
+
+pub(super) fn splittable(m: Method) -> bool {
+    m == Method::BatchExistKey
+}
+
+fn results(resp: &Response) -> Option<&[Expected<bool>]> {
+    match resp {
+        Response::ExistKey(r) => Some(std::slice::from_ref(r)),
+        Response::BatchExistKey(v) => Some(v),
+        _ => None,
+    }
+}
+
+pub(super) fn append(whole: &mut Response, part: Response) -> Result<(), Response> {
+    match (whole, part) {
+        (Response::BatchExistKey(v), Response::BatchExistKey(p)) => {
+            v.extend(p);
+            Ok(())
+        }
+        (_, p) => Err(p),
+    }
+}
+
+/// `hit` for true, `miss` for false; errors are neither.
+pub(super) fn tally(resp: &Response, t: &mut Tally) {
+    for r in results(resp).unwrap_or(&[]) {
+        match r {
+            Ok(true) => t.hits += 1,
+            Ok(false) => t.misses += 1,
+            Err(_) => {}
+        }
+    }
+}
+
+/// Found keys (no tier: an existence check names none), and keys the master no longer
+/// has.
+pub(super) fn seen(keys: &[Bytes], resp: &Response) -> Vec<Seen> {
+    let Some(answers) = results(resp).filter(|a| a.len() == keys.len()) else {
+        return Vec::new();
+    };
+    let found = keys
+        .iter()
+        .zip(answers)
+        .filter(|(_, a)| matches!(a, Ok(true)))
+        .map(|(k, _)| (k.clone(), None))
+        .collect();
+    let gone = keys
+        .iter()
+        .zip(answers)
+        .filter(|(_, a)| matches!(a, Ok(false) | Err(ErrorCode::OBJECT_NOT_FOUND)))
+        .map(|(k, _)| k.clone())
+        .collect();
+    vec![Seen::Found(found), Seen::Gone(gone)]
+}

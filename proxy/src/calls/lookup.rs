@@ -1,0 +1,192 @@
+//! The lookup family: `GetReplicaList` and `BatchGetReplicaList`. Keys, how a batch is
+//! cut and merged, which tiers the answers name (tier metrics), and what they tell the
+//! eviction table.
+
+use std::ops::Range;
+
+use bytes::Bytes;
+
+use super::{ERROR, FOUND, NOT_FOUND, Seen, Tally, UNKNOWN, tier_label};
+use crate::codec::Method;
+use crate::codec::message::{KeyArgs, KeysArgs, Request, Response};
+use crate::codec::types::{ErrorCode, Expected, GetReplicaListResponse};
+
+/// A decoded lookup.
+#[derive(Debug, Clone, Copy)]
+pub enum Lookup<'a> {
+    One(&'a KeyArgs),
+    Batch(&'a KeysArgs),
+}
+
+impl<'a> Lookup<'a> {
+    pub fn keys(&self) -> &'a [Bytes] {
+        match self {
+            Lookup::One(a) => std::slice::from_ref(&a.key),
+            Lookup::Batch(a) => &a.keys,
+        }
+    }
+
+    pub(super) fn split(&self, parts: &[Range<usize>]) -> Option<Vec<Request>> {
+        let Lookup::Batch(a) = self else {
+            return None;
+        };
+        Some(
+            parts
+                .iter()
+                .map(|r| {
+                    Request::BatchGetReplicaList(KeysArgs {
+                        keys: a.keys[r.clone()].to_vec(),
+                        tenant_id: a.tenant_id.clone(),
+                    })
+                })
+                .collect(),
+        )
+    }
+}
+
+pub(super) fn splittable(m: Method) -> bool {
+    m == Method::BatchGetReplicaList
+}
+
+/// The per-key answers of a lookup.
+pub fn results(resp: &Response) -> Option<&[Expected<GetReplicaListResponse>]> {
+    match resp {
+        Response::GetReplicaList(r) => Some(std::slice::from_ref(r)),
+        Response::BatchGetReplicaList(v) => Some(v),
+        _ => None,
+    }
+}
+
+/// The per-key answers of a lookup, to change (steering).
+pub fn results_mut(resp: &mut Response) -> Option<&mut [Expected<GetReplicaListResponse>]> {
+    match resp {
+        Response::GetReplicaList(r) => Some(std::slice::from_mut(r)),
+        Response::BatchGetReplicaList(v) => Some(v),
+        _ => None,
+    }
+}
+
+pub(super) fn append(whole: &mut Response, part: Response) -> Result<(), Response> {
+    match (whole, part) {
+        (Response::BatchGetReplicaList(v), Response::BatchGetReplicaList(p)) => {
+            v.extend(p);
+            Ok(())
+        }
+        (_, p) => Err(p),
+    }
+}
+
+/// Each found key counts once in every tier it has a replica in.
+pub(super) fn tally(resp: &Response, t: &mut Tally) {
+    for r in results(resp).unwrap_or(&[]) {
+        match r {
+            Ok(list) => {
+                let mut seen = [false; 4];
+                for rep in &list.replicas {
+                    let tier = tier_label(rep.location.tier());
+                    if !std::mem::replace(&mut seen[tier], true) {
+                        t.keys[tier][FOUND] += 1;
+                        t.bytes[tier][FOUND] += rep.location.size();
+                    }
+                }
+            }
+            Err(ErrorCode::OBJECT_NOT_FOUND) => t.keys[UNKNOWN][NOT_FOUND] += 1,
+            Err(_) => t.keys[UNKNOWN][ERROR] += 1,
+        }
+    }
+}
+
+/// Found keys (tier of the first replica), and keys the master no longer has.
+pub(super) fn seen(keys: &[Bytes], resp: &Response) -> Vec<Seen> {
+    let Some(answers) = results(resp).filter(|a| a.len() == keys.len()) else {
+        return Vec::new();
+    };
+    let found = keys
+        .iter()
+        .zip(answers)
+        .filter_map(|(k, a)| {
+            let list = a.as_ref().ok()?;
+            Some((k.clone(), list.replicas.first().map(|r| r.location.tier())))
+        })
+        .collect();
+    let gone = keys
+        .iter()
+        .zip(answers)
+        .filter(|(_, a)| matches!(a, Err(ErrorCode::OBJECT_NOT_FOUND)))
+        .map(|(k, _)| k.clone())
+        .collect();
+    vec![Seen::Found(found), Seen::Gone(gone)]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{LOCAL_DISK_FOR_TESTS as LOCAL_DISK, MEMORY_FOR_TESTS as MEMORY};
+    use super::*;
+    use crate::codec::types::*;
+
+    const DISK: usize = 1;
+
+    fn rep(location: ReplicaLocation) -> ReplicaDescriptor {
+        ReplicaDescriptor {
+            id: 1,
+            location,
+            status: ReplicaStatus::COMPLETE,
+        }
+    }
+
+    #[test]
+    fn every_tier_and_outcome() {
+        let mem = ReplicaLocation::Memory(MemoryDescriptor {
+            buffer_descriptor: BufferDescriptor {
+                size: 100,
+                buffer_address: 0,
+                protocol: Bytes::new(),
+                transport_endpoint: Bytes::new(),
+            },
+        });
+        let local = ReplicaLocation::LocalDisk(LocalDiskDescriptor {
+            client_id: Uuid::default(),
+            object_size: 300,
+            transport_endpoint: Bytes::new(),
+        });
+        let disk = ReplicaLocation::Disk(DiskDescriptor {
+            file_path: Bytes::new(),
+            object_size: 100,
+        });
+        let list = |reps: Vec<ReplicaDescriptor>| {
+            Ok(GetReplicaListResponse {
+                replicas: reps,
+                lease_ttl_ms: 10_000,
+                object_checksum: None,
+            })
+        };
+        let r = Response::BatchGetReplicaList(vec![
+            list(vec![rep(mem.clone()), rep(disk)]),
+            list(vec![rep(local)]),
+            list(vec![rep(mem.clone()), rep(mem)]),
+            Err(ErrorCode::OBJECT_NOT_FOUND),
+            Err(ErrorCode::INTERNAL_ERROR),
+        ]);
+        let t = Tally::of(&r);
+        assert_eq!(
+            t.keys[MEMORY][FOUND], 2,
+            "two replicas of one key count once"
+        );
+        assert_eq!(t.bytes[MEMORY][FOUND], 200);
+        assert_eq!((t.keys[DISK][FOUND], t.bytes[DISK][FOUND]), (1, 100));
+        assert_eq!(
+            (t.keys[LOCAL_DISK][FOUND], t.bytes[LOCAL_DISK][FOUND]),
+            (1, 300)
+        );
+        assert_eq!(t.keys[UNKNOWN][NOT_FOUND], 1);
+        assert_eq!(t.keys[UNKNOWN][ERROR], 1);
+        let e = Tally::of(&Response::BatchExistKey(vec![
+            Ok(true),
+            Ok(false),
+            Ok(true),
+            Err(ErrorCode::INTERNAL_ERROR),
+        ]));
+        assert_eq!((e.hits, e.misses), (2, 1));
+        assert!(Tally::of(&Response::RemoveAll(1)).is_empty());
+    }
+}

@@ -1,0 +1,47 @@
+//! The remove family: `Remove` and `RemoveAll`.
+
+use bytes::Bytes;
+
+use super::{Seen, Tracked};
+use crate::codec::message::{RemoveAllArgs, RemoveArgs, Response};
+use crate::codec::types::ErrorCode;
+
+#[derive(Debug, Clone, Copy)]
+pub enum Remove<'a> {
+    One(&'a RemoveArgs),
+    All(&'a RemoveAllArgs),
+}
+
+impl<'a> Remove<'a> {
+    pub fn key(&self) -> Option<&'a Bytes> {
+        match self {
+            Remove::One(a) => Some(&a.key),
+            Remove::All(_) => None,
+        }
+    }
+
+    pub(super) fn tracked(&self) -> Tracked {
+        match self {
+            Remove::One(a) => Tracked::Remove(a.key.clone()),
+            Remove::All(_) => Tracked::RemoveAll,
+        }
+    }
+}
+
+/// Removed, or already gone.
+pub(super) fn seen_one(key: &Bytes, resp: &Response) -> Vec<Seen> {
+    match resp {
+        Response::Remove(Ok(()) | Err(ErrorCode::OBJECT_NOT_FOUND)) => {
+            vec![Seen::Gone(vec![key.clone()])]
+        }
+        _ => Vec::new(),
+    }
+}
+
+/// `RemoveAll` answers the count removed; a negative count is an error.
+pub(super) fn seen_all(resp: &Response) -> Vec<Seen> {
+    match resp {
+        Response::RemoveAll(n) if *n >= 0 => vec![Seen::Cleared],
+        _ => Vec::new(),
+    }
+}
