@@ -23,4 +23,4 @@ echo "== the rdma feature builds, and its run-time detection falls back cleanly"
 # No RDMA device on our machines: this proves the feature compiles and that detection
 # (libibverbs loaded at run time) reports a reason instead of failing.
 cargo clippy -p moongate --lib --features rdma --locked -- -D warnings
-cargo test -p moongate --lib --features rdma --locked -- kv::rdma
+cargo test -p moongate --lib --features rdma --locked -- kv::transport::rdma

@@ -143,8 +143,8 @@ fn client_certs(
     dir: &std::path::Path,
 ) -> (
     std::path::PathBuf,
-    moongate::kv::api_quic::ClientCert,
-    moongate::kv::api_quic::ClientCert,
+    moongate::kv::api::quic::ClientCert,
+    moongate::kv::api::quic::ClientCert,
 ) {
     use rcgen::{BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, KeyPair};
     let issue = |ca: &rcgen::Certificate, ca_key: &KeyPair| {
@@ -152,7 +152,7 @@ fn client_certs(
         let mut p = CertificateParams::new(vec!["engine-7".to_string()]).unwrap();
         p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
         let cert = p.signed_by(&key, ca, ca_key).unwrap();
-        moongate::kv::api_quic::ClientCert {
+        moongate::kv::api::quic::ClientCert {
             certs: vec![cert.der().clone()],
             key: rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
         }
@@ -177,7 +177,7 @@ fn client_certs(
 #[test]
 fn the_kv_api_is_served_over_quic_to_remote_callers() {
     use bytes::Bytes;
-    use moongate::kv::api_quic::ApiClient;
+    use moongate::kv::api::quic::ApiClient;
     use std::time::Duration;
     let master = Master::start();
     let dir = tempdir();

@@ -12,6 +12,7 @@ use thiserror::Error;
 
 pub mod check;
 
+pub use crate::kv::config::KvConfig;
 pub use crate::policy::config::{PluginSpec, PolicyConfig, RollbackConfig};
 use check::{check_addr, positive};
 
@@ -28,87 +29,6 @@ pub struct Config {
     pub kv: KvConfig,
     /// An experiment to start with (instead of `policy.active`).
     pub experiment: Option<crate::policy::experiment::ExperimentSpec>,
-}
-
-/// The kv face: moongate as a native Mooncake client behind a small HTTP API.
-#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields, default)]
-pub struct KvConfig {
-    /// `host:port` of the HTTP API; empty = off.
-    pub listen: String,
-    /// Also serve the HTTP API on this Unix socket path; empty = no socket.
-    pub unix_path: String,
-    /// The transfer engine's metadata server (`http://HOST:PORT/metadata`, the same
-    /// string Mooncake clients get), where segments publish their data listeners.
-    pub metadata_url: String,
-    /// Largest value a PUT may carry.
-    pub max_value_bytes: usize,
-    /// Keys one `POST /v1/kv/exists` or batch call may carry.
-    pub max_batch_keys: usize,
-    /// Value bytes per part of a batch get or put: each part reserves its bytes in the
-    /// in-flight budget before it moves.
-    pub batch_part_bytes: u64,
-    /// Transfer-engine connections kept per peer; a value of 4 MiB or more moves over
-    /// this many at once.
-    pub te_connections_per_peer: usize,
-    /// Deadline of one master call or one transfer.
-    pub timeout_ms: u64,
-    /// The Mooncake tenant of every key (what the Python client sends).
-    pub tenant: String,
-    /// Value bytes of gets and puts in progress on this node at most; beyond it requests
-    /// wait up to `busy_wait_ms`, then get 503.
-    pub max_inflight_bytes: u64,
-    pub busy_wait_ms: u64,
-    /// Size of moongate's own memory segment, mounted with the master; 0 = none.
-    pub segment_bytes: u64,
-    /// Address the segment's TE-TCP listener binds and advertises (port 0: any free).
-    pub segment_listen: String,
-    /// Also serve the own segment over QUIC here (UDP `host:port`); empty = no QUIC.
-    pub quic_listen: String,
-    /// PEM certificate chain and key of the QUIC endpoint; both empty = a self-signed
-    /// certificate made at start (peers pin its fingerprint from the metadata server).
-    pub quic_cert: String,
-    pub quic_key: String,
-    /// Use QUIC for segments whose owner moongate advertises it (else TE-TCP).
-    pub quic_client: bool,
-    /// QUIC streams (and TE-TCP connections) one large value is spread over.
-    pub quic_streams: usize,
-    /// Reuse the replica list of a GET for later GETs of the same key for this long
-    /// (never beyond half the master's read lease); 0 = every GET asks the master.
-    pub replica_cache_ms: u64,
-    /// Serve the kv API over QUIC here (UDP `host:port`) for callers on other hosts;
-    /// empty = off. Same certificate as `quic_listen`.
-    pub api_quic_listen: String,
-    /// PEM CA bundle; when set, QUIC API callers must present a certificate it issued.
-    pub api_quic_client_ca: String,
-}
-
-impl Default for KvConfig {
-    fn default() -> Self {
-        KvConfig {
-            listen: String::new(),
-            unix_path: String::new(),
-            metadata_url: String::new(),
-            max_value_bytes: 256 << 20,
-            max_batch_keys: 10_000,
-            batch_part_bytes: 64 << 20,
-            te_connections_per_peer: 4,
-            timeout_ms: 30_000,
-            tenant: "default".into(),
-            max_inflight_bytes: 1 << 30,
-            busy_wait_ms: 1_000,
-            segment_bytes: 0,
-            segment_listen: "127.0.0.1:0".into(),
-            quic_listen: String::new(),
-            quic_cert: String::new(),
-            quic_key: String::new(),
-            quic_client: true,
-            replica_cache_ms: 0,
-            api_quic_listen: String::new(),
-            api_quic_client_ca: String::new(),
-            quic_streams: 4,
-        }
-    }
 }
 
 /// moongate-driven eviction: a table of the keys clients put through this moongate, and
@@ -373,66 +293,7 @@ impl Config {
             "runtime.worker_threads",
             self.runtime.worker_threads as u64,
         );
-        let kv = &self.kv;
-        if !kv.listen.is_empty() {
-            check_addr(&mut errs, "kv.listen", &kv.listen);
-            if crate::upstream::MetricsUrl::parse(&kv.metadata_url).is_none() {
-                errs.push(format!(
-                    "kv.metadata_url: {:?} is not http://HOST:PORT/PATH (the kv face needs \
-                     the metadata server to find segments)",
-                    kv.metadata_url
-                ));
-            }
-            positive(&mut errs, "kv.max_value_bytes", kv.max_value_bytes as u64);
-            positive(&mut errs, "kv.max_batch_keys", kv.max_batch_keys as u64);
-            positive(&mut errs, "kv.batch_part_bytes", kv.batch_part_bytes);
-            positive(
-                &mut errs,
-                "kv.te_connections_per_peer",
-                kv.te_connections_per_peer as u64,
-            );
-            positive(&mut errs, "kv.timeout_ms", kv.timeout_ms);
-            if kv.max_inflight_bytes < 1024 {
-                errs.push("kv.max_inflight_bytes: at least 1024".into());
-            }
-            if !kv.quic_listen.is_empty() {
-                check_addr(&mut errs, "kv.quic_listen", &kv.quic_listen);
-                if kv.segment_bytes == 0 {
-                    errs.push(
-                        "kv.quic_listen: serves the own segment; set kv.segment_bytes".into(),
-                    );
-                }
-                if kv.quic_cert.is_empty() != kv.quic_key.is_empty() {
-                    errs.push("kv.quic_cert and kv.quic_key: both or neither".into());
-                }
-            }
-            positive(&mut errs, "kv.quic_streams", kv.quic_streams as u64);
-            if kv.replica_cache_ms > 600_000 {
-                errs.push(
-                    "kv.replica_cache_ms: at most 600000 (it never outlives half the \
-                           master's read lease anyway)"
-                        .into(),
-                );
-            }
-            if !kv.api_quic_listen.is_empty() {
-                check_addr(&mut errs, "kv.api_quic_listen", &kv.api_quic_listen);
-                if kv.quic_listen.is_empty() && kv.quic_cert.is_empty() != kv.quic_key.is_empty() {
-                    errs.push("kv.quic_cert and kv.quic_key: both or neither".into());
-                }
-            } else if !kv.api_quic_client_ca.is_empty() {
-                errs.push("kv.api_quic_client_ca: needs kv.api_quic_listen".into());
-            }
-            if kv.segment_bytes > 0 {
-                check_addr(&mut errs, "kv.segment_listen", &kv.segment_listen);
-                if kv.segment_bytes < (1 << 20) {
-                    errs.push("kv.segment_bytes: 0 (none) or at least 1 MiB".into());
-                }
-            }
-        } else if !kv.api_quic_listen.is_empty() || !kv.unix_path.is_empty() {
-            errs.push(
-                "kv.api_quic_listen and kv.unix_path serve the kv face: set kv.listen".into(),
-            );
-        }
+        self.kv.validate(&mut errs);
         let ev = &self.eviction;
         if ev.enabled {
             positive(&mut errs, "eviction.interval_ms", ev.interval_ms);

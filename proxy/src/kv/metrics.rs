@@ -11,9 +11,54 @@ use prometheus_client::registry::Registry;
 pub const KV_OPS: [&str; 6] = ["get", "put", "delete", "exists", "batch_get", "batch_put"];
 /// HTTP status classes, in label order.
 pub const KV_STATUS: [&str; 3] = ["2xx", "4xx", "5xx"];
-/// How kv bytes moved: TE-TCP to a peer segment, in place in moongate's own segment, or
-/// QUIC to a peer moongate's segment.
-pub const KV_TRANSPORTS: [&str; 4] = ["tcp", "local", "quic", "disk"];
+/// How kv bytes moved (the `transport` label of the transfer metrics).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// TE-TCP to a peer segment.
+    Tcp,
+    /// In place in moongate's own segment.
+    Local,
+    /// QUIC to a peer moongate's segment.
+    Quic,
+    /// A file of the master's disk tier.
+    Disk,
+}
+
+impl Transport {
+    const ALL: [Transport; 4] = [
+        Transport::Tcp,
+        Transport::Local,
+        Transport::Quic,
+        Transport::Disk,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Transport::Tcp => "tcp",
+            Transport::Local => "local",
+            Transport::Quic => "quic",
+            Transport::Disk => "disk",
+        }
+    }
+}
+
+/// Which way kv bytes moved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dir {
+    Read,
+    Write,
+}
+
+/// What a GET's replica cache lookup found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheResult {
+    /// A cached replica was read: no master call.
+    Hit,
+    /// Not cached: asked the master.
+    Miss,
+    /// A cached replica was unreadable: asked the master again.
+    Stale,
+}
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ResultLabel {
@@ -38,11 +83,11 @@ pub struct KvMetrics {
     pub requests: [[Counter; 3]; 6],
     /// Parts batch gets and puts were cut into.
     pub batch_parts: Counter,
-    /// Replica cache lookups of gets: `[hit, miss, stale]`.
-    pub replica_cache: [Counter; 3],
-    /// `[transport][read, write]`
-    pub transfers: [[Counter; 2]; 4],
-    pub transfer_bytes: [[Counter; 2]; 4],
+    /// Replica cache lookups of gets, by [`CacheResult`].
+    replica_cache: [Counter; 3],
+    /// `[Transport][Dir]`
+    transfers: [[Counter; 2]; 4],
+    transfer_bytes: [[Counter; 2]; 4],
     /// Requests refused with 503 because the in-flight byte budget stayed full.
     pub busy: Counter,
     pub inflight_bytes: Gauge,
@@ -106,7 +151,7 @@ impl KvMetrics {
             inflight_bytes.clone(),
         );
         let x = |f: &Family<KvXferLabels, Counter>| {
-            KV_TRANSPORTS.map(|transport| {
+            Transport::ALL.map(|t| t.label()).map(|transport| {
                 ["read", "write"].map(|direction| {
                     f.get_or_create(&KvXferLabels {
                         transport,
@@ -131,10 +176,15 @@ impl KvMetrics {
         }
     }
 
-    /// Counts one transfer of `bytes` (`transport`: index into [`KV_TRANSPORTS`]).
-    pub fn transfer(&self, transport: usize, write: bool, bytes: u64) {
-        let d = usize::from(write);
-        self.transfers[transport][d].inc();
-        self.transfer_bytes[transport][d].inc_by(bytes);
+    /// Counts one transfer of `bytes`.
+    pub fn transfer(&self, transport: Transport, dir: Dir, bytes: u64) {
+        let (t, d) = (transport as usize, dir as usize);
+        self.transfers[t][d].inc();
+        self.transfer_bytes[t][d].inc_by(bytes);
+    }
+
+    /// Counts one replica cache lookup of a GET.
+    pub fn replica_cache(&self, r: CacheResult) {
+        self.replica_cache[r as usize].inc();
     }
 }

@@ -8,30 +8,245 @@
 //! - `GET /v1/kv/{key}` -> 200 with the value, 404 when absent
 //! - `DELETE /v1/kv/{key}` -> 204, 404 when absent, 409 while a reader holds a lease
 //! - `POST /v1/kv/exists` with a JSON array of keys -> JSON array of booleans
-//! - `POST /v1/kv/batch/get` / `batch/put`: many keys per call in [`records`], moved in
-//!   parts under the node's byte budget ([`batch`])
+//! - `POST /v1/kv/batch/get` / `batch/put`: many keys per call in [`api::records`], moved in
+//!   parts under the node's byte budget ([`api::batch`])
 //!
-//! With `kv.segment_bytes` > 0 moongate also owns a memory segment ([`segment`],
-//! registered by [`mount`]): the master places puts from any client in it, unmodified
+//! With `kv.segment_bytes` > 0 moongate also owns a memory segment ([`own::segment`],
+//! registered by [`own::mount`]): the master places puts from any client in it, unmodified
 //! clients read it over TE-TCP, and the kv face reads and writes it without a socket.
 //!
-//! The same API is served over QUIC for remote callers ([`api_quic`]).
+//! The same API is served over QUIC for remote callers ([`api::quic`]).
 //!
 //! Keys are the path segment after `/v1/kv/`, percent-decoded (UTF-8). Errors are
-//! `{"error": "..."}` with a status chosen in one place ([`http::status_of`]).
-//! Bytes move over the transfer engine's TCP transport ([`te_tcp`]) to and from the
-//! segments the master names; the master is reached on moongate's own connections.
+//! `{"error": "..."}` with a status chosen in one place ([`api::status_of`]).
+//!
+//! Rooms, each knowing only the ones below it:
+//! - [`api`]: the HTTP / QUIC surface, batch parts, records, status mapping;
+//! - [`client`]: moongate as a Mooncake client (master calls, byte budget, replica
+//!   cache, the put/get protocol, metadata, the disk tier, transport choice);
+//! - [`transport`]: TE-TCP, QUIC between moongates, RDMA detection;
+//! - [`own`]: moongate's own segment and its registration;
+//! - [`config`], [`metrics`]: this face's config section and metric handles.
+//!
+//! [`start`] builds all of it from `[kv]`; the server only calls it.
 
-pub mod api_quic;
-pub mod batch;
-pub mod disk;
-pub mod http;
-pub mod metadata;
+pub mod api;
+pub mod client;
+pub mod config;
 pub mod metrics;
-pub mod mount;
-pub mod quic;
-pub mod rdma;
-pub mod records;
-pub mod segment;
-pub mod store;
-pub mod te_tcp;
+pub mod own;
+pub mod transport;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use thiserror::Error;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::codec::types::Uuid;
+use crate::metrics::Metrics;
+use crate::policy::registry::Registry;
+use config::KvConfig;
+use transport::quic::{Identity, QuicError};
+
+/// Why the kv face could not start.
+#[derive(Debug, Error)]
+pub enum StartError {
+    #[error("cannot listen on {addr} ({what}): {source}")]
+    Bind {
+        what: &'static str,
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("own segment: {0}")]
+    Segment(String),
+    #[error("kv API over QUIC: {0}")]
+    ApiQuic(String),
+}
+
+/// The kv face, started.
+pub struct Kv {
+    /// Keeps the own segment registered; unmounts it and deletes its metadata on
+    /// shutdown. Await it (bounded) before the process exits.
+    pub segment_task: Option<JoinHandle<()>>,
+}
+
+/// Builds and serves the kv face on `listener` (bound by the caller, so a bad address
+/// fails start-up with the other listeners): the client core, its transports, the own
+/// segment when `kv.segment_bytes` > 0, the Unix socket and the QUIC API when
+/// configured. Runs until `shutdown`.
+pub async fn start(
+    cfg: &KvConfig,
+    upstream: &str,
+    listener: TcpListener,
+    policy: Arc<Registry>,
+    metrics: Arc<Metrics>,
+    shutdown: CancellationToken,
+) -> Result<Kv, StartError> {
+    let timeout = Duration::from_millis(cfg.timeout_ms);
+    // Validated with the config: the URL parses.
+    let md = client::metadata::Metadata::new(&cfg.metadata_url, timeout)
+        .ok_or_else(|| StartError::Segment("kv.metadata_url does not parse".into()))?;
+    let rdma = transport::rdma::detect();
+    metrics.kv.rdma_devices.set(rdma.device_count() as i64);
+    tracing::info!(reason = %rdma.fallback_reason(),
+        "transport: RDMA not used; TE-TCP to Mooncake segments, QUIC to moongates that offer it");
+    let quic = if cfg.quic_client {
+        match transport::quic::QuicPool::new(timeout, cfg.quic_streams) {
+            Ok(q) => Some(q),
+            Err(e) => {
+                tracing::warn!(error = %e, "no QUIC client; peers are reached over TE-TCP");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let xfer = client::Transfers::new(
+        md,
+        transport::te_tcp::Pool::new(cfg.te_connections_per_peer, timeout),
+        quic,
+        metrics.clone(),
+    );
+    let store = client::Store::new(
+        upstream.to_string(),
+        xfer,
+        timeout,
+        Bytes::from(cfg.tenant.clone()),
+        metrics.clone(),
+        &client::Budget {
+            max_inflight_bytes: cfg.max_inflight_bytes,
+            busy_wait: Duration::from_millis(cfg.busy_wait_ms),
+        },
+    )
+    .with_replica_cache(Duration::from_millis(cfg.replica_cache_ms));
+    let mut segment_task = None;
+    if cfg.segment_bytes > 0 {
+        let (task, name, mem) =
+            own_segment(cfg, upstream, store.client_id(), shutdown.clone()).await?;
+        store.xfer.set_own_segment(name, mem);
+        segment_task = Some(task);
+    }
+    tracing::info!(kv = %cfg.listen, client_id = %store.client_id(),
+        metadata = %cfg.metadata_url, "kv face listening");
+    let state = Arc::new(api::KvState {
+        store,
+        max_value_bytes: cfg.max_value_bytes,
+        max_batch_keys: cfg.max_batch_keys,
+        batch_part_bytes: cfg.batch_part_bytes,
+        policy,
+        metrics,
+    });
+    if !cfg.unix_path.is_empty() {
+        let path = std::path::PathBuf::from(&cfg.unix_path);
+        // A socket left by a previous run would make the bind fail.
+        if std::fs::symlink_metadata(&path)
+            .is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()))
+        {
+            let _ = std::fs::remove_file(&path);
+        }
+        let ul = tokio::net::UnixListener::bind(&path).map_err(|source| StartError::Bind {
+            what: "kv unix socket",
+            addr: cfg.unix_path.clone(),
+            source,
+        })?;
+        tracing::info!(path = %cfg.unix_path, "kv face listening on a Unix socket");
+        tokio::spawn(api::http::serve_unix(
+            ul,
+            path,
+            state.clone(),
+            shutdown.clone(),
+        ));
+    }
+    if !cfg.api_quic_listen.is_empty() {
+        api_quic(cfg, state.clone(), shutdown.clone())?;
+    }
+    tokio::spawn(api::http::serve(listener, state, shutdown));
+    Ok(Kv { segment_task })
+}
+
+/// Serves the kv API over QUIC for remote callers; logs the certificate's SHA-256 (what
+/// callers pin when the certificate is self-signed).
+fn api_quic(
+    cfg: &KvConfig,
+    state: Arc<api::KvState>,
+    shutdown: CancellationToken,
+) -> Result<(), StartError> {
+    let err = |e: QuicError| StartError::ApiQuic(e.to_string());
+    let id = Identity::load_or_generate(&cfg.quic_cert, &cfg.quic_key).map_err(err)?;
+    let at: std::net::SocketAddr = cfg.api_quic_listen.parse().map_err(|_| {
+        StartError::ApiQuic(format!("kv.api_quic_listen {:?}", cfg.api_quic_listen))
+    })?;
+    let ep = api::quic::server(at, &id, &cfg.api_quic_client_ca).map_err(err)?;
+    let bound = ep
+        .local_addr()
+        .map_err(|e| StartError::ApiQuic(e.to_string()))?;
+    let sha256: String = id.sha256.iter().map(|b| format!("{b:02x}")).collect();
+    tracing::info!(quic = %bound, %sha256,
+        client_certs = !cfg.api_quic_client_ca.is_empty(), "kv API served over QUIC");
+    tokio::spawn(api::quic::serve(ep, state, shutdown));
+    Ok(())
+}
+
+/// Allocates, serves, publishes and mounts moongate's own segment; returns the task that
+/// keeps it registered (and unregisters it on shutdown), its name and its memory.
+async fn own_segment(
+    cfg: &KvConfig,
+    upstream: &str,
+    client_id: Uuid,
+    shutdown: CancellationToken,
+) -> Result<(JoinHandle<()>, Bytes, Arc<own::segment::Memory>), StartError> {
+    let listener = TcpListener::bind(&cfg.segment_listen)
+        .await
+        .map_err(|source| StartError::Bind {
+            what: "segment",
+            addr: cfg.segment_listen.clone(),
+            source,
+        })?;
+    let local = listener.local_addr().map_err(|source| StartError::Bind {
+        what: "segment",
+        addr: cfg.segment_listen.clone(),
+        source,
+    })?;
+    let host = local.ip().to_string();
+    let name = format!("{host}:{}", local.port());
+    // Any non-zero base works: peers only send it back as addresses inside the segment.
+    let mem = Arc::new(own::segment::Memory::new(
+        0x7e00_0000_0000,
+        cfg.segment_bytes,
+    ));
+    tokio::spawn(own::segment::serve(listener, mem.clone(), shutdown.clone()));
+    let quic_entry = if cfg.quic_listen.is_empty() {
+        None
+    } else {
+        let err = |e: QuicError| StartError::Segment(e.to_string());
+        let id = Identity::load_or_generate(&cfg.quic_cert, &cfg.quic_key).map_err(err)?;
+        let at: std::net::SocketAddr = cfg
+            .quic_listen
+            .parse()
+            .map_err(|_| StartError::Segment(format!("kv.quic_listen {:?}", cfg.quic_listen)))?;
+        let ep = transport::quic::server(at, &id).map_err(err)?;
+        let bound = ep
+            .local_addr()
+            .map_err(|e| StartError::Segment(e.to_string()))?;
+        tracing::info!(quic = %bound, "own segment served over QUIC");
+        tokio::spawn(transport::quic::serve(ep, mem.clone(), shutdown.clone()));
+        Some(transport::quic::peer_entry(bound, &id.sha256))
+    };
+    let reg = Arc::new(own::mount::Registration {
+        client_id,
+        segment_id: client::fresh_uuid(),
+        name: name.clone(),
+        metadata: crate::upstream::MetricsUrl::parse(&cfg.metadata_url)
+            .ok_or_else(|| StartError::Segment("kv.metadata_url does not parse".into()))?,
+        upstream: upstream.to_string(),
+        timeout: Duration::from_millis(cfg.timeout_ms),
+        quic_entry,
+    });
+    // Mounting retries in the background: the master may start after moongate.
+    let task = tokio::spawn(reg.run(mem.clone(), host, local.port(), shutdown));
+    Ok((task, Bytes::from(name), mem))
+}

@@ -20,8 +20,8 @@ use http_body_util::{BodyExt, Full};
 use rustls::pki_types::CertificateDer;
 use tokio_util::sync::CancellationToken;
 
-use super::http::KvState;
-use super::quic::{Identity, Pinned, QuicError, provider, transport};
+use super::state::KvState;
+use crate::kv::transport::quic::{Identity, Pinned, QuicError, provider, transport};
 
 /// ALPN of the kv API over QUIC.
 pub const ALPN: &[u8] = b"moongate-kv/1";
@@ -55,13 +55,13 @@ pub fn server(
         .map_err(|e| QuicError::Setup(format!("kv.api_quic_client_ca: {e}")))?;
         Some(v)
     };
-    super::quic::endpoint(listen, id, ALPN, clients)
+    crate::kv::transport::quic::endpoint(listen, id, ALPN, clients)
 }
 
 /// Serves the kv API on `endpoint` until shutdown: a task per connection, one HTTP
 /// connection per stream.
 pub async fn serve(endpoint: quinn::Endpoint, state: Arc<KvState>, shutdown: CancellationToken) {
-    super::quic::serve_streams(endpoint, shutdown, "kv API", move |stream, _| {
+    crate::kv::transport::quic::serve_streams(endpoint, shutdown, "kv API", move |stream, _| {
         super::http::serve_conn(stream, state.clone())
     })
     .await
@@ -119,7 +119,7 @@ impl ApiClient {
             "0.0.0.0:0".parse()
         }
         .map_err(|_| QuicError::Setup("bind".into()))?;
-        let endpoint = super::quic::bind(bind, None)?;
+        let endpoint = crate::kv::transport::quic::bind(bind, None)?;
         let connecting = endpoint
             .connect_with(cfg, addr, "moongate")
             .map_err(|e| err(e.to_string()))?;

@@ -15,9 +15,9 @@ use std::sync::Arc;
 use bytes::Bytes;
 use hyper::StatusCode;
 
-use super::http::{KvState, status_of};
 use super::records::{self, PutReader, RecordError};
-use super::store::{BATCH_CONCURRENCY, Reserved, Source, StoreError};
+use super::state::{KvState, decide, settle, status_of};
+use crate::kv::client::{BATCH_CONCURRENCY, Reserved, Source, StoreError};
 
 /// The outcome of one key of a batch.
 #[derive(Debug)]
@@ -158,7 +158,7 @@ async fn flush(state: &KvState, part: &mut Part, out: &mut [Option<Outcome>]) {
         p.values.iter().map(|(_, v)| v.len() as u64).collect(),
     );
     let started = std::time::Instant::now();
-    let (ticket, decided) = super::http::decide(state, start);
+    let (ticket, decided) = decide(state, start);
     let (start, fixup) = match decided {
         Ok(d) => d,
         Err(resp) => {
@@ -177,7 +177,7 @@ async fn flush(state: &KvState, part: &mut Part, out: &mut [Option<Outcome>]) {
                     )
                 })
                 .collect();
-            super::http::settle(
+            settle(
                 state,
                 ticket.as_ref(),
                 crate::codec::Method::BatchPutStart,
@@ -194,7 +194,7 @@ async fn flush(state: &KvState, part: &mut Part, out: &mut [Option<Outcome>]) {
     let latency = Some(started.elapsed());
     match results {
         Ok(results) => {
-            super::http::settle(
+            settle(
                 state,
                 ticket.as_ref(),
                 crate::codec::Method::BatchPutStart,
@@ -209,7 +209,7 @@ async fn flush(state: &KvState, part: &mut Part, out: &mut [Option<Outcome>]) {
             }
         }
         Err(e) => {
-            super::http::settle(
+            settle(
                 state,
                 ticket.as_ref(),
                 crate::codec::Method::BatchPutStart,

@@ -9,7 +9,7 @@
 //!
 //! Wire: one bidirectional stream per transfer, carrying the TE-TCP exchange unchanged
 //! (24-byte header, v2 status frames), so the owner side is the same code
-//! ([`super::segment::serve_conn`]). A large range is cut over several streams of one
+//! ([`crate::kv::own::segment::serve_conn`]). A large range is cut over several streams of one
 //! connection at once.
 
 use std::collections::HashMap;
@@ -24,8 +24,8 @@ use sha2::{Digest, Sha256};
 use thiserror::Error;
 use tokio_util::sync::CancellationToken;
 
-use super::segment::Memory;
 use super::te_tcp::{header, status};
+use crate::kv::own::segment::Memory;
 
 /// ALPN of the segment protocol over QUIC.
 const ALPN: &[u8] = b"moongate-segment/1";
@@ -81,13 +81,13 @@ impl Identity {
     }
 }
 
-pub(super) fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+pub(in crate::kv) fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
 /// Flow-control windows sized for multi-MiB values on fast links (quinn's defaults
 /// are tuned for the internet and cap a stream well below loopback speed).
-pub(super) fn transport() -> Arc<quinn::TransportConfig> {
+pub(in crate::kv) fn transport() -> Arc<quinn::TransportConfig> {
     let mut t = quinn::TransportConfig::default();
     // Probe past the 1452-byte internet default: loopback and datacenter links carry
     // jumbo datagrams, and fewer, larger packets are most of QUIC's cost here.
@@ -109,7 +109,7 @@ pub fn server(listen: SocketAddr, id: &Identity) -> Result<quinn::Endpoint, Quic
 
 /// A QUIC server endpoint: TLS 1.3 with `id`, one ALPN, and client certificates
 /// checked by `clients` when given.
-pub(super) fn endpoint(
+pub(in crate::kv) fn endpoint(
     listen: SocketAddr,
     id: &Identity,
     alpn: &[u8],
@@ -141,7 +141,7 @@ const MAX_UDP_PAYLOAD: u16 = 65_527;
 const UDP_BUFFER_BYTES: usize = 8 << 20;
 
 /// A QUIC endpoint on `addr` (a server when `server` is given).
-pub(super) fn bind(
+pub(in crate::kv) fn bind(
     addr: SocketAddr,
     server: Option<quinn::ServerConfig>,
 ) -> Result<quinn::Endpoint, QuicError> {
@@ -169,7 +169,7 @@ pub async fn serve(endpoint: quinn::Endpoint, mem: Arc<Memory>, shutdown: Cancel
     serve_streams(endpoint, shutdown, "segment", move |stream, peer| {
         let mem = mem.clone();
         async move {
-            if let Err(e) = super::segment::serve_conn(stream, &mem).await {
+            if let Err(e) = crate::kv::own::segment::serve_conn(stream, &mem).await {
                 tracing::debug!(%peer, error = %e, "quic segment stream closed");
             }
         }
@@ -178,12 +178,12 @@ pub async fn serve(endpoint: quinn::Endpoint, mem: Arc<Memory>, shutdown: Cancel
 }
 
 /// A bidirectional QUIC stream as one byte stream.
-pub(super) type BiStream = tokio::io::Join<quinn::RecvStream, quinn::SendStream>;
+pub(in crate::kv) type BiStream = tokio::io::Join<quinn::RecvStream, quinn::SendStream>;
 
 /// Accepts connections on `endpoint` until shutdown, and runs `on_stream` as its own
 /// task for every bidirectional stream (so a bad stream ends only itself). `what`
 /// names the listener in logs.
-pub(super) async fn serve_streams<F, Fut>(
+pub(in crate::kv) async fn serve_streams<F, Fut>(
     endpoint: quinn::Endpoint,
     shutdown: CancellationToken,
     what: &'static str,
@@ -222,9 +222,9 @@ pub(super) async fn serve_streams<F, Fut>(
 
 /// Pins one certificate fingerprint; signatures are checked with the ring provider.
 #[derive(Debug)]
-pub(super) struct Pinned {
-    pub(super) sha256: [u8; 32],
-    pub(super) algs: rustls::crypto::WebPkiSupportedAlgorithms,
+pub(in crate::kv) struct Pinned {
+    pub(in crate::kv) sha256: [u8; 32],
+    pub(in crate::kv) algs: rustls::crypto::WebPkiSupportedAlgorithms,
 }
 
 impl rustls::client::danger::ServerCertVerifier for Pinned {

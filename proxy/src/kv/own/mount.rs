@@ -13,12 +13,12 @@ use hyper::Method;
 use thiserror::Error;
 use tokio_util::sync::CancellationToken;
 
-use super::metadata::escape;
 use super::segment::Memory;
 use crate::codec::message::{
     MountSegmentArgs, ReMountSegmentArgs, Request, Response, UnmountSegmentArgs,
 };
 use crate::codec::types::{ClientStatus, Segment, Uuid};
+use crate::kv::client::metadata::escape;
 use crate::upstream::{Conn, MetricsUrl, http_request};
 
 #[derive(Debug, Error)]

@@ -125,7 +125,7 @@ pub struct Metadata {
     prefix: String,
     cache: Mutex<HashMap<Bytes, Arc<Segment>>>,
     /// `moongate/quic/<name>` entries; `None` = the segment has no QUIC endpoint.
-    quic: Mutex<HashMap<Bytes, Option<super::quic::QuicPeer>>>,
+    quic: Mutex<HashMap<Bytes, Option<crate::kv::transport::quic::QuicPeer>>>,
 }
 
 impl Metadata {
@@ -151,7 +151,7 @@ impl Metadata {
 
     /// The QUIC endpoint of the moongate owning segment `name`, if it serves one.
     /// Answers (found or not) are cached; [`Metadata::forget`] drops them.
-    pub async fn quic_peer(&self, name: &Bytes) -> Option<super::quic::QuicPeer> {
+    pub async fn quic_peer(&self, name: &Bytes) -> Option<crate::kv::transport::quic::QuicPeer> {
         if let Some(p) = self
             .quic
             .lock()
@@ -163,7 +163,7 @@ impl Metadata {
         let key = self.quic_key(&String::from_utf8_lossy(name));
         let path = format!("{}?key={}", self.url.path, escape(&key));
         let peer = match crate::upstream::http_get(&self.url.authority, &path, self.timeout).await {
-            Ok((200, body)) => super::quic::parse_peer(&body),
+            Ok((200, body)) => crate::kv::transport::quic::parse_peer(&body),
             Ok(_) => None,
             // Unreachable metadata: no answer to cache; TE-TCP will report the problem.
             Err(_) => return None,

@@ -1,0 +1,12 @@
+//! The kv API: HTTP/1.1 and h2c over TCP or a Unix socket ([`http`]), the same service
+//! over QUIC for remote callers ([`quic`]), batch calls in parts under the byte budget
+//! ([`batch`]) and their binary records ([`records`]). Knows the client core and the
+//! policy; no master frames, no transfer-engine bytes.
+
+pub mod batch;
+pub mod http;
+pub mod quic;
+pub mod records;
+pub mod state;
+
+pub use state::{KvState, status_of};

@@ -1,0 +1,115 @@
+//! The node's in-flight byte budget (`kv.max_inflight_bytes`): every get and put
+//! reserves its value bytes before they move, and waits at most `kv.busy_wait_ms` for
+//! room; then it is refused busy (503) instead of queueing without bound.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::StoreError;
+use crate::metrics::Metrics;
+
+/// Limits of the kv face's byte budget.
+pub struct Budget {
+    /// Value bytes in flight at most (a larger single value takes the whole budget).
+    pub max_inflight_bytes: u64,
+    /// How long a request waits for room before it is answered busy.
+    pub busy_wait: Duration,
+}
+
+/// Budget permits of a transfer in progress; returned on drop (a streamed value holds
+/// them until its last byte is sent).
+pub struct Reserved {
+    _permit: tokio::sync::OwnedSemaphorePermit,
+    bytes: u64,
+    metrics: Arc<Metrics>,
+}
+
+impl Drop for Reserved {
+    fn drop(&mut self) {
+        self.metrics.kv.inflight_bytes.dec_by(self.bytes as i64);
+    }
+}
+
+/// Value bytes of gets and puts in progress, node-wide, in KiB permits.
+pub struct ByteBudget {
+    permits: Arc<tokio::sync::Semaphore>,
+    kib: u32,
+    busy_wait: Duration,
+    metrics: Arc<Metrics>,
+}
+
+impl ByteBudget {
+    pub fn new(b: &Budget, metrics: Arc<Metrics>) -> ByteBudget {
+        let kib = (b.max_inflight_bytes / 1024).clamp(1, u64::from(u32::MAX >> 3)) as u32;
+        ByteBudget {
+            permits: Arc::new(tokio::sync::Semaphore::new(kib as usize)),
+            kib,
+            busy_wait: b.busy_wait,
+            metrics,
+        }
+    }
+
+    /// Value bytes in flight now (reserved by gets and puts in progress).
+    pub fn inflight_bytes(&self) -> u64 {
+        u64::from(self.kib - self.permits.available_permits() as u32) * 1024
+    }
+
+    /// The budget (`kv.max_inflight_bytes`).
+    pub fn budget_bytes(&self) -> u64 {
+        u64::from(self.kib) * 1024
+    }
+
+    /// Reserves `bytes` of the in-flight budget, waiting at most `busy_wait`.
+    pub async fn reserve(&self, bytes: u64) -> Result<Reserved, StoreError> {
+        let kib = (bytes.div_ceil(1024) as u32).clamp(1, self.kib);
+        let wait = self.permits.clone().acquire_many_owned(kib);
+        match tokio::time::timeout(self.busy_wait, wait).await {
+            Ok(Ok(p)) => {
+                self.metrics.kv.inflight_bytes.inc_by(bytes as i64);
+                Ok(Reserved {
+                    _permit: p,
+                    bytes,
+                    metrics: self.metrics.clone(),
+                })
+            }
+            _ => {
+                self.metrics.kv.busy.inc();
+                Err(StoreError::Busy(self.inflight_bytes()))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn store(max_inflight_bytes: u64) -> ByteBudget {
+        ByteBudget::new(
+            &Budget {
+                max_inflight_bytes,
+                busy_wait: Duration::from_millis(20),
+            },
+            Arc::new(Metrics::new()),
+        )
+    }
+
+    #[tokio::test]
+    async fn the_byte_budget_answers_busy_instead_of_queueing() {
+        let s = store(1 << 20);
+        let a = s.reserve(600 << 10).await.unwrap();
+        assert!(matches!(
+            s.reserve(600 << 10).await,
+            Err(StoreError::Busy(_))
+        ));
+        assert_eq!(s.metrics.kv.busy.get(), 1);
+        assert_eq!(s.metrics.kv.inflight_bytes.get(), 600 << 10);
+        drop(a);
+        assert_eq!(s.metrics.kv.inflight_bytes.get(), 0);
+        // A value larger than the whole budget takes all of it, then proceeds.
+        let big = s.reserve(5 << 20).await.unwrap();
+        assert!(s.reserve(1).await.is_err());
+        drop(big);
+        assert!(s.reserve(1).await.is_ok());
+    }
+}

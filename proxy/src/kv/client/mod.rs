@@ -1,0 +1,552 @@
+//! The client core: moongate as a Mooncake store client. Lookups, reads, writes and
+//! removals against the master (on its own connections, [`master`]) and the segments
+//! that hold the bytes ([`transfer`]), under the node's byte budget ([`budget`]), with
+//! an optional replica cache ([`cache`]), the metadata server ([`metadata`]) and the
+//! master's disk tier ([`disk`]).
+//!
+//! A put follows Mooncake's client exactly: `PutStart` allocates replicas, every memory
+//! replica is written (v2: acknowledged once the bytes are in place), then
+//! `PutEnd(ALL)`; any failed write revokes the put (`PutRevoke`). A get asks
+//! `GetReplicaList` and reads the first complete memory replica.
+
+pub mod budget;
+pub mod cache;
+pub mod disk;
+pub mod master;
+pub mod metadata;
+pub mod transfer;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use thiserror::Error;
+
+use crate::codec::message::{
+    BatchPutEndArgs, BatchPutRevokeArgs, BatchPutStartArgs, KeyArgs, KeysArgs, PutEndArgs,
+    PutRevokeArgs, PutStartArgs, RemoveArgs, Request, Response,
+};
+use crate::codec::types::{ErrorCode, ObjectMeta, ReplicaType, ReplicateConfig, Uuid};
+use crate::kv::metrics::CacheResult;
+use crate::kv::transport::te_tcp::TeError;
+use crate::metrics::Metrics;
+use crate::upstream::CallError;
+pub use budget::{Budget, ByteBudget, Reserved};
+use cache::ReplicaCache;
+use master::MasterConns;
+use metadata::MetadataError;
+pub use transfer::{Source, Transfers};
+use transfer::{Stored, readable};
+
+#[derive(Debug, Error)]
+pub enum StoreError {
+    #[error("master: {0}")]
+    Master(#[from] CallError),
+    #[error("master answered with transport error {0}")]
+    Rpc(u8),
+    #[error("master refused: {0}")]
+    Refused(ErrorCode),
+    #[error("the master's answer does not fit the call")]
+    Unexpected,
+    #[error("{0}")]
+    Metadata(#[from] MetadataError),
+    #[error("{0}")]
+    Transfer(#[from] TeError),
+    #[error("{0}")]
+    Quic(#[from] crate::kv::transport::quic::QuicError),
+    #[error(
+        "no complete memory or disk replica (NoF SSD, local-disk and DFS replicas are not read here)"
+    )]
+    NoMemoryReplica,
+    #[error("{0}")]
+    Disk(#[from] disk::DiskError),
+    #[error("replica [{addr:#x}, +{len}) is outside the segment's advertised buffers")]
+    OutOfRange { addr: u64, len: u64 },
+    #[error("replica size {got} differs from the object size {want}")]
+    SizeMismatch { got: u64, want: u64 },
+    #[error("busy: {0} value bytes in flight on this node (kv.max_inflight_bytes); retry")]
+    Busy(u64),
+    #[error("the request body: {0}")]
+    Body(String),
+    #[error("the request body did not arrive within {0:?} (kv.timeout_ms)")]
+    BodyTimeout(Duration),
+}
+
+/// moongate as one Mooncake client (one client id, one tenant).
+pub struct Store {
+    client_id: Uuid,
+    tenant: Bytes,
+    call_timeout: Duration,
+    master: MasterConns,
+    budget: ByteBudget,
+    /// Replica descriptors reused within the master's read lease (`kv.replica_cache_ms`).
+    replicas: Option<ReplicaCache>,
+    pub xfer: Transfers,
+    metrics: Arc<Metrics>,
+}
+
+/// Keys of one batch part transferred at once (each may itself use several
+/// connections when it is large).
+pub const BATCH_CONCURRENCY: usize = 16;
+
+/// Runs `jobs` with at most `limit` in progress at once; their outputs in job order.
+pub async fn in_order<F: std::future::Future>(jobs: Vec<F>, limit: usize) -> Vec<F::Output> {
+    use futures_util::StreamExt;
+    let mut out = Vec::with_capacity(jobs.len());
+    let mut waiting = jobs.into_iter();
+    let mut running = futures_util::stream::FuturesOrdered::new();
+    for f in waiting.by_ref().take(limit.max(1)) {
+        running.push_back(f);
+    }
+    while let Some(v) = running.next().await {
+        out.push(v);
+        if let Some(f) = waiting.next() {
+            running.push_back(f);
+        }
+    }
+    out
+}
+
+/// A value read from the store.
+pub enum Value {
+    Whole(Bytes),
+    /// `len` bytes arriving in chunks; an `Err` chunk means the transfer broke.
+    Stream {
+        len: u64,
+        chunks: tokio::sync::mpsc::Receiver<Result<Bytes, std::io::Error>>,
+    },
+}
+
+/// A batch answer that has one entry per asked key, or `Unexpected`.
+fn per_key<T>(answers: Vec<T>, keys: usize) -> Result<Vec<T>, StoreError> {
+    if answers.len() == keys {
+        Ok(answers)
+    } else {
+        Err(StoreError::Unexpected)
+    }
+}
+
+/// A client id for this process: Mooncake's are random UUIDs; std's hasher seeds give
+/// enough entropy to never collide with a real client's.
+pub fn fresh_uuid() -> Uuid {
+    use std::hash::{BuildHasher, Hasher};
+    let s = std::collections::hash_map::RandomState::new();
+    let mut a = s.build_hasher();
+    a.write_u32(std::process::id());
+    let mut b = s.build_hasher();
+    b.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    Uuid {
+        first: a.finish(),
+        second: b.finish(),
+    }
+}
+
+impl Store {
+    pub fn new(
+        upstream: String,
+        xfer: Transfers,
+        call_timeout: Duration,
+        tenant: Bytes,
+        metrics: Arc<Metrics>,
+        budget: &Budget,
+    ) -> Store {
+        Store {
+            client_id: fresh_uuid(),
+            tenant,
+            call_timeout,
+            master: MasterConns::new(upstream, call_timeout),
+            budget: ByteBudget::new(budget, metrics.clone()),
+            replicas: None,
+            xfer,
+            metrics,
+        }
+    }
+
+    /// Reuses replica descriptors for up to `ttl` (never longer than half the read
+    /// lease the master granted with them); zero leaves every get asking the master.
+    pub fn with_replica_cache(mut self, ttl: Duration) -> Store {
+        self.replicas = (!ttl.is_zero()).then(|| ReplicaCache::new(ttl));
+        self
+    }
+
+    pub fn client_id(&self) -> Uuid {
+        self.client_id
+    }
+
+    /// Value bytes in flight now (reserved by gets and puts in progress).
+    pub fn inflight_bytes(&self) -> u64 {
+        self.budget.inflight_bytes()
+    }
+
+    /// The node's in-flight byte budget (`kv.max_inflight_bytes`).
+    pub fn budget_bytes(&self) -> u64 {
+        self.budget.budget_bytes()
+    }
+
+    /// Reserves `bytes` of the in-flight budget, waiting at most `kv.busy_wait_ms`.
+    pub async fn reserve(&self, bytes: u64) -> Result<Reserved, StoreError> {
+        self.budget.reserve(bytes).await
+    }
+
+    async fn call(&self, req: Request) -> Result<Response, StoreError> {
+        self.master.call(req).await
+    }
+
+    pub async fn exists(&self, keys: Vec<Bytes>) -> Result<Vec<bool>, StoreError> {
+        let n = keys.len();
+        let resp = self
+            .call(Request::BatchExistKey(KeysArgs {
+                keys,
+                tenant_id: self.tenant.clone(),
+            }))
+            .await?;
+        let Response::BatchExistKey(v) = resp else {
+            return Err(StoreError::Unexpected);
+        };
+        per_key(v, n)?
+            .into_iter()
+            .map(|r| match r {
+                Ok(b) => Ok(b),
+                Err(ErrorCode::OBJECT_NOT_FOUND) => Ok(false),
+                Err(e) => Err(StoreError::Refused(e)),
+            })
+            .collect()
+    }
+
+    /// The value of `key`, or `None` when the store does not have it.
+    pub async fn get(&self, key: Bytes) -> Result<Option<Value>, StoreError> {
+        if let Some(cache) = &self.replicas {
+            if let Some(d) = cache.get(&key) {
+                let room = self.reserve(d.size).await?;
+                match self.xfer.fetch(&d, Some(room)).await {
+                    Ok(v) => {
+                        self.metrics.kv.replica_cache(CacheResult::Hit);
+                        return Ok(Some(v));
+                    }
+                    Err(e) => {
+                        tracing::debug!(error = %e, "cached replica unreadable; asking the master");
+                        self.metrics.kv.replica_cache(CacheResult::Stale);
+                        cache.forget(&key);
+                    }
+                }
+            } else {
+                self.metrics.kv.replica_cache(CacheResult::Miss);
+            }
+        }
+        let resp = self
+            .call(Request::GetReplicaList(KeyArgs {
+                key: key.clone(),
+                tenant_id: self.tenant.clone(),
+            }))
+            .await?;
+        let list = match resp {
+            Response::GetReplicaList(Ok(l)) => l,
+            Response::GetReplicaList(Err(ErrorCode::OBJECT_NOT_FOUND)) => return Ok(None),
+            Response::GetReplicaList(Err(e)) => return Err(StoreError::Refused(e)),
+            _ => return Err(StoreError::Unexpected),
+        };
+        match readable(&list)? {
+            Source::Memory(d) => {
+                let room = self.reserve(d.size).await?;
+                let v = self.xfer.fetch(&d, Some(room)).await?;
+                if let Some(cache) = &self.replicas {
+                    cache.put(key, &d, list.lease_ttl_ms);
+                }
+                Ok(Some(v))
+            }
+            Source::Disk(d) => {
+                let _room = self.reserve(d.object_size).await?;
+                Ok(Some(Value::Whole(self.xfer.read_disk(&d).await?)))
+            }
+        }
+    }
+
+    /// Where the values of `keys` are, in one `BatchGetReplicaList`: per key the replica
+    /// to read, `None` when the key is absent, or why it cannot be read.
+    pub async fn locate_many(
+        &self,
+        keys: Vec<Bytes>,
+    ) -> Result<Vec<Result<Option<Source>, StoreError>>, StoreError> {
+        let n = keys.len();
+        let resp = self
+            .call(Request::BatchGetReplicaList(KeysArgs {
+                keys,
+                tenant_id: self.tenant.clone(),
+            }))
+            .await?;
+        let Response::BatchGetReplicaList(v) = resp else {
+            return Err(StoreError::Unexpected);
+        };
+        Ok(per_key(v, n)?
+            .into_iter()
+            .map(|r| match r {
+                Ok(list) => readable(&list).map(Some),
+                Err(ErrorCode::OBJECT_NOT_FOUND) => Ok(None),
+                Err(e) => Err(StoreError::Refused(e)),
+            })
+            .collect())
+    }
+
+    /// Reads a replica whole; the caller holds its budget. (Batch reads: their part's
+    /// reservation covers every value in it.)
+    pub async fn read_replica(&self, src: &Source) -> Result<Bytes, StoreError> {
+        match src {
+            Source::Disk(d) => self.xfer.read_disk(d).await,
+            Source::Memory(d) => match self.xfer.fetch(d, None).await? {
+                Value::Whole(b) => Ok(b),
+                Value::Stream { .. } => Err(StoreError::Unexpected),
+            },
+        }
+    }
+
+    /// The `PutStart` this store sends for `key` (what a placement policy decides on).
+    pub fn put_start(&self, key: Bytes, len: u64) -> Request {
+        Request::PutStart(PutStartArgs {
+            client_id: self.client_id,
+            key,
+            slice_length: len,
+            config: ReplicateConfig::default(),
+            tenant_id: self.tenant.clone(),
+        })
+    }
+
+    /// Stores `value` under `key` with the given `PutStart` (from [`Store::put_start`],
+    /// possibly rewritten by a policy).
+    pub async fn put(&self, key: Bytes, value: Bytes, start: Request) -> Result<(), StoreError> {
+        let _room = self.reserve(value.len() as u64).await?;
+        let resp = self.call(start).await?;
+        let replicas = match resp {
+            Response::PutStart(Ok(r)) => r,
+            Response::PutStart(Err(e)) => return Err(StoreError::Refused(e)),
+            _ => return Err(StoreError::Unexpected),
+        };
+        let written = self.xfer.write_replicas(&replicas, &value).await;
+        self.end_put(key, written).await
+    }
+
+    /// The `BatchPutStart` this store sends for `keys` of `sizes` bytes (what a
+    /// placement policy decides on, as for a client's batch on the master face).
+    pub fn batch_put_start(&self, keys: Vec<Bytes>, sizes: Vec<u64>) -> Request {
+        Request::BatchPutStart(BatchPutStartArgs {
+            client_id: self.client_id,
+            keys,
+            slice_lengths: sizes,
+            config: ReplicateConfig::default(),
+            tenant_id: self.tenant.clone(),
+        })
+    }
+
+    /// Stores a batch of `(key, value)` whose budget the caller holds: `start` is the
+    /// `BatchPutStart` (from [`Store::batch_put_start`], possibly rewritten by a policy
+    /// that dropped denied keys; `fixup` puts their errors back in place). Every
+    /// allocated key is written ([`BATCH_CONCURRENCY`] at once), the written ones end
+    /// with one `BatchPutEnd`, the failed ones are revoked with one `BatchPutRevoke`.
+    /// One result per key in order; `Err` as a whole when the master's answers are
+    /// unusable.
+    pub async fn put_many(
+        &self,
+        values: &[(Bytes, Bytes)],
+        start: Request,
+        fixup: Option<&crate::policy::Fixup>,
+    ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+        let resp = self.call(start).await?;
+        let resp = match fixup {
+            Some(f) => f.apply(resp),
+            None => resp,
+        };
+        let Response::BatchPutStart(started) = resp else {
+            return Err(StoreError::Unexpected);
+        };
+        let started = per_key(started, values.len())?;
+        // (allocated, outcome): only allocated keys are ended or revoked.
+        let mut jobs = Vec::with_capacity(values.len());
+        for ((_, v), s) in values.iter().zip(started) {
+            jobs.push(self.write_allocated(s, v));
+        }
+        let mut done = in_order(jobs, BATCH_CONCURRENCY).await;
+        let (mut ended, mut revoked, mut with_disk, mut disk_failed) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (i, (allocated, r)) in done.iter().enumerate() {
+            match (allocated, r) {
+                (true, Ok(Stored::Memory)) => ended.push(i),
+                (true, Ok(Stored::MemoryAndDisk)) => {
+                    with_disk.push(i);
+                    ended.push(i);
+                }
+                (true, Ok(Stored::DiskFailed)) => disk_failed.push(i),
+                (true, Err(_)) => revoked.push(i),
+                _ => {}
+            }
+        }
+        // Rare (a disk tier that cannot be written here): ended key by key.
+        for i in disk_failed {
+            if let Err(e) = self
+                .end_put(values[i].0.clone(), Ok(Stored::DiskFailed))
+                .await
+            {
+                done[i].1 = Err(e);
+            }
+        }
+        let end = |at: &[usize], replica_type| {
+            self.call(Request::BatchPutEnd(BatchPutEndArgs {
+                client_id: self.client_id,
+                object_metas: at
+                    .iter()
+                    .map(|&i| ObjectMeta {
+                        key: values[i].0.clone(),
+                        object_checksum: None,
+                    })
+                    .collect(),
+                replica_type,
+                tenant_id: self.tenant.clone(),
+            }))
+        };
+        if !with_disk.is_empty() {
+            // The disk replicas end on their own, before ALL (as Mooncake's client does).
+            if let Response::BatchPutEnd(v) = end(&with_disk, ReplicaType::DISK).await?
+                && let Some(Err(e)) = v.into_iter().find(Result::is_err)
+            {
+                tracing::warn!(code = %e, "BatchPutEnd(DISK) refused");
+            }
+        }
+        if !revoked.is_empty() {
+            // Best effort, as for a single put: the write error is what the caller sees.
+            let _ = self
+                .call(Request::BatchPutRevoke(BatchPutRevokeArgs {
+                    client_id: self.client_id,
+                    keys: revoked.iter().map(|&i| values[i].0.clone()).collect(),
+                    replica_type: ReplicaType::ALL,
+                    tenant_id: self.tenant.clone(),
+                }))
+                .await;
+        }
+        if !ended.is_empty() {
+            let Response::BatchPutEnd(v) = end(&ended, ReplicaType::ALL).await? else {
+                return Err(StoreError::Unexpected);
+            };
+            for (&i, r) in ended.iter().zip(per_key(v, ended.len())?) {
+                if let Err(e) = r {
+                    done[i].1 = Err(StoreError::Refused(e));
+                }
+            }
+        }
+        Ok(done.into_iter().map(|(_, r)| r.map(|_| ())).collect())
+    }
+
+    /// Writes one key of a batch that `BatchPutStart` allocated; `(allocated, outcome)`.
+    async fn write_allocated(
+        &self,
+        started: Result<Vec<crate::codec::types::ReplicaDescriptor>, ErrorCode>,
+        value: &Bytes,
+    ) -> (bool, Result<Stored, StoreError>) {
+        match started {
+            Ok(replicas) => (true, self.xfer.write_replicas(&replicas, value).await),
+            Err(e) => (false, Err(StoreError::Refused(e))),
+        }
+    }
+
+    /// Stores a value of `len` bytes that arrives in `body`, passing each chunk on to
+    /// every memory replica as it comes (no whole-value buffer; the caller's upload and
+    /// the writes overlap). The whole transfer is bounded by `kv.timeout_ms`; a body
+    /// that breaks off or lies about its length revokes the put.
+    pub async fn put_streamed<B>(
+        &self,
+        key: Bytes,
+        len: u64,
+        body: B,
+        start: Request,
+    ) -> Result<(), StoreError>
+    where
+        B: hyper::body::Body<Data = Bytes> + Unpin,
+        B::Error: std::fmt::Display,
+    {
+        let _room = self.reserve(len).await?;
+        let replicas = match self.call(start).await? {
+            Response::PutStart(Ok(r)) => r,
+            Response::PutStart(Err(e)) => return Err(StoreError::Refused(e)),
+            _ => return Err(StoreError::Unexpected),
+        };
+        let written = tokio::time::timeout(
+            self.call_timeout,
+            self.xfer.stream_replicas(&replicas, len, body),
+        )
+        .await
+        .unwrap_or(Err(StoreError::BodyTimeout(self.call_timeout)));
+        self.end_put(key, written).await
+    }
+
+    /// `PutEnd(ALL)` after every replica was written (preceded by `PutEnd(DISK)` for a
+    /// disk replica); `PutRevoke(DISK)` then `PutEnd(ALL)` when only the disk replica
+    /// failed; `PutRevoke(ALL)` (and the write's error) when a memory replica failed.
+    async fn end_put(
+        &self,
+        key: Bytes,
+        written: Result<Stored, StoreError>,
+    ) -> Result<(), StoreError> {
+        let revoke = |key: Bytes, replica_type| {
+            self.call(Request::PutRevoke(PutRevokeArgs {
+                client_id: self.client_id,
+                key,
+                replica_type,
+                tenant_id: self.tenant.clone(),
+            }))
+        };
+        let end = |key: Bytes, replica_type| {
+            self.call(Request::PutEnd(PutEndArgs {
+                client_id: self.client_id,
+                object_meta: ObjectMeta {
+                    key,
+                    object_checksum: None,
+                },
+                replica_type,
+                tenant_id: self.tenant.clone(),
+            }))
+        };
+        match written {
+            Err(e) => {
+                let _ = revoke(key, ReplicaType::ALL).await;
+                return Err(e);
+            }
+            Ok(Stored::Memory) => {}
+            Ok(Stored::MemoryAndDisk) => {
+                if let Response::PutEnd(Err(e)) = end(key.clone(), ReplicaType::DISK).await? {
+                    tracing::warn!(code = %e, "PutEnd(DISK) refused");
+                }
+            }
+            Ok(Stored::DiskFailed) => {
+                if let Response::PutRevoke(Err(e)) = revoke(key.clone(), ReplicaType::DISK).await? {
+                    tracing::warn!(code = %e, "PutRevoke(DISK) refused");
+                }
+            }
+        }
+        match end(key, ReplicaType::ALL).await? {
+            Response::PutEnd(Ok(())) => Ok(()),
+            Response::PutEnd(Err(e)) => Err(StoreError::Refused(e)),
+            _ => Err(StoreError::Unexpected),
+        }
+    }
+
+    /// Removes `key`; `false` when it was not there.
+    pub async fn remove(&self, key: Bytes) -> Result<bool, StoreError> {
+        if let Some(cache) = &self.replicas {
+            cache.forget(&key);
+        }
+        match self
+            .call(Request::Remove(RemoveArgs {
+                key,
+                force: false,
+                tenant_id: self.tenant.clone(),
+            }))
+            .await?
+        {
+            Response::Remove(Ok(())) => Ok(true),
+            Response::Remove(Err(ErrorCode::OBJECT_NOT_FOUND)) => Ok(false),
+            Response::Remove(Err(e)) => Err(StoreError::Refused(e)),
+            _ => Err(StoreError::Unexpected),
+        }
+    }
+}

@@ -1,0 +1,566 @@
+//! Moving one replica's bytes, and choosing how: in place in moongate's own segment,
+//! QUIC to a moongate that serves its segment over QUIC, TE-TCP to any Mooncake segment,
+//! or a file of the master's disk tier. Knows descriptors and transports, not keys,
+//! budgets or the put/get protocol.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use super::budget::Reserved;
+use super::disk;
+use super::metadata::Metadata;
+use super::{StoreError, Value};
+use crate::codec::types::{
+    BufferDescriptor, DiskDescriptor, GetReplicaListResponse, ReplicaLocation, ReplicaStatus,
+};
+use crate::kv::metrics::{Dir, Transport};
+use crate::kv::own::segment::Memory;
+use crate::kv::transport::quic::QuicPool;
+use crate::kv::transport::te_tcp::{Pool, TeError};
+use crate::metrics::Metrics;
+
+/// Values from this size on are streamed from the owner's TE-TCP listener to the caller
+/// as they arrive (both hops overlap, and no whole-value buffer is held).
+const STREAM_FROM: u64 = 1 << 20;
+/// Bytes per chunk of a streamed value.
+const STREAM_CHUNK: usize = 256 << 10;
+
+/// How a put's replicas were written (a memory replica that failed fails the put).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stored {
+    /// Memory replicas only (the master has no disk tier).
+    Memory,
+    /// Memory and disk replicas: the disk one is ended on its own (`PutEnd(DISK)`, as
+    /// Mooncake's client does; `PutEnd(ALL)` leaves it not ready).
+    MemoryAndDisk,
+    /// A disk replica could not be written (logged): it is revoked, the memory ones kept.
+    DiskFailed,
+}
+
+impl Stored {
+    fn and_disk(self, ok: bool) -> Stored {
+        match (self, ok) {
+            (Stored::DiskFailed, _) | (_, false) => Stored::DiskFailed,
+            _ => Stored::MemoryAndDisk,
+        }
+    }
+}
+
+/// One replica a streamed put writes to.
+enum Sink<'a> {
+    Local {
+        mem: &'a crate::kv::own::segment::Memory,
+        off: usize,
+    },
+    Tcp {
+        s: tokio::net::TcpStream,
+        peer: String,
+        v2: bool,
+        addr: u64,
+        len: u64,
+    },
+    Quic {
+        send: quinn::SendStream,
+        recv: quinn::RecvStream,
+        peer: std::net::SocketAddr,
+        addr: u64,
+        len: u64,
+    },
+}
+
+impl Sink<'_> {
+    /// Passes on the chunk that starts `at` bytes into the value.
+    async fn send(&mut self, at: u64, chunk: &Bytes) -> Result<(), StoreError> {
+        use tokio::io::AsyncWriteExt;
+        match self {
+            Sink::Local { mem, off } => {
+                mem.write_at(*off + at as usize, chunk);
+                Ok(())
+            }
+            Sink::Tcp { s, peer, .. } => s
+                .write_all(chunk)
+                .await
+                .map_err(|e| StoreError::Transfer(crate::kv::transport::te_tcp::io_error(peer)(e))),
+            Sink::Quic { send, peer, .. } => send.write_chunk(chunk.clone()).await.map_err(|e| {
+                StoreError::Quic(crate::kv::transport::quic::QuicError::Peer {
+                    peer: *peer,
+                    error: e.to_string(),
+                })
+            }),
+        }
+    }
+
+    /// Waits until the owner has the bytes; the transport index for metrics.
+    async fn finish(self, store: &Transfers) -> Result<Transport, StoreError> {
+        match self {
+            Sink::Local { .. } => Ok(Transport::Local),
+            Sink::Tcp {
+                s,
+                peer,
+                v2,
+                addr,
+                len,
+            } => {
+                store.te.finish_write(&peer, s, addr, len, v2).await?;
+                Ok(Transport::Tcp)
+            }
+            Sink::Quic {
+                send,
+                recv,
+                peer,
+                addr,
+                len,
+            } => {
+                let q = store.quic.as_ref().ok_or(StoreError::Unexpected)?;
+                q.finish_write(peer, send, recv, addr, len).await?;
+                Ok(Transport::Quic)
+            }
+        }
+    }
+}
+
+/// Forwards `len` bytes from a TE-TCP connection whose READ was accepted, chunk by
+/// chunk; the budget reservation lives until the last chunk is handed on.
+fn stream_value<R>(mut s: R, len: u64, room: Reserved) -> Value
+where
+    R: tokio::io::AsyncRead + Unpin + Send + 'static,
+{
+    use tokio::io::AsyncReadExt;
+    let (tx, rx) = tokio::sync::mpsc::channel(8);
+    tokio::spawn(async move {
+        let _room = room;
+        let mut left = len as usize;
+        while left > 0 {
+            let mut buf = bytes::BytesMut::with_capacity(STREAM_CHUNK.min(left));
+            let n = STREAM_CHUNK.min(left);
+            while buf.len() < n {
+                match s.read_buf(&mut buf).await {
+                    Ok(0) => {
+                        let _ = tx.send(Err(std::io::ErrorKind::UnexpectedEof.into())).await;
+                        return;
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        let _ = tx.send(Err(e)).await;
+                        return;
+                    }
+                }
+            }
+            left -= buf.len();
+            if tx.send(Ok(buf.freeze())).await.is_err() {
+                return; // the caller went away
+            }
+        }
+    });
+    Value::Stream { len, chunks: rx }
+}
+
+/// A replica moongate can read an object from.
+#[derive(Debug, Clone)]
+pub enum Source {
+    Memory(BufferDescriptor),
+    /// A file of the master's disk tier (`--root_fs_dir`), read when no memory replica
+    /// is left.
+    Disk(DiskDescriptor),
+}
+
+impl Source {
+    pub fn size(&self) -> u64 {
+        match self {
+            Source::Memory(d) => d.size,
+            Source::Disk(d) => d.object_size,
+        }
+    }
+}
+
+/// The first complete memory replica of an object (what Mooncake's client reads too),
+/// else its complete disk replica.
+pub(super) fn readable(list: &GetReplicaListResponse) -> Result<Source, StoreError> {
+    let complete = || {
+        list.replicas
+            .iter()
+            .filter(|r| r.status == ReplicaStatus::COMPLETE)
+    };
+    complete()
+        .find_map(|r| match &r.location {
+            ReplicaLocation::Memory(m) => Some(Source::Memory(m.buffer_descriptor.clone())),
+            _ => None,
+        })
+        .or_else(|| {
+            complete().find_map(|r| match &r.location {
+                ReplicaLocation::Disk(d) => Some(Source::Disk(d.clone())),
+                _ => None,
+            })
+        })
+        .ok_or(StoreError::NoMemoryReplica)
+}
+
+/// The transports of the client core and what they need: the metadata server (where a
+/// segment listens), the TE-TCP pool, the QUIC pool (`kv.quic_client`), and moongate's
+/// own segment once it is mounted.
+pub struct Transfers {
+    pub metadata: Metadata,
+    pub te: Pool,
+    pub quic: Option<QuicPool>,
+    own: std::sync::OnceLock<(Bytes, Arc<Memory>)>,
+    metrics: Arc<Metrics>,
+}
+
+impl Transfers {
+    pub fn new(
+        metadata: Metadata,
+        te: Pool,
+        quic: Option<QuicPool>,
+        metrics: Arc<Metrics>,
+    ) -> Transfers {
+        Transfers {
+            metadata,
+            te,
+            quic,
+            own: std::sync::OnceLock::new(),
+            metrics,
+        }
+    }
+
+    /// Declares moongate's own segment, once it is mounted.
+    pub fn set_own_segment(&self, name: Bytes, mem: Arc<Memory>) {
+        let _ = self.own.set((name, mem));
+    }
+
+    /// Runs `op` over QUIC when the segment's owner is a moongate serving QUIC; `None`
+    /// when it is not, or when QUIC failed (logged; the caller falls back to TE-TCP, and
+    /// the peer's entry is re-read next time).
+    async fn via_quic<'a, T, F, Fut>(&'a self, endpoint: &Bytes, op: F) -> Option<T>
+    where
+        F: FnOnce(
+            &'a crate::kv::transport::quic::QuicPool,
+            crate::kv::transport::quic::QuicPeer,
+        ) -> Fut,
+        Fut: std::future::Future<Output = Result<T, crate::kv::transport::quic::QuicError>>,
+    {
+        let q = self.quic.as_ref()?;
+        let peer = self.metadata.quic_peer(endpoint).await?;
+        let addr = peer.addr;
+        match op(q, peer).await {
+            Ok(v) => Some(v),
+            Err(e) => {
+                tracing::warn!(peer = %addr, error = %e, "quic transfer failed; falling back to TE-TCP");
+                self.metadata.forget(endpoint);
+                None
+            }
+        }
+    }
+
+    /// Where a replica in moongate's own segment lives: `None` for other segments, an
+    /// error for a range outside the segment.
+    pub(super) fn in_own_segment(
+        &self,
+        d: &crate::codec::types::BufferDescriptor,
+    ) -> Result<Option<(&crate::kv::own::segment::Memory, usize)>, StoreError> {
+        let Some((_, own)) = self
+            .own
+            .get()
+            .filter(|(name, _)| *name == d.transport_endpoint)
+        else {
+            return Ok(None);
+        };
+        let off = own
+            .offset_of(d.buffer_address, d.size)
+            .ok_or(StoreError::OutOfRange {
+                addr: d.buffer_address,
+                len: d.size,
+            })?;
+        Ok(Some((&**own, off)))
+    }
+
+    pub(super) async fn read_disk(&self, d: &DiskDescriptor) -> Result<Bytes, StoreError> {
+        let v = disk::read(d).await?;
+        self.metrics
+            .kv
+            .transfer(Transport::Disk, Dir::Read, d.object_size);
+        Ok(v)
+    }
+
+    /// Moves the replica `d` here: in place from the own segment, over QUIC from a
+    /// moongate that serves it, else over TE-TCP. With `room` (the caller's reservation),
+    /// a value of [`STREAM_FROM`] bytes and more from TE-TCP streams and keeps `room`
+    /// until its last chunk.
+    pub(super) async fn fetch(
+        &self,
+        d: &BufferDescriptor,
+        room: Option<Reserved>,
+    ) -> Result<Value, StoreError> {
+        if let Some((own, off)) = self.in_own_segment(d)? {
+            let mut out = vec![0u8; d.size as usize];
+            own.read_at(off, &mut out);
+            self.metrics
+                .kv
+                .transfer(Transport::Local, Dir::Read, d.size);
+            return Ok(Value::Whole(Bytes::from(out)));
+        }
+        let seg = self.metadata.segment(&d.transport_endpoint).await?;
+        if !seg.covers(d.buffer_address, d.size) {
+            // A stale descriptor (the owner restarted): re-read it next time.
+            self.metadata.forget(&d.transport_endpoint);
+            return Err(StoreError::OutOfRange {
+                addr: d.buffer_address,
+                len: d.size,
+            });
+        }
+        let (at, n) = (d.buffer_address, d.size);
+        let mut room = room;
+        if room.is_some() && n >= STREAM_FROM {
+            if let Some(recv) = self
+                .via_quic(&d.transport_endpoint, |q, peer| async move {
+                    q.open_read(&peer, at, n).await
+                })
+                .await
+                && let Some(r) = room.take()
+            {
+                self.metrics.kv.transfer(Transport::Quic, Dir::Read, n);
+                return Ok(stream_value(recv, n, r));
+            }
+        } else if let Some(v) = self
+            .via_quic(&d.transport_endpoint, |q, peer| async move {
+                q.read(&peer, at, n).await
+            })
+            .await
+        {
+            self.metrics.kv.transfer(Transport::Quic, Dir::Read, n);
+            return Ok(Value::Whole(v));
+        }
+        let forget = |e: TeError| {
+            self.metadata.forget(&d.transport_endpoint);
+            StoreError::from(e)
+        };
+        if let Some(room) = room.filter(|_| d.size >= STREAM_FROM) {
+            let s = self
+                .te
+                .open_read(&seg.data, d.buffer_address, d.size, seg.v2)
+                .await
+                .map_err(forget)?;
+            self.metrics.kv.transfer(Transport::Tcp, Dir::Read, d.size);
+            return Ok(stream_value(s, d.size, room));
+        }
+        let v = self
+            .te
+            .read(&seg.data, d.buffer_address, d.size, seg.v2)
+            .await
+            .map_err(forget)?;
+        self.metrics.kv.transfer(Transport::Tcp, Dir::Read, d.size);
+        Ok(Value::Whole(v))
+    }
+
+    /// Opens a write to every memory replica, then forwards the body to all of them.
+    pub(super) async fn stream_replicas<B>(
+        &self,
+        replicas: &[crate::codec::types::ReplicaDescriptor],
+        len: u64,
+        mut body: B,
+    ) -> Result<Stored, StoreError>
+    where
+        B: hyper::body::Body<Data = Bytes> + Unpin,
+        B::Error: std::fmt::Display,
+    {
+        use http_body_util::BodyExt;
+        let mut sinks = Vec::with_capacity(replicas.len());
+        let mut disks = Vec::new();
+        let mut stored = Stored::Memory;
+        for r in replicas {
+            if let ReplicaLocation::Disk(d) = &r.location {
+                match disk::Writer::create(d).await {
+                    Ok(w) => disks.push(w),
+                    Err(e) => stored = stored.and_disk(self.disk_failed(&e)),
+                }
+            }
+            let ReplicaLocation::Memory(m) = &r.location else {
+                continue;
+            };
+            let d = &m.buffer_descriptor;
+            if d.size != len {
+                return Err(StoreError::SizeMismatch {
+                    got: d.size,
+                    want: len,
+                });
+            }
+            sinks.push(self.open_sink(d).await?);
+        }
+        let mut at = 0u64;
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| StoreError::Body(e.to_string()))?;
+            let Ok(chunk) = frame.into_data() else {
+                continue;
+            };
+            if at + chunk.len() as u64 > len {
+                return Err(StoreError::Body(format!(
+                    "more than the announced {len} bytes"
+                )));
+            }
+            for s in &mut sinks {
+                s.send(at, &chunk).await?;
+            }
+            let mut failed = None;
+            for w in &mut disks {
+                if let Err(e) = w.write(&chunk).await {
+                    failed = Some(e);
+                }
+            }
+            if let Some(e) = failed {
+                stored = stored.and_disk(self.disk_failed(&e));
+                disks.clear();
+            }
+            at += chunk.len() as u64;
+        }
+        if at != len {
+            return Err(StoreError::Body(format!("ended after {at} of {len} bytes")));
+        }
+        for s in sinks {
+            let transport = s.finish(self).await?;
+            self.metrics.kv.transfer(transport, Dir::Write, len);
+        }
+        for w in disks {
+            let ok = match w.finish().await {
+                Ok(()) => {
+                    self.metrics.kv.transfer(Transport::Disk, Dir::Write, len);
+                    true
+                }
+                Err(e) => self.disk_failed(&e),
+            };
+            stored = stored.and_disk(ok);
+        }
+        Ok(stored)
+    }
+
+    /// A write to the replica `d`, ready for its bytes: in place, QUIC, or TE-TCP.
+    async fn open_sink(&self, d: &BufferDescriptor) -> Result<Sink<'_>, StoreError> {
+        if let Some((mem, off)) = self.in_own_segment(d)? {
+            return Ok(Sink::Local { mem, off });
+        }
+        let seg = self.metadata.segment(&d.transport_endpoint).await?;
+        if !seg.covers(d.buffer_address, d.size) {
+            self.metadata.forget(&d.transport_endpoint);
+            return Err(StoreError::OutOfRange {
+                addr: d.buffer_address,
+                len: d.size,
+            });
+        }
+        let (addr, len) = (d.buffer_address, d.size);
+        if let Some((send, recv, peer)) = self
+            .via_quic(&d.transport_endpoint, |q, peer| async move {
+                let (send, recv) = q.open_write(&peer, addr, len).await?;
+                Ok((send, recv, peer.addr))
+            })
+            .await
+        {
+            return Ok(Sink::Quic {
+                send,
+                recv,
+                peer,
+                addr,
+                len,
+            });
+        }
+        let s = self
+            .te
+            .open_write(&seg.data, addr, len, seg.v2)
+            .await
+            .inspect_err(|_| self.metadata.forget(&d.transport_endpoint))?;
+        Ok(Sink::Tcp {
+            s,
+            peer: seg.data.clone(),
+            v2: seg.v2,
+            addr,
+            len,
+        })
+    }
+
+    /// Writes every memory replica (any failure fails the put), then every disk replica
+    /// (a failure there keeps the memory replicas: [`Stored::MemoryOnly`]).
+    pub(super) async fn write_replicas(
+        &self,
+        replicas: &[crate::codec::types::ReplicaDescriptor],
+        value: &Bytes,
+    ) -> Result<Stored, StoreError> {
+        self.write_memory_replicas(replicas, value).await?;
+        let mut stored = Stored::Memory;
+        for r in replicas {
+            if let ReplicaLocation::Disk(d) = &r.location {
+                let ok = match disk::write(d, value).await {
+                    Ok(()) => {
+                        self.metrics
+                            .kv
+                            .transfer(Transport::Disk, Dir::Write, d.object_size);
+                        true
+                    }
+                    Err(e) => self.disk_failed(&e),
+                };
+                stored = stored.and_disk(ok);
+            }
+        }
+        Ok(stored)
+    }
+
+    /// Logs a disk replica that could not be written; always `false` (not written).
+    fn disk_failed(&self, e: &disk::DiskError) -> bool {
+        tracing::warn!(error = %e, "disk replica not written; the value stays in memory only");
+        false
+    }
+
+    async fn write_memory_replicas(
+        &self,
+        replicas: &[crate::codec::types::ReplicaDescriptor],
+        value: &Bytes,
+    ) -> Result<(), StoreError> {
+        for r in replicas {
+            let ReplicaLocation::Memory(m) = &r.location else {
+                continue;
+            };
+            let d = &m.buffer_descriptor;
+            if d.size != value.len() as u64 {
+                return Err(StoreError::SizeMismatch {
+                    got: d.size,
+                    want: value.len() as u64,
+                });
+            }
+            if let Some((own, off)) = self.in_own_segment(d)? {
+                own.write_at(off, value);
+                self.metrics
+                    .kv
+                    .transfer(Transport::Local, Dir::Write, d.size);
+                continue;
+            }
+            let seg = self.metadata.segment(&d.transport_endpoint).await?;
+            if !seg.covers(d.buffer_address, d.size) {
+                self.metadata.forget(&d.transport_endpoint);
+                return Err(StoreError::OutOfRange {
+                    addr: d.buffer_address,
+                    len: d.size,
+                });
+            }
+            if self
+                .via_quic(&d.transport_endpoint, |q, peer| {
+                    let at = d.buffer_address;
+                    async move { q.write(&peer, at, value).await }
+                })
+                .await
+                .is_some()
+            {
+                self.metrics
+                    .kv
+                    .transfer(Transport::Quic, Dir::Write, d.size);
+                continue;
+            }
+            if let Err(e) = self
+                .te
+                .write(&seg.data, d.buffer_address, value, seg.v2)
+                .await
+            {
+                self.metadata.forget(&d.transport_endpoint);
+                return Err(e.into());
+            }
+            self.metrics.kv.transfer(Transport::Tcp, Dir::Write, d.size);
+        }
+        Ok(())
+    }
+}
