@@ -20,12 +20,57 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
+use serde::Deserialize;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use crate::config::check::{check_addr, positive};
 use crate::metrics::Metrics;
 use crate::policy::experiment::ExperimentSpec;
 use crate::policy::registry::{Registry, RegistryError};
+
+/// The admin HTTP endpoint: `/live`, `/ready`, `/metrics`.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdminConfig {
+    /// `host:port`; loopback by default so nothing is exposed unless asked for.
+    pub listen: String,
+    /// How often readiness asks the master `ServiceReady`.
+    pub ready_probe_interval_ms: u64,
+    /// How long one readiness probe may take before it counts as a failure.
+    pub ready_probe_timeout_ms: u64,
+    /// Bearer token the mutating endpoints (`POST /plugins`, `PUT /experiments`, ...)
+    /// require. Empty: they are refused unless the admin endpoint listens on loopback.
+    pub token: String,
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        AdminConfig {
+            listen: "127.0.0.1:9150".into(),
+            ready_probe_interval_ms: 1_000,
+            ready_probe_timeout_ms: 1_000,
+            token: String::new(),
+        }
+    }
+}
+
+impl AdminConfig {
+    /// Appends every problem of this section to `errs`.
+    pub fn validate(&self, errs: &mut Vec<String>) {
+        check_addr(errs, "admin.listen", &self.listen);
+        positive(
+            errs,
+            "admin.ready_probe_interval_ms",
+            self.ready_probe_interval_ms,
+        );
+        positive(
+            errs,
+            "admin.ready_probe_timeout_ms",
+            self.ready_probe_timeout_ms,
+        );
+    }
+}
 
 /// Largest plugin upload accepted.
 const MAX_PLUGIN_BYTES: usize = 32 << 20;
@@ -61,7 +106,7 @@ pub async fn ready_probe(
             was = Some(ok);
         }
         state.ready.store(ok, Ordering::Relaxed);
-        state.metrics.upstream_ready.set(i64::from(ok));
+        state.metrics.master.upstream_ready.set(i64::from(ok));
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(interval) => {}

@@ -134,11 +134,6 @@ impl Method {
         let t = id_table();
         t.binary_search_by_key(&id, |e| e.0).ok().map(|i| t[i].1)
     }
-
-    /// Batch calls whose reply is one result per key, in key order.
-    pub fn is_batch(self) -> bool {
-        self.name().starts_with("Batch")
-    }
 }
 
 impl std::fmt::Display for Method {

@@ -20,8 +20,10 @@
 //! Owns no client connection and no frame: it talks to the master through
 //! [`crate::upstream`] only.
 
+pub mod config;
 pub mod metrics;
 pub mod table;
+pub mod usage;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -34,11 +36,11 @@ use crate::calls::Seen;
 pub use crate::calls::Tracked;
 use crate::codec::message::{RemoveArgs, Request, Response};
 use crate::codec::types::ErrorCode;
-use crate::config::EvictionConfig;
 use crate::metrics::Metrics;
 use crate::policy::host::wit;
 use crate::policy::registry::Registry;
-use crate::upstream::{Conn, MetricsUrl};
+use crate::upstream::{Conn, HttpUrl};
+use config::EvictionConfig;
 pub use table::{Entry, KeyTable, Tier};
 
 /// Removals per pipelined burst on moongate's own connection.
@@ -52,12 +54,12 @@ pub struct Eviction {
     denied_bytes: AtomicU64,
     clock: Instant,
     metrics: Arc<Metrics>,
-    usage_url: Option<MetricsUrl>,
+    usage_url: Option<HttpUrl>,
 }
 
 impl Eviction {
     pub fn new(cfg: EvictionConfig, metrics: Arc<Metrics>) -> Arc<Eviction> {
-        let usage_url = MetricsUrl::parse(&cfg.master_metrics_url);
+        let usage_url = HttpUrl::parse(&cfg.master_metrics_url);
         Arc::new(Eviction {
             table: KeyTable::new(cfg.max_keys, cfg.lease_ms),
             cfg,
@@ -113,7 +115,7 @@ impl Eviction {
             let mut need = 0u64;
             let mut trigger = None;
             if let Some(url) = &self.usage_url {
-                match crate::upstream::master_usage(url, self.call_timeout()).await {
+                match usage::master_usage(url, self.call_timeout()).await {
                     Ok(u) => {
                         if usage_failing {
                             tracing::info!("master metrics readable again");

@@ -93,7 +93,7 @@ impl KvConfig {
         let errs = &mut *errs;
         if !kv.listen.is_empty() {
             check_addr(errs, "kv.listen", &kv.listen);
-            if crate::upstream::MetricsUrl::parse(&kv.metadata_url).is_none() {
+            if crate::upstream::HttpUrl::parse(&kv.metadata_url).is_none() {
                 errs.push(format!(
                     "kv.metadata_url: {:?} is not http://HOST:PORT/PATH (the kv face needs \
                          the metadata server to find segments)",

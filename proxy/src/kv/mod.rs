@@ -240,7 +240,7 @@ async fn own_segment(
         client_id,
         segment_id: client::fresh_uuid(),
         name: name.clone(),
-        metadata: crate::upstream::MetricsUrl::parse(&cfg.metadata_url)
+        metadata: crate::upstream::HttpUrl::parse(&cfg.metadata_url)
             .ok_or_else(|| StartError::Segment("kv.metadata_url does not parse".into()))?,
         upstream: upstream.to_string(),
         timeout: Duration::from_millis(cfg.timeout_ms),

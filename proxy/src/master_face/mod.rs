@@ -6,7 +6,9 @@
 //! on the way, all others are relayed byte for byte; batches may be cut ([`split`]). Bounded: connection count,
 //! frame size, in-flight requests per connection, connect and idle timeouts.
 
+pub mod config;
 pub mod connection;
+pub mod metrics;
 pub mod session;
 pub mod split;
 
@@ -18,8 +20,8 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::config::MasterFaceConfig;
 use crate::metrics::{ConnOutcome, Metrics};
+use config::MasterFaceConfig;
 
 /// What every connection of the face shares.
 pub struct Shared {
@@ -55,7 +57,10 @@ pub async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, tracker: Ta
             }
         };
         let Ok(permit) = limit.clone().try_acquire_owned() else {
-            shared.metrics.connection(ConnOutcome::rejected_limit);
+            shared
+                .metrics
+                .master
+                .connection(ConnOutcome::rejected_limit);
             tracing::warn!(%peer, max = shared.cfg.max_connections,
                 "connection limit reached; closing new connection");
             drop(sock);
@@ -63,9 +68,9 @@ pub async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, tracker: Ta
         };
         let shared = shared.clone();
         tracker.spawn(async move {
-            shared.metrics.connections_open.inc();
+            shared.metrics.master.connections_open.inc();
             connection::serve(sock, peer, shared.clone()).await;
-            shared.metrics.connections_open.dec();
+            shared.metrics.master.connections_open.dec();
             drop(permit);
         });
     }

@@ -31,13 +31,13 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 
 use super::Shared;
+use super::config::Reencode;
 use super::split::{self, InFlightBytes, Merge, Merged};
 use crate::calls::{self, AnswerExt, CallExt, Tracked};
 use crate::codec::frame::errc;
 use crate::codec::message::{Request, Response, RpcError, is_typed};
 use crate::codec::types::Uuid;
 use crate::codec::{BodyStyle, Method, RequestFrame, ResponseFrame, ResponseHeader};
-use crate::config::Reencode;
 use crate::metrics::{ErrorKind, FrameErrorKind, MethodMetrics, Side};
 use crate::policy::{Fixup, Outcome, PutAction, PutDecided, Ticket};
 
@@ -161,7 +161,7 @@ impl Session {
         method: Option<Method>,
     ) -> Option<Result<Entry, Bytes>> {
         let shared = self.shared.clone();
-        let m = shared.metrics.method(method);
+        let m = shared.metrics.master.method(method);
         m.requests.inc();
         let Some((req, style)) = decode_request(frame, method, m) else {
             self.to_master.extend_from_slice(raw);
@@ -275,7 +275,7 @@ impl Session {
                 for p in &parts {
                     write_request(frame, p, style, &mut self.to_master);
                 }
-                shared.metrics.split(req.method(), parts.len());
+                shared.metrics.master.split(req.method(), parts.len());
                 return parts.len();
             }
         }
@@ -320,6 +320,7 @@ impl Session {
                 let latency = now.saturating_duration_since(sent);
                 self.shared
                     .metrics
+                    .master
                     .method(method)
                     .latency
                     .observe(latency.as_secs_f64());
@@ -357,6 +358,7 @@ impl Session {
                 self.merge = Merge::default();
                 self.shared
                     .metrics
+                    .master
                     .frame_error(Side::upstream, FrameErrorKind::unmatched_seq);
                 let expected = match &other {
                     Some(InFlight::Upstream { seq, .. }) => Some(*seq),
@@ -435,7 +437,7 @@ impl<'a> Answering<'a> {
             entry,
             latency,
             shared,
-            m: shared.metrics.method(method),
+            m: shared.metrics.master.method(method),
             am,
         }
     }
@@ -576,7 +578,7 @@ mod tests {
     use crate::codec::message::{BatchPutStartArgs, KeyArgs, KeysArgs, PutStartArgs};
     use crate::codec::types::{ErrorCode, ReplicateConfig};
     use crate::codec::{RequestHeader, ResponseHeader};
-    use crate::config::MasterFaceConfig;
+    use crate::master_face::config::MasterFaceConfig;
     use crate::metrics::Metrics;
     use crate::policy::Policy;
     use crate::policy::fake::Fake;
@@ -755,7 +757,8 @@ mod tests {
         // Denied locally: the guardrail heard of it, observe did not (nothing went up).
         assert!(fake.observations().is_empty());
         assert_eq!(
-            shared.metrics.method(Some(Method::PutStart)).errors[ErrorKind::app as usize].get(),
+            shared.metrics.master.method(Some(Method::PutStart)).errors[ErrorKind::app as usize]
+                .get(),
             1
         );
     }
@@ -839,7 +842,11 @@ mod tests {
         assert_eq!((out[0].0, out[0].1), (42, errc::RPC_THROW_EXCEPTION));
         assert_eq!(s.in_flight(), 0);
         assert_eq!(
-            shared.metrics.method(Some(Method::BatchExistKey)).errors[ErrorKind::rpc as usize]
+            shared
+                .metrics
+                .master
+                .method(Some(Method::BatchExistKey))
+                .errors[ErrorKind::rpc as usize]
                 .get(),
             1
         );

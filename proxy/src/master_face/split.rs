@@ -244,7 +244,7 @@ mod tests {
             tenant_id: Bytes::new(),
         });
         let policy = Registry::new(
-            crate::config::PolicyConfig::default(),
+            crate::policy::PolicyConfig::default(),
             None,
             Arc::new(crate::metrics::Metrics::new()),
         )

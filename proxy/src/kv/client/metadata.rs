@@ -14,7 +14,7 @@ use bytes::Bytes;
 use serde::Deserialize;
 use thiserror::Error;
 
-use crate::upstream::MetricsUrl;
+use crate::upstream::HttpUrl;
 
 #[derive(Debug, Error)]
 pub enum MetadataError {
@@ -120,7 +120,7 @@ pub fn parse_segment(name: &str, body: &[u8]) -> Result<Segment, MetadataError> 
 
 /// Reads segment descriptors from `http://HOST:PORT/metadata`, with a cache.
 pub struct Metadata {
-    url: MetricsUrl,
+    url: HttpUrl,
     timeout: Duration,
     prefix: String,
     cache: Mutex<HashMap<Bytes, Arc<Segment>>>,
@@ -132,7 +132,7 @@ impl Metadata {
     /// `url`: the metadata connection string clients use (`http://HOST:PORT/metadata`).
     pub fn new(url: &str, timeout: Duration) -> Option<Metadata> {
         Some(Metadata {
-            url: MetricsUrl::parse(url)?,
+            url: HttpUrl::parse(url)?,
             timeout,
             // MC_METADATA_CLUSTER_ID namespaces the keys, as Mooncake's clients do.
             prefix: match std::env::var("MC_METADATA_CLUSTER_ID") {

@@ -19,7 +19,7 @@ use crate::codec::message::{
 };
 use crate::codec::types::{ClientStatus, Segment, Uuid};
 use crate::kv::client::metadata::escape;
-use crate::upstream::{Conn, MetricsUrl, http_request};
+use crate::upstream::{Conn, HttpUrl, http_request};
 
 #[derive(Debug, Error)]
 pub enum MountError {
@@ -35,7 +35,7 @@ pub struct Registration {
     pub segment_id: Uuid,
     /// `host:port` of the TE-TCP listener; also the segment name and `te_endpoint`.
     pub name: String,
-    pub metadata: MetricsUrl,
+    pub metadata: HttpUrl,
     pub upstream: String,
     pub timeout: Duration,
     /// The `moongate/quic/<name>` entry, when the segment is also served over QUIC.

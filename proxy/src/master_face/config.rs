@@ -1,0 +1,91 @@
+//! The `[master_face]` section: where Mooncake clients connect, the master it fronts,
+//! and the bounds of every connection.
+
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::config::check::{check_addr, positive};
+
+/// The master face: where Mooncake clients connect, and the master it fronts.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct MasterFaceConfig {
+    /// `host:port` clients use as `master_server_address`.
+    pub listen: String,
+    /// `host:port` of the real `mooncake_master` RPC port.
+    pub upstream: String,
+    /// Client connections served at once; further ones are closed on accept.
+    pub max_connections: usize,
+    /// Largest request or response frame (header + body + attachment) in bytes.
+    pub max_frame_bytes: u64,
+    /// Requests forwarded but not yet answered, per connection; beyond it moongate
+    /// stops reading that client until answers arrive.
+    pub max_inflight_per_connection: usize,
+    /// Time allowed to open the upstream connection for a new client connection.
+    pub connect_timeout_ms: u64,
+    /// Close a connection after this long without a byte in either direction; 0 = never.
+    pub idle_timeout_ms: u64,
+    /// When decoded frames are re-encoded: `on-change` (only when a policy changed the
+    /// value; otherwise the received bytes are forwarded) or `always` (every typed frame
+    /// goes out re-encoded from its decoded value; proves the codec on live traffic).
+    pub reencode: Reencode,
+    /// Batch calls with more keys than this go to the master as several calls of at most
+    /// this many keys, answered as one merged reply; 0 = never split by count.
+    pub max_batch_keys: usize,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum Reencode {
+    OnChange,
+    Always,
+}
+
+impl Default for MasterFaceConfig {
+    fn default() -> Self {
+        MasterFaceConfig {
+            listen: "127.0.0.1:50052".into(),
+            upstream: "127.0.0.1:50051".into(),
+            max_connections: 1024,
+            max_frame_bytes: 64 << 20,
+            max_inflight_per_connection: 1024,
+            connect_timeout_ms: 3_000,
+            idle_timeout_ms: 300_000,
+            reencode: Reencode::OnChange,
+            max_batch_keys: 0,
+        }
+    }
+}
+
+impl MasterFaceConfig {
+    /// Appends every problem of this section to `errs`.
+    pub fn validate(&self, errs: &mut Vec<String>) {
+        check_addr(errs, "master_face.listen", &self.listen);
+        check_addr(errs, "master_face.upstream", &self.upstream);
+        positive(
+            errs,
+            "master_face.max_connections",
+            self.max_connections as u64,
+        );
+        if self.max_frame_bytes < 1024 {
+            errs.push("master_face.max_frame_bytes: must be at least 1024".into());
+        }
+        positive(
+            errs,
+            "master_face.max_inflight_per_connection",
+            self.max_inflight_per_connection as u64,
+        );
+        positive(
+            errs,
+            "master_face.connect_timeout_ms",
+            self.connect_timeout_ms,
+        );
+    }
+    pub fn connect_timeout(&self) -> Duration {
+        Duration::from_millis(self.connect_timeout_ms)
+    }
+    pub fn idle_timeout(&self) -> Option<Duration> {
+        (self.idle_timeout_ms > 0).then(|| Duration::from_millis(self.idle_timeout_ms))
+    }
+}

@@ -1,0 +1,243 @@
+//! The master face's metrics: requests, errors and latency by method, connections,
+//! bad frames, bytes relayed, batch splits, and whether the upstream master answers.
+//! Handles are created once here and indexed by method on the hot path.
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+use crate::codec::Method;
+use crate::codec::method::METHOD_COUNT;
+use crate::metrics::{ERROR_KINDS, ErrorLabels, LATENCY_BUCKETS, MethodLabel, MethodMetrics};
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabel {
+    outcome: ConnOutcome,
+}
+
+/// How an accepted client connection went.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum ConnOutcome {
+    /// Served with its own upstream connection.
+    accepted,
+    /// Closed at once: `master_face.max_connections` reached.
+    rejected_limit,
+    /// Closed at once: the upstream master could not be reached.
+    upstream_failed,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FrameErrorLabels {
+    side: Side,
+    kind: FrameErrorKind,
+}
+
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum Side {
+    client,
+    upstream,
+}
+
+/// Why a connection was closed for a bad frame.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum FrameErrorKind {
+    bad_header,
+    too_large,
+    /// A response whose seq matched no forwarded request (relayed; the client decides).
+    unmatched_seq,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DirectionLabel {
+    direction: Direction,
+}
+
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum Direction {
+    to_master,
+    to_client,
+}
+
+/// Every master-face handle.
+pub struct MasterFaceMetrics {
+    methods: Vec<MethodMetrics>,
+    pub connections_open: Gauge,
+    pub upstream_connections_open: Gauge,
+    conn_outcomes: [Counter; 3],
+    frame_errors: Family<FrameErrorLabels, Counter>,
+    pub bytes_to_master: Counter,
+    pub bytes_to_client: Counter,
+    /// 1 while the upstream master answers `ServiceReady` (the admin's probe).
+    pub upstream_ready: Gauge,
+    /// Per [`Method::index`]: `(batches split, parts sent)`.
+    splits: Vec<(Counter, Counter)>,
+}
+
+impl MasterFaceMetrics {
+    /// Registers every master-face family in `registry`.
+    pub fn register(registry: &mut Registry) -> MasterFaceMetrics {
+        let requests = Family::<MethodLabel, Counter>::default();
+        let errors = Family::<ErrorLabels, Counter>::default();
+        let latency = Family::<MethodLabel, Histogram>::new_with_constructor(|| {
+            Histogram::new(LATENCY_BUCKETS)
+        });
+        let names = Method::ALL
+            .iter()
+            .map(|m| m.name())
+            .chain(std::iter::once("unknown"));
+        let methods = names
+            .map(|name| {
+                let l = MethodLabel {
+                    method: name.to_string(),
+                };
+                MethodMetrics {
+                    requests: requests.get_or_create(&l).clone(),
+                    latency: latency.get_or_create(&l).clone(),
+                    errors: ERROR_KINDS.map(|kind| {
+                        errors
+                            .get_or_create(&ErrorLabels {
+                                method: name.to_string(),
+                                kind,
+                            })
+                            .clone()
+                    }),
+                }
+            })
+            .collect();
+        registry.register(
+            "moongate_master_requests",
+            "Requests received on the master face, by method",
+            requests,
+        );
+        registry.register(
+            "moongate_master_errors",
+            "Failed calls by method and kind (rpc: transport error reply; app: ErrorCode in \
+             the reply, per failed key for batch calls; decode: typed frame that did not decode)",
+            errors,
+        );
+        registry.register(
+            "moongate_master_request_duration_seconds",
+            "Time from forwarding a request to the master until its reply arrived",
+            latency,
+        );
+        let outcomes = Family::<OutcomeLabel, Counter>::default();
+        let conn_outcomes = [
+            ConnOutcome::accepted,
+            ConnOutcome::rejected_limit,
+            ConnOutcome::upstream_failed,
+        ]
+        .map(|outcome| outcomes.get_or_create(&OutcomeLabel { outcome }).clone());
+        registry.register(
+            "moongate_master_connections",
+            "Client connections by outcome",
+            outcomes,
+        );
+        let connections_open = Gauge::default();
+        registry.register(
+            "moongate_master_connections_open",
+            "Client connections currently open on the master face",
+            connections_open.clone(),
+        );
+        let upstream_connections_open = Gauge::default();
+        registry.register(
+            "moongate_upstream_connections_open",
+            "Connections currently open to the upstream master (one per client connection)",
+            upstream_connections_open.clone(),
+        );
+        let frame_errors = Family::<FrameErrorLabels, Counter>::default();
+        registry.register(
+            "moongate_master_frame_errors",
+            "Bad frames by side and kind; bad_header and too_large close the connection",
+            frame_errors.clone(),
+        );
+        let bytes = Family::<DirectionLabel, Counter>::default();
+        let bytes_to_master = bytes
+            .get_or_create(&DirectionLabel {
+                direction: Direction::to_master,
+            })
+            .clone();
+        let bytes_to_client = bytes
+            .get_or_create(&DirectionLabel {
+                direction: Direction::to_client,
+            })
+            .clone();
+        registry.register(
+            "moongate_master_bytes",
+            "Bytes relayed on the master face",
+            bytes,
+        );
+        let upstream_ready = Gauge::default();
+        registry.register(
+            "moongate_upstream_ready",
+            "1 while the upstream master answers ServiceReady, else 0",
+            upstream_ready.clone(),
+        );
+        let split_batches = Family::<MethodLabel, Counter>::default();
+        let split_parts = Family::<MethodLabel, Counter>::default();
+        let splits = Method::ALL
+            .iter()
+            .map(|m| {
+                let l = MethodLabel {
+                    method: m.name().to_string(),
+                };
+                (
+                    split_batches.get_or_create(&l).clone(),
+                    split_parts.get_or_create(&l).clone(),
+                )
+            })
+            .collect();
+        registry.register(
+            "moongate_batch_splits",
+            "Batch calls sent to the master as several bounded parts (max_batch_keys or a \
+             plugin's split points) and answered as one merged reply",
+            split_batches,
+        );
+        registry.register(
+            "moongate_batch_parts",
+            "Parts sent to the master for split batch calls",
+            split_parts,
+        );
+        MasterFaceMetrics {
+            methods,
+            connections_open,
+            upstream_connections_open,
+            conn_outcomes,
+            frame_errors,
+            bytes_to_master,
+            bytes_to_client,
+            upstream_ready,
+            splits,
+        }
+    }
+
+    /// Handles of `method`; `None` = an unknown function id.
+    pub fn method(&self, method: Option<Method>) -> &MethodMetrics {
+        let i = method.map_or(METHOD_COUNT, Method::index);
+        &self.methods[i]
+    }
+
+    /// Counts one batch call of `method` sent upstream as `parts` parts.
+    pub fn split(&self, method: Method, parts: usize) {
+        let (b, p) = &self.splits[method.index()];
+        b.inc();
+        p.inc_by(parts as u64);
+    }
+
+    pub fn connection(&self, outcome: ConnOutcome) {
+        self.conn_outcomes[outcome as usize].inc();
+    }
+
+    /// Rare by nature (a connection closes right after), so a label lookup is fine here.
+    pub fn frame_error(&self, side: Side, kind: FrameErrorKind) {
+        self.frame_errors
+            .get_or_create(&FrameErrorLabels { side, kind })
+            .inc();
+    }
+}

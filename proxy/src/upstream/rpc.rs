@@ -1,0 +1,160 @@
+//! moongate's own calls to the master over coro_rpc, on connections of its own (never a
+//! client's: seq numbers are per connection): the readiness probe, and pipelined typed
+//! calls (the evictor's removals, the kv face's client core, the own segment's mount).
+
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use thiserror::Error;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::codec::frame::{RESPONSE_HEADER_LEN, ResponseHeader, errc};
+use crate::codec::message::Response;
+use crate::codec::{Method, RequestHeader};
+
+#[derive(Debug, Error)]
+pub enum ProbeError {
+    #[error("cannot reach the master: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("the master did not answer within {0:?}")]
+    Timeout(Duration),
+    #[error("the master answered with transport error {0}")]
+    Rpc(u8),
+    #[error("the master's ServiceReady answer did not decode")]
+    Undecodable,
+    #[error("the master refused ServiceReady with {0}")]
+    Refused(crate::codec::types::ErrorCode),
+    #[error("answer of {0} bytes is too large for a ServiceReady reply")]
+    TooLarge(u64),
+}
+
+/// Asks the master `ServiceReady` on a fresh connection; returns its version string.
+pub async fn service_ready(upstream: &str, timeout: Duration) -> Result<Bytes, ProbeError> {
+    tokio::time::timeout(timeout, service_ready_inner(upstream))
+        .await
+        .map_err(|_| ProbeError::Timeout(timeout))?
+}
+
+async fn service_ready_inner(upstream: &str) -> Result<Bytes, ProbeError> {
+    let mut s = TcpStream::connect(upstream).await?;
+    let mut req = BytesMut::new();
+    RequestHeader::new(0, Method::ServiceReady.function_id(), 0).write(&mut req);
+    s.write_all(&req).await?;
+    let mut hb = [0u8; RESPONSE_HEADER_LEN];
+    s.read_exact(&mut hb).await?;
+    let h = ResponseHeader::parse(&hb);
+    let rest = u64::from(h.length) + u64::from(h.attach_length);
+    if rest > 64 << 10 {
+        return Err(ProbeError::TooLarge(rest));
+    }
+    let mut body = vec![0u8; rest as usize];
+    s.read_exact(&mut body).await?;
+    if h.err_code != errc::OK {
+        return Err(ProbeError::Rpc(h.err_code));
+    }
+    body.truncate(h.length as usize);
+    match Response::decode(Method::ServiceReady, &Bytes::from(body)) {
+        Some(Ok((Response::ServiceReady(Ok(v)), _))) => Ok(v),
+        Some(Ok((Response::ServiceReady(Err(code)), _))) => Err(ProbeError::Refused(code)),
+        _ => Err(ProbeError::Undecodable),
+    }
+}
+
+/// Errors of moongate's own calls on its own connections.
+#[derive(Debug, Error)]
+pub enum CallError {
+    #[error("cannot reach the master: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("the master did not answer within {0:?}")]
+    Timeout(Duration),
+    #[error("bad frame from the master: {0}")]
+    Frame(#[from] crate::codec::FrameError),
+    #[error("the master closed the connection with {0} calls unanswered")]
+    Closed(usize),
+    #[error("the answer to {0} did not decode")]
+    Undecodable(Method),
+}
+
+/// One call's outcome: the decoded answer, or the transport error code the master sent.
+pub type Answer = Result<Response, u8>;
+
+/// A connection of moongate's own to the master, for typed calls (eviction probes and
+/// removals). Calls are pipelined: all requests go out in one write, answers are read
+/// in request order.
+pub struct Conn {
+    s: TcpStream,
+    seq: u32,
+    buf: BytesMut,
+}
+
+/// Largest answer accepted on moongate's own connections (a 5,000-key batch answer is
+/// ~1 MiB).
+const OWN_MAX_FRAME: u64 = 64 << 20;
+
+impl Conn {
+    pub async fn connect(upstream: &str, timeout: Duration) -> Result<Conn, CallError> {
+        let s = tokio::time::timeout(timeout, TcpStream::connect(upstream))
+            .await
+            .map_err(|_| CallError::Timeout(timeout))??;
+        let _ = s.set_nodelay(true);
+        Ok(Conn {
+            s,
+            seq: 0,
+            buf: BytesMut::with_capacity(64 << 10),
+        })
+    }
+
+    /// Sends `reqs` pipelined and returns their answers in order.
+    pub async fn call_all(
+        &mut self,
+        reqs: &[crate::codec::message::Request],
+        timeout: Duration,
+    ) -> Result<Vec<Answer>, CallError> {
+        tokio::time::timeout(timeout, self.call_all_inner(reqs))
+            .await
+            .map_err(|_| CallError::Timeout(timeout))?
+    }
+
+    async fn call_all_inner(
+        &mut self,
+        reqs: &[crate::codec::message::Request],
+    ) -> Result<Vec<Answer>, CallError> {
+        let mut out = BytesMut::new();
+        let first = self.seq;
+        for r in reqs {
+            let mut body = BytesMut::new();
+            r.encode_body(crate::codec::BodyStyle::MOONCAKE, &mut body);
+            RequestHeader::new(self.seq, r.method().function_id(), body.len() as u32)
+                .write(&mut out);
+            out.extend_from_slice(&body);
+            self.seq = self.seq.wrapping_add(1);
+        }
+        self.s.write_all(&out).await?;
+        let mut answers = Vec::with_capacity(reqs.len());
+        while answers.len() < reqs.len() {
+            let h = match crate::codec::frame::check_response(&self.buf, OWN_MAX_FRAME)? {
+                Some(h) => h,
+                None => {
+                    if self.s.read_buf(&mut self.buf).await? == 0 {
+                        return Err(CallError::Closed(reqs.len() - answers.len()));
+                    }
+                    continue;
+                }
+            };
+            let (frame, _) = crate::codec::ResponseFrame::split(&mut self.buf, h);
+            let i = answers.len();
+            debug_assert_eq!(h.seq_num, first.wrapping_add(i as u32));
+            let method = reqs[i].method();
+            if h.err_code != errc::OK {
+                answers.push(Err(h.err_code));
+                continue;
+            }
+            match Response::decode(method, &frame.body) {
+                Some(Ok((r, _))) => answers.push(Ok(r)),
+                _ => return Err(CallError::Undecodable(method)),
+            }
+        }
+        Ok(answers)
+    }
+}
