@@ -20,7 +20,7 @@ use moongate::policy::registry::Registry;
 use moongate::policy::{pack_keys, put_view};
 
 fn plugin(e: &Arc<PolicyEngine>, name: &str) -> Arc<Plugin> {
-    let p = std::path::Path::new(env!("MOONGATE_PLUGIN_DIR")).join(format!("{name}.wasm"));
+    let p = moongate::policy::registry::built_plugin(name);
     e.load(name, &std::fs::read(p).unwrap(), b"", None).unwrap()
 }
 

@@ -4,7 +4,7 @@
 # eviction on the master's usage, and benches/replay driving the shipped trace through
 # it with the real client. Prints the per-arm table; --json OUT keeps the report.
 # Extra args go to benches/replay (e.g. --limit 500 --speed 50 --value-size 16384).
-# Not part of CI (minutes); tests/replay_live.rs runs a short slice of it. KEEP=1 keeps
+# Not part of CI (minutes); tests/all/replay_live.rs runs a short slice of it. KEEP=1 keeps
 # the master and moongate logs. PROFILE=release measures a release build.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)

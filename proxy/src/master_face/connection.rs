@@ -26,10 +26,10 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::Shared;
+use super::metrics::{FrameErrorKind, Side};
 use super::session::Session;
 use crate::codec::frame::{check_request, check_response};
 use crate::codec::{FrameError, RequestFrame, ResponseFrame};
-use crate::metrics::{FrameErrorKind, Side};
 
 const READ_CHUNK: usize = 64 << 10;
 
@@ -100,7 +100,7 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
             shared
                 .metrics
                 .master
-                .connection(crate::metrics::ConnOutcome::upstream_failed);
+                .connection(super::metrics::ConnOutcome::upstream_failed);
             tracing::warn!(%peer, upstream = %cfg.upstream, error = %e,
                 "upstream master unreachable; closing client connection");
             return;
@@ -109,7 +109,7 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
             shared
                 .metrics
                 .master
-                .connection(crate::metrics::ConnOutcome::upstream_failed);
+                .connection(super::metrics::ConnOutcome::upstream_failed);
             tracing::warn!(%peer, upstream = %cfg.upstream, timeout_ms = cfg.connect_timeout_ms,
                 "upstream master connect timed out; closing client connection");
             return;
@@ -118,7 +118,7 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
     shared
         .metrics
         .master
-        .connection(crate::metrics::ConnOutcome::accepted);
+        .connection(super::metrics::ConnOutcome::accepted);
     let _ = client.set_nodelay(true);
     let _ = upstream.set_nodelay(true);
     shared.metrics.master.upstream_connections_open.inc();

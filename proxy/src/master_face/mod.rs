@@ -20,8 +20,9 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::metrics::{ConnOutcome, Metrics};
+use crate::metrics::Metrics;
 use config::MasterFaceConfig;
+use metrics::ConnOutcome;
 
 /// What every connection of the face shares.
 pub struct Shared {

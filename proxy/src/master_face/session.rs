@@ -32,13 +32,14 @@ use bytes::{Bytes, BytesMut};
 
 use super::Shared;
 use super::config::Reencode;
+use super::metrics::{FrameErrorKind, Side};
 use super::split::{self, InFlightBytes, Merge, Merged};
 use crate::calls::{self, AnswerExt, CallExt, Tracked};
 use crate::codec::frame::errc;
 use crate::codec::message::{Request, Response, RpcError, is_typed};
 use crate::codec::types::Uuid;
 use crate::codec::{BodyStyle, Method, RequestFrame, ResponseFrame, ResponseHeader};
-use crate::metrics::{ErrorKind, FrameErrorKind, MethodMetrics, Side};
+use crate::metrics::method::{ErrorKind, MethodMetrics};
 use crate::policy::{Fixup, Outcome, PutAction, PutDecided, Ticket};
 
 /// What the session keeps of a forwarded call until its answer arrives.

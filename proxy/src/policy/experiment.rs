@@ -74,7 +74,7 @@ impl ExperimentSpec {
     pub fn check(&self) -> Result<usize, String> {
         let mut names = std::collections::HashSet::new();
         for a in &self.arms {
-            if !super::registry::valid_name(&a.name) || !names.insert(a.name.clone()) {
+            if !valid_name(&a.name) || !names.insert(a.name.clone()) {
                 return Err(format!("arm names must be unique and valid ({:?})", a.name));
             }
         }
@@ -102,6 +102,15 @@ impl ExperimentSpec {
         }
         Ok(control)
     }
+}
+
+/// A name for a plugin or an arm: 1-64 characters of `[A-Za-z0-9._-]`.
+pub fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
 /// FNV-1a (64-bit): a stable hash for arm assignment that tests and operators can

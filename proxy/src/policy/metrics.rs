@@ -14,7 +14,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use crate::codec::Method;
-use crate::metrics::{ERROR_KINDS, ErrorKind, LATENCY_BUCKETS, MethodMetrics};
+use crate::metrics::method::{ERROR_KINDS, ErrorKind, LATENCY_BUCKETS, MethodMetrics};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct PluginMetricLabels {

@@ -10,12 +10,18 @@ use super::Policy;
 use super::active::{Active, ActiveSet, Arm};
 use super::catalog::{Catalog, PluginInfo, hex_sha};
 use super::config::PolicyConfig;
-use super::experiment::{Assign, ExperimentSpec};
+use super::experiment::{Assign, ExperimentSpec, valid_name};
 use super::host::{HostLimits, LoadError, PolicyEngine};
 use crate::metrics::Metrics;
 
 /// The policy moongate embeds: Mooncake's behaviour unchanged.
 pub const DEFAULT_PLUGIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/default.wasm"));
+
+/// A plugin component that `build.rs` built from this checkout's `plugins/`
+/// (`target/plugins/NAME.wasm`): for the tests, benchmarks and tools of the checkout.
+pub fn built_plugin(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("MOONGATE_PLUGIN_DIR")).join(format!("{name}.wasm"))
+}
 
 #[derive(Debug, Error)]
 pub enum RegistryError {
@@ -43,14 +49,6 @@ pub struct Registry {
     pub(super) metrics: Arc<Metrics>,
     catalog: Catalog,
     pub(super) active: Active,
-}
-
-pub(super) fn valid_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 64
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
 impl Registry {

@@ -224,7 +224,7 @@ pub fn apply_lookup(resp: &mut Response, keep: &[Vec<u32>]) -> bool {
         .fold(false, |changed, (r, k)| one(r, k) | changed)
 }
 
-/// Index into [`crate::metrics::DECISIONS`] of an action.
+/// Index into [`super::metrics::DECISIONS`] of an action.
 pub fn decision_index(a: &PutAction) -> usize {
     match a {
         PutAction::Forward => 0,

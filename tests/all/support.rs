@@ -5,8 +5,6 @@
 //! HTTP answer), its log is captured into a file that failure messages quote, and it is
 //! stopped by PID (SIGTERM, then SIGKILL) when its handle drops.
 
-#![allow(dead_code)]
-
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Ipv4Addr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -265,7 +263,8 @@ pub struct Master {
     pub metadata: String,
     /// The master's Prometheus page (`--metrics_port`).
     pub metrics_url: String,
-    pub dir: tempfile::TempDir,
+    /// Its work directory, removed when the handle drops.
+    _dir: tempfile::TempDir,
 }
 
 #[derive(Default, Clone)]
@@ -313,7 +312,7 @@ impl Master {
             http_port,
             metadata: format!("http://127.0.0.1:{http_port}/metadata"),
             metrics_url: format!("http://127.0.0.1:{metrics_port}/metrics"),
-            dir,
+            _dir: dir,
         }
     }
 }
@@ -322,7 +321,8 @@ pub struct Moongate {
     pub proc: Proc,
     pub listen: String,
     pub admin: String,
-    pub dir: tempfile::TempDir,
+    /// Its config and log directory, removed when the handle drops.
+    _dir: tempfile::TempDir,
 }
 
 impl Moongate {
@@ -359,7 +359,7 @@ impl Moongate {
             proc,
             listen,
             admin,
-            dir,
+            _dir: dir,
         }
     }
 
@@ -391,9 +391,7 @@ pub fn metric_value(text: &str, sample: &str) -> f64 {
 }
 
 /// A built plugin component (`target/plugins/NAME.wasm`).
-pub fn plugin_path(name: &str) -> PathBuf {
-    Path::new(env!("MOONGATE_PLUGIN_DIR")).join(format!("{name}.wasm"))
-}
+pub use moongate::policy::registry::built_plugin as plugin_path;
 
 /// Runs one scenario role to completion; returns its result JSON.
 pub fn run_role(

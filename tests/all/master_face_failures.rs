@@ -3,16 +3,14 @@
 //! Raw coro_rpc connections (built with moongate's codec) poke at moongate while real
 //! Mooncake clients show that everyone else carries on.
 
-mod support;
-
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
+use crate::support::*;
 use bytes::{Bytes, BytesMut};
 use moongate::codec::message::{KeyArgs, KeysArgs, Request};
 use moongate::codec::{BodyStyle, Method, RequestHeader};
-use support::*;
 
 /// A hand-driven client connection.
 struct Raw {

@@ -2,10 +2,8 @@
 //! master: same results for every call, byte-exact data, the transfer-engine TCP path
 //! between two client processes, and a heartbeat that keeps an idle client mounted.
 
-mod support;
-
+use crate::support::*;
 use serde_json::Value;
-use support::*;
 
 /// Owner + reader against `master_addr` (the master itself or moongate in front of it).
 fn two_process_scenario(master_addr: &str, metadata: &str, logs: &[&Proc]) -> (Value, Value) {

@@ -2,13 +2,11 @@
 //! segment: values cross both ways bit-exact over the transfer engine's TCP path, and
 //! bad input on the kv listener gets a clear answer while everyone else carries on.
 
-mod support;
-
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 #[test]
 fn values_cross_between_the_python_client_and_the_kv_face_bit_exact() {

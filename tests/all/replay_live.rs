@@ -2,13 +2,11 @@
 //! (lru and prefix-evict eviction, by client) with moongate-driven eviction, the real
 //! client in worker processes, every read checked byte for byte, a per-arm report.
 
-mod support;
-
 use std::process::Command;
 use std::time::Duration;
 
+use crate::support::*;
 use serde_json::Value;
-use support::*;
 
 #[test]
 fn replay_reports_both_arms_of_an_experiment() {

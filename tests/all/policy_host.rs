@@ -17,7 +17,7 @@ use moongate::policy::registry::{Registry, RegistryError};
 use moongate::policy::{PutAction, put_view};
 
 fn plugin_bytes(name: &str) -> Vec<u8> {
-    let p = std::path::Path::new(env!("MOONGATE_PLUGIN_DIR")).join(format!("{name}.wasm"));
+    let p = crate::support::plugin_path(name);
     std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
 

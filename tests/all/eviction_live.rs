@@ -2,10 +2,8 @@
 //! trigger reads the master's own metrics, the plugin picks the victims, moongate
 //! removes them on its own connection; a broken trigger source leaves traffic alone.
 
-mod support;
-
+use crate::support::*;
 use serde_json::Value;
-use support::*;
 
 fn eviction_config(master: &Master, plugin: &str, extra: &str) -> String {
     format!(

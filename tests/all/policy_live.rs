@@ -2,13 +2,11 @@
 //! real master: placement by plugin, denial with the plugin's error code, 50 hot swaps
 //! under load with zero failed calls, and an A/B experiment over 2,000 keys.
 
-mod support;
-
+use crate::support::*;
 use bytes::Bytes;
 use moongate::policy::arm_for_hash;
 use moongate::policy::fnv1a;
 use serde_json::Value;
-use support::*;
 
 /// Two segment owners on the master: placement has a real choice to make.
 fn two_owners(master: &Master) -> (Background, Background) {

@@ -3,9 +3,7 @@
 //! client reads and writes the same segment over TE-TCP; a peer whose QUIC identity does
 //! not check out is reached over TE-TCP instead.
 
-mod support;
-
-use support::*;
+use crate::support::*;
 
 fn enc(key: &str) -> String {
     format!("/v1/kv/{}", key.replace('/', "%2F"))

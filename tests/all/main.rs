@@ -1,0 +1,26 @@
+//! moongate's integration tests, in one binary (moongate and wasmtime are linked once,
+//! and one support module serves every test).
+//!
+//! - Sans-IO against captured frames: [`codec_fixtures`], [`codec_errors`].
+//! - The policy host with real plugin components: [`policy_host`].
+//! - The command line: [`cli`].
+//! - Live, against the real `mooncake_master` and the real Mooncake Python client on
+//!   free loopback ports ([`support`] starts, probes and stops them): [`real_mooncake`],
+//!   [`master_face_failures`], [`policy_live`], [`eviction_live`], [`replay_live`],
+//!   [`kv_face`], [`kv_quic`].
+//!
+//! Run one group with a filter, e.g. `cargo test --test all -- kv_face::`.
+
+mod support;
+
+mod cli;
+mod codec_errors;
+mod codec_fixtures;
+mod eviction_live;
+mod kv_face;
+mod kv_quic;
+mod master_face_failures;
+mod policy_host;
+mod policy_live;
+mod real_mooncake;
+mod replay_live;
