@@ -62,7 +62,7 @@ fn host(c: &mut Criterion) {
             memory_bytes: 16 << 20,
             max_instances: 16,
         },
-        Metrics::new().plugins.clone(),
+        Metrics::new().policy.plugins.clone(),
     )
     .unwrap();
     let lru = plugin(&e, "lru");
@@ -137,7 +137,7 @@ fn registry() -> Arc<Registry> {
             ..PolicyConfig::default()
         },
         None,
-        Arc::new(Metrics::new()),
+        Metrics::new().policy.clone(),
     )
     .unwrap()
 }

@@ -24,10 +24,10 @@ use serde::Deserialize;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::check::{check_addr, positive};
 use crate::metrics::Metrics;
 use crate::policy::experiment::ExperimentSpec;
 use crate::policy::registry::{Registry, RegistryError};
+use crate::validate::{check_addr, positive};
 
 /// The admin HTTP endpoint: `/live`, `/ready`, `/metrics`.
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq)]

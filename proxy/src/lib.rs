@@ -17,6 +17,8 @@ pub mod eviction;
 pub mod kv;
 pub mod master_face;
 pub mod metrics;
+pub mod per_method;
 pub mod policy;
 pub mod server;
 pub mod upstream;
+pub mod validate;

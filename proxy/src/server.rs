@@ -66,7 +66,11 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
     let metrics = Arc::new(Metrics::new());
     // Compiling plugins takes tens of milliseconds each: off the async runtime.
     let policy = {
-        let (p, e, m) = (cfg.policy.clone(), cfg.experiment.clone(), metrics.clone());
+        let (p, e, m) = (
+            cfg.policy.clone(),
+            cfg.experiment.clone(),
+            metrics.policy.clone(),
+        );
         tokio::task::spawn_blocking(move || Registry::new(p, e, m))
             .await
             .expect("policy loading does not panic")?
@@ -120,14 +124,14 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
             &cfg.master_face.upstream,
             l,
             policy.clone(),
-            metrics.clone(),
+            metrics.kv.clone(),
             shutdown.clone(),
         )
         .await?;
         segment_task = kv.segment_task;
     }
     let eviction = cfg.eviction.enabled.then(|| {
-        let ev = crate::eviction::Eviction::new(cfg.eviction.clone(), metrics.clone());
+        let ev = crate::eviction::Eviction::new(cfg.eviction.clone(), metrics.eviction.clone());
         tokio::spawn(ev.clone().run(
             policy.clone(),
             cfg.master_face.upstream.clone(),
@@ -139,7 +143,7 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
     });
     let shared = Arc::new(Shared {
         cfg: cfg.master_face.clone(),
-        metrics,
+        metrics: metrics.master.clone(),
         shutdown: shutdown.clone(),
         policy,
         put_bytes_in_flight: Default::default(),

@@ -28,7 +28,7 @@ fn engine() -> Arc<PolicyEngine> {
             memory_bytes: 8 << 20,
             max_instances: 32,
         },
-        Metrics::new().plugins.clone(),
+        Metrics::new().policy.plugins.clone(),
     )
     .unwrap()
 }
@@ -191,7 +191,7 @@ fn faulty_guests_fail_cleanly_and_others_keep_working() {
 }
 
 fn registry(cfg: PolicyConfig) -> Arc<Registry> {
-    Registry::new(cfg, None, Arc::new(Metrics::new())).unwrap()
+    Registry::new(cfg, None, Metrics::new().policy.clone()).unwrap()
 }
 
 fn specs() -> Vec<PluginSpec> {

@@ -2,7 +2,7 @@
 
 use serde::Deserialize;
 
-use crate::config::check::positive;
+use crate::validate::positive;
 
 /// moongate-driven eviction: a table of the keys clients put through this moongate, and
 /// removals of the victims the policy picks when a trigger fires.

@@ -36,11 +36,11 @@ use crate::calls::Seen;
 pub use crate::calls::Tracked;
 use crate::codec::message::{RemoveArgs, Request, Response};
 use crate::codec::types::ErrorCode;
-use crate::metrics::Metrics;
 use crate::policy::host::wit;
 use crate::policy::registry::Registry;
 use crate::upstream::{Conn, HttpUrl};
 use config::EvictionConfig;
+use metrics::EvictionMetrics;
 pub use table::{Entry, KeyTable, Tier};
 
 /// Removals per pipelined burst on moongate's own connection.
@@ -53,12 +53,12 @@ pub struct Eviction {
     /// Bytes of puts the master denied with NO_AVAILABLE_HANDLE since the last check.
     denied_bytes: AtomicU64,
     clock: Instant,
-    metrics: Arc<Metrics>,
+    metrics: Arc<EvictionMetrics>,
     usage_url: Option<HttpUrl>,
 }
 
 impl Eviction {
-    pub fn new(cfg: EvictionConfig, metrics: Arc<Metrics>) -> Arc<Eviction> {
+    pub fn new(cfg: EvictionConfig, metrics: Arc<EvictionMetrics>) -> Arc<Eviction> {
         let usage_url = HttpUrl::parse(&cfg.master_metrics_url);
         Arc::new(Eviction {
             table: KeyTable::new(cfg.max_keys, cfg.lease_ms),
@@ -91,10 +91,7 @@ impl Eviction {
                 Seen::Cleared => self.table.clear(),
             }
         }
-        self.metrics
-            .eviction
-            .table_keys
-            .set(self.table.len() as i64);
+        self.metrics.table_keys.set(self.table.len() as i64);
     }
 
     /// Runs the triggers and rounds until shutdown.
@@ -123,7 +120,7 @@ impl Eviction {
                         }
                         if u.capacity_bytes > 0 {
                             let ratio = u.allocated_bytes as f64 / u.capacity_bytes as f64;
-                            self.metrics.eviction.usage_ppm.set((ratio * 1e6) as i64);
+                            self.metrics.usage_ppm.set((ratio * 1e6) as i64);
                             if ratio >= self.cfg.high_watermark {
                                 let target =
                                     (self.cfg.low_watermark * u.capacity_bytes as f64) as u64;
@@ -133,7 +130,7 @@ impl Eviction {
                         }
                     }
                     Err(e) => {
-                        self.metrics.eviction.errors[0].inc();
+                        self.metrics.errors[0].inc();
                         if !usage_failing {
                             tracing::warn!(error = %e, url = %self.cfg.master_metrics_url,
                                 "cannot read the master's memory usage; usage trigger paused");
@@ -150,7 +147,7 @@ impl Eviction {
             let Some(trigger) = trigger.filter(|_| need > 0) else {
                 continue;
             };
-            self.metrics.eviction.rounds[trigger].inc();
+            self.metrics.rounds[trigger].inc();
             if let Err(e) = self.round(&mut conn, need, &policy, &upstream).await {
                 tracing::warn!(error = %e, "eviction round cut short");
                 conn = None;
@@ -213,12 +210,12 @@ impl Eviction {
                 .call_all(chunk, self.call_timeout())
                 .await
                 .inspect_err(|_| {
-                    self.metrics.eviction.errors[1].inc();
+                    self.metrics.errors[1].inc();
                 })?;
             for ((k, e), a) in entries.iter().zip(answers) {
                 let result = match a {
                     Ok(Response::Remove(Ok(()))) => {
-                        self.metrics.eviction.removed_bytes.inc_by(e.size);
+                        self.metrics.removed_bytes.inc_by(e.size);
                         removed.push(k.clone());
                         0
                     }
@@ -232,15 +229,12 @@ impl Eviction {
                         3
                     }
                 };
-                self.metrics.eviction.keys[result].inc();
+                self.metrics.keys[result].inc();
             }
         }
         tracing::debug!(need, removed = removed.len(), "eviction round");
         self.table.forget(removed.iter());
-        self.metrics
-            .eviction
-            .table_keys
-            .set(self.table.len() as i64);
+        self.metrics.table_keys.set(self.table.len() as i64);
         Ok(())
     }
 
@@ -332,7 +326,10 @@ mod tests {
 
     #[test]
     fn answers_update_the_table() {
-        let ev = Eviction::new(EvictionConfig::default(), Arc::new(Metrics::new()));
+        let ev = Eviction::new(
+            EvictionConfig::default(),
+            crate::metrics::Metrics::new().eviction.clone(),
+        );
         let t = Tracked::Put {
             tenant: Bytes::from_static(b"default"),
             keys: vec![

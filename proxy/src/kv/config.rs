@@ -2,7 +2,7 @@
 
 use serde::Deserialize;
 
-use crate::config::check::{check_addr, positive};
+use crate::validate::{check_addr, positive};
 
 /// The kv face: moongate as a native Mooncake client behind a small HTTP API.
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq)]

@@ -47,7 +47,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::codec::types::Uuid;
-use crate::metrics::Metrics;
+use crate::kv::metrics::KvMetrics;
 use crate::policy::registry::Registry;
 use config::KvConfig;
 use transport::quic::{Identity, QuicError};
@@ -83,7 +83,7 @@ pub async fn start(
     upstream: &str,
     listener: TcpListener,
     policy: Arc<Registry>,
-    metrics: Arc<Metrics>,
+    metrics: Arc<KvMetrics>,
     shutdown: CancellationToken,
 ) -> Result<Kv, StartError> {
     let timeout = Duration::from_millis(cfg.timeout_ms);
@@ -91,7 +91,7 @@ pub async fn start(
     let md = client::metadata::Metadata::new(&cfg.metadata_url, timeout)
         .ok_or_else(|| StartError::Segment("kv.metadata_url does not parse".into()))?;
     let rdma = transport::rdma::detect();
-    metrics.kv.rdma_devices.set(rdma.device_count() as i64);
+    metrics.rdma_devices.set(rdma.device_count() as i64);
     tracing::info!(reason = %rdma.fallback_reason(),
         "transport: RDMA not used; TE-TCP to Mooncake segments, QUIC to moongates that offer it");
     let quic = if cfg.quic_client {

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::config::check::{check_addr, positive};
+use crate::validate::{check_addr, positive};
 
 /// The master face: where Mooncake clients connect, and the master it fronts.
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq)]

@@ -99,7 +99,6 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
         Ok(Err(e)) => {
             shared
                 .metrics
-                .master
                 .connection(super::metrics::ConnOutcome::upstream_failed);
             tracing::warn!(%peer, upstream = %cfg.upstream, error = %e,
                 "upstream master unreachable; closing client connection");
@@ -108,7 +107,6 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
         Err(_) => {
             shared
                 .metrics
-                .master
                 .connection(super::metrics::ConnOutcome::upstream_failed);
             tracing::warn!(%peer, upstream = %cfg.upstream, timeout_ms = cfg.connect_timeout_ms,
                 "upstream master connect timed out; closing client connection");
@@ -117,11 +115,10 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
     };
     shared
         .metrics
-        .master
         .connection(super::metrics::ConnOutcome::accepted);
     let _ = client.set_nodelay(true);
     let _ = upstream.set_nodelay(true);
-    shared.metrics.master.upstream_connections_open.inc();
+    shared.metrics.upstream_connections_open.inc();
     tracing::debug!(%peer, "client connected");
 
     let (cr, cw) = client.into_split();
@@ -160,7 +157,7 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
         e = &mut s2c => e,
         e = &mut idle => e,
     };
-    shared.metrics.master.upstream_connections_open.dec();
+    shared.metrics.upstream_connections_open.dec();
     match end {
         End::ClientClosed => tracing::debug!(%peer, "client closed the connection"),
         End::Drained => tracing::debug!(%peer, "connection drained for shutdown"),
@@ -226,10 +223,10 @@ async fn client_to_master(
                         FrameError::TooLarge { .. } => FrameErrorKind::too_large,
                         _ => FrameErrorKind::bad_header,
                     };
-                    shared.metrics.master.frame_error(Side::client, kind);
+                    shared.metrics.frame_error(Side::client, kind);
                     // Forward what was complete before the bad frame, then close.
                     let pending = shell.lock().poll_to_master();
-                    let _ = flush(&mut uw, pending, &shared.metrics.master.bytes_to_master).await;
+                    let _ = flush(&mut uw, pending, &shared.metrics.bytes_to_master).await;
                     return End::ClientFrame(e);
                 }
             };
@@ -242,9 +239,7 @@ async fn client_to_master(
                 }
                 // In-flight limit reached: push what we have, then wait for answers.
                 let pending = shell.lock().poll_to_master();
-                if let Err(e) =
-                    flush(&mut uw, pending, &shared.metrics.master.bytes_to_master).await
-                {
+                if let Err(e) = flush(&mut uw, pending, &shared.metrics.bytes_to_master).await {
                     return End::UpstreamIo(e);
                 }
                 tokio::select! {
@@ -263,7 +258,7 @@ async fn client_to_master(
             }
         }
         let pending = shell.lock().poll_to_master();
-        if let Err(e) = flush(&mut uw, pending, &shared.metrics.master.bytes_to_master).await {
+        if let Err(e) = flush(&mut uw, pending, &shared.metrics.bytes_to_master).await {
             return End::UpstreamIo(e);
         }
         if buf.capacity() - buf.len() < 4096 {
@@ -301,7 +296,7 @@ async fn master_to_client(
             let mut s = shell.lock();
             (s.poll_to_client(), s.in_flight())
         };
-        if let Err(e) = flush(&mut cw, out, &shared.metrics.master.bytes_to_client).await {
+        if let Err(e) = flush(&mut cw, out, &shared.metrics.bytes_to_client).await {
             return End::ClientIo(e);
         }
         if client_gone && pending == 0 {
@@ -331,10 +326,9 @@ async fn master_to_client(
                 Err(e) => {
                     shared
                         .metrics
-                        .master
                         .frame_error(Side::upstream, FrameErrorKind::too_large);
                     let pending = shell.lock().poll_to_client();
-                    let _ = flush(&mut cw, pending, &shared.metrics.master.bytes_to_client).await;
+                    let _ = flush(&mut cw, pending, &shared.metrics.bytes_to_client).await;
                     return End::UpstreamFrame(e);
                 }
             };

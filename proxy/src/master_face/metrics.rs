@@ -11,9 +11,7 @@ use prometheus_client::registry::Registry;
 
 use crate::codec::Method;
 use crate::codec::method::METHOD_COUNT;
-use crate::metrics::method::{
-    ERROR_KINDS, ErrorLabels, LATENCY_BUCKETS, MethodLabel, MethodMetrics,
-};
+use crate::per_method::{ERROR_KINDS, ErrorLabels, LATENCY_BUCKETS, MethodLabel, MethodMetrics};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OutcomeLabel {

@@ -20,14 +20,14 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::metrics::Metrics;
 use config::MasterFaceConfig;
 use metrics::ConnOutcome;
+use metrics::MasterFaceMetrics;
 
 /// What every connection of the face shares.
 pub struct Shared {
     pub cfg: MasterFaceConfig,
-    pub metrics: Arc<Metrics>,
+    pub metrics: Arc<MasterFaceMetrics>,
     /// Cancelled on SIGTERM: connections stop reading requests and drain.
     pub shutdown: CancellationToken,
     /// The policies deciding on put-family calls.
@@ -58,10 +58,7 @@ pub async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, tracker: Ta
             }
         };
         let Ok(permit) = limit.clone().try_acquire_owned() else {
-            shared
-                .metrics
-                .master
-                .connection(ConnOutcome::rejected_limit);
+            shared.metrics.connection(ConnOutcome::rejected_limit);
             tracing::warn!(%peer, max = shared.cfg.max_connections,
                 "connection limit reached; closing new connection");
             drop(sock);
@@ -69,9 +66,9 @@ pub async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, tracker: Ta
         };
         let shared = shared.clone();
         tracker.spawn(async move {
-            shared.metrics.master.connections_open.inc();
+            shared.metrics.connections_open.inc();
             connection::serve(sock, peer, shared.clone()).await;
-            shared.metrics.master.connections_open.dec();
+            shared.metrics.connections_open.dec();
             drop(permit);
         });
     }

@@ -39,7 +39,7 @@ use crate::codec::frame::errc;
 use crate::codec::message::{Request, Response, RpcError, is_typed};
 use crate::codec::types::Uuid;
 use crate::codec::{BodyStyle, Method, RequestFrame, ResponseFrame, ResponseHeader};
-use crate::metrics::method::{ErrorKind, MethodMetrics};
+use crate::per_method::{ErrorKind, MethodMetrics};
 use crate::policy::{Fixup, Outcome, PutAction, PutDecided, Ticket};
 
 /// What the session keeps of a forwarded call until its answer arrives.
@@ -162,7 +162,7 @@ impl Session {
         method: Option<Method>,
     ) -> Option<Result<Entry, Bytes>> {
         let shared = self.shared.clone();
-        let m = shared.metrics.master.method(method);
+        let m = shared.metrics.method(method);
         m.requests.inc();
         let Some((req, style)) = decode_request(frame, method, m) else {
             self.to_master.extend_from_slice(raw);
@@ -276,7 +276,7 @@ impl Session {
                 for p in &parts {
                     write_request(frame, p, style, &mut self.to_master);
                 }
-                shared.metrics.master.split(req.method(), parts.len());
+                shared.metrics.split(req.method(), parts.len());
                 return parts.len();
             }
         }
@@ -321,7 +321,6 @@ impl Session {
                 let latency = now.saturating_duration_since(sent);
                 self.shared
                     .metrics
-                    .master
                     .method(method)
                     .latency
                     .observe(latency.as_secs_f64());
@@ -359,7 +358,6 @@ impl Session {
                 self.merge = Merge::default();
                 self.shared
                     .metrics
-                    .master
                     .frame_error(Side::upstream, FrameErrorKind::unmatched_seq);
                 let expected = match &other {
                     Some(InFlight::Upstream { seq, .. }) => Some(*seq),
@@ -438,7 +436,7 @@ impl<'a> Answering<'a> {
             entry,
             latency,
             shared,
-            m: shared.metrics.master.method(method),
+            m: shared.metrics.method(method),
             am,
         }
     }
@@ -586,14 +584,23 @@ mod tests {
     use crate::policy::registry::Registry;
 
     fn session_with(cfg: MasterFaceConfig, fake: Arc<Fake>) -> (Session, Arc<Shared>) {
-        let metrics = Arc::new(Metrics::new());
+        session_in(cfg, fake, &Metrics::new())
+    }
+
+    /// A session whose handles live in `all` (to read the exposition).
+    fn session_in(cfg: MasterFaceConfig, fake: Arc<Fake>, all: &Metrics) -> (Session, Arc<Shared>) {
         let policy: Arc<dyn Policy> = fake;
         let shared = Arc::new(Shared {
             cfg,
-            metrics: metrics.clone(),
+            metrics: all.master.clone(),
             shutdown: Default::default(),
-            policy: Registry::with_policies(Default::default(), None, metrics, vec![policy])
-                .unwrap(),
+            policy: Registry::with_policies(
+                Default::default(),
+                None,
+                all.policy.clone(),
+                vec![policy],
+            )
+            .unwrap(),
             put_bytes_in_flight: Default::default(),
             eviction: None,
         });
@@ -758,8 +765,7 @@ mod tests {
         // Denied locally: the guardrail heard of it, observe did not (nothing went up).
         assert!(fake.observations().is_empty());
         assert_eq!(
-            shared.metrics.master.method(Some(Method::PutStart)).errors[ErrorKind::app as usize]
-                .get(),
+            shared.metrics.method(Some(Method::PutStart)).errors[ErrorKind::app as usize].get(),
             1
         );
     }
@@ -843,11 +849,7 @@ mod tests {
         assert_eq!((out[0].0, out[0].1), (42, errc::RPC_THROW_EXCEPTION));
         assert_eq!(s.in_flight(), 0);
         assert_eq!(
-            shared
-                .metrics
-                .master
-                .method(Some(Method::BatchExistKey))
-                .errors[ErrorKind::rpc as usize]
+            shared.metrics.method(Some(Method::BatchExistKey)).errors[ErrorKind::rpc as usize]
                 .get(),
             1
         );
@@ -903,14 +905,15 @@ mod tests {
 
     #[test]
     fn an_answer_with_an_unknown_seq_is_relayed_and_counted() {
-        let (mut s, shared) = session(Arc::new(Fake::new("p")));
+        let all = Metrics::new();
+        let (mut s, _) = session_in(MasterFaceConfig::default(), Arc::new(Fake::new("p")), &all);
         let now = Instant::now();
         let (f, raw) = request(1, &exist("k"));
         s.handle_request(&f, &raw, now);
         let (f, raw) = answer(77, &Response::ExistKey(Ok(true)));
         s.handle_response(&f, &raw, now);
         assert_eq!(s.poll_to_client().unwrap(), raw);
-        assert!(shared.metrics.encode().contains(
+        assert!(all.encode().contains(
             "moongate_master_frame_errors_total{side=\"upstream\",kind=\"unmatched_seq\"} 1"
         ));
     }

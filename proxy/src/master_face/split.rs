@@ -246,7 +246,7 @@ mod tests {
         let policy = Registry::new(
             crate::policy::PolicyConfig::default(),
             None,
-            Arc::new(crate::metrics::Metrics::new()),
+            crate::metrics::Metrics::new().policy.clone(),
         )
         .unwrap();
         let set = policy.current();

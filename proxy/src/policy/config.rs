@@ -112,7 +112,7 @@ impl PolicyConfig {
         errs: &mut Vec<String>,
         experiment_plugins: impl Iterator<Item = (&'a str, &'a str)>,
     ) {
-        use crate::config::check::positive;
+        use crate::validate::positive;
         positive(errs, "policy.call_timeout_ms", self.call_timeout_ms);
         positive(errs, "policy.max_instances", u64::from(self.max_instances));
         positive(errs, "policy.watch_interval_ms", self.watch_interval_ms);

@@ -328,7 +328,7 @@ impl Registry {
         if let Some(why) = breach
             && arm.stop()
         {
-            self.metrics.policy.guardrail_stops.inc();
+            self.metrics.guardrail_stops.inc();
             tracing::warn!(arm = %arm.name, plugin = %arm.plugin.name(), reason = %why,
                 control = %set.arms[set.control].name, "guardrail stopped an experiment arm");
         }
@@ -363,7 +363,7 @@ mod tests {
         fakes: Vec<Arc<Fake>>,
     ) -> Arc<Registry> {
         let policies = fakes.into_iter().map(|f| f as Arc<dyn Policy>).collect();
-        Registry::with_policies(cfg, exp, Arc::new(Metrics::new()), policies).unwrap()
+        Registry::with_policies(cfg, exp, Metrics::new().policy.clone(), policies).unwrap()
     }
 
     fn trapping(name: &str) -> Arc<Fake> {

@@ -14,7 +14,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use crate::codec::Method;
-use crate::metrics::method::{ERROR_KINDS, ErrorKind, LATENCY_BUCKETS, MethodMetrics};
+use crate::per_method::{ERROR_KINDS, ErrorKind, LATENCY_BUCKETS, MethodMetrics};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct PluginMetricLabels {
@@ -187,6 +187,8 @@ pub struct PolicyFamilies {
     pub swaps: Counter,
     pub rollbacks: Counter,
     pub guardrail_stops: Counter,
+    /// The counters and gauges plugins register during `configure`.
+    pub plugins: Arc<PluginMetricsSink>,
 }
 
 /// Policy-call latency buckets (seconds): 0.5 us to 25 ms.
@@ -283,7 +285,7 @@ impl PolicyFamilies {
     }
 
     /// Registers the policy families and the plugins' own metrics.
-    pub fn register(registry: &mut Registry) -> (PolicyFamilies, Arc<PluginMetricsSink>) {
+    pub fn register(registry: &mut Registry) -> PolicyFamilies {
         let plugins = Arc::new(PluginMetricsSink {
             counters: Family::default(),
             gauges: Family::default(),
@@ -312,6 +314,7 @@ impl PolicyFamilies {
             swaps: Counter::default(),
             rollbacks: Counter::default(),
             guardrail_stops: Counter::default(),
+            plugins: plugins.clone(),
         };
         registry.register(
             "moongate_policy_calls",
@@ -381,6 +384,6 @@ impl PolicyFamilies {
             "Experiment arms stopped by their guardrail",
             policy.guardrail_stops.clone(),
         );
-        (policy, plugins)
+        policy
     }
 }

@@ -12,7 +12,7 @@ use super::catalog::{Catalog, PluginInfo, hex_sha};
 use super::config::PolicyConfig;
 use super::experiment::{Assign, ExperimentSpec, valid_name};
 use super::host::{HostLimits, LoadError, PolicyEngine};
-use crate::metrics::Metrics;
+use super::metrics::PolicyFamilies;
 
 /// The policy moongate embeds: Mooncake's behaviour unchanged.
 pub const DEFAULT_PLUGIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/default.wasm"));
@@ -46,7 +46,7 @@ pub struct Registry {
     /// Loads components; `None` for a registry built from given policies (tests).
     engine: Option<Arc<PolicyEngine>>,
     pub(super) cfg: PolicyConfig,
-    pub(super) metrics: Arc<Metrics>,
+    pub(super) metrics: Arc<PolicyFamilies>,
     catalog: Catalog,
     pub(super) active: Active,
 }
@@ -58,7 +58,7 @@ impl Registry {
     pub fn new(
         cfg: PolicyConfig,
         experiment: Option<ExperimentSpec>,
-        metrics: Arc<Metrics>,
+        metrics: Arc<PolicyFamilies>,
     ) -> Result<Arc<Registry>, RegistryError> {
         let engine = PolicyEngine::new(
             HostLimits {
@@ -94,7 +94,7 @@ impl Registry {
     pub fn with_policies(
         cfg: PolicyConfig,
         experiment: Option<ExperimentSpec>,
-        metrics: Arc<Metrics>,
+        metrics: Arc<PolicyFamilies>,
         policies: Vec<Arc<dyn Policy>>,
     ) -> Result<Arc<Registry>, RegistryError> {
         let first = policies.first().map(|p| p.name().to_string());
@@ -111,7 +111,7 @@ impl Registry {
 
     fn assemble(
         cfg: PolicyConfig,
-        metrics: Arc<Metrics>,
+        metrics: Arc<PolicyFamilies>,
         engine: Option<Arc<PolicyEngine>>,
         policies: Vec<Arc<dyn Policy>>,
     ) -> Result<Arc<Registry>, RegistryError> {
@@ -176,7 +176,7 @@ impl Registry {
     }
 
     fn arm(&self, name: &str, plugin: Arc<dyn Policy>, weight: u64) -> Arm {
-        Arm::new(name, plugin, weight, &self.metrics.policy)
+        Arm::new(name, plugin, weight, &self.metrics)
     }
 
     /// Makes `name` the only policy (ends any experiment).
@@ -184,7 +184,7 @@ impl Registry {
         let arm = self.arm(name, self.plugin(name)?, 1);
         let g = self.active.swap_in(
             ActiveSet::new(vec![arm], 0, Assign::Client, None),
-            &self.metrics.policy,
+            &self.metrics,
         );
         tracing::info!(plugin = name, generation = g, "policy activated");
         Ok(g)
@@ -209,7 +209,7 @@ impl Registry {
             .collect::<Result<Vec<_>, RegistryError>>()?;
         let generation = self.active.swap_in(
             ActiveSet::new(arms, control, spec.assign, Some(spec)),
-            &self.metrics.policy,
+            &self.metrics,
         );
         tracing::info!(generation, "experiment started");
         Ok(generation)
@@ -219,7 +219,7 @@ impl Registry {
     pub fn rollback(&self, why: &str) -> Result<u64, RegistryError> {
         let generation = self
             .active
-            .rollback(&self.metrics.policy)
+            .rollback(&self.metrics)
             .ok_or(RegistryError::NoLastGood)?;
         tracing::warn!(generation, reason = why, "policy rolled back to last-good");
         Ok(generation)

@@ -79,7 +79,7 @@ pub async fn get_parts(
         .collect();
     let mut starts = part_starts(&state, &keys[0], &sizes);
     starts.push(keys.len());
-    state.metrics.kv.batch_parts.inc_by(starts.len() as u64);
+    state.metrics.batch_parts.inc_by(starts.len() as u64);
     let mut from = 0;
     let mut busy: Option<String> = None;
     for to in starts {
@@ -151,7 +151,7 @@ async fn flush(state: &KvState, part: &mut Part, out: &mut [Option<Outcome>]) {
     if part.values.is_empty() {
         return;
     }
-    state.metrics.kv.batch_parts.inc();
+    state.metrics.batch_parts.inc();
     let p = std::mem::take(part);
     let start = state.store.batch_put_start(
         p.values.iter().map(|(k, _)| k.clone()).collect(),

@@ -117,7 +117,7 @@ async fn counted(state: Arc<KvState>, req: Request<Incoming>) -> Response<Body> 
         400..=499 => 1,
         _ => 2,
     };
-    metrics.kv.requests[op][class].inc();
+    metrics.requests[op][class].inc();
     r
 }
 

@@ -22,7 +22,7 @@ pub struct KvState {
     pub batch_part_bytes: u64,
     /// The policies that decide placement and admission of puts, as on the master face.
     pub policy: Arc<crate::policy::registry::Registry>,
-    pub metrics: Arc<crate::metrics::Metrics>,
+    pub metrics: Arc<crate::kv::metrics::KvMetrics>,
 }
 
 /// The one place store errors become HTTP statuses.

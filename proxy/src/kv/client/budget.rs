@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::StoreError;
-use crate::metrics::Metrics;
+use crate::kv::metrics::KvMetrics;
 
 /// Limits of the kv face's byte budget.
 pub struct Budget {
@@ -21,12 +21,12 @@ pub struct Budget {
 pub struct Reserved {
     _permit: tokio::sync::OwnedSemaphorePermit,
     bytes: u64,
-    metrics: Arc<Metrics>,
+    metrics: Arc<KvMetrics>,
 }
 
 impl Drop for Reserved {
     fn drop(&mut self) {
-        self.metrics.kv.inflight_bytes.dec_by(self.bytes as i64);
+        self.metrics.inflight_bytes.dec_by(self.bytes as i64);
     }
 }
 
@@ -35,11 +35,11 @@ pub struct ByteBudget {
     permits: Arc<tokio::sync::Semaphore>,
     kib: u32,
     busy_wait: Duration,
-    metrics: Arc<Metrics>,
+    metrics: Arc<KvMetrics>,
 }
 
 impl ByteBudget {
-    pub fn new(b: &Budget, metrics: Arc<Metrics>) -> ByteBudget {
+    pub fn new(b: &Budget, metrics: Arc<KvMetrics>) -> ByteBudget {
         let kib = (b.max_inflight_bytes / 1024).clamp(1, u64::from(u32::MAX >> 3)) as u32;
         ByteBudget {
             permits: Arc::new(tokio::sync::Semaphore::new(kib as usize)),
@@ -65,7 +65,7 @@ impl ByteBudget {
         let wait = self.permits.clone().acquire_many_owned(kib);
         match tokio::time::timeout(self.busy_wait, wait).await {
             Ok(Ok(p)) => {
-                self.metrics.kv.inflight_bytes.inc_by(bytes as i64);
+                self.metrics.inflight_bytes.inc_by(bytes as i64);
                 Ok(Reserved {
                     _permit: p,
                     bytes,
@@ -73,7 +73,7 @@ impl ByteBudget {
                 })
             }
             _ => {
-                self.metrics.kv.busy.inc();
+                self.metrics.busy.inc();
                 Err(StoreError::Busy(self.inflight_bytes()))
             }
         }
@@ -90,7 +90,7 @@ mod tests {
                 max_inflight_bytes,
                 busy_wait: Duration::from_millis(20),
             },
-            Arc::new(Metrics::new()),
+            crate::metrics::Metrics::new().kv.clone(),
         )
     }
 
@@ -102,10 +102,10 @@ mod tests {
             s.reserve(600 << 10).await,
             Err(StoreError::Busy(_))
         ));
-        assert_eq!(s.metrics.kv.busy.get(), 1);
-        assert_eq!(s.metrics.kv.inflight_bytes.get(), 600 << 10);
+        assert_eq!(s.metrics.busy.get(), 1);
+        assert_eq!(s.metrics.inflight_bytes.get(), 600 << 10);
         drop(a);
-        assert_eq!(s.metrics.kv.inflight_bytes.get(), 0);
+        assert_eq!(s.metrics.inflight_bytes.get(), 0);
         // A value larger than the whole budget takes all of it, then proceeds.
         let big = s.reserve(5 << 20).await.unwrap();
         assert!(s.reserve(1).await.is_err());

@@ -28,8 +28,8 @@ use crate::codec::message::{
 };
 use crate::codec::types::{ErrorCode, ObjectMeta, ReplicaType, ReplicateConfig, Uuid};
 use crate::kv::metrics::CacheResult;
+use crate::kv::metrics::KvMetrics;
 use crate::kv::transport::te_tcp::TeError;
-use crate::metrics::Metrics;
 use crate::upstream::CallError;
 pub use budget::{Budget, ByteBudget, Reserved};
 use cache::ReplicaCache;
@@ -82,7 +82,7 @@ pub struct Store {
     /// Replica descriptors reused within the master's read lease (`kv.replica_cache_ms`).
     replicas: Option<ReplicaCache>,
     pub xfer: Transfers,
-    metrics: Arc<Metrics>,
+    metrics: Arc<KvMetrics>,
 }
 
 /// Keys of one batch part transferred at once (each may itself use several
@@ -151,7 +151,7 @@ impl Store {
         xfer: Transfers,
         call_timeout: Duration,
         tenant: Bytes,
-        metrics: Arc<Metrics>,
+        metrics: Arc<KvMetrics>,
         budget: &Budget,
     ) -> Store {
         Store {
@@ -224,17 +224,17 @@ impl Store {
                 let room = self.reserve(d.size).await?;
                 match self.xfer.fetch(&d, Some(room)).await {
                     Ok(v) => {
-                        self.metrics.kv.replica_cache(CacheResult::Hit);
+                        self.metrics.replica_cache(CacheResult::Hit);
                         return Ok(Some(v));
                     }
                     Err(e) => {
                         tracing::debug!(error = %e, "cached replica unreadable; asking the master");
-                        self.metrics.kv.replica_cache(CacheResult::Stale);
+                        self.metrics.replica_cache(CacheResult::Stale);
                         cache.forget(&key);
                     }
                 }
             } else {
-                self.metrics.kv.replica_cache(CacheResult::Miss);
+                self.metrics.replica_cache(CacheResult::Miss);
             }
         }
         let resp = self

@@ -14,11 +14,11 @@ use super::{StoreError, Value};
 use crate::codec::types::{
     BufferDescriptor, DiskDescriptor, GetReplicaListResponse, ReplicaLocation, ReplicaStatus,
 };
+use crate::kv::metrics::KvMetrics;
 use crate::kv::metrics::{Dir, Transport};
 use crate::kv::own::segment::Memory;
 use crate::kv::transport::quic::QuicPool;
 use crate::kv::transport::te_tcp::{Pool, TeError};
-use crate::metrics::Metrics;
 
 /// Values from this size on are streamed from the owner's TE-TCP listener to the caller
 /// as they arrive (both hops overlap, and no whole-value buffer is held).
@@ -204,7 +204,7 @@ pub struct Transfers {
     pub te: Pool,
     pub quic: Option<QuicPool>,
     own: std::sync::OnceLock<(Bytes, Arc<Memory>)>,
-    metrics: Arc<Metrics>,
+    metrics: Arc<KvMetrics>,
 }
 
 impl Transfers {
@@ -212,7 +212,7 @@ impl Transfers {
         metadata: Metadata,
         te: Pool,
         quic: Option<QuicPool>,
-        metrics: Arc<Metrics>,
+        metrics: Arc<KvMetrics>,
     ) -> Transfers {
         Transfers {
             metadata,
@@ -277,7 +277,6 @@ impl Transfers {
     pub(super) async fn read_disk(&self, d: &DiskDescriptor) -> Result<Bytes, StoreError> {
         let v = disk::read(d).await?;
         self.metrics
-            .kv
             .transfer(Transport::Disk, Dir::Read, d.object_size);
         Ok(v)
     }
@@ -294,9 +293,7 @@ impl Transfers {
         if let Some((own, off)) = self.in_own_segment(d)? {
             let mut out = vec![0u8; d.size as usize];
             own.read_at(off, &mut out);
-            self.metrics
-                .kv
-                .transfer(Transport::Local, Dir::Read, d.size);
+            self.metrics.transfer(Transport::Local, Dir::Read, d.size);
             return Ok(Value::Whole(Bytes::from(out)));
         }
         let seg = self.metadata.segment(&d.transport_endpoint).await?;
@@ -318,7 +315,7 @@ impl Transfers {
                 .await
                 && let Some(r) = room.take()
             {
-                self.metrics.kv.transfer(Transport::Quic, Dir::Read, n);
+                self.metrics.transfer(Transport::Quic, Dir::Read, n);
                 return Ok(stream_value(recv, n, r));
             }
         } else if let Some(v) = self
@@ -327,7 +324,7 @@ impl Transfers {
             })
             .await
         {
-            self.metrics.kv.transfer(Transport::Quic, Dir::Read, n);
+            self.metrics.transfer(Transport::Quic, Dir::Read, n);
             return Ok(Value::Whole(v));
         }
         let forget = |e: TeError| {
@@ -340,7 +337,7 @@ impl Transfers {
                 .open_read(&seg.data, d.buffer_address, d.size, seg.v2)
                 .await
                 .map_err(forget)?;
-            self.metrics.kv.transfer(Transport::Tcp, Dir::Read, d.size);
+            self.metrics.transfer(Transport::Tcp, Dir::Read, d.size);
             return Ok(stream_value(s, d.size, room));
         }
         let v = self
@@ -348,7 +345,7 @@ impl Transfers {
             .read(&seg.data, d.buffer_address, d.size, seg.v2)
             .await
             .map_err(forget)?;
-        self.metrics.kv.transfer(Transport::Tcp, Dir::Read, d.size);
+        self.metrics.transfer(Transport::Tcp, Dir::Read, d.size);
         Ok(Value::Whole(v))
     }
 
@@ -417,12 +414,12 @@ impl Transfers {
         }
         for s in sinks {
             let transport = s.finish(self).await?;
-            self.metrics.kv.transfer(transport, Dir::Write, len);
+            self.metrics.transfer(transport, Dir::Write, len);
         }
         for w in disks {
             let ok = match w.finish().await {
                 Ok(()) => {
-                    self.metrics.kv.transfer(Transport::Disk, Dir::Write, len);
+                    self.metrics.transfer(Transport::Disk, Dir::Write, len);
                     true
                 }
                 Err(e) => self.disk_failed(&e),
@@ -489,7 +486,6 @@ impl Transfers {
                 let ok = match disk::write(d, value).await {
                     Ok(()) => {
                         self.metrics
-                            .kv
                             .transfer(Transport::Disk, Dir::Write, d.object_size);
                         true
                     }
@@ -525,9 +521,7 @@ impl Transfers {
             }
             if let Some((own, off)) = self.in_own_segment(d)? {
                 own.write_at(off, value);
-                self.metrics
-                    .kv
-                    .transfer(Transport::Local, Dir::Write, d.size);
+                self.metrics.transfer(Transport::Local, Dir::Write, d.size);
                 continue;
             }
             let seg = self.metadata.segment(&d.transport_endpoint).await?;
@@ -546,9 +540,7 @@ impl Transfers {
                 .await
                 .is_some()
             {
-                self.metrics
-                    .kv
-                    .transfer(Transport::Quic, Dir::Write, d.size);
+                self.metrics.transfer(Transport::Quic, Dir::Write, d.size);
                 continue;
             }
             if let Err(e) = self
@@ -559,7 +551,7 @@ impl Transfers {
                 self.metadata.forget(&d.transport_endpoint);
                 return Err(e.into());
             }
-            self.metrics.kv.transfer(Transport::Tcp, Dir::Write, d.size);
+            self.metrics.transfer(Transport::Tcp, Dir::Write, d.size);
         }
         Ok(())
     }

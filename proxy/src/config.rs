@@ -12,14 +12,12 @@ use std::path::Path;
 use serde::Deserialize;
 use thiserror::Error;
 
-pub mod check;
-
 pub use crate::admin::AdminConfig;
 pub use crate::eviction::config::EvictionConfig;
 pub use crate::kv::config::KvConfig;
 pub use crate::master_face::config::{MasterFaceConfig, Reencode};
 pub use crate::policy::config::{PluginSpec, PolicyConfig, RollbackConfig};
-use check::positive;
+use crate::validate::positive;
 
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
@@ -172,7 +170,7 @@ mod tests {
 
     #[test]
     fn reference_file_states_the_defaults() {
-        let text = include_str!("../../../config/reference.toml");
+        let text = include_str!("../../config/reference.toml");
         assert_eq!(Config::parse(text).unwrap(), Config::default());
     }
 

@@ -1,5 +1,5 @@
-//! Small checks every config section uses, so each part can validate its own section
-//! without importing the process-wide config.
+//! Small checks every config section uses, so each part validates its own section
+//! without importing the process-wide config (which composes the sections).
 
 pub fn positive(errs: &mut Vec<String>, key: &str, v: u64) {
     if v == 0 {

@@ -4,39 +4,39 @@
 //! Exposed by the admin endpoint in the OpenMetrics text format; `docs/operations.md`
 //! lists every metric.
 
-pub mod method;
+use std::sync::Arc;
 
 use prometheus_client::registry::Registry;
 
 pub use crate::eviction::metrics::EvictionMetrics;
 pub use crate::kv::metrics::KvMetrics;
 pub use crate::master_face::metrics::{ConnOutcome, FrameErrorKind, MasterFaceMetrics, Side};
+pub use crate::per_method::{ErrorKind, MethodMetrics};
 pub use crate::policy::metrics::{PluginMetricsSink, PolicyFamilies};
-pub use method::{ErrorKind, MethodMetrics};
 
 /// Every metric moongate exports: each part's handles, registered by the part.
+/// A part holds only its own handles (an `Arc` of them), never this composition.
 pub struct Metrics {
     pub registry: Registry,
-    pub master: MasterFaceMetrics,
-    pub eviction: EvictionMetrics,
-    pub kv: KvMetrics,
-    pub plugins: std::sync::Arc<PluginMetricsSink>,
-    pub policy: PolicyFamilies,
+    pub master: Arc<MasterFaceMetrics>,
+    pub eviction: Arc<EvictionMetrics>,
+    pub kv: Arc<KvMetrics>,
+    /// The policy layer's families, and the counters and gauges plugins register.
+    pub policy: Arc<PolicyFamilies>,
 }
 
 impl Metrics {
     pub fn new() -> Metrics {
         let mut registry = Registry::default();
-        let master = MasterFaceMetrics::register(&mut registry);
-        let eviction = EvictionMetrics::register(&mut registry);
-        let kv = KvMetrics::register(&mut registry);
-        let (policy, plugins) = PolicyFamilies::register(&mut registry);
+        let master = Arc::new(MasterFaceMetrics::register(&mut registry));
+        let eviction = Arc::new(EvictionMetrics::register(&mut registry));
+        let kv = Arc::new(KvMetrics::register(&mut registry));
+        let policy = Arc::new(PolicyFamilies::register(&mut registry));
         Metrics {
             registry,
             master,
             eviction,
             kv,
-            plugins,
             policy,
         }
     }
