@@ -1,12 +1,22 @@
 //! moongate: a policy sidecar for the Mooncake KV-cache store.
 //!
-//! Layers, each owning one thing and never reaching around the one below it:
-//! - [`codec`]: the master RPC wire format, sans-IO.
-//! - [`master_face`]: accepts Mooncake clients, keeps one upstream master connection per
-//!   client connection, decodes and forwards frames.
-//! - [`admin`]: liveness, readiness and Prometheus metrics over HTTP.
-//! - [`config`]: the TOML file and its validation.
-//! - [`metrics`]: metric handles, registered once at start-up.
+//! The house, from the ground up; a module uses only the ones listed before it, and no
+//! file imports another in a circle (`docs/architecture.md` has the map, the path of
+//! one frame and the path of one decision):
+//! - [`validate`], [`per_method`], [`accept`]: small shared blocks (config checks, a
+//!   method's metric handles, the accept step of every listener).
+//! - [`codec`]: the master RPC wire format, sans-IO; wire types only.
+//! - [`calls`]: what each family of master methods means (keys, split, merge, tier
+//!   tally, what answers tell the eviction table).
+//! - [`upstream`]: moongate's own connections to the master and to HTTP endpoints.
+//! - [`policy`]: the `Policy` trait, the wasm host, and the one decision lifecycle
+//!   (decide -> apply -> settle) every face goes through; plugins, swaps, experiments.
+//! - [`eviction`]: the key table and the evictor.
+//! - [`kv`]: the kv face (API, client core, transports, own segment).
+//! - [`master_face`]: the sans-IO session per client connection and its tokio shell.
+//! - [`metrics`], [`admin`], [`config`]: composition of every part's metrics, the admin
+//!   endpoint, and the TOML file whose sections each part owns.
+//! - [`server`]: wiring, signals and drain.
 
 pub mod accept;
 pub mod admin;
