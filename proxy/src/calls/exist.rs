@@ -8,40 +8,15 @@ use bytes::Bytes;
 
 use super::{Seen, Tally};
 use crate::codec::Method;
-use crate::codec::message::{KeyArgs, KeysArgs, Request, Response};
+use crate::codec::message::{Request, Response};
 use crate::codec::types::{ErrorCode, Expected};
 
-/// A decoded existence check.
-#[derive(Debug, Clone, Copy)]
-pub enum Exist<'a> {
-    One(&'a KeyArgs),
-    Batch(&'a KeysArgs),
-}
+/// A decoded existence check: one key or a batch.
+pub type Exist<'a> = super::Keyed<'a>;
 
-impl<'a> Exist<'a> {
-    pub fn keys(&self) -> &'a [Bytes] {
-        match self {
-            Exist::One(a) => std::slice::from_ref(&a.key),
-            Exist::Batch(a) => &a.keys,
-        }
-    }
-
-    pub(super) fn split(&self, parts: &[Range<usize>]) -> Option<Vec<Request>> {
-        let Exist::Batch(a) = self else {
-            return None;
-        };
-        Some(
-            parts
-                .iter()
-                .map(|r| {
-                    Request::BatchExistKey(KeysArgs {
-                        keys: a.keys[r.clone()].to_vec(),
-                        tenant_id: a.tenant_id.clone(),
-                    })
-                })
-                .collect(),
-        )
-    }
+/// Cuts a batch into parts of the same method.
+pub(super) fn split(c: &Exist<'_>, parts: &[Range<usize>]) -> Option<Vec<Request>> {
+    c.split(parts, Request::BatchExistKey)
 }
 
 pub(super) fn splittable(m: Method) -> bool {

@@ -8,40 +8,15 @@ use bytes::Bytes;
 
 use super::{ERROR, FOUND, NOT_FOUND, Seen, Tally, UNKNOWN, tier_label};
 use crate::codec::Method;
-use crate::codec::message::{KeyArgs, KeysArgs, Request, Response};
+use crate::codec::message::{Request, Response};
 use crate::codec::types::{ErrorCode, Expected, GetReplicaListResponse};
 
-/// A decoded lookup.
-#[derive(Debug, Clone, Copy)]
-pub enum Lookup<'a> {
-    One(&'a KeyArgs),
-    Batch(&'a KeysArgs),
-}
+/// A decoded lookup: one key or a batch.
+pub type Lookup<'a> = super::Keyed<'a>;
 
-impl<'a> Lookup<'a> {
-    pub fn keys(&self) -> &'a [Bytes] {
-        match self {
-            Lookup::One(a) => std::slice::from_ref(&a.key),
-            Lookup::Batch(a) => &a.keys,
-        }
-    }
-
-    pub(super) fn split(&self, parts: &[Range<usize>]) -> Option<Vec<Request>> {
-        let Lookup::Batch(a) = self else {
-            return None;
-        };
-        Some(
-            parts
-                .iter()
-                .map(|r| {
-                    Request::BatchGetReplicaList(KeysArgs {
-                        keys: a.keys[r.clone()].to_vec(),
-                        tenant_id: a.tenant_id.clone(),
-                    })
-                })
-                .collect(),
-        )
-    }
+/// Cuts a batch into parts of the same method.
+pub(super) fn split(c: &Lookup<'_>, parts: &[Range<usize>]) -> Option<Vec<Request>> {
+    c.split(parts, Request::BatchGetReplicaList)
 }
 
 pub(super) fn splittable(m: Method) -> bool {

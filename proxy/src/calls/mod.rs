@@ -25,7 +25,7 @@ pub mod remove;
 
 use bytes::Bytes;
 
-use crate::codec::message::{Request, Response};
+use crate::codec::message::{KeyArgs, KeysArgs, Request, Response};
 use crate::codec::types::{ErrorCode, Expected, Tier, Uuid};
 
 /// A decoded request by family.
@@ -54,10 +54,10 @@ pub fn call(req: &Request) -> Call<'_> {
         Request::BatchUpsertEnd(a) => Call::End(end::End::BatchUpsert(a)),
         Request::PutRevoke(a) => Call::End(end::End::Revoke(a)),
         Request::BatchPutRevoke(a) => Call::End(end::End::BatchRevoke(a)),
-        Request::GetReplicaList(a) => Call::Lookup(lookup::Lookup::One(a)),
-        Request::BatchGetReplicaList(a) => Call::Lookup(lookup::Lookup::Batch(a)),
-        Request::ExistKey(a) => Call::Exist(exist::Exist::One(a)),
-        Request::BatchExistKey(a) => Call::Exist(exist::Exist::Batch(a)),
+        Request::GetReplicaList(a) => Call::Lookup(Keyed::One(a)),
+        Request::BatchGetReplicaList(a) => Call::Lookup(Keyed::Batch(a)),
+        Request::ExistKey(a) => Call::Exist(Keyed::One(a)),
+        Request::BatchExistKey(a) => Call::Exist(Keyed::Batch(a)),
         Request::Remove(a) => Call::Remove(remove::Remove::One(a)),
         Request::RemoveAll(a) => Call::Remove(remove::Remove::All(a)),
         Request::MountSegment(a) => Call::Client(client::Client::Mount(a)),
@@ -66,6 +66,44 @@ pub fn call(req: &Request) -> Call<'_> {
         Request::Ping(id) => Call::Client(client::Client::Ping(id)),
         Request::FetchTasks(a) => Call::Client(client::Client::FetchTasks(a)),
         Request::ServiceReady(_) | Request::GetStorageConfig(_) => Call::Other,
+    }
+}
+
+/// A call by key alone (`KeyArgs` / `KeysArgs`): the lookup and exist families.
+#[derive(Debug, Clone, Copy)]
+pub enum Keyed<'a> {
+    One(&'a KeyArgs),
+    Batch(&'a KeysArgs),
+}
+
+impl<'a> Keyed<'a> {
+    pub fn keys(&self) -> &'a [Bytes] {
+        match self {
+            Keyed::One(a) => std::slice::from_ref(&a.key),
+            Keyed::Batch(a) => &a.keys,
+        }
+    }
+
+    /// A batch's parts, each made into a request by `make` (`None` for one key).
+    fn split(
+        &self,
+        parts: &[std::ops::Range<usize>],
+        make: fn(KeysArgs) -> Request,
+    ) -> Option<Vec<Request>> {
+        let Keyed::Batch(a) = self else {
+            return None;
+        };
+        Some(
+            parts
+                .iter()
+                .map(|r| {
+                    make(KeysArgs {
+                        keys: a.keys[r.clone()].to_vec(),
+                        tenant_id: a.tenant_id.clone(),
+                    })
+                })
+                .collect(),
+        )
     }
 }
 
@@ -129,8 +167,8 @@ impl CallExt for Request {
         match call(self) {
             Call::Put(c) => c.split(&parts),
             Call::End(c) => c.split(&parts),
-            Call::Lookup(c) => c.split(&parts),
-            Call::Exist(c) => c.split(&parts),
+            Call::Lookup(c) => lookup::split(&c, &parts),
+            Call::Exist(c) => exist::split(&c, &parts),
             _ => None,
         }
     }
