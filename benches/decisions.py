@@ -106,6 +106,9 @@ def main():
     p.add_argument("--relay", default="target/release/examples/bare_relay")
     p.add_argument("--plugins", default="target/plugins")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--baseline", default="",
+                   help="a second moongate binary (e.g. an earlier commit's release build): "
+                        "every moongate side also runs on it, as SIDE@base, in the same run")
     p.add_argument("--json")
     a = p.parse_args()
     if a.role == "owner":
@@ -119,11 +122,12 @@ def main():
     plugins = os.path.abspath(a.plugins)
     procs = []
     addr = {}
+    sides = list(SIDES) + ([f"{x}@base" for x in SIDES if x != "relay"] if a.baseline else [])
     try:
         procs.append(subprocess.Popen(
             master_cmd(rpc, http),
             stdout=open(f"{work}/master.log", "w"), stderr=subprocess.STDOUT))
-        for side in SIDES:
+        for side in sides:
             port = free_port()
             addr[side] = f"127.0.0.1:{port}"
             if side == "relay":
@@ -134,18 +138,19 @@ def main():
             admin = f"127.0.0.1:{free_port()}"
             cfg = f"{work}/{side}.toml"
             with open(cfg, "w") as f:
-                f.write(config_for(side, plugins))
+                f.write(config_for(side.removesuffix("@base"), plugins))
+            binary = a.baseline if side.endswith("@base") else a.moongate
             procs.append(subprocess.Popen(
-                [a.moongate, "run", "--config", cfg, "--listen", addr[side],
+                [binary, "run", "--config", cfg, "--listen", addr[side],
                  "--upstream", f"127.0.0.1:{rpc}", "--admin", admin],
                 stdout=open(f"{work}/{side}.log", "w"), stderr=subprocess.STDOUT,
                 env={**os.environ, "RUST_LOG": "warn"}))
             wait_http(f"http://{admin}/ready")
         owner = spawn_owner(__file__, f"127.0.0.1:{rpc}", metadata, work)
         procs.append(owner)
-        runs = {side: [] for side in SIDES}
+        runs = {side: [] for side in sides}
         for i in range(a.rounds):
-            order = SIDES[i % len(SIDES):] + SIDES[:i % len(SIDES)]
+            order = sides[i % len(sides):] + sides[:i % len(sides)]
             for side in order:
                 out = f"{work}/{side}{i}.json"
                 subprocess.run(
@@ -161,16 +166,22 @@ def main():
         stop_all(procs)
 
     med = {side: {op: statistics.median(r[op] for r in runs[side]) for op in runs[side][0]}
-           for side in SIDES}
+           for side in sides}
     ops = list(med["relay"])
     print(f"\np50 latency (us), median over {a.rounds} rounds; ratio to relay in brackets")
-    print(f"{'op':<24}" + "".join(f"{s:>18}" for s in SIDES))
+    print(f"{'op':<24}" + "".join(f"{s:>18}" for s in sides))
     for op in ops:
         r = med["relay"][op]
         print(f"{op:<24}" + "".join(
-            f"{med[s][op]:>9.1f} [{med[s][op] / r:>5.2f}]" for s in SIDES))
+            f"{med[s][op]:>9.1f} [{med[s][op] / r:>5.2f}]" for s in sides))
     for op in ("batch_is_exist_5000", "batch_replica_desc_5000"):
         print(f"split/unsplit {op}: {med['split'][op] / med['default'][op]:.3f}")
+    if a.baseline:
+        print("\nthis build / baseline build, p50 (median over rounds); < 1 is faster")
+        print(f"{'op':<24}" + "".join(f"{x:>12}" for x in SIDES if x != "relay"))
+        for op in ops:
+            print(f"{op:<24}" + "".join(
+                f"{med[x][op] / med[x + '@base'][op]:>12.3f}" for x in SIDES if x != "relay"))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"median_p50_us": med, "rounds": a.rounds, "runs": runs}, f, indent=1)

@@ -115,6 +115,10 @@ def main():
                    help="config file for moongate (e.g. to try runtime.worker_threads)")
     p.add_argument("--relay", default="target/release/examples/bare_relay",
                    help="bare byte relay (the floor of any hop); '' to skip")
+    p.add_argument("--baseline", default="",
+                   help="a second moongate binary (e.g. an earlier commit's release build) "
+                        "run side by side with the same config, to compare two builds in "
+                        "one run")
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--json", help="write the summary here")
     a = p.parse_args()
@@ -124,7 +128,7 @@ def main():
         return role_client(a)
 
     work = tempfile.mkdtemp(prefix="moongate-bench-")
-    rpc, http, listen, admin, relay = (free_port() for _ in range(5))
+    rpc, http, listen, admin, relay, b_listen, b_admin = (free_port() for _ in range(7))
     metadata = f"http://127.0.0.1:{http}/metadata"
     procs = []
     try:
@@ -137,6 +141,15 @@ def main():
              "--upstream", f"127.0.0.1:{rpc}", "--admin", f"127.0.0.1:{admin}"],
             stdout=open(f"{work}/moongate.log", "w"), stderr=subprocess.STDOUT,
             env={**os.environ, "RUST_LOG": "warn"}))
+        if a.baseline:
+            procs.append(subprocess.Popen(
+                [a.baseline, "run"]
+                + (["--config", a.moongate_config] if a.moongate_config else [])
+                + ["--listen", f"127.0.0.1:{b_listen}",
+                   "--upstream", f"127.0.0.1:{rpc}", "--admin", f"127.0.0.1:{b_admin}"],
+                stdout=open(f"{work}/baseline.log", "w"), stderr=subprocess.STDOUT,
+                env={**os.environ, "RUST_LOG": "warn"}))
+            wait_http(f"http://127.0.0.1:{b_admin}/ready")
         if a.relay:
             procs.append(subprocess.Popen(
                 [a.relay, f"127.0.0.1:{relay}", f"127.0.0.1:{rpc}"],
@@ -145,8 +158,9 @@ def main():
         owner = spawn_owner(__file__, f"127.0.0.1:{rpc}", metadata, work)
         procs.append(owner)
 
-        sides = ["direct", "moongate"] + (["relay"] if a.relay else [])
-        addr = {"direct": rpc, "moongate": listen, "relay": relay}
+        sides = (["direct", "moongate"] + (["relay"] if a.relay else [])
+                 + (["baseline"] if a.baseline else []))
+        addr = {"direct": rpc, "moongate": listen, "relay": relay, "baseline": b_listen}
         runs = {side: [] for side in sides}
         for i in range(a.pairs):
             # rotate the order so no side always runs first (warm caches, clock drift)
@@ -168,16 +182,23 @@ def main():
 
     summary = {}
     print(f"\nmedians over {a.pairs} alternating runs per side")
+    base = "baseline" in runs
     print(f"{'op':<18} {'metric':<7} {'direct':>9} {'relay':>9} {'moongate':>9} "
-          f"{'mg/direct':>9} {'mg-direct':>10} {'mg-relay':>9}")
+          f"{'mg/direct':>9} {'mg-direct':>10} {'mg-relay':>9}"
+          + (f" {'baseline':>9} {'base-relay':>10} {'mg/base':>8}" if base else ""))
     for op in runs["direct"][0]:
         for metric in runs["direct"][0][op]:
             med = {side: statistics.median(r[op][metric] for r in runs[side]) for side in runs}
             d, m, rl = med["direct"], med["moongate"], med.get("relay", float("nan"))
             lat = metric.endswith("_us")
             unit = "GB/s" if metric == "GBps" else metric
-            print(f"{op:<18} {unit:<7} {d:>9.2f} {rl:>9.2f} {m:>9.2f} {m / d:>9.3f} "
-                  + (f"{m - d:>+8.1f}us {m - rl:>+7.1f}us" if lat else ""))
+            line = (f"{op:<18} {unit:<7} {d:>9.2f} {rl:>9.2f} {m:>9.2f} {m / d:>9.3f} "
+                    + (f"{m - d:>+8.1f}us {m - rl:>+7.1f}us" if lat else " " * 20))
+            if base:
+                b = med["baseline"]
+                line += (f" {b:>9.2f} " + (f"{b - rl:>+8.1f}us" if lat else " " * 10)
+                         + f" {m / b:>8.3f}")
+            print(line)
             summary[f"{op}.{metric}"] = {**med, "ratio": m / d}
     summary["_pairs"] = a.pairs
     summary["_iterations"] = a.iterations

@@ -3,6 +3,7 @@
 # decision point (default, on-put rewrite, on-lookup steering, batch split) against a
 # bare relay, side by side in one run. Not part of CI (release build, timing noise).
 # Extra args go to the script, e.g. `--rounds 5 --json /tmp/decisions.json`.
+# `--baseline PATH` also runs every moongate side on a second build, in the same run.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"

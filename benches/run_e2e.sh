@@ -3,6 +3,7 @@
 # (direct vs through moongate, alternating pairs). Not part of CI: release builds take
 # minutes and timings on shared CI machines are noise. Extra args go to the script,
 # e.g. `benches/run_e2e.sh --pairs 5 --json /tmp/e2e.json`.
+# `--baseline PATH` runs a second moongate build (e.g. an earlier commit's) side by side.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"

@@ -540,4 +540,95 @@ mod tests {
             Some(Tracked::Lookup(vec![Bytes::from_static(b"a")]))
         );
     }
+
+    #[test]
+    fn what_each_family_tells_the_eviction_table() {
+        use crate::codec::message::{KeyArgs, PutEndArgs, PutRevokeArgs, RemoveArgs};
+        use crate::codec::types::{ObjectMeta, ReplicaType};
+        let t = key("default");
+        let put = Request::BatchPutStart(BatchPutStartArgs {
+            client_id: Uuid::default(),
+            keys: vec![key("a"), key("b"), key("c")],
+            slice_lengths: vec![10, 20, 30],
+            config: ReplicateConfig::default(),
+            tenant_id: t.clone(),
+        });
+        let seen = Tracked::of(&put).unwrap().seen(&Response::BatchPutStart(vec![
+            Ok(vec![]),
+            Err(ErrorCode::NO_AVAILABLE_HANDLE),
+            Err(ErrorCode::OBJECT_ALREADY_EXISTS),
+        ]));
+        assert_eq!(
+            seen,
+            [
+                Seen::Stored {
+                    tenant: t.clone(),
+                    keys: vec![(key("a"), 10, Tier::Memory)]
+                },
+                Seen::Denied(20)
+            ]
+        );
+        // An answer that does not fit the request says nothing.
+        assert!(
+            Tracked::of(&put)
+                .unwrap()
+                .seen(&Response::BatchPutStart(vec![Ok(vec![])]))
+                .is_empty()
+        );
+        let end = Request::PutEnd(PutEndArgs {
+            client_id: Uuid::default(),
+            object_meta: ObjectMeta {
+                key: key("a"),
+                object_checksum: None,
+            },
+            replica_type: ReplicaType::ALL,
+            tenant_id: t.clone(),
+        });
+        assert_eq!(
+            Tracked::of(&end).unwrap().seen(&Response::PutEnd(Ok(()))),
+            [Seen::Completed(vec![key("a")])]
+        );
+        assert!(Tracked::of(&end)
+            .unwrap()
+            .seen(&Response::PutEnd(Err(ErrorCode::INTERNAL_ERROR)))
+            .is_empty());
+        let revoke = Request::PutRevoke(PutRevokeArgs {
+            client_id: Uuid::default(),
+            key: key("a"),
+            replica_type: ReplicaType::ALL,
+            tenant_id: t.clone(),
+        });
+        assert_eq!(
+            Tracked::of(&revoke)
+                .unwrap()
+                .seen(&Response::PutRevoke(Err(ErrorCode::INTERNAL_ERROR))),
+            [Seen::Gone(vec![key("a")])],
+            "a revoked put is gone whatever the answer"
+        );
+        let exist = Request::ExistKey(KeyArgs {
+            key: key("a"),
+            tenant_id: t.clone(),
+        });
+        assert_eq!(
+            Tracked::of(&exist).unwrap().seen(&Response::ExistKey(Ok(false))),
+            [Seen::Found(vec![]), Seen::Gone(vec![key("a")])]
+        );
+        let remove = Request::Remove(RemoveArgs {
+            key: key("a"),
+            force: false,
+            tenant_id: t,
+        });
+        for (answer, gone) in [
+            (Ok(()), true),
+            (Err(ErrorCode::OBJECT_NOT_FOUND), true),
+            (Err(ErrorCode::OBJECT_HAS_LEASE), false),
+        ] {
+            let s = Tracked::of(&remove).unwrap().seen(&Response::Remove(answer));
+            assert_eq!(!s.is_empty(), gone);
+        }
+        assert_eq!(
+            Tracked::RemoveAll.seen(&Response::RemoveAll(-1)),
+            Vec::<Seen>::new()
+        );
+    }
 }

@@ -277,3 +277,108 @@ impl Registry {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The registry over fake policies: activation, the catalog's states, rollback.
+
+    use super::*;
+    use crate::metrics::Metrics;
+    use crate::policy::fake::Fake;
+
+    fn registry() -> Arc<Registry> {
+        let a: Arc<dyn Policy> = Arc::new(Fake::new("a"));
+        let b: Arc<dyn Policy> = Arc::new(Fake::new("b"));
+        Registry::with_policies(
+            PolicyConfig::default(),
+            None,
+            Metrics::new().policy.clone(),
+            vec![a, b],
+        )
+        .unwrap()
+    }
+
+    fn state(r: &Registry, name: &str) -> String {
+        r.info(name).unwrap().state
+    }
+
+    #[test]
+    fn activation_rollback_and_the_catalog_states() {
+        let r = registry();
+        assert_eq!(r.current().arms[0].plugin.name(), "a");
+        assert_eq!(
+            (state(&r, "a").as_str(), state(&r, "b").as_str()),
+            ("active", "loaded")
+        );
+        assert!(matches!(r.rollback("x"), Err(RegistryError::NoLastGood)));
+        let g = r.activate("b").unwrap();
+        assert_eq!(
+            (state(&r, "a").as_str(), state(&r, "b").as_str()),
+            ("last-good", "active")
+        );
+        assert!(
+            r.rollback("test").unwrap() < g,
+            "back to the earlier generation"
+        );
+        assert_eq!(r.current().arms[0].plugin.name(), "a");
+        assert!(matches!(
+            r.activate("nope"),
+            Err(RegistryError::UnknownPlugin(_))
+        ));
+    }
+
+    #[test]
+    fn without_an_engine_bytes_cannot_be_loaded_and_names_are_checked_first() {
+        let r = registry();
+        assert!(matches!(
+            r.load("ok-name", b"\0asm", None),
+            Err(RegistryError::NoEngine)
+        ));
+        assert!(matches!(
+            r.load("bad name!", b"", None),
+            Err(RegistryError::BadName(_))
+        ));
+        assert_eq!(state(&r, "a"), "active", "nothing changed");
+    }
+
+    #[test]
+    fn a_rejected_upload_never_replaces_a_working_plugin() {
+        let r = registry();
+        r.catalog.reject("a", "00".into(), "broken".into());
+        assert_eq!(state(&r, "a"), "active");
+        r.catalog.reject("fresh", "11".into(), "broken".into());
+        let row = r.info("fresh").unwrap();
+        assert_eq!(
+            (row.state.as_str(), row.reason.as_deref()),
+            ("rejected", Some("broken"))
+        );
+    }
+
+    #[test]
+    fn an_experiment_with_an_empty_arm_list_keeps_the_control_plugin() {
+        use crate::policy::experiment::{ArmSpec, ExperimentSpec};
+        let r = registry();
+        let arm = |n: &str| ArmSpec {
+            name: n.into(),
+            plugin: n.into(),
+            weight: 1,
+        };
+        r.set_experiment(ExperimentSpec {
+            assign: Default::default(),
+            control: Some("b".into()),
+            arms: vec![arm("a"), arm("b")],
+            guardrail: Default::default(),
+        })
+        .unwrap();
+        assert_eq!(r.current().arms.len(), 2);
+        r.set_experiment(ExperimentSpec {
+            assign: Default::default(),
+            control: None,
+            arms: vec![],
+            guardrail: Default::default(),
+        })
+        .unwrap();
+        let cur = r.current();
+        assert_eq!((cur.arms.len(), cur.arms[0].plugin.name()), (1, "b"));
+    }
+}

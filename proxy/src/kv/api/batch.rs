@@ -320,3 +320,98 @@ where
 fn record_error(e: RecordError) -> (StatusCode, String) {
     (StatusCode::BAD_REQUEST, e.to_string())
 }
+
+#[cfg(test)]
+mod tests {
+    //! The batch room with a fake policy and no master: parts are cut where the policy
+    //! or the byte bound says, and refusals go through the decision lifecycle.
+
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use http_body_util::Full;
+
+    use super::*;
+    use crate::kv::client::metadata::Metadata;
+    use crate::kv::client::{Budget, Store, Transfers};
+    use crate::kv::transport::te_tcp::Pool;
+    use crate::metrics::Metrics;
+    use crate::policy::fake::Fake;
+    use crate::policy::registry::Registry;
+    use crate::policy::{Policy, PolicyConfig};
+
+    /// A kv state whose master and segments are unreachable: anything that gets past
+    /// the policy would fail with a 5xx, so a 507 proves the policy answered.
+    fn state(fake: Arc<Fake>, part_bytes: u64, all: &Metrics) -> KvState {
+        let t = Duration::from_millis(200);
+        let xfer = Transfers::new(
+            Metadata::new("http://127.0.0.1:1/metadata", t).unwrap(),
+            Pool::new(1, t),
+            None,
+            all.kv.clone(),
+        );
+        let policy: Arc<dyn Policy> = fake;
+        KvState {
+            store: Store::new(
+                "127.0.0.1:1".into(),
+                xfer,
+                t,
+                Bytes::from_static(b"default"),
+                all.kv.clone(),
+                &Budget {
+                    max_inflight_bytes: 1 << 20,
+                    busy_wait: Duration::from_millis(10),
+                },
+            ),
+            max_value_bytes: 1 << 16,
+            max_batch_keys: 100,
+            batch_part_bytes: part_bytes,
+            policy: Registry::with_policies(
+                PolicyConfig::default(),
+                None,
+                all.policy.clone(),
+                vec![policy],
+            )
+            .unwrap(),
+            metrics: all.kv.clone(),
+        }
+    }
+
+    #[test]
+    fn parts_follow_the_policy_or_the_byte_bound() {
+        let all = Metrics::new();
+        let plain = state(Arc::new(Fake::new("plain")), 100, &all);
+        let k = Bytes::from_static(b"k");
+        assert_eq!(part_starts(&plain, &k, &[60, 60, 30, 90]), [1, 3]);
+        let splitter = Fake::new("s").split(|c| Ok(vec![2, 2, 0, c.sizes.len() as u32]));
+        let by_policy = state(Arc::new(splitter), 100, &all);
+        assert_eq!(
+            part_starts(&by_policy, &k, &[60, 60, 30, 90]),
+            [2],
+            "the plugin's points, cleaned"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_batch_the_policy_refuses_is_answered_per_key_without_the_master() {
+        let all = Metrics::new();
+        let fake = Arc::new(Fake::new("deny").deny_prefix("", -200));
+        let st = state(fake.clone(), 1 << 20, &all);
+        let mut body = records::put_record(b"a", b"1");
+        body.extend(records::put_record(b"b", b""));
+        body.extend(records::put_record(b"c", &[9u8; 70_000]));
+        body.extend(records::put_record(b"d", b"4"));
+        let a = put_parts(&st, Full::new(Bytes::from(body))).await;
+        assert!(a.broken.is_none());
+        let statuses: Vec<u64> = a
+            .outcomes
+            .iter()
+            .map(|o| o["status"].as_u64().unwrap())
+            .collect();
+        // a, d: refused by the policy (-200 -> 507); b: empty; c: over max_value_bytes.
+        assert_eq!(statuses, [507, 400, 413, 507]);
+        // Settled: nothing went upstream, so observe heard nothing; the decision counts.
+        assert!(fake.observations().is_empty());
+        assert_eq!(st.policy.current().arms[0].metrics.decisions[3].get(), 1);
+    }
+}
