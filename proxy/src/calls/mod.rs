@@ -553,11 +553,13 @@ mod tests {
             config: ReplicateConfig::default(),
             tenant_id: t.clone(),
         });
-        let seen = Tracked::of(&put).unwrap().seen(&Response::BatchPutStart(vec![
-            Ok(vec![]),
-            Err(ErrorCode::NO_AVAILABLE_HANDLE),
-            Err(ErrorCode::OBJECT_ALREADY_EXISTS),
-        ]));
+        let seen = Tracked::of(&put)
+            .unwrap()
+            .seen(&Response::BatchPutStart(vec![
+                Ok(vec![]),
+                Err(ErrorCode::NO_AVAILABLE_HANDLE),
+                Err(ErrorCode::OBJECT_ALREADY_EXISTS),
+            ]));
         assert_eq!(
             seen,
             [
@@ -588,10 +590,12 @@ mod tests {
             Tracked::of(&end).unwrap().seen(&Response::PutEnd(Ok(()))),
             [Seen::Completed(vec![key("a")])]
         );
-        assert!(Tracked::of(&end)
-            .unwrap()
-            .seen(&Response::PutEnd(Err(ErrorCode::INTERNAL_ERROR)))
-            .is_empty());
+        assert!(
+            Tracked::of(&end)
+                .unwrap()
+                .seen(&Response::PutEnd(Err(ErrorCode::INTERNAL_ERROR)))
+                .is_empty()
+        );
         let revoke = Request::PutRevoke(PutRevokeArgs {
             client_id: Uuid::default(),
             key: key("a"),
@@ -610,7 +614,9 @@ mod tests {
             tenant_id: t.clone(),
         });
         assert_eq!(
-            Tracked::of(&exist).unwrap().seen(&Response::ExistKey(Ok(false))),
+            Tracked::of(&exist)
+                .unwrap()
+                .seen(&Response::ExistKey(Ok(false))),
             [Seen::Found(vec![]), Seen::Gone(vec![key("a")])]
         );
         let remove = Request::Remove(RemoveArgs {
@@ -623,7 +629,9 @@ mod tests {
             (Err(ErrorCode::OBJECT_NOT_FOUND), true),
             (Err(ErrorCode::OBJECT_HAS_LEASE), false),
         ] {
-            let s = Tracked::of(&remove).unwrap().seen(&Response::Remove(answer));
+            let s = Tracked::of(&remove)
+                .unwrap()
+                .seen(&Response::Remove(answer));
             assert_eq!(!s.is_empty(), gone);
         }
         assert_eq!(
