@@ -12,21 +12,57 @@ pub const EVICTION_RESULTS: [&str; 4] = ["removed", "leased", "not_found", "erro
 /// Where an eviction round failed, in label order.
 pub const EVICTION_STAGES: [&str; 2] = ["usage", "remove"];
 
+/// What started an eviction round (index into [`EVICTION_TRIGGERS`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Trigger {
+    /// The master's memory usage crossed `eviction.high_watermark`.
+    Usage,
+    /// The master refused puts with NO_AVAILABLE_HANDLE.
+    Denials,
+}
+
+/// What became of a victim (index into [`EVICTION_RESULTS`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Victim {
+    Removed,
+    /// A reader holds a lease: kept.
+    Leased,
+    /// Already gone: forgotten.
+    NotFound,
+    Error,
+}
+
+/// Where a round was cut short (index into [`EVICTION_STAGES`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    Usage,
+    Remove,
+}
+
 /// Handles of the evictor (registered even when eviction is off, so dashboards see 0).
 pub struct EvictionMetrics {
-    /// by [`EVICTION_TRIGGERS`] index
-    pub rounds: [Counter; 2],
-    /// by [`EVICTION_RESULTS`] index
-    pub keys: [Counter; 4],
+    rounds: [Counter; 2],
+    keys: [Counter; 4],
     pub removed_bytes: Counter,
-    /// by [`EVICTION_STAGES`] index
-    pub errors: [Counter; 2],
+    errors: [Counter; 2],
     pub table_keys: Gauge,
     /// Master memory usage (allocated / capacity) in parts per million at the last read.
     pub usage_ppm: Gauge,
 }
 
 impl EvictionMetrics {
+    pub fn round(&self, t: Trigger) {
+        self.rounds[t as usize].inc();
+    }
+
+    pub fn victim(&self, v: Victim) {
+        self.keys[v as usize].inc();
+    }
+
+    pub fn error(&self, s: Stage) {
+        self.errors[s as usize].inc();
+    }
+
     pub fn register(registry: &mut Registry) -> EvictionMetrics {
         fn family<const N: usize>(
             registry: &mut Registry,

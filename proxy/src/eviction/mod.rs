@@ -40,7 +40,7 @@ use crate::policy::host::wit;
 use crate::policy::registry::Registry;
 use crate::upstream::{Conn, HttpUrl};
 use config::EvictionConfig;
-use metrics::EvictionMetrics;
+use metrics::{EvictionMetrics, Stage, Trigger, Victim};
 pub use table::{Entry, KeyTable, Tier};
 
 /// Removals per pipelined burst on moongate's own connection.
@@ -125,12 +125,12 @@ impl Eviction {
                                 let target =
                                     (self.cfg.low_watermark * u.capacity_bytes as f64) as u64;
                                 need = u.allocated_bytes.saturating_sub(target);
-                                trigger = Some(0);
+                                trigger = Some(Trigger::Usage);
                             }
                         }
                     }
                     Err(e) => {
-                        self.metrics.errors[0].inc();
+                        self.metrics.error(Stage::Usage);
                         if !usage_failing {
                             tracing::warn!(error = %e, url = %self.cfg.master_metrics_url,
                                 "cannot read the master's memory usage; usage trigger paused");
@@ -142,12 +142,12 @@ impl Eviction {
             let denied = self.denied_bytes.swap(0, Ordering::Relaxed);
             if self.cfg.on_put_denials && denied > 0 {
                 need = need.max(denied);
-                trigger.get_or_insert(1);
+                trigger.get_or_insert(Trigger::Denials);
             }
             let Some(trigger) = trigger.filter(|_| need > 0) else {
                 continue;
             };
-            self.metrics.rounds[trigger].inc();
+            self.metrics.round(trigger);
             if let Err(e) = self.round(&mut conn, need, &policy, &upstream).await {
                 tracing::warn!(error = %e, "eviction round cut short");
                 conn = None;
@@ -210,26 +210,26 @@ impl Eviction {
                 .call_all(chunk, self.call_timeout())
                 .await
                 .inspect_err(|_| {
-                    self.metrics.errors[1].inc();
+                    self.metrics.error(Stage::Remove);
                 })?;
             for ((k, e), a) in entries.iter().zip(answers) {
                 let result = match a {
                     Ok(Response::Remove(Ok(()))) => {
                         self.metrics.removed_bytes.inc_by(e.size);
                         removed.push(k.clone());
-                        0
+                        Victim::Removed
                     }
-                    Ok(Response::Remove(Err(ErrorCode::OBJECT_HAS_LEASE))) => 1,
+                    Ok(Response::Remove(Err(ErrorCode::OBJECT_HAS_LEASE))) => Victim::Leased,
                     Ok(Response::Remove(Err(ErrorCode::OBJECT_NOT_FOUND))) => {
                         removed.push(k.clone());
-                        2
+                        Victim::NotFound
                     }
                     other => {
                         tracing::debug!(key = ?k, answer = ?other, "eviction removal failed");
-                        3
+                        Victim::Error
                     }
                 };
-                self.metrics.keys[result].inc();
+                self.metrics.victim(result);
             }
         }
         tracing::debug!(need, removed = removed.len(), "eviction round");

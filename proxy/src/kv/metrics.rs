@@ -7,6 +7,17 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
+/// A kv face operation (index into [`KV_OPS`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    Get,
+    Put,
+    Delete,
+    Exists,
+    BatchGet,
+    BatchPut,
+}
+
 /// kv face operations, in label order.
 pub const KV_OPS: [&str; 6] = ["get", "put", "delete", "exists", "batch_get", "batch_put"];
 /// HTTP status classes, in label order.
@@ -79,8 +90,8 @@ struct KvXferLabels {
 
 /// Handles of the kv face.
 pub struct KvMetrics {
-    /// `[op][status class]`
-    pub requests: [[Counter; 3]; 6],
+    /// `[Op][status class]`
+    requests: [[Counter; 3]; 6],
     /// Parts batch gets and puts were cut into.
     pub batch_parts: Counter,
     /// Replica cache lookups of gets, by [`CacheResult`].
@@ -174,6 +185,16 @@ impl KvMetrics {
             inflight_bytes,
             rdma_devices,
         }
+    }
+
+    /// Counts one answered request of `op` by its HTTP status class.
+    pub fn request(&self, op: Op, status: u16) {
+        let class = match status {
+            200..=399 => 0,
+            400..=499 => 1,
+            _ => 2,
+        };
+        self.requests[op as usize][class].inc();
     }
 
     /// Counts one transfer of `bytes`.

@@ -108,7 +108,7 @@ impl Registry {
             plugin_failed,
         };
         if !arm.plugin.interest().contains(Interest::PUT) {
-            arm.metrics.decisions[0].inc();
+            arm.metrics.decisions[decision_index(&PutAction::Forward)].inc();
             return Some(PutDecided {
                 action: PutAction::Forward,
                 ticket: ticket(false),

@@ -578,3 +578,58 @@ fn classify(e: &wasmtime::Error, store: &Store<HostState>, plugin: &Plugin) -> C
         None => CallError::Trap(format!("{e:#}")),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The host with the one component every build has (the embedded default) and with
+    //! bytes that are no component; the other plugins are tested in `tests/all/`.
+
+    use super::*;
+    use crate::metrics::Metrics;
+    use crate::policy::registry::DEFAULT_PLUGIN;
+
+    fn engine() -> Arc<PolicyEngine> {
+        PolicyEngine::new(
+            HostLimits {
+                call_timeout: Duration::from_millis(50),
+                memory_bytes: 8 << 20,
+                max_instances: 4,
+            },
+            Metrics::new().policy.plugins.clone(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn the_embedded_default_loads_and_admits_unchanged() {
+        let p = engine().load("default", DEFAULT_PLUGIN, b"", None).unwrap();
+        assert!(p.interest().contains(Interest::PUT));
+        let d = p
+            .on_put(&wit::PutCall {
+                kind: wit::PutKind::Put,
+                client: "1-2".into(),
+                keys: wit::PackedKeys {
+                    bytes: b"k".to_vec(),
+                    ends: vec![1],
+                },
+                sizes: vec![1],
+                config: default_wit_config(),
+            })
+            .unwrap();
+        assert!(d.config.is_none() && d.admissions.is_empty());
+        assert_eq!(p.version().len(), 12);
+    }
+
+    #[test]
+    fn bytes_that_are_no_component_or_break_the_pin_are_refused() {
+        let e = engine();
+        assert!(matches!(
+            e.load("junk", b"\0asm garbage", b"", None),
+            Err(LoadError::Compile(_))
+        ));
+        assert!(matches!(
+            e.load("default", DEFAULT_PLUGIN, b"", Some("00")),
+            Err(LoadError::ShaMismatch { .. })
+        ));
+    }
+}

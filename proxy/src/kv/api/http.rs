@@ -102,22 +102,18 @@ async fn body(req: Request<Incoming>, limit: usize) -> Result<Bytes, Response<Bo
 
 /// Counts the answer by op and status class.
 async fn counted(state: Arc<KvState>, req: Request<Incoming>) -> Response<Body> {
+    use crate::kv::metrics::Op;
     let op = match (req.method(), req.uri().path()) {
-        (&Method::GET, _) => 0,
-        (&Method::PUT, _) => 1,
-        (&Method::DELETE, _) => 2,
-        (_, "/v1/kv/batch/get") => 4,
-        (_, "/v1/kv/batch/put") => 5,
-        _ => 3,
+        (&Method::GET, _) => Op::Get,
+        (&Method::PUT, _) => Op::Put,
+        (&Method::DELETE, _) => Op::Delete,
+        (_, "/v1/kv/batch/get") => Op::BatchGet,
+        (_, "/v1/kv/batch/put") => Op::BatchPut,
+        _ => Op::Exists,
     };
     let metrics = state.metrics.clone();
     let r = route(state, req).await;
-    let class = match r.status().as_u16() {
-        200..=399 => 0,
-        400..=499 => 1,
-        _ => 2,
-    };
-    metrics.requests[op][class].inc();
+    metrics.request(op, r.status().as_u16());
     r
 }
 
