@@ -231,19 +231,16 @@ async fn client_to_master(
                 }
             };
             // Room in the in-flight queue before the request can reach the master, so
-            // its answer always finds its entry.
-            loop {
-                let room = shell.room.notified();
-                if shell.lock().has_room() {
-                    break;
-                }
+            // its answer always finds its entry. (`notify_one` keeps a permit when nobody
+            // waits, so an answer that frees room before the wait starts is not lost.)
+            while !shell.lock().has_room() {
                 // In-flight limit reached: push what we have, then wait for answers.
                 let pending = shell.lock().poll_to_master();
                 if let Err(e) = flush(&mut uw, pending, &shared.metrics.bytes_to_master).await {
                     return End::UpstreamIo(e);
                 }
                 tokio::select! {
-                    _ = room => {}
+                    _ = shell.room.notified() => {}
                     _ = shared.shutdown.cancelled() => return End::Drained,
                 }
             }
@@ -333,8 +330,15 @@ async fn master_to_client(
                 }
             };
             let (frame, raw) = ResponseFrame::split(&mut buf, h);
-            shell.lock().handle_response(&frame, &raw, Instant::now());
-            shell.room.notify_one();
+            let was_full = {
+                let mut s = shell.lock();
+                let full = !s.has_room();
+                s.handle_response(&frame, &raw, Instant::now());
+                full
+            };
+            if was_full {
+                shell.room.notify_one();
+            }
         }
         if buf.capacity() - buf.len() < 4096 {
             buf.reserve(READ_CHUNK);

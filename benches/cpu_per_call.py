@@ -1,0 +1,154 @@
+#!/usr/bin/env python3
+"""CPU instructions moongate spends per master-face call, counted by valgrind.
+
+Latency on a shared 2-core VM swings by +-15% from run to run (see docs/results.md);
+instruction counts do not. This runs one or two moongate builds under
+`valgrind --tool=callgrind` with instrumentation off during start-up (plugin
+compilation is not what is measured), drives the same real-client workload through
+each (ExistKey, BatchExistKey of 64 keys, GetReplicaList, and 4 KiB puts: PutStart +
+PutEnd through the embedded default policy), counts instructions only while that
+workload runs, and prints instructions per call and the ratio between the builds.
+
+  python benches/cpu_per_call.py --moongate target/release/moongate \
+      [--baseline OTHER_BUILD] [--calls 2000]
+
+Needs Debian's valgrind (`apt-get install valgrind`). Not part of CI.
+"""
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import free_port, master_cmd, stop_all, wait_http  # noqa: E402
+
+MiB = 1 << 20
+os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+
+
+def role_client(a):
+    """Sets up, warms up, says `ready`, waits for a line, runs the workload, says `done`."""
+    from mooncake.store import MooncakeDistributedStore
+    s = MooncakeDistributedStore()
+    rc = s.setup("127.0.0.1", a.metadata, 128 * MiB, 64 * MiB, "tcp", "", a.master)
+    if rc:
+        raise SystemExit(f"client setup {rc}")
+    keys = [f"cpu/{a.tag}/m{i}" for i in range(64)]
+    for k in keys:
+        assert s.put(k, b"v" * 64) == 0
+    for _ in range(20):
+        s.is_exist(keys[0])
+        s.batch_is_exist(keys)
+        s.get_replica_desc(keys[1])
+    print("ready", flush=True)
+    sys.stdin.readline()
+    n = a.calls
+    for i in range(n):
+        s.is_exist(keys[i % 64])
+        s.batch_is_exist(keys)
+        s.get_replica_desc(keys[i % 64])
+        assert s.put(f"cpu/{a.tag}/p{i}", b"x" * 4096) == 0
+    print("done", flush=True)
+    sys.stdin.readline()
+    s.close()
+
+
+def measure(binary, label, rpc, metadata, calls, work):
+    listen, admin = free_port(), free_port()
+    out = os.path.join(work, f"callgrind.{label}")
+    # The pooling allocator reserves address space per plugin instance slot; valgrind
+    # cannot map the default 64 slots' worth, and one slot serves the default policy.
+    cfg = os.path.join(work, f"{label}.toml")
+    with open(cfg, "w") as f:
+        f.write("[policy]\nmax_instances = 1\n")
+    mg = subprocess.Popen(
+        ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
+         binary, "run", "--config", cfg, "--listen", f"127.0.0.1:{listen}", "--upstream", f"127.0.0.1:{rpc}",
+         "--admin", f"127.0.0.1:{admin}"],
+        stdout=open(os.path.join(work, f"{label}.log"), "w"), stderr=subprocess.STDOUT,
+        env={**os.environ, "RUST_LOG": "warn"})
+    client = None
+    try:
+        wait_http(f"http://127.0.0.1:{admin}/ready", secs=300)
+        client = subprocess.Popen(
+            [sys.executable, __file__, "--role", "client", "--master", f"127.0.0.1:{listen}",
+             "--metadata", metadata, "--calls", str(calls), "--tag", label],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            stderr=open(os.path.join(work, f"client-{label}.log"), "w"))
+        assert client.stdout.readline().strip() == "ready"
+        subprocess.run(["callgrind_control", "-i", "on", str(mg.pid)], check=True,
+                       stdout=subprocess.DEVNULL)
+        t0 = time.time()
+        client.stdin.write("go\n")
+        client.stdin.flush()
+        assert client.stdout.readline().strip() == "done"
+        secs = time.time() - t0
+        subprocess.run(["callgrind_control", "-i", "off", str(mg.pid)], check=True,
+                       stdout=subprocess.DEVNULL)
+        client.stdin.write("close\n")
+        client.stdin.flush()
+        client.wait(timeout=60)
+    finally:
+        stop_all([p for p in (client,) if p])
+        mg.send_signal(signal.SIGTERM)
+        try:
+            mg.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            mg.kill()
+    total = 0
+    for f in os.listdir(work):
+        if f.startswith(f"callgrind.{label}"):
+            with open(os.path.join(work, f)) as fh:
+                # The header's `summary:` is written before counting; `totals:` is the count.
+                for line in fh:
+                    m = re.match(r"totals:\s+(\d+)", line)
+                    if m:
+                        total += int(m.group(1))
+    return total, secs
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--role", default="driver")
+    p.add_argument("--master")
+    p.add_argument("--metadata")
+    p.add_argument("--tag", default="a")
+    p.add_argument("--calls", type=int, default=2000,
+                   help="rounds of the workload (4 master-face calls + a PutEnd each)")
+    p.add_argument("--moongate", default="target/release/moongate")
+    p.add_argument("--baseline", default="")
+    a = p.parse_args()
+    if a.role == "client":
+        return role_client(a)
+
+    work = tempfile.mkdtemp(prefix="moongate-cpu-")
+    rpc, http = free_port(), free_port()
+    metadata = f"http://127.0.0.1:{http}/metadata"
+    master = subprocess.Popen(master_cmd(rpc, http), stdout=open(f"{work}/master.log", "w"),
+                              stderr=subprocess.STDOUT)
+    results = {}
+    try:
+        for label, binary in [("this", a.moongate)] + (
+                [("baseline", a.baseline)] if a.baseline else []):
+            results[label] = measure(binary, label, rpc, metadata, a.calls, work)
+            print(f"{label} done", file=sys.stderr, flush=True)
+    finally:
+        stop_all([master])
+    # Each round: ExistKey, BatchExistKey(64), GetReplicaList, PutStart, PutEnd.
+    calls = a.calls * 5
+    print(f"\ninstructions moongate executed while {calls} master-face calls went through "
+          f"({a.calls} rounds of ExistKey, BatchExistKey x64, GetReplicaList, PutStart, PutEnd)")
+    print(f"{'build':<10} {'instructions':>14} {'per call':>10}")
+    for label, (total, _) in results.items():
+        print(f"{label:<10} {total:>14} {total / calls:>10.0f}")
+    if "baseline" in results and results["baseline"][0]:
+        print(f"this / baseline: {results['this'][0] / results['baseline'][0]:.3f}")
+    print(f"(work dir {work})")
+
+
+if __name__ == "__main__":
+    main()
