@@ -345,3 +345,116 @@ async fn master_to_client(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The shell on loopback sockets, between a test client and a scripted master
+    //! (no real master, no wasm): pipelined requests keep their order and the in-flight
+    //! bound holds back what the master sees.
+
+    use super::*;
+    use crate::codec::message::{KeyArgs, Request, Response};
+    use crate::codec::{BodyStyle, Method, RequestHeader, ResponseHeader};
+    use crate::metrics::Metrics;
+    use crate::policy::Policy;
+    use crate::policy::fake::Fake;
+    use crate::policy::registry::Registry;
+    use tokio::net::TcpListener;
+
+    fn exist(seq: u32) -> BytesMut {
+        let req = Request::ExistKey(KeyArgs {
+            key: Bytes::from(format!("k{seq}")),
+            tenant_id: Bytes::from_static(b"default"),
+        });
+        let mut body = BytesMut::new();
+        req.encode_body(BodyStyle::MOONCAKE, &mut body);
+        let mut out = BytesMut::new();
+        RequestHeader::new(seq, Method::ExistKey.function_id(), body.len() as u32).write(&mut out);
+        out.extend_from_slice(&body);
+        out
+    }
+
+    /// A master that answers every ExistKey `true`, in order, and records the most
+    /// requests it ever held unanswered.
+    async fn scripted_master(l: TcpListener, most_pending: Arc<AtomicU64>) {
+        let (mut s, _) = l.accept().await.unwrap();
+        let mut buf = BytesMut::new();
+        loop {
+            if s.read_buf(&mut buf).await.unwrap_or(0) == 0 {
+                return;
+            }
+            // Give a client that ignores the bound every chance to send more.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let _ = tokio::time::timeout(Duration::from_millis(1), s.read_buf(&mut buf)).await;
+            let mut out = BytesMut::new();
+            let mut pending = 0;
+            while let Ok(Some(h)) = check_request(&buf, 1 << 20) {
+                let _ = RequestFrame::split(&mut buf, h);
+                pending += 1;
+                let mut body = BytesMut::new();
+                Response::ExistKey(Ok(true)).encode_body(BodyStyle::MOONCAKE, &mut body);
+                ResponseHeader::new(h.seq_num, 0, body.len() as u32).write(&mut out);
+                out.extend_from_slice(&body);
+            }
+            most_pending.fetch_max(pending, Ordering::Relaxed);
+            s.write_all(&out).await.unwrap();
+        }
+    }
+
+    #[tokio::test]
+    async fn pipelined_requests_are_answered_in_order_within_the_in_flight_bound() {
+        let master = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let most_pending = Arc::new(AtomicU64::new(0));
+        let upstream = master.local_addr().unwrap().to_string();
+        tokio::spawn(scripted_master(master, most_pending.clone()));
+        let all = Metrics::new();
+        let fake: Arc<dyn Policy> = Arc::new(Fake::new("p"));
+        let shared = Arc::new(Shared {
+            cfg: super::super::config::MasterFaceConfig {
+                upstream,
+                max_inflight_per_connection: 2,
+                ..Default::default()
+            },
+            metrics: all.master.clone(),
+            shutdown: CancellationToken::new(),
+            policy: Registry::with_policies(
+                Default::default(),
+                None,
+                all.policy.clone(),
+                vec![fake],
+            )
+            .unwrap(),
+            put_bytes_in_flight: Default::default(),
+            eviction: None,
+        });
+        let face = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let face_addr = face.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (sock, peer) = face.accept().await.unwrap();
+            serve(sock, peer, shared).await;
+        });
+        let mut client = TcpStream::connect(face_addr).await.unwrap();
+        let seqs = [9u32, 2, 700, 3, 41, 5, 6];
+        let mut burst = BytesMut::new();
+        for &q in &seqs {
+            burst.extend_from_slice(&exist(q));
+        }
+        client.write_all(&burst).await.unwrap();
+        let mut buf = BytesMut::new();
+        let mut got = Vec::new();
+        while got.len() < seqs.len() {
+            let read = tokio::time::timeout(Duration::from_secs(10), client.read_buf(&mut buf));
+            assert!(read.await.unwrap().unwrap() > 0, "connection closed early");
+            while let Ok(Some(h)) = check_response(&buf, 1 << 20) {
+                let _ = ResponseFrame::split(&mut buf, h);
+                got.push(h.seq_num);
+            }
+        }
+        assert_eq!(got, seqs, "answers in request order, seqs as sent");
+        let most = most_pending.load(Ordering::Relaxed);
+        assert!(
+            (1..=2).contains(&most),
+            "the master saw {most} requests at once; the bound is 2"
+        );
+    }
+}
