@@ -243,15 +243,46 @@ mod tests {
             keys: (0..2500).map(|i| Bytes::from(i.to_string())).collect(),
             tenant_id: Bytes::new(),
         });
-        let policy = Registry::new(
-            crate::policy::PolicyConfig::default(),
-            None,
-            crate::metrics::Metrics::new().policy.clone(),
-        )
-        .unwrap();
+        let policy = registry(crate::policy::fake::Fake::new("none"));
         let set = policy.current();
         assert_eq!(points(&req, 1000, &policy, &set.arms[0], 0), [1000, 2000]);
         assert!(points(&req, 0, &policy, &set.arms[0], 0).is_empty());
         assert!(points(&req, 2500, &policy, &set.arms[0], 0).is_empty());
+    }
+
+    fn registry(fake: crate::policy::fake::Fake) -> Arc<Registry> {
+        let p: Arc<dyn crate::policy::Policy> = Arc::new(fake);
+        Registry::with_policies(
+            crate::policy::PolicyConfig::default(),
+            None,
+            crate::metrics::Metrics::new().policy.clone(),
+            vec![p],
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn the_plugins_points_join_the_bound_and_see_put_sizes() {
+        let keys: Vec<Bytes> = (0..10).map(|i| Bytes::from(i.to_string())).collect();
+        let put = Request::BatchPutStart(crate::codec::message::BatchPutStartArgs {
+            client_id: Default::default(),
+            keys,
+            slice_lengths: (1..=10).collect(),
+            config: Default::default(),
+            tenant_id: Bytes::new(),
+        });
+        // Cuts before the first key whose size is 5 or more, and at 4 (also a bound point).
+        let fake = crate::policy::fake::Fake::new("sizes").split(|c| {
+            let at = c.sizes.iter().position(|&s| s >= 5).unwrap_or(0) as u32;
+            Ok(vec![at, 8])
+        });
+        let policy = registry(fake);
+        let set = policy.current();
+        assert_eq!(points(&put, 4, &policy, &set.arms[0], 0), [4, 8]);
+        assert_eq!(points(&put, 3, &policy, &set.arms[0], 0), [3, 4, 6, 8, 9]);
+        assert!(
+            points(&put, 0, &policy, &set.arms[0], 0) == [4, 8],
+            "the plugin alone"
+        );
     }
 }
