@@ -95,11 +95,12 @@ pub(super) fn seen(keys: &[Bytes], resp: &Response) -> Vec<Seen> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{LOCAL_DISK_FOR_TESTS as LOCAL_DISK, MEMORY_FOR_TESTS as MEMORY};
     use super::*;
     use crate::codec::types::*;
 
+    const MEMORY: usize = 0;
     const DISK: usize = 1;
+    const LOCAL_DISK: usize = 2;
 
     fn rep(location: ReplicaLocation) -> ReplicaDescriptor {
         ReplicaDescriptor {

@@ -375,10 +375,6 @@ pub const TIER_LABELS: [&str; 4] = ["memory", "disk", "local_disk", "unknown"];
 /// Outcome label values of the tier metrics, in index order.
 pub const OUTCOMES: [&str; 3] = ["found", "not_found", "error"];
 
-#[cfg(test)]
-const MEMORY_FOR_TESTS: usize = 0;
-#[cfg(test)]
-const LOCAL_DISK_FOR_TESTS: usize = 2;
 const UNKNOWN: usize = 3;
 const FOUND: usize = 0;
 const NOT_FOUND: usize = 1;

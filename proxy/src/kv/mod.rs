@@ -61,6 +61,8 @@ pub enum StartError {
         addr: String,
         source: std::io::Error,
     },
+    #[error("kv.metadata_url {0:?} is not http://HOST:PORT/PATH")]
+    MetadataUrl(String),
     #[error("own segment: {0}")]
     Segment(String),
     #[error("kv API over QUIC: {0}")]
@@ -89,7 +91,7 @@ pub async fn start(
     let timeout = Duration::from_millis(cfg.timeout_ms);
     // Validated with the config: the URL parses.
     let md = client::metadata::Metadata::new(&cfg.metadata_url, timeout)
-        .ok_or_else(|| StartError::Segment("kv.metadata_url does not parse".into()))?;
+        .ok_or_else(|| StartError::MetadataUrl(cfg.metadata_url.clone()))?;
     let rdma = transport::rdma::detect();
     metrics.rdma_devices.set(rdma.device_count() as i64);
     tracing::info!(reason = %rdma.fallback_reason(),
@@ -241,7 +243,7 @@ async fn own_segment(
         segment_id: client::fresh_uuid(),
         name: name.clone(),
         metadata: crate::upstream::HttpUrl::parse(&cfg.metadata_url)
-            .ok_or_else(|| StartError::Segment("kv.metadata_url does not parse".into()))?,
+            .ok_or_else(|| StartError::MetadataUrl(cfg.metadata_url.clone()))?,
         upstream: upstream.to_string(),
         timeout: Duration::from_millis(cfg.timeout_ms),
         quic_entry,

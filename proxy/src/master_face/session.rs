@@ -132,160 +132,27 @@ impl Session {
     /// `now`. The caller checked [`Session::has_room`].
     pub fn handle_request(&mut self, frame: &RequestFrame, raw: &Bytes, now: Instant) {
         let method = Method::from_function_id(frame.header.function_id);
-        let queued = self.on_request(frame, raw, method);
-        self.queue.push_back(match queued {
-            Some(Ok(entry)) => InFlight::Upstream {
-                seq: frame.header.seq_num,
-                method,
-                sent: now,
-                entry: Some(entry),
-            },
-            None => InFlight::Upstream {
-                seq: frame.header.seq_num,
-                method,
-                sent: now,
-                entry: None,
-            },
-            Some(Err(local)) => InFlight::Local(local),
+        let upstream = |entry| InFlight::Upstream {
+            seq: frame.header.seq_num,
+            method,
+            sent: now,
+            entry,
+        };
+        let next = on_request(
+            &self.shared,
+            &mut self.to_master,
+            &mut self.client,
+            frame,
+            raw,
+            method,
+        );
+        self.queue.push_back(match next {
+            Next::Relayed => upstream(None),
+            Next::Forwarded(entry) => upstream(Some(entry)),
+            Next::Answered(bytes) => InFlight::Local(bytes),
         });
         // A local answer with nothing before it goes out at once.
         self.drain_local();
-    }
-
-    /// Decodes, decides and forwards one request: `Some(Ok)` forwarded with an entry,
-    /// `Some(Err(bytes))` answered locally, `None` relayed without one.
-    #[allow(clippy::type_complexity)]
-    fn on_request(
-        &mut self,
-        frame: &RequestFrame,
-        raw: &Bytes,
-        method: Option<Method>,
-    ) -> Option<Result<Entry, Bytes>> {
-        let shared = self.shared.clone();
-        let m = shared.metrics.method(method);
-        m.requests.inc();
-        let Some((req, style)) = decode_request(frame, method, m) else {
-            self.to_master.extend_from_slice(raw);
-            return None;
-        };
-        if let Some(id) = req.client_id() {
-            self.client = Some(id);
-        }
-        let policy = &shared.policy;
-        let set = policy.current();
-        let Some(PutDecided { action, ticket }) = policy.decide_put(&set, &req) else {
-            let ticket = policy.ticket(set, &self.client.unwrap_or_default(), req.first_key());
-            let arm = ticket.arm();
-            arm.metrics.requests[req.method().index()].requests.inc();
-            let lookup_keys = match calls::call(&req) {
-                calls::Call::Lookup(l) if policy.steers_lookups(arm) => Some(l.keys().to_vec()),
-                _ => None,
-            };
-            let parts = self.forward(frame, raw, &req, style, false, &ticket);
-            return Some(Ok(self.entry(ticket, None, lookup_keys, parts, &req)));
-        };
-        let am = &ticket.arm().metrics.requests[req.method().index()];
-        am.requests.inc();
-        match action {
-            PutAction::Forward => {
-                let parts = self.forward(frame, raw, &req, style, false, &ticket);
-                Some(Ok(self.entry(ticket, None, None, parts, &req)))
-            }
-            PutAction::Rewrite { request, fixup } => {
-                let parts = self.forward(frame, raw, &request, style, true, &ticket);
-                // Tracked from what went upstream: the table records the master's answer
-                // to it, before denied keys are merged back (moongate's denials are not
-                // memory pressure).
-                Some(Ok(self.entry(ticket, fixup, None, parts, &request)))
-            }
-            PutAction::Answer(resp) => {
-                let denied = resp.error_count() as u64;
-                m.error(ErrorKind::app, denied);
-                am.error(ErrorKind::app, denied);
-                policy.settle(
-                    &ticket,
-                    &Outcome {
-                        method: req.method().name(),
-                        code: resp.first_error().map_or(0, |e| e.0),
-                        failed: true,
-                        latency: None,
-                        keys: resp.key_count(),
-                    },
-                );
-                let mut body = BytesMut::new();
-                resp.encode_body(style, &mut body);
-                let mut bytes = BytesMut::with_capacity(16 + body.len());
-                ResponseFrame {
-                    header: ResponseHeader::new(frame.header.seq_num, errc::OK, 0),
-                    body: body.freeze(),
-                    attachment: Bytes::new(),
-                }
-                .write(&mut bytes);
-                Some(Err(bytes.freeze()))
-            }
-        }
-    }
-
-    fn entry(
-        &self,
-        ticket: Ticket,
-        fixup: Option<Fixup>,
-        lookup_keys: Option<Vec<Bytes>>,
-        parts: usize,
-        sent: &Request,
-    ) -> Entry {
-        Entry {
-            ticket,
-            fixup,
-            lookup_keys,
-            parts,
-            in_flight: put_bytes(sent, &self.shared),
-            tracked: self
-                .shared
-                .eviction
-                .as_ref()
-                .and_then(|_| Tracked::of(sent)),
-        }
-    }
-
-    /// Sends `req` upstream: as received, re-encoded (`changed`, or `reencode = "always"`),
-    /// or as bounded parts of a batch. Returns the number of upstream calls.
-    fn forward(
-        &mut self,
-        frame: &RequestFrame,
-        raw: &Bytes,
-        req: &Request,
-        style: BodyStyle,
-        changed: bool,
-        ticket: &Ticket,
-    ) -> usize {
-        let shared = &self.shared;
-        // An attachment cannot be cut with the keys; batch calls never carry one.
-        if frame.attachment.is_empty() {
-            let points = split::points(
-                req,
-                shared.cfg.max_batch_keys,
-                &shared.policy,
-                ticket.arm(),
-                shared.put_bytes_in_flight.load(Ordering::Relaxed),
-            );
-            if let Some(parts) = (!points.is_empty())
-                .then(|| req.split_at(&points))
-                .flatten()
-            {
-                for p in &parts {
-                    write_request(frame, p, style, &mut self.to_master);
-                }
-                shared.metrics.split(req.method(), parts.len());
-                return parts.len();
-            }
-        }
-        if changed || shared.cfg.reencode == Reencode::Always {
-            write_request(frame, req, style, &mut self.to_master);
-        } else {
-            self.to_master.extend_from_slice(raw);
-        }
-        1
     }
 
     /// Handles one whole master response (`raw`: its bytes as received) that arrived at
@@ -324,8 +191,7 @@ impl Session {
                     .method(method)
                     .latency
                     .observe(latency.as_secs_f64());
-                let shared = self.shared.clone();
-                let a = Answering::new(method, entry.as_ref(), latency, &shared);
+                let a = Answering::new(method, entry.as_ref(), latency, &self.shared);
                 if split.is_some() {
                     match std::mem::take(&mut self.merge).finish(seq) {
                         Merged::Failed(bytes) => {
@@ -369,6 +235,154 @@ impl Session {
         }
         self.drain_local();
     }
+}
+
+/// What became of one request.
+enum Next {
+    /// Not decoded: relayed as received, nothing to remember.
+    Relayed,
+    /// Forwarded (as received, rewritten or split); its answer needs the entry.
+    Forwarded(Entry),
+    /// Answered by moongate: these bytes go to the client when its turn comes.
+    Answered(Bytes),
+}
+
+/// Decodes, decides and forwards one request (what goes upstream is appended to `out`).
+fn on_request(
+    shared: &Shared,
+    out: &mut BytesMut,
+    client: &mut Option<Uuid>,
+    frame: &RequestFrame,
+    raw: &Bytes,
+    method: Option<Method>,
+) -> Next {
+    let m = shared.metrics.method(method);
+    m.requests.inc();
+    let Some((req, style)) = decode_request(frame, method, m) else {
+        out.extend_from_slice(raw);
+        return Next::Relayed;
+    };
+    let got = Received { frame, raw, style };
+    if let Some(id) = req.client_id() {
+        *client = Some(id);
+    }
+    let policy = &shared.policy;
+    let set = policy.current();
+    let Some(PutDecided { action, ticket }) = policy.decide_put(&set, &req) else {
+        let ticket = policy.ticket(set, &client.unwrap_or_default(), req.first_key());
+        let arm = ticket.arm();
+        arm.metrics.requests[req.method().index()].requests.inc();
+        let lookup_keys = match calls::call(&req) {
+            calls::Call::Lookup(l) if policy.steers_lookups(arm) => Some(l.keys().to_vec()),
+            _ => None,
+        };
+        let parts = forward(shared, out, &got, &req, false, &ticket);
+        return Next::Forwarded(entry(shared, ticket, None, lookup_keys, parts, &req));
+    };
+    let am = &ticket.arm().metrics.requests[req.method().index()];
+    am.requests.inc();
+    match action {
+        PutAction::Forward => {
+            let parts = forward(shared, out, &got, &req, false, &ticket);
+            Next::Forwarded(entry(shared, ticket, None, None, parts, &req))
+        }
+        PutAction::Rewrite { request, fixup } => {
+            let parts = forward(shared, out, &got, &request, true, &ticket);
+            // Tracked from what went upstream: the table records the master's answer
+            // to it, before denied keys are merged back (moongate's denials are not
+            // memory pressure).
+            Next::Forwarded(entry(shared, ticket, fixup, None, parts, &request))
+        }
+        PutAction::Answer(resp) => {
+            let denied = resp.error_count() as u64;
+            m.error(ErrorKind::app, denied);
+            am.error(ErrorKind::app, denied);
+            policy.settle(
+                &ticket,
+                &Outcome {
+                    method: req.method().name(),
+                    code: resp.first_error().map_or(0, |e| e.0),
+                    failed: true,
+                    latency: None,
+                    keys: resp.key_count(),
+                },
+            );
+            let mut body = BytesMut::new();
+            resp.encode_body(style, &mut body);
+            let mut bytes = BytesMut::with_capacity(16 + body.len());
+            ResponseFrame {
+                header: ResponseHeader::new(frame.header.seq_num, errc::OK, 0),
+                body: body.freeze(),
+                attachment: Bytes::new(),
+            }
+            .write(&mut bytes);
+            Next::Answered(bytes.freeze())
+        }
+    }
+}
+
+fn entry(
+    shared: &Shared,
+    ticket: Ticket,
+    fixup: Option<Fixup>,
+    lookup_keys: Option<Vec<Bytes>>,
+    parts: usize,
+    sent: &Request,
+) -> Entry {
+    Entry {
+        ticket,
+        fixup,
+        lookup_keys,
+        parts,
+        in_flight: put_bytes(sent, shared),
+        tracked: shared.eviction.as_ref().and_then(|_| Tracked::of(sent)),
+    }
+}
+
+/// A request as it arrived: its frame, its bytes, and the body style to re-encode in.
+struct Received<'a> {
+    frame: &'a RequestFrame,
+    raw: &'a Bytes,
+    style: BodyStyle,
+}
+
+/// Sends `req` upstream: as received, re-encoded (`changed`, or `reencode = "always"`),
+/// or as bounded parts of a batch. Returns the number of upstream calls.
+fn forward(
+    shared: &Shared,
+    out: &mut BytesMut,
+    got: &Received<'_>,
+    req: &Request,
+    changed: bool,
+    ticket: &Ticket,
+) -> usize {
+    let Received { frame, raw, style } = *got;
+    // An attachment cannot be cut with the keys; batch calls never carry one.
+    if frame.attachment.is_empty() {
+        let points = split::points(
+            req,
+            shared.cfg.max_batch_keys,
+            &shared.policy,
+            ticket.arm(),
+            shared.put_bytes_in_flight.load(Ordering::Relaxed),
+        );
+        if let Some(parts) = (!points.is_empty())
+            .then(|| req.split_at(&points))
+            .flatten()
+        {
+            for p in &parts {
+                write_request(frame, p, style, out);
+            }
+            shared.metrics.split(req.method(), parts.len());
+            return parts.len();
+        }
+    }
+    if changed || shared.cfg.reencode == Reencode::Always {
+        write_request(frame, req, style, out);
+    } else {
+        out.extend_from_slice(raw);
+    }
+    1
 }
 
 fn decode_request(

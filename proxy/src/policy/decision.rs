@@ -285,7 +285,7 @@ impl Registry {
         }
         let breach = {
             let mut w = set.probation.lock().unwrap_or_else(|p| p.into_inner());
-            w.add(set.activated, Duration::MAX, failed, None);
+            w.count(failed);
             w.calls >= rb.min_calls && w.failure_ratio() > rb.max_failure_ratio
         };
         if breach && self.active.is_current(set) {

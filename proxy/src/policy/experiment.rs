@@ -183,11 +183,17 @@ impl Window {
         if now.saturating_duration_since(self.start) > window {
             *self = Window::new(now);
         }
-        self.calls += 1;
-        self.failures += u64::from(failed);
+        self.count(failed);
         if let Some(l) = latency {
             self.latency_us += l.as_micros() as u64;
         }
+    }
+
+    /// Counts one call in a window that never restarts (an activation's probation ends
+    /// by the caller's clock instead).
+    pub fn count(&mut self, failed: bool) {
+        self.calls += 1;
+        self.failures += u64::from(failed);
     }
 
     pub fn failure_ratio(&self) -> f64 {

@@ -412,6 +412,13 @@ mod tests {
         assert_eq!(statuses, [507, 400, 413, 507]);
         // Settled: nothing went upstream, so observe heard nothing; the decision counts.
         assert!(fake.observations().is_empty());
-        assert_eq!(st.policy.current().arms[0].metrics.decisions[3].get(), 1);
+        let deny_all = crate::policy::metrics::DECISIONS
+            .iter()
+            .position(|d| *d == "deny_all")
+            .unwrap();
+        assert_eq!(
+            st.policy.current().arms[0].metrics.decisions[deny_all].get(),
+            1
+        );
     }
 }

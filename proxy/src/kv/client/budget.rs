@@ -84,7 +84,7 @@ impl ByteBudget {
 mod tests {
     use super::*;
 
-    fn store(max_inflight_bytes: u64) -> ByteBudget {
+    fn budget(max_inflight_bytes: u64) -> ByteBudget {
         ByteBudget::new(
             &Budget {
                 max_inflight_bytes,
@@ -96,7 +96,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_byte_budget_answers_busy_instead_of_queueing() {
-        let s = store(1 << 20);
+        let s = budget(1 << 20);
         let a = s.reserve(600 << 10).await.unwrap();
         assert!(matches!(
             s.reserve(600 << 10).await,
