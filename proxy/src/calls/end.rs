@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use bytes::Bytes;
 
-use super::{Seen, Tracked};
+use super::{Seen, Track};
 use crate::codec::Method;
 use crate::codec::message::{
     BatchPutEndArgs, BatchPutRevokeArgs, BatchUpsertEndArgs, PutEndArgs, PutRevokeArgs, Request,
@@ -96,10 +96,20 @@ impl<'a> End<'a> {
         parts.iter().map(cut).collect()
     }
 
-    pub(super) fn tracked(&self) -> Tracked {
+    pub(super) fn tracked(&self) -> Track {
         match self {
-            End::Revoke(_) | End::BatchRevoke(_) => Tracked::Revoke(self.keys()),
-            _ => Tracked::End(self.keys()),
+            End::Revoke(_) | End::BatchRevoke(_) => Track::Revoke(self.keys()),
+            _ => Track::End(self.keys()),
+        }
+    }
+
+    pub fn tenant(&self) -> &'a Bytes {
+        match self {
+            End::One(_, a) => &a.tenant_id,
+            End::BatchPut(a) => &a.tenant_id,
+            End::BatchUpsert(a) => &a.tenant_id,
+            End::Revoke(a) => &a.tenant_id,
+            End::BatchRevoke(a) => &a.tenant_id,
         }
     }
 }

@@ -61,7 +61,9 @@ pub(super) fn tally(resp: &Response, t: &mut Tally) {
                     let tier = tier_label(rep.location.tier());
                     if !std::mem::replace(&mut seen[tier], true) {
                         t.keys[tier][FOUND] += 1;
-                        t.bytes[tier][FOUND] += rep.location.size();
+                        // The master's sizes: summed without wrapping or panicking.
+                        t.bytes[tier][FOUND] =
+                            t.bytes[tier][FOUND].saturating_add(rep.location.size());
                     }
                 }
             }

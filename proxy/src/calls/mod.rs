@@ -84,6 +84,13 @@ impl<'a> Keyed<'a> {
         }
     }
 
+    pub fn tenant(&self) -> &'a Bytes {
+        match self {
+            Keyed::One(a) => &a.tenant_id,
+            Keyed::Batch(a) => &a.tenant_id,
+        }
+    }
+
     /// A batch's parts, each made into a request by `make` (`None` for one key).
     fn split(
         &self,
@@ -302,12 +309,18 @@ impl AnswerExt for Response {
 
 /// What a forwarded request's answer can tell the eviction table, taken from the
 /// request on its way up (the answer alone does not name the keys).
+/// Keys are per tenant: every tracked call carries the tenant it names.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Tracked {
-    Put {
-        tenant: Bytes,
-        keys: Vec<(Bytes, u64)>,
-    },
+pub struct Tracked {
+    pub tenant: Bytes,
+    pub what: Track,
+}
+
+/// The keys a tracked call is about, by what it does to them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Track {
+    /// Put starts: key and size.
+    Put(Vec<(Bytes, u64)>),
     /// PutEnd / UpsertEnd and their batch forms: the keys are stored.
     End(Vec<Bytes>),
     /// PutRevoke / BatchPutRevoke: the put was abandoned.
@@ -321,10 +334,7 @@ pub enum Tracked {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Seen {
     /// Put starts the master accepted: key, size, tier of its first replica.
-    Stored {
-        tenant: Bytes,
-        keys: Vec<(Bytes, u64, Tier)>,
-    },
+    Stored(Vec<(Bytes, u64, Tier)>),
     /// Bytes of puts the master refused for lack of room (NO_AVAILABLE_HANDLE).
     Denied(u64),
     /// Keys whose put ended: they may now be removed.
@@ -341,30 +351,33 @@ impl Tracked {
     /// The part of `req` the table needs, for the methods that change or show what is
     /// stored.
     pub fn of(req: &Request) -> Option<Tracked> {
-        match call(req) {
-            Call::Put(c) => Some(c.tracked()),
-            Call::End(c) => Some(c.tracked()),
-            Call::Lookup(c) => Some(Tracked::Lookup(c.keys().to_vec())),
-            Call::Exist(c) => Some(Tracked::Lookup(c.keys().to_vec())),
-            Call::Remove(c) => Some(c.tracked()),
-            _ => None,
-        }
+        let (tenant, what) = match call(req) {
+            Call::Put(c) => (c.tenant(), c.tracked()),
+            Call::End(c) => (c.tenant(), c.tracked()),
+            Call::Lookup(c) | Call::Exist(c) => (c.tenant(), Track::Lookup(c.keys().to_vec())),
+            Call::Remove(c) => (c.tenant(), c.tracked()),
+            _ => return None,
+        };
+        Some(Tracked {
+            tenant: tenant.clone(),
+            what,
+        })
     }
 
     /// What the successful answer `resp` says about the tracked keys (nothing when the
     /// answer does not fit the request).
     pub fn seen(&self, resp: &Response) -> Vec<Seen> {
-        match self {
-            Tracked::Put { tenant, keys } => put::seen(tenant, keys, resp),
-            Tracked::End(keys) => end::seen_end(keys, resp),
-            Tracked::Revoke(keys) => end::seen_revoke(keys, resp),
-            Tracked::Lookup(keys) => {
+        match &self.what {
+            Track::Put(keys) => put::seen(keys, resp),
+            Track::End(keys) => end::seen_end(keys, resp),
+            Track::Revoke(keys) => end::seen_revoke(keys, resp),
+            Track::Lookup(keys) => {
                 let mut s = lookup::seen(keys, resp);
                 s.extend(exist::seen(keys, resp));
                 s
             }
-            Tracked::Remove(key) => remove::seen_one(key, resp),
-            Tracked::RemoveAll => remove::seen_all(resp),
+            Track::Remove(key) => remove::seen_one(key, resp),
+            Track::RemoveAll => remove::seen_all(resp),
         }
     }
 }
@@ -526,14 +539,20 @@ mod tests {
             force: true,
             tenant_id: Bytes::new(),
         });
-        assert_eq!(Tracked::of(&r), Some(Tracked::RemoveAll));
+        assert_eq!(
+            Tracked::of(&r),
+            Some(Tracked {
+                tenant: Bytes::new(),
+                what: Track::RemoveAll
+            })
+        );
         let r = Request::BatchExistKey(KeysArgs {
             keys: vec![Bytes::from_static(b"a")],
             tenant_id: Bytes::new(),
         });
         assert_eq!(
-            Tracked::of(&r),
-            Some(Tracked::Lookup(vec![Bytes::from_static(b"a")]))
+            Tracked::of(&r).map(|t| t.what),
+            Some(Track::Lookup(vec![Bytes::from_static(b"a")]))
         );
     }
 
@@ -559,10 +578,7 @@ mod tests {
         assert_eq!(
             seen,
             [
-                Seen::Stored {
-                    tenant: t.clone(),
-                    keys: vec![(key("a"), 10, Tier::Memory)]
-                },
+                Seen::Stored(vec![(key("a"), 10, Tier::Memory)]),
                 Seen::Denied(20)
             ]
         );
@@ -618,7 +634,7 @@ mod tests {
         let remove = Request::Remove(RemoveArgs {
             key: key("a"),
             force: false,
-            tenant_id: t,
+            tenant_id: t.clone(),
         });
         for (answer, gone) in [
             (Ok(()), true),
@@ -630,9 +646,11 @@ mod tests {
                 .seen(&Response::Remove(answer));
             assert_eq!(!s.is_empty(), gone);
         }
-        assert_eq!(
-            Tracked::RemoveAll.seen(&Response::RemoveAll(-1)),
-            Vec::<Seen>::new()
-        );
+        let all = Tracked {
+            tenant: t.clone(),
+            what: Track::RemoveAll,
+        };
+        assert_eq!(all.seen(&Response::RemoveAll(-1)), Vec::<Seen>::new());
+        assert_eq!(Tracked::of(&remove).unwrap().tenant, t);
     }
 }

@@ -7,7 +7,7 @@ use std::ops::Range;
 
 use bytes::Bytes;
 
-use super::{Seen, Tracked};
+use super::{Seen, Track};
 use crate::codec::Method;
 use crate::codec::message::{BatchPutStartArgs, PutStartArgs, Request, Response};
 use crate::codec::types::{ErrorCode, Expected, ReplicaDescriptor, ReplicateConfig, Tier, Uuid};
@@ -175,16 +175,14 @@ impl<'a> Put<'a> {
         )
     }
 
-    pub(super) fn tracked(&self) -> Tracked {
-        Tracked::Put {
-            tenant: self.tenant().clone(),
-            keys: self
-                .keys()
+    pub(super) fn tracked(&self) -> Track {
+        Track::Put(
+            self.keys()
                 .iter()
                 .cloned()
                 .zip(self.sizes().iter().copied())
                 .collect(),
-        }
+        )
     }
 }
 
@@ -259,7 +257,7 @@ pub(super) fn append(whole: &mut Response, part: Response) -> Result<(), Respons
 
 /// Accepted starts are stored (size, tier of the first replica); starts the master
 /// refused for lack of room count as denied bytes.
-pub(super) fn seen(tenant: &Bytes, keys: &[(Bytes, u64)], resp: &Response) -> Vec<Seen> {
+pub(super) fn seen(keys: &[(Bytes, u64)], resp: &Response) -> Vec<Seen> {
     let Some(answers) = results(resp).filter(|a| a.len() == keys.len()) else {
         return Vec::new();
     };
@@ -278,10 +276,7 @@ pub(super) fn seen(tenant: &Bytes, keys: &[(Bytes, u64)], resp: &Response) -> Ve
     }
     let mut out = Vec::with_capacity(2);
     if !stored.is_empty() {
-        out.push(Seen::Stored {
-            tenant: tenant.clone(),
-            keys: stored,
-        });
+        out.push(Seen::Stored(stored));
     }
     if denied > 0 {
         out.push(Seen::Denied(denied));

@@ -2,7 +2,7 @@
 
 use bytes::Bytes;
 
-use super::{Seen, Tracked};
+use super::{Seen, Track};
 use crate::codec::message::{RemoveAllArgs, RemoveArgs, Response};
 use crate::codec::types::ErrorCode;
 
@@ -20,10 +20,17 @@ impl<'a> Remove<'a> {
         }
     }
 
-    pub(super) fn tracked(&self) -> Tracked {
+    pub(super) fn tracked(&self) -> Track {
         match self {
-            Remove::One(a) => Tracked::Remove(a.key.clone()),
-            Remove::All(_) => Tracked::RemoveAll,
+            Remove::One(a) => Track::Remove(a.key.clone()),
+            Remove::All(_) => Track::RemoveAll,
+        }
+    }
+
+    pub fn tenant(&self) -> &'a Bytes {
+        match self {
+            Remove::One(a) => &a.tenant_id,
+            Remove::All(a) => &a.tenant_id,
         }
     }
 }

@@ -33,7 +33,7 @@ use bytes::Bytes;
 use tokio_util::sync::CancellationToken;
 
 use crate::calls::Seen;
-pub use crate::calls::Tracked;
+pub use crate::calls::{Track, Tracked};
 use crate::codec::message::{RemoveArgs, Request, Response};
 use crate::codec::types::ErrorCode;
 use crate::policy::host::wit;
@@ -81,14 +81,17 @@ impl Eviction {
         let now = self.now_ms();
         for seen in t.seen(resp) {
             match seen {
-                Seen::Stored { tenant, keys } => self.table.put(&tenant, &keys, arm, now),
+                Seen::Stored(keys) => self.table.put(&t.tenant, &keys, arm, now),
                 Seen::Denied(bytes) => {
                     self.denied_bytes.fetch_add(bytes, Ordering::Relaxed);
                 }
-                Seen::Completed(keys) => self.table.complete(keys.iter()),
-                Seen::Found(keys) => self.table.hit(keys.iter().map(|(k, t)| (k, *t)), now),
-                Seen::Gone(keys) => self.table.forget(keys.iter()),
-                Seen::Cleared => self.table.clear(),
+                Seen::Completed(keys) => self.table.complete(&t.tenant, keys.iter()),
+                Seen::Found(keys) => {
+                    self.table
+                        .hit(&t.tenant, keys.iter().map(|(k, tier)| (k, *tier)), now)
+                }
+                Seen::Gone(keys) => self.table.forget(&t.tenant, keys.iter()),
+                Seen::Cleared => self.table.clear(&t.tenant),
             }
         }
         self.metrics.table_keys.set(self.table.len() as i64);
@@ -216,12 +219,12 @@ impl Eviction {
                 let result = match a {
                     Ok(Response::Remove(Ok(()))) => {
                         self.metrics.removed_bytes.inc_by(e.size);
-                        removed.push(k.clone());
+                        removed.push((e.tenant.clone(), k.clone()));
                         Victim::Removed
                     }
                     Ok(Response::Remove(Err(ErrorCode::OBJECT_HAS_LEASE))) => Victim::Leased,
                     Ok(Response::Remove(Err(ErrorCode::OBJECT_NOT_FOUND))) => {
-                        removed.push(k.clone());
+                        removed.push((e.tenant.clone(), k.clone()));
                         Victim::NotFound
                     }
                     other => {
@@ -233,7 +236,9 @@ impl Eviction {
             }
         }
         tracing::debug!(need, removed = removed.len(), "eviction round");
-        self.table.forget(removed.iter());
+        for (tenant, key) in &removed {
+            self.table.forget(tenant, std::iter::once(key));
+        }
         self.metrics.table_keys.set(self.table.len() as i64);
         Ok(())
     }
@@ -307,7 +312,7 @@ fn lru(sizes: &[u64], need: u64) -> Vec<usize> {
         if freed >= need {
             break;
         }
-        freed += s;
+        freed = freed.saturating_add(s);
         out.push(i);
     }
     out
@@ -330,13 +335,15 @@ mod tests {
             EvictionConfig::default(),
             crate::metrics::Metrics::new().eviction.clone(),
         );
-        let t = Tracked::Put {
-            tenant: Bytes::from_static(b"default"),
-            keys: vec![
-                (Bytes::from_static(b"a"), 100),
-                (Bytes::from_static(b"b"), 50),
-            ],
+        let tenant = Bytes::from_static(b"default");
+        let tracked = |what| Tracked {
+            tenant: tenant.clone(),
+            what,
         };
+        let t = tracked(Track::Put(vec![
+            (Bytes::from_static(b"a"), 100),
+            (Bytes::from_static(b"b"), 50),
+        ]));
         ev.record(
             &t,
             &Response::BatchPutStart(vec![Ok(vec![]), Err(ErrorCode::NO_AVAILABLE_HANDLE)]),
@@ -345,11 +352,11 @@ mod tests {
         assert_eq!(ev.table.len(), 1);
         assert_eq!(ev.denied_bytes.load(Ordering::Relaxed), 50);
         ev.record(
-            &Tracked::End(vec![Bytes::from_static(b"a")]),
+            &tracked(Track::End(vec![Bytes::from_static(b"a")])),
             &Response::BatchPutEnd(vec![Ok(())]),
             0,
         );
-        let look = Tracked::Lookup(vec![Bytes::from_static(b"a")]);
+        let look = tracked(Track::Lookup(vec![Bytes::from_static(b"a")]));
         ev.record(&look, &Response::BatchExistKey(vec![Ok(true)]), 0);
         assert!(ev.table.candidates(1, 0).is_empty(), "leased by the lookup");
         assert_eq!(ev.table.candidates(1, u64::MAX)[0].1.hits, 1);

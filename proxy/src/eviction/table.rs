@@ -1,5 +1,7 @@
 //! The bounded table of keys clients put through this moongate: size, tier, last access,
-//! hits, and the experiment arm that served the put.
+//! hits, and the experiment arm that served the put. Mooncake keys are per tenant, so
+//! entries are keyed by (tenant, key): one tenant's removal, miss or clear never touches
+//! another tenant's key, and a victim is removed under the tenant that owns it.
 //!
 //! Fed from answers the master face already decodes (successful put starts, lookups,
 //! removes); read by the evictor for candidates. Pure data: the caller passes the time
@@ -35,8 +37,11 @@ pub struct Entry {
 pub struct KeyTable {
     max_keys: usize,
     lease_ms: u64,
-    inner: Mutex<HashMap<Bytes, Entry>>,
+    inner: Mutex<HashMap<Owned, Entry>>,
 }
+
+/// A key as the master knows it: (tenant, key).
+type Owned = (Bytes, Bytes);
 
 impl KeyTable {
     /// `lease_ms`: the master's read lease (`--default_kv_lease_ttl`), which every
@@ -49,7 +54,7 @@ impl KeyTable {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Bytes, Entry>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Owned, Entry>> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -66,7 +71,7 @@ impl KeyTable {
         let mut t = self.lock();
         for (key, size, tier) in keys {
             t.insert(
-                key.clone(),
+                (tenant.clone(), key.clone()),
                 Entry {
                     tenant: tenant.clone(),
                     size: *size,
@@ -85,10 +90,15 @@ impl KeyTable {
     }
 
     /// Records lookups that found these keys (`tier` when the answer named one).
-    pub fn hit<'a>(&self, found: impl Iterator<Item = (&'a Bytes, Option<Tier>)>, now_ms: u64) {
+    pub fn hit<'a>(
+        &self,
+        tenant: &Bytes,
+        found: impl Iterator<Item = (&'a Bytes, Option<Tier>)>,
+        now_ms: u64,
+    ) {
         let mut t = self.lock();
         for (key, tier) in found {
-            if let Some(e) = t.get_mut(key) {
+            if let Some(e) = t.get_mut(&(tenant.clone(), key.clone())) {
                 e.last_ms = now_ms;
                 e.hits = e.hits.saturating_add(1);
                 e.leased_until_ms = now_ms + self.lease_ms;
@@ -100,25 +110,26 @@ impl KeyTable {
     }
 
     /// Marks keys whose put ended: they are stored and may be evicted.
-    pub fn complete<'a>(&self, keys: impl Iterator<Item = &'a Bytes>) {
+    pub fn complete<'a>(&self, tenant: &Bytes, keys: impl Iterator<Item = &'a Bytes>) {
         let mut t = self.lock();
         for k in keys {
-            if let Some(e) = t.get_mut(k) {
+            if let Some(e) = t.get_mut(&(tenant.clone(), k.clone())) {
                 e.complete = true;
             }
         }
     }
 
     /// Forgets keys that are gone from the store (removed, or found missing).
-    pub fn forget<'a>(&self, keys: impl Iterator<Item = &'a Bytes>) {
+    pub fn forget<'a>(&self, tenant: &Bytes, keys: impl Iterator<Item = &'a Bytes>) {
         let mut t = self.lock();
         for k in keys {
-            t.remove(k);
+            t.remove(&(tenant.clone(), k.clone()));
         }
     }
 
-    pub fn clear(&self) {
-        self.lock().clear();
+    /// Forgets every key of `tenant` (its `RemoveAll`).
+    pub fn clear(&self, tenant: &Bytes) {
+        self.lock().retain(|(t, _), _| t != tenant);
     }
 
     /// Up to `max` complete entries not under a read lease at `now_ms`, least recently
@@ -128,7 +139,7 @@ impl KeyTable {
         let mut all: Vec<(Bytes, Entry)> = t
             .iter()
             .filter(|(_, e)| e.complete && e.leased_until_ms <= now_ms)
-            .map(|(k, e)| (k.clone(), e.clone()))
+            .map(|((_, k), e)| (k.clone(), e.clone()))
             .collect();
         drop(t);
         if all.len() > max {
@@ -142,7 +153,7 @@ impl KeyTable {
 
 /// Drops the least recently used ~1/64 of the table below `max` in one pass, so the
 /// O(n) scan is paid once per many inserts.
-fn forget_oldest(t: &mut HashMap<Bytes, Entry>, max: usize) {
+fn forget_oldest(t: &mut HashMap<Owned, Entry>, max: usize) {
     let target = max - max / 64;
     let excess = t.len().saturating_sub(target);
     if excess == 0 {
@@ -182,8 +193,9 @@ mod tests {
         );
         t.put(&d, &[(k("c"), 30, Tier::Disk)], 1, 2);
         assert!(t.candidates(10, 5).is_empty(), "puts not ended yet");
-        t.complete([k("a"), k("b"), k("c")].iter());
+        t.complete(&d, [k("a"), k("b"), k("c")].iter());
         t.hit(
+            &d,
             [(&k("a"), Some(Tier::Disk)), (&k("zz"), None)].into_iter(),
             5,
         );
@@ -194,9 +206,9 @@ mod tests {
         assert_eq!(c[1].1.arm, 1);
         assert_eq!(t.candidates(1, 5).len(), 1);
         assert_eq!(&t.candidates(1, 5)[0].0[..], b"b");
-        t.forget([k("b")].iter());
+        t.forget(&d, [k("b")].iter());
         assert_eq!(t.len(), 2);
-        t.clear();
+        t.clear(&d);
         assert!(t.is_empty());
     }
 
@@ -209,11 +221,37 @@ mod tests {
             0,
             0,
         );
-        t.complete([k("a"), k("b")].iter());
-        t.hit([(&k("a"), None)].into_iter(), 10);
+        t.complete(&k("t"), [k("a"), k("b")].iter());
+        t.hit(&k("t"), [(&k("a"), None)].into_iter(), 10);
         let keys = |now| -> Vec<Bytes> { t.candidates(10, now).into_iter().map(|c| c.0).collect() };
         assert_eq!(keys(50), [k("b")]);
         assert_eq!(keys(110), [k("b"), k("a")]);
+    }
+
+    #[test]
+    fn tenants_do_not_touch_each_others_keys() {
+        let t = KeyTable::new(100, 0);
+        let (a, b) = (k("tenant-a"), k("tenant-b"));
+        t.put(&a, &[(k("x"), 10, Tier::Memory)], 0, 1);
+        t.put(&b, &[(k("x"), 20, Tier::Disk)], 1, 2);
+        assert_eq!(t.len(), 2, "the same key under two tenants is two entries");
+        t.complete(&a, [k("x")].iter());
+        // Only a's put ended: only a's key is a candidate, under a.
+        let c = t.candidates(10, 5);
+        assert_eq!(c.len(), 1);
+        assert_eq!((&c[0].1.tenant, c[0].1.size), (&a, 10));
+        // b's removal, miss or clear leaves a's key alone.
+        t.forget(&b, [k("x")].iter());
+        t.clear(&b);
+        t.hit(&b, [(&k("x"), Some(Tier::Disk))].into_iter(), 9);
+        assert_eq!(t.len(), 1);
+        let c = t.candidates(10, 10);
+        assert_eq!(
+            (&c[0].1.tenant, c[0].1.hits, c[0].1.tier),
+            (&a, 0, Tier::Memory)
+        );
+        t.forget(&a, [k("x")].iter());
+        assert!(t.is_empty());
     }
 
     #[test]
@@ -222,7 +260,7 @@ mod tests {
         for i in 0..5000u64 {
             let key = k(&i.to_string());
             t.put(&k("t"), &[(key.clone(), 1, Tier::Memory)], 0, i);
-            t.complete(std::iter::once(&key));
+            t.complete(&k("t"), std::iter::once(&key));
         }
         assert!(t.len() <= 1000, "{}", t.len());
         assert!(t.len() >= 900);

@@ -55,6 +55,44 @@ pub struct KvConfig {
     pub api_quic_listen: String,
     /// PEM CA bundle; when set, QUIC API callers must present a certificate it issued.
     pub api_quic_client_ca: String,
+    /// PEM CA bundle; when set, peers of the own segment's QUIC endpoint must present a
+    /// certificate it issued, and this moongate presents `kv.quic_cert` to the segments
+    /// it reads and writes over QUIC. Required when `kv.quic_listen` is not loopback:
+    /// without it any host that completes TLS reads and writes the segment.
+    pub quic_client_ca: String,
+    /// Serve the own segment over TE-TCP (what unmodified Mooncake clients speak).
+    /// `false` = QUIC only (needs `kv.quic_listen`): only moongates with a certificate
+    /// from `kv.quic_client_ca` reach the segment, and an unmodified client whose put the
+    /// master places in it fails that write. TE-TCP, like Mooncake's own, trusts the
+    /// network. Default true.
+    pub segment_tcp: bool,
+    /// Connections each API listener (TCP, Unix) holds open at most; more are closed
+    /// at once. Default 1024: far above an engine's pool, far below the fd limit.
+    pub max_connections: usize,
+    /// Connections the own segment's TE-TCP listener holds open at most (each costs up
+    /// to a 256 KiB copy buffer while it moves bytes). Default 512.
+    pub segment_max_connections: usize,
+    /// QUIC connections each QUIC listener (API, segment) holds at most. Each may buffer
+    /// up to its 16 MiB receive window, so the default 64 bounds that at 1 GiB.
+    pub quic_max_connections: usize,
+    /// A TCP or Unix connection (API or segment) that moves no byte for this long while
+    /// waiting on its peer is closed. Default 60000 (above `kv.timeout_ms`, so a slow
+    /// master answer never reads as idleness).
+    pub idle_timeout_ms: u64,
+    /// Longest key, in bytes, in a path or a key list. Default 4096. Key-list bodies
+    /// are capped at `kv.max_batch_keys` keys of this size.
+    pub max_key_bytes: usize,
+    /// Connections to the master the kv face opens at most; a call finding them all in
+    /// use waits up to `kv.busy_wait_ms`, then is answered 503. Default 32.
+    pub master_connections: usize,
+    /// How long a segment descriptor read from the metadata server is reused (it is
+    /// also dropped when a transfer with it fails). Default 60000.
+    pub metadata_ttl_ms: u64,
+    /// The master's `--root_fs_dir` as mounted on this host. Disk replicas are read and
+    /// written only under it; empty (default) = the kv face does not touch the disk tier
+    /// (reads of disk-only values fail, disk replicas of its puts are revoked), because
+    /// the paths come from the master and must not name arbitrary files.
+    pub disk_root: String,
 }
 
 impl Default for KvConfig {
@@ -81,6 +119,16 @@ impl Default for KvConfig {
             api_quic_listen: String::new(),
             api_quic_client_ca: String::new(),
             quic_streams: 4,
+            quic_client_ca: String::new(),
+            segment_tcp: true,
+            max_connections: 1024,
+            segment_max_connections: 512,
+            quic_max_connections: 64,
+            idle_timeout_ms: 60_000,
+            max_key_bytes: 4096,
+            master_connections: 32,
+            metadata_ttl_ms: 60_000,
+            disk_root: String::new(),
         }
     }
 }
@@ -109,6 +157,46 @@ impl KvConfig {
                 kv.te_connections_per_peer as u64,
             );
             positive(errs, "kv.timeout_ms", kv.timeout_ms);
+            positive(errs, "kv.max_connections", kv.max_connections as u64);
+            positive(
+                errs,
+                "kv.segment_max_connections",
+                kv.segment_max_connections as u64,
+            );
+            positive(
+                errs,
+                "kv.quic_max_connections",
+                kv.quic_max_connections as u64,
+            );
+            positive(errs, "kv.idle_timeout_ms", kv.idle_timeout_ms);
+            positive(errs, "kv.max_key_bytes", kv.max_key_bytes as u64);
+            positive(errs, "kv.master_connections", kv.master_connections as u64);
+            positive(errs, "kv.metadata_ttl_ms", kv.metadata_ttl_ms);
+            if !kv.disk_root.is_empty() && !std::path::Path::new(&kv.disk_root).is_absolute() {
+                errs.push(format!(
+                    "kv.disk_root: {:?} is not an absolute path (the master's disk paths are)",
+                    kv.disk_root
+                ));
+            }
+            if !kv.quic_client_ca.is_empty() {
+                if kv.quic_listen.is_empty() && !kv.quic_client {
+                    errs.push("kv.quic_client_ca: needs kv.quic_listen or kv.quic_client".into());
+                }
+                if kv.quic_cert.is_empty() {
+                    errs.push(
+                        "kv.quic_client_ca: set kv.quic_cert and kv.quic_key to a certificate \
+                         that CA issued (it is what this moongate shows its peers)"
+                            .into(),
+                    );
+                }
+            }
+            if !kv.segment_tcp && (kv.segment_bytes == 0 || kv.quic_listen.is_empty()) {
+                errs.push(
+                    "kv.segment_tcp = false serves the own segment over QUIC only: set \
+                     kv.segment_bytes and kv.quic_listen"
+                        .into(),
+                );
+            }
             if kv.max_inflight_bytes < 1024 {
                 errs.push("kv.max_inflight_bytes: at least 1024".into());
             }
@@ -121,6 +209,17 @@ impl KvConfig {
                 }
                 if kv.quic_cert.is_empty() != kv.quic_key.is_empty() {
                     errs.push("kv.quic_cert and kv.quic_key: both or neither".into());
+                }
+                let loopback = kv
+                    .quic_listen
+                    .parse::<std::net::SocketAddr>()
+                    .is_ok_and(|a| a.ip().is_loopback());
+                if !loopback && kv.quic_client_ca.is_empty() {
+                    errs.push(format!(
+                        "kv.quic_listen {:?} is not loopback: set kv.quic_client_ca, or any \
+                         host that reaches it reads and writes the own segment",
+                        kv.quic_listen
+                    ));
                 }
             }
             positive(errs, "kv.quic_streams", kv.quic_streams as u64);

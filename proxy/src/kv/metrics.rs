@@ -53,6 +53,41 @@ impl Transport {
     }
 }
 
+/// A listener of the kv face (the `listener` label of the connection metrics).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Listener {
+    /// The kv API on TCP (`kv.listen`).
+    Http,
+    /// The kv API on a Unix socket (`kv.unix_path`).
+    Unix,
+    /// The kv API over QUIC (`kv.api_quic_listen`).
+    QuicApi,
+    /// The own segment over TE-TCP (`kv.segment_listen`).
+    SegmentTcp,
+    /// The own segment over QUIC (`kv.quic_listen`).
+    SegmentQuic,
+}
+
+impl Listener {
+    const ALL: [Listener; 5] = [
+        Listener::Http,
+        Listener::Unix,
+        Listener::QuicApi,
+        Listener::SegmentTcp,
+        Listener::SegmentQuic,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Listener::Http => "http",
+            Listener::Unix => "unix",
+            Listener::QuicApi => "quic_api",
+            Listener::SegmentTcp => "segment_tcp",
+            Listener::SegmentQuic => "segment_quic",
+        }
+    }
+}
+
 /// Which way kv bytes moved.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Dir {
@@ -74,6 +109,11 @@ pub enum CacheResult {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ResultLabel {
     result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ListenerLabel {
+    listener: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -104,6 +144,13 @@ pub struct KvMetrics {
     pub inflight_bytes: Gauge,
     /// RDMA devices found at start (the data path falls back to TCP / QUIC regardless).
     pub rdma_devices: Gauge,
+    /// `[Listener]`: connections open, and connections closed at once over the cap.
+    connections: [Gauge; 5],
+    connections_refused: [Counter; 5],
+    /// Request bodies that did not arrive within `kv.timeout_ms`.
+    pub body_timeouts: Counter,
+    /// Master calls refused busy: every one of `kv.master_connections` stayed in use.
+    pub master_busy: Counter,
 }
 
 impl KvMetrics {
@@ -161,6 +208,33 @@ impl KvMetrics {
             "Value bytes of kv gets and puts in progress",
             inflight_bytes.clone(),
         );
+        let conns = Family::<ListenerLabel, Gauge>::default();
+        registry.register(
+            "moongate_kv_connections",
+            "Connections open per kv-face listener (http, unix, quic_api, segment_tcp, \
+             segment_quic)",
+            conns.clone(),
+        );
+        let refused = Family::<ListenerLabel, Counter>::default();
+        registry.register(
+            "moongate_kv_connections_refused",
+            "Connections closed at once because their listener held its cap \
+             (kv.max_connections, kv.segment_max_connections, kv.quic_max_connections)",
+            refused.clone(),
+        );
+        let body_timeouts = Counter::default();
+        registry.register(
+            "moongate_kv_body_timeouts",
+            "kv request bodies that did not arrive within kv.timeout_ms (answered 408)",
+            body_timeouts.clone(),
+        );
+        let master_busy = Counter::default();
+        registry.register(
+            "moongate_kv_master_busy",
+            "kv-face master calls answered busy: all kv.master_connections stayed in use \
+             for kv.busy_wait_ms",
+            master_busy.clone(),
+        );
         let x = |f: &Family<KvXferLabels, Counter>| {
             Transport::ALL.map(|t| t.label()).map(|transport| {
                 ["read", "write"].map(|direction| {
@@ -184,7 +258,32 @@ impl KvMetrics {
             busy,
             inflight_bytes,
             rdma_devices,
+            connections: Listener::ALL.map(|l| {
+                conns
+                    .get_or_create(&ListenerLabel {
+                        listener: l.label(),
+                    })
+                    .clone()
+            }),
+            connections_refused: Listener::ALL.map(|l| {
+                refused
+                    .get_or_create(&ListenerLabel {
+                        listener: l.label(),
+                    })
+                    .clone()
+            }),
+            body_timeouts,
+            master_busy,
         }
+    }
+
+    /// The connection cap of one listener, counted under its label.
+    pub fn conn_limit(&self, l: Listener, max: usize) -> crate::accept::ConnLimit {
+        crate::accept::ConnLimit::new(
+            max,
+            self.connections_refused[l as usize].clone(),
+            self.connections[l as usize].clone(),
+        )
     }
 
     /// Counts one answered request of `op` by its HTTP status class.

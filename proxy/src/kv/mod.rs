@@ -47,7 +47,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::codec::types::Uuid;
-use crate::kv::metrics::KvMetrics;
+use crate::kv::metrics::{KvMetrics, Listener};
 use crate::policy::registry::Registry;
 use config::KvConfig;
 use transport::quic::{Identity, QuicError};
@@ -91,14 +91,24 @@ pub async fn start(
     let timeout = Duration::from_millis(cfg.timeout_ms);
     // Validated with the config: the URL parses.
     let md = client::metadata::Metadata::new(&cfg.metadata_url, timeout)
-        .ok_or_else(|| StartError::MetadataUrl(cfg.metadata_url.clone()))?;
+        .ok_or_else(|| StartError::MetadataUrl(cfg.metadata_url.clone()))?
+        .with_ttl(Duration::from_millis(cfg.metadata_ttl_ms));
+    let idle = Duration::from_millis(cfg.idle_timeout_ms);
     let rdma = transport::rdma::detect();
     metrics.rdma_devices.set(rdma.device_count() as i64);
     tracing::info!(reason = %rdma.fallback_reason(),
         "transport: RDMA not used; TE-TCP to Mooncake segments, QUIC to moongates that offer it");
     let quic = if cfg.quic_client {
+        // With a fleet CA, this moongate shows its certificate to the segments it reaches.
+        let cert = if cfg.quic_client_ca.is_empty() {
+            None
+        } else {
+            let id = Identity::load_or_generate(&cfg.quic_cert, &cfg.quic_key)
+                .map_err(|e| StartError::Segment(e.to_string()))?;
+            Some(transport::quic::ClientCert::of(&id))
+        };
         match transport::quic::QuicPool::new(timeout, cfg.quic_streams) {
-            Ok(q) => Some(q),
+            Ok(q) => Some(q.with_client_cert(cert)),
             Err(e) => {
                 tracing::warn!(error = %e, "no QUIC client; peers are reached over TE-TCP");
                 None
@@ -112,7 +122,8 @@ pub async fn start(
         transport::te_tcp::Pool::new(cfg.te_connections_per_peer, timeout),
         quic,
         metrics.clone(),
-    );
+    )
+    .with_disk_root(&cfg.disk_root);
     let store = client::Store::new(
         upstream.to_string(),
         xfer,
@@ -123,12 +134,13 @@ pub async fn start(
             max_inflight_bytes: cfg.max_inflight_bytes,
             busy_wait: Duration::from_millis(cfg.busy_wait_ms),
         },
+        cfg.master_connections,
     )
     .with_replica_cache(Duration::from_millis(cfg.replica_cache_ms));
     let mut segment_task = None;
     if cfg.segment_bytes > 0 {
         let (task, name, mem) =
-            own_segment(cfg, upstream, store.client_id(), shutdown.clone()).await?;
+            own_segment(cfg, upstream, store.client_id(), &metrics, shutdown.clone()).await?;
         store.xfer.set_own_segment(name, mem);
         segment_task = Some(task);
     }
@@ -138,9 +150,10 @@ pub async fn start(
         store,
         max_value_bytes: cfg.max_value_bytes,
         max_batch_keys: cfg.max_batch_keys,
+        max_key_bytes: cfg.max_key_bytes,
         batch_part_bytes: cfg.batch_part_bytes,
         policy,
-        metrics,
+        metrics: metrics.clone(),
     });
     if !cfg.unix_path.is_empty() {
         let path = std::path::PathBuf::from(&cfg.unix_path);
@@ -160,13 +173,17 @@ pub async fn start(
             ul,
             path,
             state.clone(),
+            metrics.conn_limit(Listener::Unix, cfg.max_connections),
+            idle,
             shutdown.clone(),
         ));
     }
     if !cfg.api_quic_listen.is_empty() {
-        api_quic(cfg, state.clone(), shutdown.clone())?;
+        let limit = metrics.conn_limit(Listener::QuicApi, cfg.quic_max_connections);
+        api_quic(cfg, state.clone(), limit, shutdown.clone())?;
     }
-    tokio::spawn(api::http::serve(listener, state, shutdown));
+    let limit = metrics.conn_limit(Listener::Http, cfg.max_connections);
+    tokio::spawn(api::http::serve(listener, state, limit, idle, shutdown));
     Ok(Kv { segment_task })
 }
 
@@ -175,6 +192,7 @@ pub async fn start(
 fn api_quic(
     cfg: &KvConfig,
     state: Arc<api::KvState>,
+    limit: crate::accept::ConnLimit,
     shutdown: CancellationToken,
 ) -> Result<(), StartError> {
     let err = |e: QuicError| StartError::ApiQuic(e.to_string());
@@ -189,7 +207,7 @@ fn api_quic(
     let sha256: String = id.sha256.iter().map(|b| format!("{b:02x}")).collect();
     tracing::info!(quic = %bound, %sha256,
         client_certs = !cfg.api_quic_client_ca.is_empty(), "kv API served over QUIC");
-    tokio::spawn(api::quic::serve(ep, state, shutdown));
+    tokio::spawn(api::quic::serve(ep, state, limit, shutdown));
     Ok(())
 }
 
@@ -199,6 +217,7 @@ async fn own_segment(
     cfg: &KvConfig,
     upstream: &str,
     client_id: Uuid,
+    metrics: &KvMetrics,
     shutdown: CancellationToken,
 ) -> Result<(JoinHandle<()>, Bytes, Arc<own::segment::Memory>), StartError> {
     let listener = TcpListener::bind(&cfg.segment_listen)
@@ -220,7 +239,24 @@ async fn own_segment(
         0x7e00_0000_0000,
         cfg.segment_bytes,
     ));
-    tokio::spawn(own::segment::serve(listener, mem.clone(), shutdown.clone()));
+    let tcp_limit = metrics.conn_limit(Listener::SegmentTcp, cfg.segment_max_connections);
+    if cfg.segment_tcp {
+        let idle = Duration::from_millis(cfg.idle_timeout_ms);
+        tokio::spawn(own::segment::serve(
+            listener,
+            mem.clone(),
+            tcp_limit,
+            idle,
+            shutdown.clone(),
+        ));
+    } else {
+        tracing::info!(segment = %name, "own segment served over QUIC only (kv.segment_tcp = false)");
+        tokio::spawn(own::segment::refuse_all(
+            listener,
+            tcp_limit,
+            shutdown.clone(),
+        ));
+    }
     let quic_entry = if cfg.quic_listen.is_empty() {
         None
     } else {
@@ -230,12 +266,19 @@ async fn own_segment(
             .quic_listen
             .parse()
             .map_err(|_| StartError::Segment(format!("kv.quic_listen {:?}", cfg.quic_listen)))?;
-        let ep = transport::quic::server(at, &id).map_err(err)?;
+        let ep = transport::quic::server(at, &id, &cfg.quic_client_ca).map_err(err)?;
         let bound = ep
             .local_addr()
             .map_err(|e| StartError::Segment(e.to_string()))?;
-        tracing::info!(quic = %bound, "own segment served over QUIC");
-        tokio::spawn(transport::quic::serve(ep, mem.clone(), shutdown.clone()));
+        tracing::info!(quic = %bound, client_certs = !cfg.quic_client_ca.is_empty(),
+            "own segment served over QUIC");
+        let limit = metrics.conn_limit(Listener::SegmentQuic, cfg.quic_max_connections);
+        tokio::spawn(transport::quic::serve(
+            ep,
+            mem.clone(),
+            limit,
+            shutdown.clone(),
+        ));
         Some(transport::quic::peer_entry(bound, &id.sha256))
     };
     let reg = Arc::new(own::mount::Registration {

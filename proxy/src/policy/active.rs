@@ -24,7 +24,13 @@ pub struct Arm {
     stopped: AtomicBool,
     /// Guardrail window (experiments only).
     pub(super) window: Mutex<Window>,
+    /// When a failed plugin call was last logged, and failures since then not logged.
+    failure_log: Mutex<(Option<Instant>, u64)>,
 }
+
+/// A failing plugin is logged at most once per this interval per arm (with the count of
+/// failures in between); every failure is counted in the call metrics regardless.
+pub const FAILURE_LOG_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl Arm {
     pub fn new(name: &str, plugin: Arc<dyn Policy>, weight: u64, families: &PolicyFamilies) -> Arm {
@@ -35,6 +41,23 @@ impl Arm {
             weight,
             stopped: AtomicBool::new(false),
             window: Mutex::new(Window::new(Instant::now())),
+            failure_log: Mutex::new((None, 0)),
+        }
+    }
+
+    /// Whether a failed plugin call at `now` should be logged: `Some(n)` with the
+    /// failures left unlogged before it, at most once per [`FAILURE_LOG_INTERVAL`].
+    pub fn failure_to_log(&self, now: Instant) -> Option<u64> {
+        let mut g = self.failure_log.lock().unwrap_or_else(|p| p.into_inner());
+        let due =
+            g.0.is_none_or(|at| now.saturating_duration_since(at) >= FAILURE_LOG_INTERVAL);
+        if due {
+            let skipped = g.1;
+            *g = (Some(now), 0);
+            Some(skipped)
+        } else {
+            g.1 += 1;
+            None
         }
     }
 
@@ -194,5 +217,24 @@ impl Active {
         families.rollbacks.inc();
         families.active_generation.set(prev.generation as i64);
         Some(prev.generation)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failing_plugin_is_logged_once_per_interval_with_the_count_between() {
+        let families = crate::metrics::Metrics::new().policy.clone();
+        let fake: Arc<dyn Policy> = Arc::new(crate::policy::fake::Fake::new("f"));
+        let arm = Arm::new("a", fake, 1, &families);
+        let t0 = Instant::now();
+        assert_eq!(arm.failure_to_log(t0), Some(0));
+        for i in 1..=99u64 {
+            assert_eq!(arm.failure_to_log(t0 + Duration::from_millis(i)), None);
+        }
+        assert_eq!(arm.failure_to_log(t0 + FAILURE_LOG_INTERVAL), Some(99));
+        assert_eq!(arm.failure_to_log(t0 + FAILURE_LOG_INTERVAL), None);
     }
 }

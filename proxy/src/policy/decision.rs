@@ -138,10 +138,15 @@ impl Registry {
         })
     }
 
-    fn warn_failed(&self, arm: &Arm, hook: &str, e: &CallError) {
-        tracing::warn!(plugin = %arm.plugin.name(), version = arm.plugin.version(),
-            arm = %arm.name, hook, error = %e, fail_mode = ?self.cfg.fail_mode,
-            "policy call failed");
+    /// Logs a failed plugin call, at most once per [`super::active::FAILURE_LOG_INTERVAL`]
+    /// per arm: a plugin failing on every call must not flood the log (each failure is
+    /// counted in `moongate_policy_calls_total{result="error"}` anyway).
+    fn warn_failed(&self, arm: &Arm, hook: &str, e: &dyn std::fmt::Display) {
+        if let Some(unlogged) = arm.failure_to_log(Instant::now()) {
+            tracing::warn!(plugin = %arm.plugin.name(), version = arm.plugin.version(),
+                arm = %arm.name, hook, error = %e, fail_mode = ?self.cfg.fail_mode,
+                unlogged_failures_before = unlogged, "policy call failed");
+        }
     }
 
     /// Whether the arm's plugin steers lookups (`on-lookup`).
@@ -216,8 +221,7 @@ impl Registry {
                 points
             }
             Err(e) => {
-                tracing::warn!(plugin = %arm.plugin.name(), arm = %arm.name, error = %e,
-                    "batch split call failed; batch left whole");
+                self.warn_failed(arm, "split (batch left whole)", &e);
                 Vec::new()
             }
         }
@@ -239,8 +243,7 @@ impl Registry {
         match result {
             Ok(v) => Some(v.into_iter().map(|i| i as usize).collect()),
             Err(e) => {
-                tracing::warn!(plugin = %arm.plugin.name(), arm = %arm.name, error = %e,
-                    "evict call failed; least recently used victims instead");
+                self.warn_failed(arm, "evict (least recently used victims instead)", &e);
                 None
             }
         }

@@ -74,6 +74,8 @@ pub enum CallError {
     Closed(usize),
     #[error("the answer to {0} did not decode")]
     Undecodable(Method),
+    #[error("the master answered seq {got} where seq {want} was due; connection dropped")]
+    OutOfOrder { want: u32, got: u32 },
 }
 
 /// One call's outcome: the decoded answer, or the transport error code the master sent.
@@ -144,7 +146,15 @@ impl Conn {
             };
             let (frame, _) = crate::codec::ResponseFrame::split(&mut self.buf, h);
             let i = answers.len();
-            debug_assert_eq!(h.seq_num, first.wrapping_add(i as u32));
+            let want = first.wrapping_add(i as u32);
+            // An answer out of order would be attributed to the wrong call; the caller
+            // drops a connection that returned an error, so nothing later reads it.
+            if h.seq_num != want {
+                return Err(CallError::OutOfOrder {
+                    want,
+                    got: h.seq_num,
+                });
+            }
             let method = reqs[i].method();
             if h.err_code != errc::OK {
                 answers.push(Err(h.err_code));

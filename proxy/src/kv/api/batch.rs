@@ -83,7 +83,10 @@ pub async fn get_parts(
     let mut from = 0;
     let mut busy: Option<String> = None;
     for to in starts {
-        let bytes: u64 = sizes[from..to].iter().sum();
+        // Sizes are the master's: summed without wrapping (the budget caps a reservation).
+        let bytes = sizes[from..to]
+            .iter()
+            .fold(0u64, |a, &s| a.saturating_add(s));
         let room = match &busy {
             Some(_) => None,
             None if bytes == 0 => None,
@@ -237,7 +240,7 @@ where
     B: hyper::body::Body<Data = Bytes> + Unpin,
     B::Error: std::fmt::Display,
 {
-    let mut reader = PutReader::new(body);
+    let mut reader = PutReader::new(body).with_stall_limit(state.store.call_timeout());
     let mut out: Vec<Option<Outcome>> = Vec::new();
     let mut part = Part::default();
     let mut busy: Option<String> = None;
@@ -258,6 +261,11 @@ where
         out.push(None);
         let refuse = if len == 0 {
             Some((StatusCode::BAD_REQUEST, "empty value".to_string()))
+        } else if key.len() > state.max_key_bytes {
+            Some((
+                StatusCode::BAD_REQUEST,
+                format!("key over {} bytes (kv.max_key_bytes)", state.max_key_bytes),
+            ))
         } else if len > state.max_value_bytes as u64 {
             Some((
                 StatusCode::PAYLOAD_TOO_LARGE,
@@ -277,7 +285,7 @@ where
             }
             continue;
         }
-        if part.bytes + len > part_limit {
+        if part.bytes.saturating_add(len) > part_limit {
             flush(state, &mut part, &mut out).await;
         }
         let room = match state.store.reserve(len).await {
@@ -318,7 +326,11 @@ where
 }
 
 fn record_error(e: RecordError) -> (StatusCode, String) {
-    (StatusCode::BAD_REQUEST, e.to_string())
+    let status = match e {
+        RecordError::Stalled(_) => StatusCode::REQUEST_TIMEOUT,
+        _ => StatusCode::BAD_REQUEST,
+    };
+    (status, e.to_string())
 }
 
 #[cfg(test)]
@@ -362,9 +374,11 @@ mod tests {
                     max_inflight_bytes: 1 << 20,
                     busy_wait: Duration::from_millis(10),
                 },
+                4,
             ),
             max_value_bytes: 1 << 16,
             max_batch_keys: 100,
+            max_key_bytes: 64,
             batch_part_bytes: part_bytes,
             policy: Registry::with_policies(
                 PolicyConfig::default(),

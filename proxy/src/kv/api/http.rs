@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::combinators::BoxBody;
-use http_body_util::{BodyExt, Full, Limited, StreamBody};
+use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
@@ -15,9 +15,11 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use super::body::BodyError;
 use super::state::{KvState, decide, settle, status_of};
+use crate::accept::{ConnLimit, Idle};
 use crate::calls::AnswerExt;
-use crate::kv::client::{StoreError, Value};
+use crate::kv::client::{Reserved, StoreError, Value};
 
 /// The chunks of a streamed value as HTTP body frames.
 fn tokio_stream_of(
@@ -81,23 +83,41 @@ fn form_urlencoded_decode(s: &str) -> Option<Vec<u8>> {
     Some(out)
 }
 
-async fn body(req: Request<Incoming>, limit: usize) -> Result<Bytes, Response<Body>> {
-    match Limited::new(req.into_body(), limit).collect().await {
-        Ok(c) => Ok(c.to_bytes()),
-        Err(e)
-            if e.downcast_ref::<http_body_util::LengthLimitError>()
-                .is_some() =>
-        {
-            Err(error(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                format!("body over {limit} bytes (kv.max_value_bytes)"),
-            ))
+/// A body read under the budget ([`super::body`]), or the answer that refuses it.
+async fn body_of(
+    state: &KvState,
+    req: Request<Incoming>,
+    limit: usize,
+    what: &'static str,
+) -> Result<(Bytes, Reserved), Response<Body>> {
+    let announced = announced_len(&req);
+    let timeout = state.store.call_timeout();
+    super::body::read(
+        req.into_body(),
+        announced,
+        limit,
+        what,
+        &state.store,
+        timeout,
+    )
+    .await
+    .map_err(|e| match e {
+        BodyError::TooLarge { .. } => error(StatusCode::PAYLOAD_TOO_LARGE, e),
+        BodyError::Short { .. } => error(StatusCode::BAD_REQUEST, e),
+        BodyError::Store(e) => {
+            if matches!(e, StoreError::BodyTimeout(_)) {
+                state.metrics.body_timeouts.inc();
+            }
+            error(status_of(&e), e)
         }
-        Err(e) => Err(error(
-            StatusCode::BAD_REQUEST,
-            format!("reading the body: {e}"),
-        )),
-    }
+    })
+}
+
+fn announced_len<B>(req: &Request<B>) -> Option<u64> {
+    req.headers()
+        .get(hyper::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
 }
 
 /// Counts the answer by op and status class.
@@ -152,11 +172,7 @@ where
 /// `PUT /v1/kv/{key}`: a body announced at [`STREAM_PUT_FROM`] bytes or more is passed
 /// on to the replicas as it arrives; smaller or unannounced ones are read whole first.
 async fn put(state: &KvState, key: Bytes, req: Request<Incoming>) -> Response<Body> {
-    let announced = req
-        .headers()
-        .get(hyper::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
+    let announced = announced_len(&req);
     if announced.is_some_and(|n| n > state.max_value_bytes as u64) {
         return error(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -175,16 +191,17 @@ async fn put(state: &KvState, key: Bytes, req: Request<Incoming>) -> Response<Bo
             .await
         }
         _ => {
-            let value = match body(req, state.max_value_bytes).await {
-                Ok(b) => b,
-                Err(r) => return r,
-            };
+            let (value, room) =
+                match body_of(state, req, state.max_value_bytes, "kv.max_value_bytes").await {
+                    Ok(b) => b,
+                    Err(r) => return r,
+                };
             if value.is_empty() {
                 return error(StatusCode::BAD_REQUEST, "empty value");
             }
             let len = value.len() as u64;
             decided_put(state, key.clone(), len, |start| {
-                state.store.put(key, value, start)
+                state.store.put(key, value, start, room)
             })
             .await
         }
@@ -198,9 +215,16 @@ async fn put(state: &KvState, key: Bytes, req: Request<Incoming>) -> Response<Bo
 /// Announced PUT bodies from this size on stream to the replicas.
 const STREAM_PUT_FROM: u64 = 1 << 20;
 
-/// The JSON array of keys a batch call asks about, at most `kv.max_batch_keys`.
+/// The JSON array of keys a batch call asks about, at most `kv.max_batch_keys` of at
+/// most `kv.max_key_bytes` each; its body is capped to fit them (and read under the
+/// budget, released once the keys are parsed).
 async fn keys_of(state: &KvState, req: Request<Incoming>) -> Result<Vec<Bytes>, Response<Body>> {
-    let raw = body(req, 64 << 20).await?;
+    // Room for every key written with a few escapes, its quotes and a comma.
+    let limit = state
+        .max_batch_keys
+        .saturating_mul(state.max_key_bytes.saturating_add(8))
+        .saturating_add(2);
+    let (raw, _room) = body_of(state, req, limit, "kv.max_batch_keys x kv.max_key_bytes").await?;
     let keys: Vec<String> = serde_json::from_slice(&raw).map_err(|e| {
         error(
             StatusCode::BAD_REQUEST,
@@ -219,6 +243,15 @@ async fn keys_of(state: &KvState, req: Request<Incoming>) -> Result<Vec<Bytes>, 
     }
     if keys.iter().any(String::is_empty) {
         return Err(error(StatusCode::BAD_REQUEST, "an empty key"));
+    }
+    if keys.iter().any(|k| k.len() > state.max_key_bytes) {
+        return Err(error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "a key over {} bytes (kv.max_key_bytes)",
+                state.max_key_bytes
+            ),
+        ));
     }
     Ok(keys.into_iter().map(Bytes::from).collect())
 }
@@ -302,6 +335,12 @@ async fn route(state: Arc<KvState>, req: Request<Incoming>) -> Response<Body> {
             "no such endpoint; see docs/kv-api.md",
         );
     };
+    if key.len() > state.max_key_bytes {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!("key over {} bytes (kv.max_key_bytes)", state.max_key_bytes),
+        );
+    }
     match method {
         Method::GET => match state.store.get(key).await {
             Ok(Some(Value::Whole(v))) => reply(StatusCode::OK, v, "application/octet-stream"),
@@ -332,14 +371,28 @@ async fn route(state: Arc<KvState>, req: Request<Incoming>) -> Response<Body> {
 }
 
 /// Serves the kv face on TCP until shutdown; each connection is its own task, so a bad
-/// request or a broken connection affects only itself.
-pub async fn serve(listener: TcpListener, state: Arc<KvState>, shutdown: CancellationToken) {
+/// request or a broken connection affects only itself. At most `limit` connections are
+/// open at once (more are closed at once), and each closes after `idle` without bytes.
+pub async fn serve(
+    listener: TcpListener,
+    state: Arc<KvState>,
+    limit: ConnLimit,
+    idle: Duration,
+    shutdown: CancellationToken,
+) {
     loop {
         let Some((sock, _)) = crate::accept::next(&listener, &shutdown, "kv").await else {
             return;
         };
+        let Some(slot) = limit.admit() else {
+            continue;
+        };
         let _ = sock.set_nodelay(true);
-        tokio::spawn(serve_conn(sock, state.clone()));
+        let state = state.clone();
+        tokio::spawn(async move {
+            serve_conn(Idle::new(sock, idle), state).await;
+            drop(slot);
+        });
     }
 }
 
@@ -349,6 +402,8 @@ pub async fn serve_unix(
     listener: tokio::net::UnixListener,
     path: std::path::PathBuf,
     state: Arc<KvState>,
+    limit: ConnLimit,
+    idle: Duration,
     shutdown: CancellationToken,
 ) {
     loop {
@@ -363,7 +418,14 @@ pub async fn serve_unix(
                 }
             },
         };
-        tokio::spawn(serve_conn(sock, state.clone()));
+        let Some(slot) = limit.admit() else {
+            continue;
+        };
+        let state = state.clone();
+        tokio::spawn(async move {
+            serve_conn(Idle::new(sock, idle), state).await;
+            drop(slot);
+        });
     }
     let _ = std::fs::remove_file(&path);
 }

@@ -4,6 +4,7 @@
 //! policy; no master frames, no transfer-engine bytes.
 
 pub mod batch;
+pub mod body;
 pub mod http;
 pub mod quic;
 pub mod records;

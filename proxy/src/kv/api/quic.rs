@@ -17,11 +17,13 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use rustls::pki_types::CertificateDer;
 use tokio_util::sync::CancellationToken;
 
 use super::state::KvState;
-use crate::kv::transport::quic::{Identity, Pinned, QuicError, provider, transport};
+use crate::accept::ConnLimit;
+use crate::kv::transport::quic::{
+    Identity, Pinned, QuicError, client_verifier, provider, transport,
+};
 
 /// ALPN of the kv API over QUIC.
 pub const ALPN: &[u8] = b"moongate-kv/1";
@@ -33,45 +35,30 @@ pub fn server(
     id: &Identity,
     client_ca: &str,
 ) -> Result<quinn::Endpoint, QuicError> {
-    let clients = if client_ca.is_empty() {
-        None
-    } else {
-        use rustls::pki_types::pem::PemObject;
-        let mut roots = rustls::RootCertStore::empty();
-        let certs = CertificateDer::pem_file_iter(client_ca)
-            .and_then(|i| i.collect::<Result<Vec<_>, _>>())
-            .map_err(|e| QuicError::Setup(format!("kv.api_quic_client_ca {client_ca}: {e}")))?;
-        let (added, _) = roots.add_parsable_certificates(certs);
-        if added == 0 {
-            return Err(QuicError::Setup(format!(
-                "kv.api_quic_client_ca {client_ca}: no usable CA certificate"
-            )));
-        }
-        let v = rustls::server::WebPkiClientVerifier::builder_with_provider(
-            Arc::new(roots),
-            provider(),
-        )
-        .build()
-        .map_err(|e| QuicError::Setup(format!("kv.api_quic_client_ca: {e}")))?;
-        Some(v)
-    };
+    let clients = client_verifier(client_ca, "kv.api_quic_client_ca")?;
     crate::kv::transport::quic::endpoint(listen, id, ALPN, clients)
 }
 
 /// Serves the kv API on `endpoint` until shutdown: a task per connection, one HTTP
 /// connection per stream.
-pub async fn serve(endpoint: quinn::Endpoint, state: Arc<KvState>, shutdown: CancellationToken) {
-    crate::kv::transport::quic::serve_streams(endpoint, shutdown, "kv API", move |stream, _| {
-        super::http::serve_conn(stream, state.clone())
-    })
+pub async fn serve(
+    endpoint: quinn::Endpoint,
+    state: Arc<KvState>,
+    limit: ConnLimit,
+    shutdown: CancellationToken,
+) {
+    crate::kv::transport::quic::serve_streams(
+        endpoint,
+        limit,
+        shutdown,
+        "kv API",
+        move |stream, _| super::http::serve_conn(stream, state.clone()),
+    )
     .await
 }
 
 /// How a caller proves who it is to a server with `kv.api_quic_client_ca`.
-pub struct ClientCert {
-    pub certs: Vec<CertificateDer<'static>>,
-    pub key: rustls::pki_types::PrivateKeyDer<'static>,
-}
+pub use crate::kv::transport::quic::ClientCert;
 
 /// A remote caller of the kv API over QUIC: one connection, a stream per request.
 pub struct ApiClient {

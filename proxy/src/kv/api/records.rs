@@ -25,6 +25,8 @@ pub enum RecordError {
     EmptyKey,
     #[error("reading the body: {0}")]
     Body(String),
+    #[error("no body bytes arrived for {0:?} (kv.timeout_ms)")]
+    Stalled(std::time::Duration),
 }
 
 /// The head of one get-answer record.
@@ -71,6 +73,8 @@ pub struct PutReader<B> {
     body: B,
     buf: BytesMut,
     ended: bool,
+    /// Longest wait for the next body frame; `None` = no limit.
+    stall: Option<std::time::Duration>,
 }
 
 impl<B> PutReader<B>
@@ -83,7 +87,15 @@ where
             body,
             buf: BytesMut::new(),
             ended: false,
+            stall: None,
         }
+    }
+
+    /// Fails the read ([`RecordError::Stalled`]) when no frame arrives for `limit`: a
+    /// client that trickles a batch holds its reserved bytes no longer than that.
+    pub fn with_stall_limit(mut self, limit: std::time::Duration) -> Self {
+        self.stall = Some(limit);
+        self
     }
 
     /// Pulls body frames until `n` bytes are buffered; `false` when the body ended first.
@@ -92,7 +104,13 @@ where
             if self.ended {
                 return Ok(false);
             }
-            match self.body.frame().await {
+            let frame = match self.stall {
+                Some(t) => tokio::time::timeout(t, self.body.frame())
+                    .await
+                    .map_err(|_| RecordError::Stalled(t))?,
+                None => self.body.frame().await,
+            };
+            match frame {
                 None => self.ended = true,
                 Some(Err(e)) => return Err(RecordError::Body(e.to_string())),
                 Some(Ok(f)) => {

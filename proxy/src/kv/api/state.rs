@@ -18,6 +18,8 @@ pub struct KvState {
     pub max_value_bytes: usize,
     /// Keys per `POST /v1/kv/exists` and per batch call.
     pub max_batch_keys: usize,
+    /// Longest key in a path, a key list or a batch record (`kv.max_key_bytes`).
+    pub max_key_bytes: usize,
     /// Value bytes per part of a batch call (see [`super::batch`]).
     pub batch_part_bytes: u64,
     /// The policies that decide placement and admission of puts, as on the master face.
@@ -28,7 +30,7 @@ pub struct KvState {
 /// The one place store errors become HTTP statuses.
 pub fn status_of(e: &StoreError) -> StatusCode {
     match e {
-        StoreError::Busy(_) => StatusCode::SERVICE_UNAVAILABLE,
+        StoreError::Busy(_) | StoreError::MasterBusy => StatusCode::SERVICE_UNAVAILABLE,
         StoreError::Body(_) => StatusCode::BAD_REQUEST,
         StoreError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
         StoreError::Refused(ErrorCode::NO_AVAILABLE_HANDLE) => StatusCode::INSUFFICIENT_STORAGE,

@@ -3,12 +3,14 @@
 //!
 //! Keys are escaped exactly as libcurl's `curl_easy_escape` does (only `A-Za-z0-9-._~`
 //! kept): the master-embedded server does not URL-decode, so any other spelling misses.
-//! Descriptors are cached per segment for the process lifetime, as Mooncake's own
-//! initiators do; a transfer that fails drops the entry so the next call re-reads it.
+//! Descriptors are cached per segment for `kv.metadata_ttl_ms` (Mooncake's own
+//! initiators keep them for the process lifetime; names come from the master, so a
+//! cache keyed by them must not grow or live forever), at most [`MAX_CACHED`] of them;
+//! a transfer that fails drops the entry so the next call re-reads it.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use serde::Deserialize;
@@ -27,6 +29,9 @@ pub enum MetadataError {
     #[error("segment {name} is served over {protocol:?}, not tcp")]
     Protocol { name: String, protocol: String },
 }
+
+/// How long an answer is reused unless [`Metadata::with_ttl`] says otherwise.
+const DEFAULT_TTL: Duration = Duration::from_secs(60);
 
 /// `curl_easy_escape`: every byte but `A-Z a-z 0-9 - . _ ~` as upper-case `%XX`.
 pub fn escape(key: &str) -> String {
@@ -118,14 +123,59 @@ pub fn parse_segment(name: &str, body: &[u8]) -> Result<Segment, MetadataError> 
     })
 }
 
+/// Segments whose answers are cached at most; past it, expired entries are dropped,
+/// then (a fleet this large) the whole cache.
+pub const MAX_CACHED: usize = 4096;
+
+/// Answers keyed by segment name, each reused for `ttl` after it was read.
+struct Expiring<V> {
+    ttl: Duration,
+    map: HashMap<Bytes, (Instant, V)>,
+}
+
+impl<V: Clone> Expiring<V> {
+    fn new(ttl: Duration) -> Self {
+        Expiring {
+            ttl,
+            map: HashMap::new(),
+        }
+    }
+
+    fn get(&mut self, name: &Bytes) -> Option<V> {
+        match self.map.get(name) {
+            Some((at, v)) if at.elapsed() < self.ttl => Some(v.clone()),
+            Some(_) => {
+                self.map.remove(name);
+                None
+            }
+            None => None,
+        }
+    }
+
+    fn insert(&mut self, name: Bytes, v: V) {
+        if self.map.len() >= MAX_CACHED {
+            let ttl = self.ttl;
+            self.map.retain(|_, (at, _)| at.elapsed() < ttl);
+            if self.map.len() >= MAX_CACHED {
+                self.map.clear();
+            }
+        }
+        self.map.insert(name, (Instant::now(), v));
+    }
+
+    fn remove(&mut self, name: &Bytes) {
+        self.map.remove(name);
+    }
+}
+
 /// Reads segment descriptors from `http://HOST:PORT/metadata`, with a cache.
 pub struct Metadata {
     url: HttpUrl,
     timeout: Duration,
     prefix: String,
-    cache: Mutex<HashMap<Bytes, Arc<Segment>>>,
+    cache: Mutex<Expiring<Arc<Segment>>>,
     /// `moongate/quic/<name>` entries; `None` = the segment has no QUIC endpoint.
-    quic: Mutex<HashMap<Bytes, Option<crate::kv::transport::quic::QuicPeer>>>,
+    quic: Mutex<Expiring<Option<crate::kv::transport::quic::QuicPeer>>>,
 }
 
 impl Metadata {
@@ -139,9 +189,18 @@ impl Metadata {
                 Ok(id) if !id.is_empty() => format!("mooncake/{}/", id.trim_end_matches('/')),
                 _ => "mooncake/".into(),
             },
-            cache: Mutex::new(HashMap::new()),
-            quic: Mutex::new(HashMap::new()),
+            cache: Mutex::new(Expiring::new(DEFAULT_TTL)),
+            quic: Mutex::new(Expiring::new(DEFAULT_TTL)),
         })
+    }
+
+    /// Reuses each answer for `ttl` (`kv.metadata_ttl_ms`) instead of the default.
+    pub fn with_ttl(self, ttl: Duration) -> Metadata {
+        Metadata {
+            cache: Mutex::new(Expiring::new(ttl)),
+            quic: Mutex::new(Expiring::new(ttl)),
+            ..self
+        }
     }
 
     /// The metadata key a QUIC-serving moongate publishes for its segment `name`.
@@ -158,7 +217,7 @@ impl Metadata {
             .unwrap_or_else(|p| p.into_inner())
             .get(name)
         {
-            return p.clone();
+            return p;
         }
         let key = self.quic_key(&String::from_utf8_lossy(name));
         let path = format!("{}?key={}", self.url.path, escape(&key));
@@ -182,7 +241,7 @@ impl Metadata {
             .unwrap_or_else(|p| p.into_inner())
             .get(name)
         {
-            return Ok(s.clone());
+            return Ok(s);
         }
         let name_str = String::from_utf8_lossy(name).into_owned();
         let key = format!("{}ram/{}", self.prefix, name_str);
@@ -219,6 +278,24 @@ impl Metadata {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cached_answers_expire_and_the_cache_stays_bounded() {
+        let mut c = Expiring::new(Duration::from_millis(30));
+        c.insert(Bytes::from_static(b"a"), 1);
+        assert_eq!(c.get(&Bytes::from_static(b"a")), Some(1));
+        std::thread::sleep(Duration::from_millis(40));
+        assert_eq!(c.get(&Bytes::from_static(b"a")), None);
+        let mut c = Expiring::new(Duration::from_secs(60));
+        for i in 0..(MAX_CACHED + 10) {
+            c.insert(Bytes::from(i.to_string()), i);
+        }
+        assert!(c.map.len() <= MAX_CACHED, "{}", c.map.len());
+        assert_eq!(
+            c.get(&Bytes::from((MAX_CACHED + 9).to_string())),
+            Some(MAX_CACHED + 9)
+        );
+    }
 
     #[test]
     fn escapes_like_curl() {

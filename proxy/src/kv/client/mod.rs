@@ -66,6 +66,8 @@ pub enum StoreError {
     SizeMismatch { got: u64, want: u64 },
     #[error("busy: {0} value bytes in flight on this node (kv.max_inflight_bytes); retry")]
     Busy(u64),
+    #[error("busy: every master connection is in use (kv.master_connections); retry")]
+    MasterBusy,
     #[error("the request body: {0}")]
     Body(String),
     #[error("the request body did not arrive within {0:?} (kv.timeout_ms)")]
@@ -153,12 +155,19 @@ impl Store {
         tenant: Bytes,
         metrics: Arc<KvMetrics>,
         budget: &Budget,
+        master_connections: usize,
     ) -> Store {
         Store {
             client_id: fresh_uuid(),
             tenant,
             call_timeout,
-            master: MasterConns::new(upstream, call_timeout),
+            master: MasterConns::new(
+                upstream,
+                call_timeout,
+                master_connections,
+                budget.busy_wait,
+                metrics.clone(),
+            ),
             budget: ByteBudget::new(budget, metrics.clone()),
             replicas: None,
             xfer,
@@ -190,6 +199,16 @@ impl Store {
     /// Reserves `bytes` of the in-flight budget, waiting at most `kv.busy_wait_ms`.
     pub async fn reserve(&self, bytes: u64) -> Result<Reserved, StoreError> {
         self.budget.reserve(bytes).await
+    }
+
+    /// Adds `more` bytes to a reservation, waiting at most `kv.busy_wait_ms`.
+    pub async fn grow(&self, r: &mut Reserved, more: u64) -> Result<(), StoreError> {
+        self.budget.grow(r, more).await
+    }
+
+    /// The deadline of one master call or transfer (`kv.timeout_ms`).
+    pub fn call_timeout(&self) -> Duration {
+        self.call_timeout
     }
 
     async fn call(&self, req: Request) -> Result<Response, StoreError> {
@@ -315,9 +334,15 @@ impl Store {
     }
 
     /// Stores `value` under `key` with the given `PutStart` (from [`Store::put_start`],
-    /// possibly rewritten by a policy).
-    pub async fn put(&self, key: Bytes, value: Bytes, start: Request) -> Result<(), StoreError> {
-        let _room = self.reserve(value.len() as u64).await?;
+    /// possibly rewritten by a policy); `_room` is the budget the value was read under,
+    /// held until the put has ended.
+    pub async fn put(
+        &self,
+        key: Bytes,
+        value: Bytes,
+        start: Request,
+        _room: Reserved,
+    ) -> Result<(), StoreError> {
         let resp = self.call(start).await?;
         let replicas = match resp {
             Response::PutStart(Ok(r)) => r,

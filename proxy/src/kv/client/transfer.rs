@@ -204,6 +204,8 @@ pub struct Transfers {
     pub te: Pool,
     pub quic: Option<QuicPool>,
     own: std::sync::OnceLock<(Bytes, Arc<Memory>)>,
+    /// Where disk replicas may be (`kv.disk_root`).
+    disk: disk::Root,
     metrics: Arc<KvMetrics>,
 }
 
@@ -219,8 +221,15 @@ impl Transfers {
             te,
             quic,
             own: std::sync::OnceLock::new(),
+            disk: disk::Root::default(),
             metrics,
         }
+    }
+
+    /// Reads and writes disk replicas only under `dir` (`kv.disk_root`; empty = never).
+    pub fn with_disk_root(mut self, dir: &str) -> Transfers {
+        self.disk = disk::Root::new(dir);
+        self
     }
 
     /// Declares moongate's own segment, once it is mounted.
@@ -275,7 +284,7 @@ impl Transfers {
     }
 
     pub(super) async fn read_disk(&self, d: &DiskDescriptor) -> Result<Bytes, StoreError> {
-        let v = disk::read(d).await?;
+        let v = disk::read(&self.disk, d).await?;
         self.metrics
             .transfer(Transport::Disk, Dir::Read, d.object_size);
         Ok(v)
@@ -366,7 +375,7 @@ impl Transfers {
         let mut stored = Stored::Memory;
         for r in replicas {
             if let ReplicaLocation::Disk(d) = &r.location {
-                match disk::Writer::create(d).await {
+                match disk::Writer::create(&self.disk, d).await {
                     Ok(w) => disks.push(w),
                     Err(e) => stored = stored.and_disk(self.disk_failed(&e)),
                 }
@@ -483,7 +492,7 @@ impl Transfers {
         let mut stored = Stored::Memory;
         for r in replicas {
             if let ReplicaLocation::Disk(d) = &r.location {
-                let ok = match disk::write(d, value).await {
+                let ok = match disk::write(&self.disk, d, value).await {
                     Ok(()) => {
                         self.metrics
                             .transfer(Transport::Disk, Dir::Write, d.object_size);

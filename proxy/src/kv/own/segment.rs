@@ -10,14 +10,20 @@
 //! Owner protocol (spec B): a 24-byte header; a request is served iff `size > 0`, the
 //! range does not overflow and lies inside the segment; otherwise v2 peers get status 1
 //! and the connection closes (v1: it just closes). A v2 WRITE is acknowledged only after
-//! the last byte is in memory. One request at a time per connection, any number of
-//! connections; a broken or malicious connection ends only itself.
+//! the last byte is in memory. One request at a time per connection, at most
+//! `kv.segment_max_connections` connections, each closed after `kv.idle_timeout_ms`
+//! without bytes; a broken or malicious connection ends only itself. Like Mooncake's own
+//! TE-TCP, the listener trusts the network: anyone who reaches it reads and writes the
+//! segment (`kv.segment_tcp = false` serves it over authenticated QUIC only).
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+
+use crate::accept::{ConnLimit, Idle};
 
 const PAGE: usize = 1 << 20;
 /// Bytes moved per step between socket and pages.
@@ -75,19 +81,41 @@ impl Memory {
     }
 }
 
-/// Serves TE-TCP requests for `mem` until shutdown.
-pub async fn serve(listener: TcpListener, mem: Arc<Memory>, shutdown: CancellationToken) {
+/// Serves TE-TCP requests for `mem` until shutdown, at most `limit` connections at
+/// once, each closed after `idle` without bytes.
+pub async fn serve(
+    listener: TcpListener,
+    mem: Arc<Memory>,
+    limit: ConnLimit,
+    idle: Duration,
+    shutdown: CancellationToken,
+) {
     loop {
         let Some((sock, peer)) = crate::accept::next(&listener, &shutdown, "segment").await else {
             return;
         };
+        let Some(slot) = limit.admit() else {
+            continue;
+        };
         let _ = sock.set_nodelay(true);
         let mem = mem.clone();
         tokio::spawn(async move {
-            if let Err(e) = serve_conn(sock, &mem).await {
+            if let Err(e) = serve_conn(Idle::new(sock, idle), &mem).await {
                 tracing::debug!(%peer, error = %e, "segment connection closed");
             }
+            drop(slot);
         });
+    }
+}
+
+/// Holds the TE-TCP address of a segment served over QUIC only (`kv.segment_tcp =
+/// false`): the address names the segment, but every connection to it is closed at
+/// once and counted as refused.
+pub async fn refuse_all(listener: TcpListener, refused: ConnLimit, shutdown: CancellationToken) {
+    while let Some((sock, peer)) = crate::accept::next(&listener, &shutdown, "segment").await {
+        tracing::debug!(%peer, "TE-TCP to a QUIC-only segment refused");
+        refused.refuse();
+        drop(sock);
     }
 }
 
@@ -108,7 +136,9 @@ pub async fn serve_conn<S>(mut s: S, mem: &Memory) -> Result<(), ConnError>
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
-    let mut chunk = vec![0u8; CHUNK];
+    // Sized by the first transfer, not up front: connections that only connect (or
+    // move small values) cost no 256 KiB each.
+    let mut chunk = Vec::new();
     loop {
         let mut h = [0u8; 24];
         match s.read_exact(&mut h).await {
@@ -129,6 +159,9 @@ where
             return Err(ConnError::Rejected { op, addr, size });
         };
         let size = size as usize;
+        if chunk.len() < CHUNK.min(size) {
+            chunk.resize(CHUNK.min(size), 0);
+        }
         if write {
             let mut done = 0;
             while done < size {

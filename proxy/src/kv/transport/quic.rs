@@ -25,6 +25,7 @@ use thiserror::Error;
 use tokio_util::sync::CancellationToken;
 
 use super::te_tcp::{header, status};
+use crate::accept::ConnLimit;
 use crate::kv::own::segment::Memory;
 
 /// ALPN of the segment protocol over QUIC.
@@ -94,17 +95,75 @@ pub(in crate::kv) fn transport() -> Arc<quinn::TransportConfig> {
     let mut mtu = quinn::MtuDiscoveryConfig::default();
     mtu.upper_bound(65_000);
     t.mtu_discovery_config(Some(mtu));
-    t.stream_receive_window(quinn::VarInt::from_u32(16 << 20))
-        .receive_window(quinn::VarInt::from_u32(64 << 20))
+    // The connection window is also what one peer can make this side buffer: with
+    // `kv.quic_max_connections` it bounds a QUIC listener's memory (64 x 16 MiB).
+    t.stream_receive_window(quinn::VarInt::from_u32(8 << 20))
+        .receive_window(quinn::VarInt::from_u32(RECEIVE_WINDOW))
         .send_window(64 << 20)
         .max_concurrent_bidi_streams(quinn::VarInt::from_u32(256))
         .keep_alive_interval(Some(Duration::from_secs(5)));
     Arc::new(t)
 }
 
-/// Serves moongate's segment over QUIC until shutdown.
-pub fn server(listen: SocketAddr, id: &Identity) -> Result<quinn::Endpoint, QuicError> {
-    endpoint(listen, id, ALPN, None)
+/// Bytes one QUIC connection may have in flight towards this side.
+pub const RECEIVE_WINDOW: u32 = 16 << 20;
+
+/// Serves moongate's segment over QUIC until shutdown; `client_ca` (PEM path, may be
+/// empty) admits only peers with a certificate that CA issued.
+pub fn server(
+    listen: SocketAddr,
+    id: &Identity,
+    client_ca: &str,
+) -> Result<quinn::Endpoint, QuicError> {
+    endpoint(
+        listen,
+        id,
+        ALPN,
+        client_verifier(client_ca, "kv.quic_client_ca")?,
+    )
+}
+
+/// A verifier admitting only client certificates issued by the CA bundle at `ca` (a
+/// PEM path named by config key `key`); `None` when `ca` is empty.
+pub(in crate::kv) fn client_verifier(
+    ca: &str,
+    key: &str,
+) -> Result<Option<Arc<dyn rustls::server::danger::ClientCertVerifier>>, QuicError> {
+    if ca.is_empty() {
+        return Ok(None);
+    }
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    let certs = rustls::pki_types::CertificateDer::pem_file_iter(ca)
+        .and_then(|i| i.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| QuicError::Setup(format!("{key} {ca}: {e}")))?;
+    let (added, _) = roots.add_parsable_certificates(certs);
+    if added == 0 {
+        return Err(QuicError::Setup(format!(
+            "{key} {ca}: no usable CA certificate"
+        )));
+    }
+    let v =
+        rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
+            .build()
+            .map_err(|e| QuicError::Setup(format!("{key}: {e}")))?;
+    Ok(Some(v))
+}
+
+/// How a QUIC caller proves who it is to a server that checks client certificates.
+pub struct ClientCert {
+    pub certs: Vec<rustls::pki_types::CertificateDer<'static>>,
+    pub key: rustls::pki_types::PrivateKeyDer<'static>,
+}
+
+impl ClientCert {
+    /// The identity of `id` as a client certificate.
+    pub fn of(id: &Identity) -> ClientCert {
+        ClientCert {
+            certs: id.certs.clone(),
+            key: id.key.clone_key(),
+        }
+    }
 }
 
 /// A QUIC server endpoint: TLS 1.3 with `id`, one ALPN, and client certificates
@@ -164,9 +223,15 @@ pub(in crate::kv) fn bind(
         .map_err(|e| QuicError::Setup(format!("endpoint on {addr}: {e}")))
 }
 
-/// Serves the own segment's TE exchange on every stream until shutdown.
-pub async fn serve(endpoint: quinn::Endpoint, mem: Arc<Memory>, shutdown: CancellationToken) {
-    serve_streams(endpoint, shutdown, "segment", move |stream, peer| {
+/// Serves the own segment's TE exchange on every stream until shutdown, at most `limit`
+/// connections at once.
+pub async fn serve(
+    endpoint: quinn::Endpoint,
+    mem: Arc<Memory>,
+    limit: ConnLimit,
+    shutdown: CancellationToken,
+) {
+    serve_streams(endpoint, limit, shutdown, "segment", move |stream, peer| {
         let mem = mem.clone();
         async move {
             if let Err(e) = crate::kv::own::segment::serve_conn(stream, &mem).await {
@@ -181,10 +246,12 @@ pub async fn serve(endpoint: quinn::Endpoint, mem: Arc<Memory>, shutdown: Cancel
 pub(in crate::kv) type BiStream = tokio::io::Join<quinn::RecvStream, quinn::SendStream>;
 
 /// Accepts connections on `endpoint` until shutdown, and runs `on_stream` as its own
-/// task for every bidirectional stream (so a bad stream ends only itself). `what`
+/// task for every bidirectional stream (so a bad stream ends only itself). At most
+/// `limit` connections at once: more are refused before their handshake. `what`
 /// names the listener in logs.
 pub(in crate::kv) async fn serve_streams<F, Fut>(
     endpoint: quinn::Endpoint,
+    limit: ConnLimit,
     shutdown: CancellationToken,
     what: &'static str,
     on_stream: F,
@@ -203,8 +270,13 @@ pub(in crate::kv) async fn serve_streams<F, Fut>(
                 None => return,
             },
         };
+        let Some(slot) = limit.admit() else {
+            incoming.refuse();
+            continue;
+        };
         let on_stream = on_stream.clone();
         tokio::spawn(async move {
+            let _slot = slot;
             let conn = match incoming.await {
                 Ok(c) => c,
                 Err(e) => {
@@ -303,6 +375,8 @@ pub struct QuicPool {
     conns: Mutex<HashMap<SocketAddr, quinn::Connection>>,
     timeout: Duration,
     streams: usize,
+    /// Shown to peers that check client certificates (`kv.quic_client_ca`).
+    client: Option<ClientCert>,
 }
 
 impl QuicPool {
@@ -318,7 +392,14 @@ impl QuicPool {
             conns: Mutex::new(HashMap::new()),
             timeout,
             streams: streams.max(1),
+            client: None,
         })
+    }
+
+    /// Presents `cert` to the peers it connects to (their `kv.quic_client_ca` checks it).
+    pub fn with_client_cert(mut self, cert: Option<ClientCert>) -> QuicPool {
+        self.client = cert;
+        self
     }
 
     async fn conn(&self, peer: &QuicPeer) -> Result<quinn::Connection, QuicError> {
@@ -336,15 +417,20 @@ impl QuicPool {
             error: e,
         };
         let p = provider();
-        let mut tls = rustls::ClientConfig::builder_with_provider(p.clone())
+        let b = rustls::ClientConfig::builder_with_provider(p.clone())
             .with_protocol_versions(&[&rustls::version::TLS13])
             .map_err(|e| err(e.to_string()))?
             .dangerous()
             .with_custom_certificate_verifier(Arc::new(Pinned {
                 sha256: peer.sha256,
                 algs: p.signature_verification_algorithms,
-            }))
-            .with_no_client_auth();
+            }));
+        let mut tls = match &self.client {
+            Some(c) => b
+                .with_client_auth_cert(c.certs.clone(), c.key.clone_key())
+                .map_err(|e| err(e.to_string()))?,
+            None => b.with_no_client_auth(),
+        };
         tls.alpn_protocols = vec![ALPN.to_vec()];
         let crypto = QuicClientConfig::try_from(tls).map_err(|e| err(e.to_string()))?;
         let mut cfg = quinn::ClientConfig::new(Arc::new(crypto));
@@ -569,10 +655,13 @@ mod tests {
     async fn a_segment_over_quic_with_a_pinned_certificate() {
         let id = Identity::load_or_generate("", "").unwrap();
         let mem = Arc::new(Memory::new(0x1000, 8 << 20));
-        let ep = server("127.0.0.1:0".parse().unwrap(), &id).unwrap();
+        let ep = server("127.0.0.1:0".parse().unwrap(), &id, "").unwrap();
         let addr = ep.local_addr().unwrap();
         let stop = CancellationToken::new();
-        tokio::spawn(serve(ep, mem.clone(), stop.clone()));
+        let limit = crate::metrics::Metrics::new()
+            .kv
+            .conn_limit(crate::kv::metrics::Listener::SegmentQuic, 4);
+        tokio::spawn(serve(ep, mem.clone(), limit, stop.clone()));
         let pool = QuicPool::new(Duration::from_secs(5), 4).unwrap();
         let peer = QuicPeer {
             addr,
