@@ -38,10 +38,16 @@ fn chains_after_eviction(plugin: &str) -> (Vec<Vec<bool>>, String) {
         &logs,
         || mg.metric("moongate_eviction_keys_total{result=\"removed\"}") >= 1.0,
     );
-    // Let the round finish its removals before looking.
-    std::thread::sleep(std::time::Duration::from_millis(500));
-    let (st, r) = client.finish();
-    assert!(st.success(), "{r}");
+    // The round that removed keys has ended (all its removals answered) before looking.
+    let started = mg.metric("moongate_eviction_rounds_total{trigger=\"usage\"}")
+        + mg.metric("moongate_eviction_rounds_total{trigger=\"denials\"}");
+    wait_for(
+        "the eviction round ends",
+        std::time::Duration::from_secs(20),
+        &logs,
+        || mg.metric("moongate_eviction_rounds_ended_total") >= started,
+    );
+    let r = client.finish();
     let puts = &r
         .as_array()
         .unwrap()

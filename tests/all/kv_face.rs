@@ -88,8 +88,7 @@ fn values_cross_between_the_python_client_and_the_kv_face_bit_exact() {
     assert_eq!(st, 404);
 
     peer.tell();
-    let (st, r) = peer.finish();
-    assert!(st.success(), "{r}");
+    let r = peer.finish();
     for name in ["get kv/small", "get kv/big"] {
         assert_eq!(result(&r, name)["ok"], true, "{name}: {r}");
     }
@@ -116,9 +115,10 @@ fn bad_input_on_the_kv_listener_gets_clear_errors_and_others_carry_on() {
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     s.write_all(b"\x00\x01\x02garbage\r\n\r\n").unwrap();
     let mut out = Vec::new();
-    let _ = s.read_to_end(&mut out);
+    s.read_to_end(&mut out)
+        .expect("moongate answers and closes (not a read timeout)");
     assert!(
-        out.is_empty() || out.starts_with(b"HTTP/1.1 400"),
+        out.starts_with(b"HTTP/1.1 400"),
         "{}",
         String::from_utf8_lossy(&out)
     );
@@ -631,7 +631,8 @@ fn batch_calls_move_many_keys_in_parts_with_backpressure() {
     assert_eq!((st, statuses(&b)), (200, vec![503]), "{b}");
     let (st, b) = http(&kv, "PUT", "/v1/kv/single", b"v").unwrap();
     assert_eq!(st, 503, "{b}");
-    assert!(metric_value(&mg.metrics(), "moongate_kv_busy_total") >= 3.0);
+    // One per refused request: the batch get's part, the batch put's record, the PUT.
+    assert_eq!(metric_value(&mg.metrics(), "moongate_kv_busy_total"), 3.0);
     // The slow caller goes away: its bytes are given back, nothing of it was stored.
     drop(slow);
     wait_for(
@@ -738,7 +739,8 @@ fn the_disk_tier_is_written_and_read_both_ways() {
     // leaves: only the disk copy is left.
     let r = run_role("disk", &master.rpc, &master.metadata, &[], &[&master.proc]);
     assert_eq!(r.as_array().unwrap()[0][1], 0, "{r}");
-    let (mut a, kv) = kv_moongate(&master, "segment_bytes = 16777216\n");
+    let disk_root = format!("disk_root = \"{}\"\n", root.path().display());
+    let (mut a, kv) = kv_moongate(&master, &format!("segment_bytes = 16777216\n{disk_root}"));
     wait_segment_mounted(&a);
     let (st, body) = http_bytes(&kv, "GET", "/v1/kv/dk", &[]).unwrap();
     assert_eq!(
@@ -806,7 +808,7 @@ fn the_disk_tier_is_written_and_read_both_ways() {
 
     // moongate leaves (its segment unmounts): its values live on in the disk tier.
     a.proc.stop();
-    let (b_mg, b_kv) = kv_moongate(&master, "");
+    let (b_mg, b_kv) = kv_moongate(&master, &disk_root);
     for (k, v) in [("kvd%2Fsmall", &small), ("kvd%2Fbig", &big)] {
         let (st, body) = http_bytes(&b_kv, "GET", &format!("/v1/kv/{k}"), &[]).unwrap();
         assert!(

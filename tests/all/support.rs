@@ -317,6 +317,18 @@ impl Master {
     }
 }
 
+impl Master {
+    /// The master's own Prometheus page (its request counters per method).
+    pub fn metrics(&self) -> String {
+        let rest = self.metrics_url.trim_start_matches("http://");
+        let (addr, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+        match http_get(addr, path) {
+            Some((200, b)) => b,
+            other => panic!("master GET {path}: {other:?}\n{}", self.proc.log_text()),
+        }
+    }
+}
+
 pub struct Moongate {
     pub proc: Proc,
     pub listen: String,
@@ -372,22 +384,42 @@ impl Moongate {
         );
     }
 
+    /// The metrics page; fails the test when it cannot be fetched (an empty page would
+    /// make every assertion about a zero pass).
     pub fn metrics(&self) -> String {
-        http_get(&self.admin, "/metrics")
-            .map(|(_, b)| b)
-            .unwrap_or_default()
+        match http_get(&self.admin, "/metrics") {
+            Some((200, b)) => b,
+            other => panic!("GET /metrics failed: {other:?}\n{}", self.proc.log_text()),
+        }
     }
 
-    /// Value of one sample line (`name{labels}`), 0 when absent.
+    /// Value of one sample line (`name{labels}`); fails the test when it is absent.
     pub fn metric(&self, sample: &str) -> f64 {
         metric_value(&self.metrics(), sample)
     }
+
+    /// Value of one sample line, `None` while it is absent or the page is unreachable
+    /// (for probes that wait for it to appear).
+    pub fn metric_now(&self, sample: &str) -> Option<f64> {
+        let (_, page) = http_get(&self.admin, "/metrics").filter(|(s, _)| *s == 200)?;
+        sample_of(&page, sample)
+    }
 }
 
-pub fn metric_value(text: &str, sample: &str) -> f64 {
+/// Value of one sample line (`name{labels}`) of a metrics page, if present.
+pub fn sample_of(text: &str, sample: &str) -> Option<f64> {
     text.lines()
         .find_map(|l| l.strip_prefix(sample)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or(0.0)
+}
+
+/// Value of one sample line (`name{labels}`) of a metrics page; fails the test when it
+/// is absent, so a renamed metric or label cannot pass an assertion about zero.
+pub fn metric_value(text: &str, sample: &str) -> f64 {
+    sample_of(text, sample).unwrap_or_else(|| {
+        let name = sample.split('{').next().unwrap_or(sample);
+        let near: Vec<&str> = text.lines().filter(|l| l.starts_with(name)).collect();
+        panic!("no sample {sample} on the metrics page; samples of {name}: {near:#?}")
+    })
 }
 
 /// A built plugin component (`target/plugins/NAME.wasm`).
@@ -511,8 +543,10 @@ impl Background {
         }
     }
 
-    /// Tells the role to go on (one line), waits for it and returns its results.
-    pub fn finish(mut self) -> (std::process::ExitStatus, serde_json::Value) {
+    /// Tells the role to go on (one line), waits for it, checks that it exited 0 and
+    /// returns its results.
+    #[must_use = "a background role's results are what it proves"]
+    pub fn finish(mut self) -> serde_json::Value {
         self.tell();
         let st = self
             .proc
@@ -531,7 +565,13 @@ impl Background {
                 self.proc.log_text()
             )
         });
-        (st, serde_json::from_str(&text).unwrap())
+        assert!(
+            st.success(),
+            "{} exited {st}\n{text}\n{}",
+            self.proc.name,
+            self.proc.log_text()
+        );
+        serde_json::from_str(&text).unwrap()
     }
 }
 

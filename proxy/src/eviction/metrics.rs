@@ -48,6 +48,9 @@ pub struct EvictionMetrics {
     pub table_keys: Gauge,
     /// Master memory usage (allocated / capacity) in parts per million at the last read.
     pub usage_ppm: Gauge,
+    /// Rounds that ended (all their removals answered, or cut short): what "the round is
+    /// over" means to a dashboard or a test.
+    pub rounds_ended: Counter,
 }
 
 impl EvictionMetrics {
@@ -117,7 +120,15 @@ impl EvictionMetrics {
             "Master memory allocated / capacity, parts per million, at the last read",
             usage_ppm.clone(),
         );
+        let rounds_ended = Counter::default();
+        registry.register(
+            "moongate_eviction_rounds_ended",
+            "Eviction rounds that ended (removals answered, or cut short: see \
+             moongate_eviction_errors_total)",
+            rounds_ended.clone(),
+        );
         EvictionMetrics {
+            rounds_ended,
             rounds,
             keys,
             removed_bytes,

@@ -155,6 +155,7 @@ impl Eviction {
                 tracing::warn!(error = %e, "eviction round cut short");
                 conn = None;
             }
+            self.metrics.rounds_ended.inc();
         }
     }
 

@@ -219,11 +219,9 @@ async fn client_to_master(
                 Ok(Some(h)) => h,
                 Ok(None) => break,
                 Err(e) => {
-                    let kind = match e {
-                        FrameError::TooLarge { .. } => FrameErrorKind::too_large,
-                        _ => FrameErrorKind::bad_header,
-                    };
-                    shared.metrics.frame_error(Side::client, kind);
+                    shared
+                        .metrics
+                        .frame_error(Side::client, FrameErrorKind::of(&e));
                     // Forward what was complete before the bad frame, then close.
                     let pending = shell.lock().poll_to_master();
                     let _ = flush(&mut uw, pending, &shared.metrics.bytes_to_master).await;
@@ -323,7 +321,7 @@ async fn master_to_client(
                 Err(e) => {
                     shared
                         .metrics
-                        .frame_error(Side::upstream, FrameErrorKind::too_large);
+                        .frame_error(Side::upstream, FrameErrorKind::of(&e));
                     let pending = shell.lock().poll_to_client();
                     let _ = flush(&mut cw, pending, &shared.metrics.bytes_to_client).await;
                     return End::UpstreamFrame(e);

@@ -53,6 +53,16 @@ pub enum FrameErrorKind {
     unmatched_seq,
 }
 
+impl FrameErrorKind {
+    /// The kind of a frame that failed its header check (either side).
+    pub fn of(e: &crate::codec::FrameError) -> FrameErrorKind {
+        match e {
+            crate::codec::FrameError::TooLarge { .. } => FrameErrorKind::too_large,
+            _ => FrameErrorKind::bad_header,
+        }
+    }
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct DirectionLabel {
     direction: Direction,
