@@ -108,7 +108,7 @@ fn two_moongates_move_values_over_quic_and_fall_back_to_tcp() {
 }
 
 /// The SHA-256 a moongate logged for its kv API over QUIC, and the bound address.
-fn api_quic_of(mg: &Moongate) -> (std::net::SocketAddr, [u8; 32]) {
+pub(crate) fn api_quic_of(mg: &Moongate) -> (std::net::SocketAddr, [u8; 32]) {
     wait_for(
         "kv API over QUIC",
         std::time::Duration::from_secs(10),
@@ -268,4 +268,109 @@ fn the_kv_api_is_served_over_quic_to_remote_callers() {
     let (st, body) = http_bytes(&kv, "GET", "/v1/kv/remote%2F31", &[]).unwrap();
     assert!(st == 200 && body == value_of("remote/31", 10_000));
     assert!(service_ready(&mg.listen));
+}
+
+/// A fleet CA (PEM file in `dir`) and a node certificate it issued for `name` (server
+/// and client use), as `(ca, cert, key)` paths; `other_ca` issues from an unrelated CA.
+fn node_cert(
+    dir: &std::path::Path,
+    name: &str,
+    other_ca: bool,
+) -> (std::path::PathBuf, std::path::PathBuf, std::path::PathBuf) {
+    use rcgen::{BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, KeyPair};
+    let ca_file = if other_ca { "other-ca" } else { "fleet-ca" };
+    let ca_key_path = dir.join(format!("{ca_file}.key"));
+    let ca_path = dir.join(format!("{ca_file}.pem"));
+    let ca_key = if ca_key_path.exists() {
+        KeyPair::from_pem(&std::fs::read_to_string(&ca_key_path).unwrap()).unwrap()
+    } else {
+        KeyPair::generate().unwrap()
+    };
+    let mut p = CertificateParams::new(vec![ca_file.to_string()]).unwrap();
+    p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    // Same key and parameters: the same CA each time it is made here.
+    let ca = p.self_signed(&ca_key).unwrap();
+    if !ca_path.exists() {
+        std::fs::write(&ca_path, ca.pem()).unwrap();
+        std::fs::write(&ca_key_path, ca_key.serialize_pem()).unwrap();
+    }
+    let key = KeyPair::generate().unwrap();
+    let mut p = CertificateParams::new(vec!["moongate".to_string()]).unwrap();
+    p.extended_key_usages = vec![
+        ExtendedKeyUsagePurpose::ServerAuth,
+        ExtendedKeyUsagePurpose::ClientAuth,
+    ];
+    let cert = p.signed_by(&key, &ca, &ca_key).unwrap();
+    let (c, k) = (
+        dir.join(format!("{name}.pem")),
+        dir.join(format!("{name}.key")),
+    );
+    std::fs::write(&c, cert.pem()).unwrap();
+    std::fs::write(&k, key.serialize_pem()).unwrap();
+    (ca_path, c, k)
+}
+
+/// With `kv.quic_client_ca`, the own segment's QUIC endpoint admits only moongates
+/// holding a certificate from that CA; with `kv.segment_tcp = false` the segment is not
+/// reachable any other way: a moongate without such a certificate cannot read it at all.
+#[test]
+fn the_quic_segment_admits_only_fleet_certificates_and_can_be_quic_only() {
+    let master = Master::start();
+    let dir = tempdir();
+    let quic_cfg = |name: &str, other: bool| {
+        let (ca, cert, key) = node_cert(dir.path(), name, other);
+        format!(
+            "quic_cert = \"{}\"\nquic_key = \"{}\"\nquic_client_ca = \"{}\"\n",
+            cert.display(),
+            key.display(),
+            ca.display()
+        )
+    };
+    let (b, _b_kv) = kv_moongate(
+        &master,
+        &format!(
+            "segment_bytes = 16777216\nquic_listen = \"127.0.0.1:0\"\nsegment_tcp = false\n{}",
+            quic_cfg("b", false)
+        ),
+    );
+    wait_segment_mounted(&b);
+    assert!(b.proc.log_text().contains("served over QUIC only"));
+    let (a, a_kv) = kv_moongate(&master, &quic_cfg("a", false));
+    let logs = [&master.proc, &a.proc, &b.proc];
+    let v = value_of("fleet/x", 70_000);
+    let (st, m) = http(&a_kv, "PUT", &enc("fleet/x"), &v).unwrap();
+    assert_eq!(st, 201, "{m}\n{}", logs.map(|p| p.log_text()).join("\n"));
+    let (st, body) = http_bytes(&a_kv, "GET", &enc("fleet/x"), &[]).unwrap();
+    assert!(st == 200 && body == v, "{st}");
+    let quic = |mg: &Moongate, dir: &str| {
+        mg.metric(&format!(
+            "moongate_kv_transfers_total{{transport=\"quic\",direction=\"{dir}\"}}"
+        ))
+    };
+    assert_eq!((quic(&a, "write"), quic(&a, "read")), (1.0, 1.0));
+
+    // Without a certificate, or with one from another CA: the handshake is refused, the
+    // TE-TCP fallback is refused too (QUIC only), and nothing is read.
+    for (name, extra) in [
+        ("no certificate", String::new()),
+        ("another CA", quic_cfg("d", true)),
+    ] {
+        let (c, c_kv) = kv_moongate(&master, &extra);
+        let (st, body) = http_bytes(&c_kv, "GET", &enc("fleet/x"), &[]).unwrap();
+        assert!(
+            st >= 500 && body != v,
+            "{name}: {st}\n{}",
+            c.proc.log_text()
+        );
+        assert_eq!(quic(&c, "read"), 0.0, "{name}");
+        assert!(
+            c.proc.log_text().contains("falling back to TE-TCP"),
+            "{name}: {}",
+            c.proc.log_text()
+        );
+    }
+    assert!(b.metric("moongate_kv_connections_refused_total{listener=\"segment_tcp\"}") >= 2.0);
+    // The fleet member still reads.
+    let (st, body) = http_bytes(&a_kv, "GET", &enc("fleet/x"), &[]).unwrap();
+    assert!(st == 200 && body == v, "{st}");
 }

@@ -7,7 +7,7 @@
 //! - Live, against the real `mooncake_master` and the real Mooncake Python client on
 //!   free loopback ports ([`support`] starts, probes and stops them): [`real_mooncake`],
 //!   [`master_face_failures`], [`policy_live`], [`eviction_live`], [`replay_live`],
-//!   [`kv_face`], [`kv_quic`].
+//!   [`kv_face`], [`kv_quic`], [`kv_bounds`] (hostile peers against every kv-face bound).
 //!
 //! Run one group with a filter, e.g. `cargo test --test all -- kv_face::`.
 
@@ -17,6 +17,7 @@ mod cli;
 mod codec_errors;
 mod codec_fixtures;
 mod eviction_live;
+mod kv_bounds;
 mod kv_face;
 mod kv_quic;
 mod master_face_failures;

@@ -273,8 +273,14 @@ fn split_batches_answer_like_the_unsplit_master() {
     let via = run_role("bulk", &mg.listen, &master.metadata, &args, &logs);
     // The neighbour's own calls all succeeded meanwhile.
     let loop_res = neighbour.finish();
-    assert_eq!(result(&loop_res, "failures"), &Value::from(Vec::<Value>::new()));
-    assert!(result(&loop_res, "iterations").as_u64().unwrap() > 0, "{loop_res}");
+    assert_eq!(
+        result(&loop_res, "failures"),
+        &Value::from(Vec::<Value>::new())
+    );
+    assert!(
+        result(&loop_res, "iterations").as_u64().unwrap() > 0,
+        "{loop_res}"
+    );
     assert_eq!(via, direct, "results through split batches differ");
 
     let m = mg.metrics();

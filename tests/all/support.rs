@@ -397,13 +397,6 @@ impl Moongate {
     pub fn metric(&self, sample: &str) -> f64 {
         metric_value(&self.metrics(), sample)
     }
-
-    /// Value of one sample line, `None` while it is absent or the page is unreachable
-    /// (for probes that wait for it to appear).
-    pub fn metric_now(&self, sample: &str) -> Option<f64> {
-        let (_, page) = http_get(&self.admin, "/metrics").filter(|(s, _)| *s == 200)?;
-        sample_of(&page, sample)
-    }
 }
 
 /// Value of one sample line (`name{labels}`) of a metrics page, if present.

@@ -69,3 +69,54 @@ impl MasterConns {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+    use crate::codec::message::NoArgs;
+    use crate::upstream::CallError;
+
+    /// A master that accepts and never answers: five concurrent calls with room for two
+    /// connections open exactly two; the other three are answered busy after the wait.
+    #[tokio::test]
+    async fn at_most_the_configured_connections_open_and_the_rest_are_answered_busy() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let a = accepted.clone();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((s, _)) = l.accept().await {
+                a.fetch_add(1, Ordering::SeqCst);
+                held.push(s);
+            }
+        });
+        let metrics = crate::metrics::Metrics::new().kv.clone();
+        let m = Arc::new(MasterConns::new(
+            addr,
+            Duration::from_millis(800),
+            2,
+            Duration::from_millis(100),
+            metrics.clone(),
+        ));
+        let calls: Vec<_> = (0..5)
+            .map(|_| {
+                let m = m.clone();
+                tokio::spawn(async move { m.call(Request::ServiceReady(NoArgs)).await })
+            })
+            .collect();
+        let (mut busy, mut timed_out) = (0, 0);
+        for c in calls {
+            match c.await.unwrap() {
+                Err(StoreError::MasterBusy) => busy += 1,
+                Err(StoreError::Master(CallError::Timeout(_))) => timed_out += 1,
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!((busy, timed_out), (3, 2));
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+        assert_eq!(metrics.master_busy.get(), 3);
+    }
+}
