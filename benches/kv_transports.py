@@ -2,7 +2,9 @@
 """QUIC vs TE-TCP between two moongates, in one run: moongate B owns a segment (served
 over TE-TCP and QUIC); moongate A (QUIC client) and moongate C (quic_client = false)
 read the same 16 MiB and 4 KiB values from it through their kv faces with
-examples/kv_bench, alternating, --rounds times. Prints medians and QUIC / TCP ratios.
+examples/kv_bench, alternating, --rounds times. Prints medians and QUIC / TCP ratios,
+after checking from each reader's metrics that every read went over the transport it
+is named for (a silent fallback would make the ratio meaningless).
 `benches/run_kv_face.sh` builds the release binaries; run this after it:
   .venv/bin/python benches/kv_transports.py --rounds 3
 """
@@ -14,14 +16,35 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import free_port, master_cmd, stop_all, wait_http  # noqa: E402
 
 
+def reads(admin, transport):
+    """moongate_kv_transfers_total{transport,direction="read"} of one moongate."""
+    page = urllib.request.urlopen(f"http://{admin}/metrics", timeout=10).read().decode()
+    sample = f'moongate_kv_transfers_total{{transport="{transport}",direction="read"}} '
+    for line in page.splitlines():
+        if line.startswith(sample):
+            return float(line[len(sample):])
+    raise SystemExit(f"no {sample.strip()} on {admin}")
 
 
+def put_when_mounted(kv, key, body, limit_s=30.0):
+    """PUT until B's segment is mounted (until then the master has no room: 507)."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        req = urllib.request.Request(f"http://{kv}/v1/kv/{key}", data=body, method="PUT")
+        try:
+            urllib.request.urlopen(req, timeout=30).read()
+            return
+        except urllib.error.HTTPError as e:
+            if e.code != 507 or time.monotonic() > deadline:
+                raise
+        time.sleep(0.05)
 
 
 def main():
@@ -37,6 +60,7 @@ def main():
     metadata = f"http://127.0.0.1:{http}/metadata"
     procs = []
     kv = {}
+    admins = {}
     res = {"quic": [], "tcp": []}
     try:
         procs.append(subprocess.Popen(
@@ -46,7 +70,7 @@ def main():
         for name, extra in (("b", 'segment_bytes = 268435456\nquic_listen = "127.0.0.1:0"\n'),
                             ("quic", ""), ("tcp", "quic_client = false\n")):
             kv[name] = f"127.0.0.1:{free_port()}"
-            admin = f"127.0.0.1:{free_port()}"
+            admin = admins[name] = f"127.0.0.1:{free_port()}"
             cfg = f"{work}/{name}.toml"
             with open(cfg, "w") as f:
                 f.write(f'[master_face]\nlisten = "127.0.0.1:{free_port()}"\nupstream = "127.0.0.1:{rpc}"\n'
@@ -57,18 +81,24 @@ def main():
                                           stderr=subprocess.STDOUT,
                                           env={**os.environ, "RUST_LOG": "warn"}))
             wait_http(f"http://{admin}/ready")
-        time.sleep(0.5)
         for key, size in (("t%2F4k", 4096), ("t%2F16m", 16 << 20)):
-            req = urllib.request.Request(f"http://{kv['quic']}/v1/kv/{key}", data=os.urandom(size),
-                                         method="PUT")
-            urllib.request.urlopen(req, timeout=30).read()
+            put_when_mounted(kv["quic"], key, os.urandom(size))
         for i in range(a.rounds):
             for side in (["quic", "tcp"] if i % 2 == 0 else ["tcp", "quic"]):
                 r = {}
+                other = "tcp" if side == "quic" else "quic"
+                before = (reads(admins[side], side), reads(admins[side], other))
+                n_reads = 0
                 for key, n in (("t%2F4k", a.count), ("t%2F16m", max(8, a.count // 50))):
                     out = subprocess.run([a.kv_bench, kv[side], key, str(n)], check=True,
                                          capture_output=True, text=True).stdout
                     r[key] = json.loads(out)
+                    n_reads += n
+                after = (reads(admins[side], side), reads(admins[side], other))
+                if after[0] - before[0] < n_reads or after[1] != before[1]:
+                    raise SystemExit(f"{side} reader: {after[0] - before[0]:.0f} {side} reads "
+                                     f"and {after[1] - before[1]:.0f} {other} reads for "
+                                     f"{n_reads} GETs: not the transport under test")
                 res[side].append(r)
                 print(f"round {i + 1}/{a.rounds} {side} done", file=sys.stderr, flush=True)
     finally:

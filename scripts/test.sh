@@ -15,12 +15,32 @@ cargo fmt --all -- --check
 echo "== cargo clippy -D warnings"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 (cd plugins && cargo clippy --locked --release --target wasm32-wasip2 --target-dir ../target/wasm-clippy -- -D warnings)
+# A filtered test run that matches no test passes silently: fail it instead.
+# Usage: matched WHAT cargo test ... -- FILTER
+matched() {
+  local what=$1 out
+  shift
+  out=$(mktemp)
+  "$@" 2>&1 | tee "$out"
+  local ran
+  ran=$(grep -Eo '^test result: [a-z]+\. [0-9]+ passed' "$out" | awk '{s += $4} END {print s + 0}')
+  rm -f "$out"
+  if [ "$ran" -lt 1 ]; then
+    echo "error: $what ran no test (a filter that matches nothing?)" >&2
+    exit 1
+  fi
+}
+
 echo "== cargo test"
 # Integration tests start their own master/moongate/clients on free loopback ports;
 # two test threads keep a 2-core machine responsive for the heartbeat-sensitive ones.
 cargo test --workspace --locked -- --test-threads="${MOONGATE_TEST_THREADS:-2}"
+echo "== the plugins' own unit tests (host target: their pure logic, no host calls)"
+(cd plugins && cargo test --locked --target-dir ../target/plugins-host)
+echo "== the fuzz target still builds (running it needs cargo-fuzz and nightly)"
+(cd proxy/fuzz && cargo check --locked --target-dir ../../target/fuzz)
 echo "== the rdma feature builds, and its run-time detection falls back cleanly"
 # No RDMA device on our machines: this proves the feature compiles and that detection
 # (libibverbs loaded at run time) reports a reason instead of failing.
 cargo clippy -p moongate --lib --features rdma --locked -- -D warnings
-cargo test -p moongate --lib --features rdma --locked -- kv::transport::rdma
+matched "the rdma tests" cargo test -p moongate --lib --features rdma --locked -- kv::transport::rdma

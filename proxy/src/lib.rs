@@ -4,7 +4,8 @@
 //! file imports another in a circle (`docs/architecture.md` has the map, the path of
 //! one frame and the path of one decision):
 //! - [`validate`], [`per_method`], [`accept`]: small shared blocks (config checks, a
-//!   method's metric handles, the accept step of every listener).
+//!   method's metric handles; what every listener does with a connection: the accept
+//!   step, a cap per listener, an idle deadline).
 //! - [`codec`]: the master RPC wire format, sans-IO; wire types only.
 //! - [`calls`]: what each family of master methods means (keys, split, merge, tier
 //!   tally, what answers tell the eviction table).

@@ -94,6 +94,7 @@ fn fifty_hot_swaps_under_load_fail_no_client_call() {
         plugin_spec("tiers2", "tier-placement", r#"{"rules": []}"#),
     ));
     mg.wait_ready(&master);
+    let swaps_before = mg.metric("moongate_policy_swaps_total");
     let logs = [&master.proc, &mg.proc];
     let mut load1 = Background::start("loop", &mg.listen, &master.metadata, &logs);
     let mut load2 = Background::start("loop", &mg.listen, &master.metadata, &logs);
@@ -138,7 +139,11 @@ fn fifty_hot_swaps_under_load_fail_no_client_call() {
             "{bad} during swaps\n{m}"
         );
     }
-    assert!(metric_value(&m, "moongate_policy_swaps_total") >= 50.0);
+    assert_eq!(
+        metric_value(&m, "moongate_policy_swaps_total"),
+        swaps_before + 50.0,
+        "exactly the fifty activations"
+    );
 }
 
 #[test]

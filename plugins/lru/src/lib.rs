@@ -22,7 +22,10 @@ impl Policy for Lru {
 
     fn on_put(&mut self, call: PutCall) -> PutDecision {
         host::counter_add(self.keys, call.keys.len() as u64);
-        host::counter_add(self.bytes, call.sizes.iter().sum());
+        host::counter_add(
+            self.bytes,
+            call.sizes.iter().fold(0u64, |a, &s| a.saturating_add(s)),
+        );
         PutDecision::admit_all()
     }
 
@@ -53,7 +56,7 @@ impl Policy for Lru {
             if freed >= call.bytes_needed {
                 break;
             }
-            freed += call.sizes[i as usize];
+            freed = freed.saturating_add(call.sizes[i as usize]);
             victims.push(i);
         }
         victims
@@ -61,3 +64,36 @@ impl Policy for Lru {
 }
 
 export_policy!(Lru);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lru() -> Lru {
+        Lru { keys: 0, bytes: 0 }
+    }
+
+    #[test]
+    fn evicts_oldest_first_larger_first_among_equals_until_covered() {
+        let call = EvictCall {
+            keys: PackedKeys::from_keys(&["a", "b", "c", "d"]),
+            sizes: vec![10, 30, 20, u64::MAX],
+            tiers: vec![Tier::Memory; 4],
+            age_ms: vec![5, 9, 9, 1],
+            hits: vec![0; 4],
+            bytes_needed: 40,
+        };
+        assert_eq!(lru().evict(call), [1, 2]);
+    }
+
+    #[test]
+    fn offers_memory_replicas_first() {
+        let call = LookupCall {
+            keys: PackedKeys::from_keys(&["a", "b"]),
+            counts: vec![3, 1],
+            tiers: vec![Tier::Disk, Tier::Memory, Tier::LocalDisk, Tier::Disk],
+            sizes: vec![1; 4],
+        };
+        assert_eq!(lru().on_lookup(call), [vec![1, 0, 2], vec![0]]);
+    }
+}

@@ -63,6 +63,50 @@ impl PrefixEvict {
     fn is_parent(&self, h: u64) -> bool {
         self.parents.contains(&h) || self.older.contains(&h)
     }
+
+    /// Remembers the blocks of a put chain that have a successor (all but the last).
+    fn learn(&mut self, keys: &PackedKeys) {
+        for i in 0..keys.len().saturating_sub(1) {
+            self.parents.insert(hash(keys.get(i)));
+        }
+        if self.parents.len() >= self.max_tracked / 2 {
+            self.older = std::mem::take(&mut self.parents);
+        }
+    }
+
+    /// The victims, in order, and how many were leaves and how many parents (no host
+    /// calls: the hook counts them).
+    fn victims(&self, call: &EvictCall) -> (Vec<u32>, u64, u64) {
+        let n = call.sizes.len();
+        // (class, -age): see the classes above.
+        let mut order: Vec<(u8, u64, u32)> = (0..n)
+            .map(|i| {
+                let class = if self.is_parent(hash(call.keys.get(i))) {
+                    2
+                } else {
+                    u8::from(call.hits[i] > 0)
+                };
+                (class, u64::MAX - call.age_ms[i], i as u32)
+            })
+            .collect();
+        order.sort_unstable();
+        let mut freed = 0u64;
+        let mut victims = Vec::new();
+        let (mut leaves, mut shared) = (0u64, 0u64);
+        for (class, _, i) in order {
+            if freed >= call.bytes_needed {
+                break;
+            }
+            freed = freed.saturating_add(call.sizes[i as usize]);
+            victims.push(i);
+            if class == 2 {
+                shared += 1;
+            } else {
+                leaves += 1;
+            }
+        }
+        (victims, leaves, shared)
+    }
 }
 
 impl Policy for PrefixEvict {
@@ -94,46 +138,13 @@ impl Policy for PrefixEvict {
     }
 
     fn on_put(&mut self, call: PutCall) -> PutDecision {
-        let n = call.keys.len();
-        for i in 0..n.saturating_sub(1) {
-            self.parents.insert(hash(call.keys.get(i)));
-        }
-        if self.parents.len() >= self.max_tracked / 2 {
-            self.older = std::mem::take(&mut self.parents);
-        }
+        self.learn(&call.keys);
         host::gauge_set(self.tracked, (self.parents.len() + self.older.len()) as i64);
         PutDecision::admit_all()
     }
 
     fn evict(&mut self, call: EvictCall) -> Vec<u32> {
-        let n = call.sizes.len();
-        // (class, -age): see the classes above.
-        let mut order: Vec<(u8, u64, u32)> = (0..n)
-            .map(|i| {
-                let class = if self.is_parent(hash(call.keys.get(i))) {
-                    2
-                } else {
-                    u8::from(call.hits[i] > 0)
-                };
-                (class, u64::MAX - call.age_ms[i], i as u32)
-            })
-            .collect();
-        order.sort_unstable();
-        let mut freed = 0u64;
-        let mut victims = Vec::new();
-        let (mut leaves, mut shared) = (0u64, 0u64);
-        for (class, _, i) in order {
-            if freed >= call.bytes_needed {
-                break;
-            }
-            freed += call.sizes[i as usize];
-            victims.push(i);
-            if class == 2 {
-                shared += 1;
-            } else {
-                leaves += 1;
-            }
-        }
+        let (victims, leaves, shared) = self.victims(&call);
         host::counter_add(self.victims_leaf, leaves);
         host::counter_add(self.victims_inner, shared);
         victims
@@ -141,3 +152,47 @@ impl Policy for PrefixEvict {
 }
 
 export_policy!(PrefixEvict);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(max_tracked: usize) -> PrefixEvict {
+        PrefixEvict {
+            max_tracked,
+            parents: BTreeSet::new(),
+            older: BTreeSet::new(),
+            victims_leaf: 0,
+            victims_inner: 0,
+            tracked: 0,
+        }
+    }
+
+    #[test]
+    fn unreused_leaves_go_before_reused_ones_and_parents_go_last() {
+        let mut p = policy(100);
+        // A chain p1 -> p2 -> leaf: p1 and p2 are parents.
+        p.learn(&PackedKeys::from_keys(&["p1", "p2", "leaf"]));
+        let call = EvictCall {
+            keys: PackedKeys::from_keys(&["p1", "hot", "cold", "p2", "leaf"]),
+            sizes: vec![10; 5],
+            tiers: vec![Tier::Memory; 5],
+            age_ms: vec![100, 90, 5, 80, 1],
+            hits: vec![0, 3, 0, 0, 0],
+            bytes_needed: 40,
+        };
+        // Never-hit leaves (cold, leaf: older first), then the hit one, then a parent.
+        let (v, leaves, parents) = p.victims(&call);
+        assert_eq!(v, [2, 4, 1, 0]);
+        assert_eq!((leaves, parents), (3, 1));
+    }
+
+    #[test]
+    fn the_parent_set_stays_bounded() {
+        let mut p = policy(4);
+        for i in 0..50 {
+            p.learn(&PackedKeys::from_keys(&[format!("a{i}"), format!("b{i}")]));
+        }
+        assert!(p.parents.len() + p.older.len() <= 4);
+    }
+}

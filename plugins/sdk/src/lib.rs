@@ -114,6 +114,17 @@ impl PackedKeys {
     pub fn iter(&self) -> impl Iterator<Item = &[u8]> {
         (0..self.len()).map(|i| self.get(i))
     }
+
+    /// Packs `keys` the way the host does: for a plugin's own tests.
+    pub fn from_keys<K: AsRef<[u8]>>(keys: &[K]) -> Self {
+        let mut bytes = Vec::new();
+        let mut ends = Vec::with_capacity(keys.len());
+        for k in keys {
+            bytes.extend_from_slice(k.as_ref());
+            ends.push(bytes.len() as u32);
+        }
+        PackedKeys { bytes, ends }
+    }
 }
 
 /// A fixed-length time window for budgets that refill: a window starts at the first
@@ -196,4 +207,35 @@ macro_rules! export_policy {
             $crate::bindings::export!(Export with_types_in $crate::bindings);
         }
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_pack_and_unpack() {
+        let k = PackedKeys::from_keys(&["a", "", "bcd"]);
+        assert_eq!(k.len(), 3);
+        assert_eq!(k.iter().collect::<Vec<_>>(), [&b"a"[..], b"", b"bcd"]);
+        assert!(PackedKeys::from_keys::<&str>(&[]).is_empty());
+    }
+
+    #[test]
+    fn splits_by_bytes_without_empty_parts_or_overflow() {
+        assert_eq!(split_by_bytes(&[4, 4, 4, 4], 8), [2]);
+        assert_eq!(split_by_bytes(&[10, 1, 1], 5), [1]);
+        assert_eq!(split_by_bytes(&[u64::MAX, u64::MAX], 1), [1]);
+        assert_eq!(split_by_bytes(&[], 1), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn decisions_admit_or_deny_every_key() {
+        assert!(PutDecision::admit_all().admissions.is_empty());
+        let d = PutDecision::deny_all(2, error_code::NO_AVAILABLE_HANDLE);
+        assert!(matches!(
+            d.admissions[..],
+            [Admission::Deny(-200), Admission::Deny(-200)]
+        ));
+    }
 }

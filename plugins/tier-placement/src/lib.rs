@@ -130,3 +130,72 @@ impl Policy for TierPlacement {
 }
 
 export_policy!(TierPlacement);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> ReplicateConfig {
+        ReplicateConfig {
+            replica_num: 1,
+            nof_replica_num: 0,
+            dfs_replica_num: 0,
+            soft_pin_action: SoftPinAction::Preserve,
+            soft_pin_ttl_ms: None,
+            with_hard_pin: false,
+            preferred_segments: Vec::new(),
+            preferred_segment: String::new(),
+            prefer_alloc_in_same_node: false,
+        }
+    }
+
+    fn call(keys: &[&str], sizes: Vec<u64>) -> PutCall {
+        PutCall {
+            kind: PutKind::BatchPut,
+            client: "c1".into(),
+            keys: PackedKeys::from_keys(keys),
+            sizes,
+            config: config(),
+        }
+    }
+
+    fn policy(json: &str) -> Result<TierPlacement, String> {
+        TierPlacement::new(json.as_bytes()).map(|(p, _)| p)
+    }
+
+    #[test]
+    fn bad_rules_are_refused_at_configure() {
+        let e = policy(r#"{"rules":[{"deny":-200,"replicas":2}]}"#)
+            .err()
+            .unwrap();
+        assert!(e.contains("cannot be combined"), "{e}");
+        let e = policy(r#"{"rules":[{"deny":0}]}"#).err().unwrap();
+        assert!(e.contains("non-zero"), "{e}");
+        assert!(policy(r#"{"rules":[{"unknown":1}]}"#).is_err());
+        assert!(policy("").is_ok());
+    }
+
+    #[test]
+    fn the_first_matching_rule_places_and_denies_go_key_by_key() {
+        let mut p = policy(
+            r#"{"rules":[
+                {"key_prefix":"tmp/","deny":-200},
+                {"min_size":100,"segment":"s:1","replicas":2,"soft_pin_ttl_ms":5}
+            ]}"#,
+        )
+        .unwrap();
+        let d = p.on_put(call(&["tmp/a", "big", "small"], vec![500, 500, 5]));
+        assert!(matches!(
+            d.admissions[..],
+            [Admission::Deny(-200), Admission::Admit, Admission::Admit]
+        ));
+        let c = d
+            .config
+            .expect("the rule of the first admitted key applies");
+        assert_eq!((c.preferred_segment.as_str(), c.replica_num), ("s:1", 2));
+        assert_eq!(c.soft_pin_ttl_ms, Some(5));
+        // Nothing matches: Mooncake's behaviour, unchanged.
+        let d = p.on_put(call(&["small"], vec![5]));
+        assert!(d.config.is_none() && d.admissions.is_empty());
+    }
+}
