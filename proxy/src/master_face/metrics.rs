@@ -251,3 +251,22 @@ impl MasterFaceMetrics {
             .inc();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codec::FrameError;
+
+    #[test]
+    fn frame_errors_are_labelled_by_what_went_wrong() {
+        let large = FrameError::TooLarge { len: 10, max: 1 };
+        assert_eq!(FrameErrorKind::of(&large), FrameErrorKind::too_large);
+        for e in [
+            FrameError::BadMagic(0),
+            FrameError::UnsupportedVersion(1),
+            FrameError::UnsupportedSerializeType(2),
+        ] {
+            assert_eq!(FrameErrorKind::of(&e), FrameErrorKind::bad_header);
+        }
+    }
+}

@@ -168,3 +168,50 @@ impl Conn {
         Ok(answers)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codec::frame::REQUEST_HEADER_LEN;
+    use crate::codec::message::{NoArgs, Request};
+
+    /// A master that answers each request with `seq + shift` (transport error 1, so no
+    /// body is decoded).
+    async fn scripted(shift: u32) -> String {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            loop {
+                let mut h = [0u8; REQUEST_HEADER_LEN];
+                if s.read_exact(&mut h).await.is_err() {
+                    return;
+                }
+                let seq = u32::from_le_bytes(h[4..8].try_into().unwrap());
+                let len = u32::from_le_bytes(h[12..16].try_into().unwrap());
+                let mut body = vec![0u8; len as usize];
+                s.read_exact(&mut body).await.unwrap();
+                let mut out = BytesMut::new();
+                ResponseHeader::new(seq.wrapping_add(shift), 1, 0).write(&mut out);
+                s.write_all(&out).await.unwrap();
+            }
+        });
+        addr
+    }
+
+    #[tokio::test]
+    async fn an_answer_with_another_seq_is_an_error_not_a_misattribution() {
+        let t = Duration::from_secs(5);
+        let mut c = Conn::connect(&scripted(0).await, t).await.unwrap();
+        let reqs = [Request::ServiceReady(NoArgs), Request::ServiceReady(NoArgs)];
+        let a = c.call_all(&reqs, t).await.unwrap();
+        assert_eq!(a.len(), 2);
+        assert!(a.iter().all(|r| matches!(r, Err(1))));
+
+        let mut c = Conn::connect(&scripted(5).await, t).await.unwrap();
+        assert!(matches!(
+            c.call_all(&reqs, t).await,
+            Err(CallError::OutOfOrder { want: 0, got: 5 })
+        ));
+    }
+}
