@@ -6,6 +6,10 @@
 #     when no RDMA device exists).
 #   - A Python virtualenv in .venv with the pinned Mooncake wheel, which ships the real
 #     `mooncake_master` binary and the real store client.
+#   - One virtualenv per older supported release (.venv-0.3.11.post1,
+#     .venv-0.3.12.post1): their masters and clients, for the per-release tests. The
+#     0.3.12.post1 "non-cuda" wheel links libcudart.so.12, which PyPI's
+#     nvidia-cuda-runtime-cu12 supplies (the tests put it on LD_LIBRARY_PATH).
 #
 # Env: MOONGATE_VENV overrides the virtualenv path.
 set -euo pipefail
@@ -33,6 +37,22 @@ if ! "$venv/bin/python" -c "import mooncake.store" >/dev/null 2>&1 \
   echo "bootstrap: installing $MOONCAKE_PKG"
   "$venv/bin/pip" install -q --disable-pip-version-check "$MOONCAKE_PKG"
 fi
+
+older_release() {
+  local v=$1 extra=${2:-} dir="$root/.venv-$1"
+  if [ ! -x "$dir/bin/python" ]; then
+    echo "bootstrap: creating virtualenv $dir"
+    python3 -m venv "$dir"
+  fi
+  if [ "$("$dir/bin/pip" show mooncake-transfer-engine-non-cuda 2>/dev/null | sed -n 's/^Version: //p')" != "$v" ] \
+     || { [ -n "$extra" ] && ! "$dir/bin/pip" show "${extra%%==*}" >/dev/null 2>&1; }; then
+    echo "bootstrap: installing mooncake-transfer-engine-non-cuda==$v $extra"
+    # shellcheck disable=SC2086
+    "$dir/bin/pip" install -q --disable-pip-version-check "mooncake-transfer-engine-non-cuda==$v" $extra
+  fi
+}
+older_release 0.3.11.post1
+older_release 0.3.12.post1 "nvidia-cuda-runtime-cu12==12.9.79"
 
 master=$("$venv/bin/python" - <<'PY'
 import os, mooncake

@@ -1,6 +1,7 @@
 //! The admin endpoint (HTTP/1.1, loopback by default).
 //!
-//! Read: `GET /live`, `GET /ready`, `GET /metrics`, `GET /plugins`, `GET /experiments`.
+//! Read: `GET /live`, `GET /ready`, `GET /status`, `GET /metrics`, `GET /plugins`,
+//! `GET /experiments`.
 //! Change (bearer token `admin.token`, or loopback when no token is set):
 //! `POST /plugins?name=NAME[&sha256=HEX][&path=FILE]` (component bytes as the body, or a
 //! path), `POST /plugins/NAME/activate`, `POST /plugins/rollback`, `PUT /experiments`.
@@ -187,6 +188,25 @@ fn experiments_view(policy: &Registry) -> serde_json::Value {
     })
 }
 
+/// `GET /status`: whether the master answers, and the client connections per Mooncake
+/// release their calls' layouts identify.
+fn status_view(state: &AdminState) -> serde_json::Value {
+    let (open, since) = state.metrics.master.schema_counts();
+    let by_release = |n: &dyn Fn(usize) -> serde_json::Value| {
+        crate::codec::Schema::ALL
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.label().to_string(), n(i)))
+            .collect::<serde_json::Map<String, serde_json::Value>>()
+    };
+    serde_json::json!({
+        "ready": state.ready.load(Ordering::Relaxed),
+        "connections_open": state.metrics.master.connections_open.get(),
+        "connections_by_release": by_release(&|i| open[i].into()),
+        "connections_identified_since_start": by_release(&|i| since[i].into()),
+    })
+}
+
 async fn route(
     state: Arc<AdminState>,
     req: Request<Incoming>,
@@ -217,6 +237,7 @@ async fn route(
                 );
                 r
             }
+            "/status" => json(StatusCode::OK, &status_view(&state)),
             "/plugins" => json(StatusCode::OK, &state.policy.list()),
             "/experiments" => json(StatusCode::OK, &experiments_view(&state.policy)),
             _ => text(

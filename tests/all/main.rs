@@ -24,4 +24,5 @@ mod master_face_failures;
 mod policy_host;
 mod policy_live;
 mod real_mooncake;
+mod releases;
 mod replay_live;

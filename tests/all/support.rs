@@ -50,6 +50,51 @@ pub fn master_binary() -> PathBuf {
     .clone()
 }
 
+/// An older Mooncake release the tests also run against: its own virtualenv
+/// (`.venv-<release>`, installed by scripts/bootstrap.sh), master binary and client.
+#[derive(Clone, Debug)]
+pub struct Release {
+    pub python: PathBuf,
+    /// Where the release's wheel finds the CUDA runtime it links (0.3.12.post1's
+    /// "non-cuda" wheel links libcudart.so.12; bootstrap installs it from PyPI).
+    pub lib_path: Option<PathBuf>,
+}
+
+impl Release {
+    pub fn older(name: &'static str) -> Release {
+        let venv = repo_root().join(format!(".venv-{name}"));
+        let python = venv.join("bin/python");
+        assert!(
+            python.exists(),
+            "{} not found: run scripts/bootstrap.sh (the test command does)",
+            python.display()
+        );
+        let lib = venv.join("lib/python3.11/site-packages/nvidia/cuda_runtime/lib");
+        Release {
+            python,
+            lib_path: lib.exists().then_some(lib),
+        }
+    }
+
+    /// Sets what the release's processes need in their environment.
+    pub fn apply(&self, cmd: &mut Command) {
+        if let Some(l) = &self.lib_path {
+            cmd.env("LD_LIBRARY_PATH", l);
+        }
+    }
+
+    pub fn master(&self) -> PathBuf {
+        let out = Command::new(&self.python)
+            .args([
+                "-c",
+                "import os, mooncake; print(os.path.join(os.path.dirname(mooncake.__file__), 'mooncake_master'))",
+            ])
+            .output()
+            .expect("run python");
+        PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+    }
+}
+
 pub fn scenario() -> PathBuf {
     repo_root().join("tests/py/scenario.py")
 }
@@ -273,6 +318,8 @@ pub struct MasterOpts {
     pub root_fs_dir: Option<PathBuf>,
     /// Reuse these ports (a restart).
     pub ports: Option<(u16, u16)>,
+    /// Run this older release's master instead of the pinned one.
+    pub release: Option<Release>,
 }
 
 impl Master {
@@ -284,7 +331,11 @@ impl Master {
         let dir = tempdir();
         let (rpc_port, http_port) = opts.ports.unwrap_or_else(|| (free_port(), free_port()));
         let metrics_port = free_port();
-        let mut cmd = Command::new(master_binary());
+        let mut cmd = Command::new(
+            opts.release
+                .as_ref()
+                .map_or_else(master_binary, Release::master),
+        );
         cmd.args([
             format!("--rpc_port={rpc_port}"),
             "--rpc_address=127.0.0.1".into(),
@@ -292,9 +343,15 @@ impl Master {
             "--http_metadata_server_host=127.0.0.1".into(),
             format!("--http_metadata_server_port={http_port}"),
             format!("--metrics_port={metrics_port}"),
-            "--metrics_host=127.0.0.1".into(),
             "--enable_metric_reporting=false".into(),
         ]);
+        match &opts.release {
+            // 0.3.11 / 0.3.12 masters exit on a flag they do not know.
+            Some(r) => r.apply(&mut cmd),
+            None => {
+                cmd.arg("--metrics_host=127.0.0.1");
+            }
+        }
         if let Some(root) = &opts.root_fs_dir {
             cmd.arg(format!("--root_fs_dir={}", root.display()));
         }
@@ -426,9 +483,24 @@ pub fn run_role(
     extra: &[&str],
     logs: &[&Proc],
 ) -> serde_json::Value {
+    run_role_on(None, role, master, metadata, extra, logs)
+}
+
+/// [`run_role`] with the client of an older `release`.
+pub fn run_role_on(
+    release: Option<&Release>,
+    role: &str,
+    master: &str,
+    metadata: &str,
+    extra: &[&str],
+    logs: &[&Proc],
+) -> serde_json::Value {
     let dir = tempdir();
     let out = dir.path().join("out.json");
-    let mut cmd = Command::new(python());
+    let mut cmd = Command::new(release.map_or_else(python, |r| r.python.clone()));
+    if let Some(r) = release {
+        r.apply(&mut cmd);
+    }
     cmd.arg(scenario())
         .args(["--role", role, "--master", master, "--metadata", metadata])
         .arg("--out")
@@ -476,10 +548,25 @@ impl Background {
         extra: &[&str],
         logs: &[&Proc],
     ) -> Background {
+        Background::start_on(None, role, master, metadata, extra, logs)
+    }
+
+    /// As [`Background::start_args`], with the client of an older `release`.
+    pub fn start_on(
+        release: Option<&Release>,
+        role: &str,
+        master: &str,
+        metadata: &str,
+        extra: &[&str],
+        logs: &[&Proc],
+    ) -> Background {
         let dir = tempdir();
         let out = dir.path().join("out.json");
         let log = dir.path().join("client.log");
-        let mut cmd = Command::new(python());
+        let mut cmd = Command::new(release.map_or_else(python, |r| r.python.clone()));
+        if let Some(r) = release {
+            r.apply(&mut cmd);
+        }
         cmd.arg(scenario())
             .args(["--role", role, "--master", master, "--metadata", metadata])
             .arg("--out")

@@ -5,7 +5,9 @@
 //!
 //! - [`frame`]: headers, `check` then `split`.
 //! - [`pack`]: struct_pack messages and the [`pack::Pack`] trait.
-//! - [`types`], [`message`]: typed requests and responses of the methods moongate acts on.
+//! - [`types`], [`message`]: typed requests and responses of the methods moongate acts on
+//!   (the 0.3.13 layout: the one internal model); [`older`]: the 0.3.11 / 0.3.12 layouts
+//!   of the same methods, picked by type code and mapped to and from that model.
 //! - [`method`]: the 64 registered methods and their function ids.
 //! - [`generic`]: literal-driven decoding of any body.
 
@@ -14,6 +16,7 @@ pub mod frame;
 pub mod generic;
 pub mod message;
 pub mod method;
+pub mod older;
 pub mod pack;
 pub mod types;
 
@@ -21,7 +24,7 @@ pub use error::{DecodeError, FrameError};
 pub use frame::{RequestFrame, RequestHeader, ResponseFrame, ResponseHeader};
 pub use message::{Request, Response, RpcError};
 pub use method::Method;
-pub use pack::BodyStyle;
+pub use pack::{BodyStyle, Schema};
 
 /// Decodes `data` as a stream of request frames and every body in it, typed where the
 /// method has a typed form and generically otherwise, then re-encodes each and checks the

@@ -435,17 +435,44 @@ impl RootSchema {
     }
 }
 
+/// The Mooncake release whose struct layouts a body uses (picked by its type code).
+/// Releases that share a layout share a schema: 0.3.14 requests are 0.3.13's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Schema {
+    V0_3_11,
+    V0_3_12,
+    V0_3_13,
+}
+
+impl Schema {
+    pub const ALL: [Schema; 3] = [Schema::V0_3_11, Schema::V0_3_12, Schema::V0_3_13];
+
+    /// The release as operators name it (a metric label).
+    pub fn label(self) -> &'static str {
+        match self {
+            Schema::V0_3_11 => "0.3.11",
+            Schema::V0_3_12 => "0.3.12",
+            Schema::V0_3_13 => "0.3.13",
+        }
+    }
+}
+
 /// The parts of a message's prefix that survive a decode, so that a re-encode of an
 /// unchanged value gives back the same bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BodyStyle {
     /// The sender included the type literal (every Mooncake 0.3.13 binary does).
     pub with_literal: bool,
+    /// The layout the body arrived in, and is re-encoded in.
+    pub schema: Schema,
 }
 
 impl BodyStyle {
     /// What the installed Mooncake binaries send.
-    pub const MOONCAKE: BodyStyle = BodyStyle { with_literal: true };
+    pub const MOONCAKE: BodyStyle = BodyStyle {
+        with_literal: true,
+        schema: Schema::V0_3_13,
+    };
 }
 
 /// The prefix of a message: hash head, metainfo, literal.
@@ -507,6 +534,7 @@ impl Prefix {
     pub fn style(&self) -> BodyStyle {
         BodyStyle {
             with_literal: self.literal.is_some(),
+            schema: Schema::V0_3_13,
         }
     }
 }
@@ -625,6 +653,7 @@ mod tests {
             &schema,
             BodyStyle {
                 with_literal: false,
+                schema: Schema::V0_3_13,
             },
             &mut out,
         );

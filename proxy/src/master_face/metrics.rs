@@ -9,8 +9,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-use crate::codec::Method;
 use crate::codec::method::METHOD_COUNT;
+use crate::codec::{Method, Schema};
 use crate::per_method::{ERROR_KINDS, ErrorLabels, LATENCY_BUCKETS, MethodLabel, MethodMetrics};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -88,6 +88,34 @@ pub struct MasterFaceMetrics {
     pub upstream_ready: Gauge,
     /// Per [`Method::index`]: `(batches split, parts sent)`.
     splits: Vec<(Counter, Counter)>,
+    /// Bodies relayed undecoded because their type code names no layout moongate knows.
+    unknown_codes: Family<UnknownCodeLabels, Counter>,
+    /// (method, side, code) already logged: one WARN each.
+    warned_codes: std::sync::Mutex<std::collections::HashSet<(Method, bool, u32)>>,
+    /// Per [`Schema`]: client connections whose calls identified that release (open
+    /// now, and since start).
+    schema_connections: [Gauge; 3],
+    schema_identified: [Counter; 3],
+    /// Fields a policy set that a client's release cannot carry (left out).
+    fields_dropped: Family<DroppedLabels, Counter>,
+    warned_fields: std::sync::Mutex<std::collections::HashSet<(&'static str, Schema)>>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct UnknownCodeLabels {
+    method: &'static str,
+    side: Side,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SchemaLabel {
+    schema: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DroppedLabels {
+    field: &'static str,
+    schema: &'static str,
 }
 
 impl MasterFaceMetrics {
@@ -214,7 +242,50 @@ impl MasterFaceMetrics {
             "Parts sent to the master for split batch calls",
             split_parts,
         );
+        let unknown_codes = Family::<UnknownCodeLabels, Counter>::default();
+        registry.register(
+            "moongate_master_unknown_type_codes",
+            "Bodies relayed undecoded because their struct_pack type code names no layout \
+             moongate knows (a Mooncake release it does not support), by method and side",
+            unknown_codes.clone(),
+        );
+        let by_schema = Family::<SchemaLabel, Gauge>::default();
+        registry.register(
+            "moongate_master_connections_by_schema",
+            "Client connections by the Mooncake release their calls' layouts identify \
+             (0.3.13 includes 0.3.14; a connection counts once it sent an identifying call)",
+            by_schema.clone(),
+        );
+        let schema_connections = Schema::ALL.map(|s| {
+            by_schema
+                .get_or_create(&SchemaLabel { schema: s.label() })
+                .clone()
+        });
+        let identified = Family::<SchemaLabel, Counter>::default();
+        registry.register(
+            "moongate_master_connections_identified",
+            "Client connections whose calls identified a Mooncake release, since start",
+            identified.clone(),
+        );
+        let schema_identified = Schema::ALL.map(|s| {
+            identified
+                .get_or_create(&SchemaLabel { schema: s.label() })
+                .clone()
+        });
+        let fields_dropped = Family::<DroppedLabels, Counter>::default();
+        registry.register(
+            "moongate_policy_fields_dropped",
+            "Fields a policy set that the client's Mooncake release cannot carry, left out \
+             of the call sent upstream (e.g. soft_pin_ttl_ms for 0.3.12), by field and release",
+            fields_dropped.clone(),
+        );
         MasterFaceMetrics {
+            unknown_codes,
+            warned_codes: Default::default(),
+            schema_connections,
+            schema_identified,
+            fields_dropped,
+            warned_fields: Default::default(),
             methods,
             connections_open,
             upstream_connections_open,
@@ -224,6 +295,74 @@ impl MasterFaceMetrics {
             bytes_to_client,
             upstream_ready,
             splits,
+        }
+    }
+
+    /// Counts a body relayed undecoded for its unknown type `code`; logs it once per
+    /// (method, side, code).
+    pub fn unknown_type_code(&self, method: Method, side: Side, code: u32) {
+        self.unknown_codes
+            .get_or_create(&UnknownCodeLabels {
+                method: method.name(),
+                side,
+            })
+            .inc();
+        let first = self
+            .warned_codes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert((method, side == Side::upstream, code));
+        if first {
+            tracing::warn!(%method, side = ?side, code = format_args!("{code:#010x}"),
+                "type code of no known Mooncake release: relayed undecoded, no policy runs on it");
+        }
+    }
+
+    /// A connection identified as `now` (was `before`).
+    pub fn schema_seen(&self, before: Option<Schema>, now: Schema) {
+        if let Some(b) = before {
+            self.schema_connections[b as usize].dec();
+        }
+        self.schema_connections[now as usize].inc();
+        self.schema_identified[now as usize].inc();
+    }
+
+    /// A connection identified as `s` closed.
+    pub fn schema_gone(&self, s: Schema) {
+        self.schema_connections[s as usize].dec();
+    }
+
+    /// Client connections per identified release, in [`Schema::ALL`] order: open now,
+    /// and identified since start.
+    pub fn schema_counts(&self) -> ([i64; 3], [u64; 3]) {
+        (
+            self.schema_connections.each_ref().map(Gauge::get),
+            self.schema_identified.each_ref().map(Counter::get),
+        )
+    }
+
+    /// Counts policy-set fields left out for a client of release `schema`; logs each
+    /// (field, release) once.
+    pub fn fields_dropped(&self, fields: &[&'static str], schema: Schema) {
+        for &field in fields {
+            self.fields_dropped
+                .get_or_create(&DroppedLabels {
+                    field,
+                    schema: schema.label(),
+                })
+                .inc();
+            let first = self
+                .warned_fields
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert((field, schema));
+            if first {
+                tracing::warn!(
+                    field,
+                    release = schema.label(),
+                    "a policy set a field this client's Mooncake release cannot carry; left out"
+                );
+            }
         }
     }
 

@@ -38,7 +38,9 @@ use crate::calls::{self, AnswerExt, CallExt, Tracked};
 use crate::codec::frame::errc;
 use crate::codec::message::{Request, Response, RpcError, is_typed};
 use crate::codec::types::Uuid;
-use crate::codec::{BodyStyle, Method, RequestFrame, ResponseFrame, ResponseHeader};
+use crate::codec::{
+    BodyStyle, DecodeError, Method, RequestFrame, ResponseFrame, ResponseHeader, Schema, older,
+};
 use crate::per_method::{ErrorKind, MethodMetrics};
 use crate::policy::{Fixup, Outcome, PutAction, PutDecided, Ticket};
 
@@ -77,9 +79,19 @@ pub struct Session {
     /// The Mooncake client id, once a request carried it: a connection belongs to one
     /// client process, so by-client arms hold for the calls that do not carry it.
     client: Option<Uuid>,
+    /// The Mooncake release this connection's calls identified, once one did.
+    schema: Option<Schema>,
     merge: Merge,
     to_master: BytesMut,
     to_client: BytesMut,
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        if let Some(s) = self.schema {
+            self.shared.metrics.schema_gone(s);
+        }
+    }
 }
 
 impl Session {
@@ -88,6 +100,7 @@ impl Session {
             shared,
             queue: VecDeque::new(),
             client: None,
+            schema: None,
             merge: Merge::default(),
             to_master: BytesMut::with_capacity(64 << 10),
             to_client: BytesMut::with_capacity(64 << 10),
@@ -141,7 +154,7 @@ impl Session {
         let next = on_request(
             &self.shared,
             &mut self.to_master,
-            &mut self.client,
+            (&mut self.client, &mut self.schema),
             frame,
             raw,
             method,
@@ -251,17 +264,23 @@ enum Next {
 fn on_request(
     shared: &Shared,
     out: &mut BytesMut,
-    client: &mut Option<Uuid>,
+    (client, schema): (&mut Option<Uuid>, &mut Option<Schema>),
     frame: &RequestFrame,
     raw: &Bytes,
     method: Option<Method>,
 ) -> Next {
     let m = shared.metrics.method(method);
     m.requests.inc();
-    let Some((req, style)) = decode_request(frame, method, m) else {
+    let Some((req, style)) = decode_request(shared, frame, method, m) else {
         out.extend_from_slice(raw);
         return Next::Relayed;
     };
+    if let Some(s) = older::identifies(req.method(), style.schema)
+        && *schema != Some(s)
+    {
+        shared.metrics.schema_seen(*schema, s);
+        *schema = Some(s);
+    }
     let got = Received { frame, raw, style };
     if let Some(id) = req.client_id() {
         *client = Some(id);
@@ -377,6 +396,12 @@ fn forward(
             return parts.len();
         }
     }
+    if changed && style.schema != Schema::V0_3_13 {
+        let lost = req.lost_in(style.schema);
+        if !lost.is_empty() {
+            shared.metrics.fields_dropped(&lost, style.schema);
+        }
+    }
     if changed || shared.cfg.reencode == Reencode::Always {
         write_request(frame, req, style, out);
     } else {
@@ -386,6 +411,7 @@ fn forward(
 }
 
 fn decode_request(
+    shared: &Shared,
     frame: &RequestFrame,
     method: Option<Method>,
     m: &MethodMetrics,
@@ -393,6 +419,13 @@ fn decode_request(
     let method = method.filter(|m| is_typed(*m))?;
     match Request::decode(method, &frame.body)? {
         Ok(d) => Some(d),
+        Err(DecodeError::TypeMismatch { found, .. }) => {
+            // A release moongate has no layout for: relayed as it came.
+            shared
+                .metrics
+                .unknown_type_code(method, Side::client, found);
+            None
+        }
         Err(e) => {
             // The master will answer invalid_rpc_arguments itself; relay untouched.
             m.error(ErrorKind::decode, 1);
@@ -465,6 +498,12 @@ impl<'a> Answering<'a> {
         let decoded = match self.method {
             Some(method) if is_typed(method) => match Response::decode(method, &frame.body) {
                 Some(Ok(d)) => Some(d),
+                Some(Err(DecodeError::TypeMismatch { found, .. })) => {
+                    self.shared
+                        .metrics
+                        .unknown_type_code(method, Side::upstream, found);
+                    None
+                }
                 Some(Err(e)) => {
                     self.m.error(ErrorKind::decode, 1);
                     tracing::debug!(%method, error = %e, "response body did not decode; relaying raw");
