@@ -7,8 +7,19 @@ use serde_json::Value;
 
 /// Owner + reader against `master_addr` (the master itself or moongate in front of it).
 fn two_process_scenario(master_addr: &str, metadata: &str, logs: &[&Proc]) -> (Value, Value) {
-    let owner = Background::start("owner", master_addr, metadata, logs);
-    let reader = run_role(
+    scenario_on(None, master_addr, metadata, logs)
+}
+
+/// [`two_process_scenario`] with the clients of `release` (`None`: the pinned one).
+pub(crate) fn scenario_on(
+    release: Option<&Release>,
+    master_addr: &str,
+    metadata: &str,
+    logs: &[&Proc],
+) -> (Value, Value) {
+    let owner = Background::start_on(release, "owner", master_addr, metadata, &[], logs);
+    let reader = run_role_on(
+        release,
         "reader",
         master_addr,
         metadata,
@@ -19,7 +30,7 @@ fn two_process_scenario(master_addr: &str, metadata: &str, logs: &[&Proc]) -> (V
     (owner_res, reader)
 }
 
-fn assert_all_data_ok(v: &Value) {
+pub(crate) fn assert_all_data_ok(v: &Value) {
     // every {"ok": ...} in the results must be true (byte-for-byte checks)
     match v {
         Value::Object(m) => {

@@ -114,6 +114,64 @@ fn tier_placement_acts_on(release: &'static str, label: &str) {
     }
 }
 
+/// The two-process scenario (an owner puts, a reader on another process reads over
+/// TE-TCP, every call of the store API) with `release`'s clients and master, directly and
+/// through moongate re-encoding every typed call (`reencode = "always"`): the same
+/// results, byte-exact data, every body decoded in its release's layout.
+fn scenario_matches_the_direct_run(release: &'static str) {
+    use crate::real_mooncake::{assert_all_data_ok, scenario_on};
+    let r = Release::older(release);
+    let start = || {
+        Master::start_with(MasterOpts {
+            release: Some(r.clone()),
+            ..Default::default()
+        })
+    };
+    let direct_master = start();
+    let direct = scenario_on(
+        Some(&r),
+        &direct_master.rpc,
+        &direct_master.metadata,
+        &[&direct_master.proc],
+    );
+    assert_all_data_ok(&direct.0);
+    assert_all_data_ok(&direct.1);
+    drop(direct_master);
+
+    let master = start();
+    let mg = Moongate::start_with(&master.rpc, "reencode = \"always\"");
+    mg.wait_ready(&master);
+    let via = scenario_on(
+        Some(&r),
+        &mg.listen,
+        &master.metadata,
+        &[&master.proc, &mg.proc],
+    );
+    assert_eq!(via.1, direct.1, "{release}: reader results differ");
+    assert_eq!(via.0, direct.0, "{release}: owner results differ");
+    let m = mg.metrics();
+    let decode_errors: Vec<&str> = m
+        .lines()
+        .filter(|l| l.contains("kind=\"decode\"}") && !l.ends_with(" 0"))
+        .collect();
+    assert!(decode_errors.is_empty(), "{release}: {decode_errors:?}");
+    assert!(
+        !m.contains("moongate_master_unknown_type_codes_total{"),
+        "{release}: every layout known\n{m}"
+    );
+    assert!(metric_value(&m, "moongate_master_requests_total{method=\"PutStart\"}") >= 1.0);
+}
+
+#[test]
+fn the_scenario_through_moongate_matches_the_direct_run_on_0_3_11() {
+    scenario_matches_the_direct_run("0.3.11.post1");
+}
+
+#[test]
+fn the_scenario_through_moongate_matches_the_direct_run_on_0_3_12() {
+    scenario_matches_the_direct_run("0.3.12.post1");
+}
+
 #[test]
 fn a_policy_acts_on_mooncake_0_3_11() {
     tier_placement_acts_on("0.3.11.post1", "0.3.11");

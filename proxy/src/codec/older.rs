@@ -420,6 +420,8 @@ pub fn request_schema(method: Method, code: u32) -> Option<Schema> {
         GetReplicaList | ExistKey => (schema!(Bytes).code, None),
         BatchGetReplicaList | BatchExistKey => (schema!(Vec<Bytes>).code, None),
         Remove => (schema!(RemoveArgs11).code, None),
+        // Not in the release table: a bare `bool force`, seen from the 0.3.11 client.
+        RemoveAll => (schema!(bool).code, None),
         MountSegment => (schema!(MountSegmentArgs11).code, None),
         ReMountSegment => (schema!(ReMountSegmentArgs11).code, None),
         _ => return None,
@@ -579,6 +581,14 @@ pub fn decode_request(
                 tenant_id: Bytes::new(),
             };
             (Request::Remove(r), s)
+        }
+        (RemoveAll, V0_3_11) => {
+            let (force, s) = dec!(bool);
+            let r = RemoveAllArgs {
+                force,
+                tenant_id: Bytes::new(),
+            };
+            (Request::RemoveAll(r), s)
         }
         (MountSegment, V0_3_11) => {
             let (a, s) = dec!(MountSegmentArgs11);
@@ -830,6 +840,7 @@ pub fn encode_request(req: &Request, style: BodyStyle, out: &mut BytesMut) -> bo
                 force: a.force,
             }
         ),
+        Request::RemoveAll(a) if v11 => enc!(bool, a.force),
         Request::MountSegment(a) if v11 => enc!(
             MountSegmentArgs11,
             MountSegmentArgs11 {
@@ -886,6 +897,8 @@ pub fn lost_in(req: &Request, schema: Schema) -> Vec<&'static str> {
             a.object_metas.iter().for_each(|m| checksum(m, &mut out));
             tenant(&a.tenant_id, &mut out);
         }
+        Request::RemoveAll(a) => tenant(&a.tenant_id, &mut out),
+        Request::Remove(a) => tenant(&a.tenant_id, &mut out),
         _ => {}
     }
     out.dedup();
@@ -1117,6 +1130,10 @@ mod tests {
                 force: true,
                 tenant_id: t,
             }),
+            RemoveAll => Request::RemoveAll(RemoveAllArgs {
+                force: true,
+                tenant_id: t,
+            }),
             MountSegment => Request::MountSegment(MountSegmentArgs {
                 segment,
                 client_id: id,
@@ -1178,11 +1195,16 @@ mod tests {
             back.encode_body(st, &mut again);
             assert_eq!(again.freeze(), body, "{m} {schema:?}: byte-identical");
         }
-        // ReMountSegment's 0.3.11 code, and layouts 0.3.12 shares with 0.3.13 (those
-        // decode as 0.3.13: same bytes).
+        // ReMountSegment's 0.3.11 code, RemoveAll's (a bare bool, not in the table)
+        // round trip, and layouts 0.3.12 shares with 0.3.13 (those decode as 0.3.13).
         let mut out = BytesMut::new();
         sample(ReMountSegment, V0_3_11).encode_body(style(V0_3_11), &mut out);
         assert_eq!(code_of(&out), Some(0xecb9_930c));
+        let mut out = BytesMut::new();
+        let all = sample(RemoveAll, V0_3_11);
+        all.encode_body(style(V0_3_11), &mut out);
+        let (back, st) = Request::decode(RemoveAll, &out.freeze()).unwrap().unwrap();
+        assert_eq!((back, st.schema), (all, V0_3_11));
         for (m, code) in [
             (PutRevoke, 0x1b7a_228a),
             (ExistKey, 0x7cf9_1ed8),
