@@ -1,7 +1,9 @@
 //! moongate's integration tests, in one binary (moongate and wasmtime are linked once,
 //! and one support module serves every test).
 //!
-//! - Sans-IO against captured frames: [`codec_fixtures`], [`codec_errors`].
+//! - Sans-IO against captured frames: [`codec_fixtures`] (0.3.13), [`codec_releases`]
+//!   (0.3.11, 0.3.12), [`codec_errors`].
+//! - Older releases live, their own masters and clients: [`releases`].
 //! - The policy host with real plugin components: [`policy_host`].
 //! - The command line: [`cli`].
 //! - Live, against the real `mooncake_master` and the real Mooncake Python client on
@@ -16,6 +18,7 @@ mod support;
 mod cli;
 mod codec_errors;
 mod codec_fixtures;
+mod codec_releases;
 mod eviction_live;
 mod kv_bounds;
 mod kv_face;
