@@ -6,8 +6,9 @@
 #     when no RDMA device exists).
 #   - A Python virtualenv in .venv with the pinned Mooncake wheel, which ships the real
 #     `mooncake_master` binary and the real store client.
-#   - One virtualenv per older supported release (.venv-0.3.11.post1,
-#     .venv-0.3.12.post1): their masters and clients, for the per-release tests. The
+#   - One virtualenv per other supported release (.venv-0.3.11.post1,
+#     .venv-0.3.12.post1: masters and clients; .venv-0.3.14: its master), for the
+#     per-release tests. The
 #     0.3.12.post1 "non-cuda" wheel links libcudart.so.12, which PyPI's
 #     nvidia-cuda-runtime-cu12 supplies (the tests put it on LD_LIBRARY_PATH).
 #
@@ -53,6 +54,14 @@ older_release() {
 }
 older_release 0.3.11.post1
 older_release 0.3.12.post1 "nvidia-cuda-runtime-cu12==12.9.79"
+# 0.3.14: only a CUDA 13 wheel exists; its master runs without CUDA (its client needs
+# the NVIDIA driver), so it is installed without dependencies, for its master alone.
+v14="$root/.venv-0.3.14"
+if [ ! -x "$v14/lib/python3.11/site-packages/mooncake/mooncake_master" ]; then
+  echo "bootstrap: installing the 0.3.14 master (mooncake-transfer-engine-cuda13==0.3.14, no deps)"
+  [ -x "$v14/bin/python" ] || python3 -m venv "$v14"
+  "$v14/bin/pip" install -q --disable-pip-version-check --no-deps "mooncake-transfer-engine-cuda13==0.3.14"
+fi
 
 master=$("$venv/bin/python" - <<'PY'
 import os, mooncake

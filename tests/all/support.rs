@@ -61,6 +61,8 @@ pub struct Release {
 }
 
 impl Release {
+    /// The release installed in `.venv-<name>` (`0.3.11.post1`, `0.3.12.post1`; `0.3.14`:
+    /// its master only).
     pub fn older(name: &'static str) -> Release {
         let venv = repo_root().join(format!(".venv-{name}"));
         let python = venv.join("bin/python");

@@ -446,6 +446,50 @@ mod tests {
         assert!(Response::error(Method::RemoveAll, ErrorCode::INTERNAL_ERROR, 0).is_none());
     }
 
+    /// A 0.3.14 master's answer (metainfo 0x05: a 2-byte total length, then the 0.3.13
+    /// payload, then a compatible section with one `00` per replica descriptor) decodes
+    /// as the 0.3.13 value; re-encoded, it is the 0.3.13 layout without the section.
+    #[test]
+    fn a_compatible_section_is_read_past_and_not_rewritten() {
+        let rep = ReplicaDescriptor {
+            id: 1,
+            location: ReplicaLocation::Disk(DiskDescriptor {
+                file_path: Bytes::from_static(b"/d/k"),
+                object_size: 9,
+            }),
+            status: ReplicaStatus::COMPLETE,
+        };
+        let resp = Response::PutStart(Ok(vec![rep]));
+        let mut plain = BytesMut::new();
+        resp.encode_body(BodyStyle::MOONCAKE, &mut plain);
+        assert_eq!(plain[4], 0x04, "a literal, no compatible section");
+        // Build the 0.3.14 form: metainfo 0x05, u16 total length, ..., section `00`.
+        let mut v14 = BytesMut::new();
+        v14.extend_from_slice(&plain[..4]);
+        v14.extend_from_slice(&[0x05, 0, 0]);
+        v14.extend_from_slice(&plain[5..]);
+        v14.extend_from_slice(&[0x00]);
+        let total = v14.len() as u16;
+        v14[5..7].copy_from_slice(&total.to_le_bytes());
+        let (back, style) = Response::decode(Method::PutStart, &v14.freeze())
+            .unwrap()
+            .unwrap();
+        assert_eq!(back, resp);
+        assert!(style.compat);
+        let mut again = BytesMut::new();
+        back.encode_body(style, &mut again);
+        assert_eq!(again, plain);
+        // A total length that is not the body's is refused (relayed raw).
+        let mut bad = BytesMut::from(&plain[..4]);
+        bad.extend_from_slice(&[0x05, 0xff, 0x00]);
+        bad.extend_from_slice(&plain[5..]);
+        bad.extend_from_slice(&[0x00]);
+        assert!(matches!(
+            Response::decode(Method::PutStart, &bad.freeze()),
+            Some(Err(DecodeError::TrailingBytes(1)))
+        ));
+    }
+
     #[test]
     fn rpc_error_round_trips() {
         let e = RpcError {

@@ -65,7 +65,9 @@ impl SizeWidth {
 
 /// Metainfo bit: a type literal follows.
 const META_LITERAL: u8 = 0b100;
-/// Metainfo bits 0-1: a "compatible section" length follows (never used by Mooncake).
+/// Metainfo bits 0-1: the body's total length follows (2, 4 or 8 bytes), and the body
+/// ends with a struct_pack "compatible section" after the payload. Mooncake 0.3.14's
+/// master sends one in every answer that carries replica descriptors.
 const META_COMPAT: u8 = 0b11;
 
 /// Cursor over one message payload. Strings are returned as slices of the input.
@@ -465,6 +467,10 @@ pub struct BodyStyle {
     pub with_literal: bool,
     /// The layout the body arrived in, and is re-encoded in.
     pub schema: Schema,
+    /// The body ended with a compatible section (0.3.14). Its fields are not decoded; a
+    /// relayed body keeps it, a re-encoded one is written without it (the 0.3.13 layout,
+    /// which every client of this family reads).
+    pub compat: bool,
 }
 
 impl BodyStyle {
@@ -472,6 +478,7 @@ impl BodyStyle {
     pub const MOONCAKE: BodyStyle = BodyStyle {
         with_literal: true,
         schema: Schema::V0_3_13,
+        compat: false,
     };
 }
 
@@ -485,6 +492,8 @@ pub struct Prefix {
     pub width: SizeWidth,
     /// Offset of the payload in the body.
     pub payload_at: usize,
+    /// The total body length a compatible section's metainfo announced.
+    pub compat_total: Option<u64>,
 }
 
 impl Prefix {
@@ -500,6 +509,7 @@ impl Prefix {
         let mut pos = 4;
         let mut metainfo = None;
         let mut literal = None;
+        let mut compat_total = None;
         let mut width = SizeWidth::W1;
         if hash_head & 1 == 1 {
             let m = *body.get(pos).ok_or(DecodeError::Truncated {
@@ -508,8 +518,20 @@ impl Prefix {
                 have: 0,
             })?;
             pos += 1;
-            if m & META_COMPAT != 0 || m >> 5 != 0 {
+            if m >> 5 != 0 {
                 return Err(DecodeError::UnsupportedMetainfo(m));
+            }
+            if m & META_COMPAT != 0 {
+                let n = 1usize << (m & META_COMPAT);
+                let field = body.get(pos..pos + n).ok_or(DecodeError::Truncated {
+                    at: pos,
+                    need: n,
+                    have: body.len().saturating_sub(pos),
+                })?;
+                let mut le = [0u8; 8];
+                le[..n].copy_from_slice(field);
+                compat_total = Some(u64::from_le_bytes(le));
+                pos += n;
             }
             width = SizeWidth::from_code(m >> 3);
             if m & META_LITERAL != 0 {
@@ -528,6 +550,7 @@ impl Prefix {
             literal,
             width,
             payload_at: pos,
+            compat_total,
         })
     }
 
@@ -535,6 +558,7 @@ impl Prefix {
         BodyStyle {
             with_literal: self.literal.is_some(),
             schema: Schema::V0_3_13,
+            compat: self.compat_total.is_some(),
         }
     }
 }
@@ -560,8 +584,13 @@ pub fn decode_message<T: Pack>(
     }
     let mut r = Reader::new(body.clone(), prefix.payload_at, prefix.width);
     let v = T::decode(&mut r)?;
-    if r.remaining() != 0 {
-        return Err(DecodeError::TrailingBytes(r.remaining()));
+    match prefix.compat_total {
+        // What follows the payload is the compatible section; the announced length
+        // must be the body's (as the 0.3.14 master sends it).
+        Some(total) if total == body.len() as u64 => {}
+        Some(_) => return Err(DecodeError::TrailingBytes(r.remaining())),
+        None if r.remaining() != 0 => return Err(DecodeError::TrailingBytes(r.remaining())),
+        None => {}
     }
     Ok((v, prefix.style()))
 }
@@ -654,6 +683,7 @@ mod tests {
             BodyStyle {
                 with_literal: false,
                 schema: Schema::V0_3_13,
+                compat: false,
             },
             &mut out,
         );

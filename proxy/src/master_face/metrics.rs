@@ -96,6 +96,8 @@ pub struct MasterFaceMetrics {
     /// now, and since start).
     schema_connections: [Gauge; 3],
     schema_identified: [Counter; 3],
+    /// Answers with a 0.3.14 compatible section that moongate changed, sent without it.
+    pub compat_sections_dropped: Counter,
     /// Fields a policy set that a client's release cannot carry (left out).
     fields_dropped: Family<DroppedLabels, Counter>,
     warned_fields: std::sync::Mutex<std::collections::HashSet<(&'static str, Schema)>>,
@@ -279,7 +281,16 @@ impl MasterFaceMetrics {
              of the call sent upstream (e.g. soft_pin_ttl_ms for 0.3.12), by field and release",
             fields_dropped.clone(),
         );
+        let compat_sections_dropped = Counter::default();
+        registry.register(
+            "moongate_master_compat_sections_dropped",
+            "Master answers with a struct_pack compatible section (Mooncake 0.3.14) that \
+             moongate changed (steering, merged denials, reencode = always) and sent in the \
+             0.3.13 layout, without the section",
+            compat_sections_dropped.clone(),
+        );
         MasterFaceMetrics {
+            compat_sections_dropped,
             unknown_codes,
             warned_codes: Default::default(),
             schema_connections,

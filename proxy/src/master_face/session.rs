@@ -608,6 +608,11 @@ impl<'a> Answering<'a> {
                 out.extend_from_slice(raw)
             }
             _ => {
+                if style.compat {
+                    // 0.3.14's compatible section is not re-encoded: the answer goes
+                    // out in the 0.3.13 layout (counted).
+                    self.shared.metrics.compat_sections_dropped.inc();
+                }
                 let mut body = BytesMut::with_capacity(64 + 16 * resp.key_count());
                 resp.encode_body(style, &mut body);
                 ResponseFrame {
