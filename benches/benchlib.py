@@ -35,13 +35,19 @@ def pct(v, q):
 
 
 def master_cmd(rpc, http):
-    """mooncake_master on loopback with its HTTP metadata server (and metrics page)."""
+    """mooncake_master on loopback with its HTTP metadata server (and metrics page), of
+    the Mooncake release this Python runs (benchmarks run per release with that
+    release's virtualenv)."""
     import mooncake
     binary = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
-    return [binary, f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
-            "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-            f"--http_metadata_server_port={http}", f"--metrics_port={free_port()}",
-            "--metrics_host=127.0.0.1"]
+    cmd = [binary, f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
+           "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+           f"--http_metadata_server_port={http}", f"--metrics_port={free_port()}"]
+    # 0.3.11 / 0.3.12 masters exit on --metrics_host (they do not have it).
+    flags = subprocess.run([binary, "--help"], capture_output=True, text=True).stdout
+    if "metrics_host" in flags:
+        cmd.append("--metrics_host=127.0.0.1")
+    return cmd
 
 
 def stop_all(procs):
