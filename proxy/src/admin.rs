@@ -6,8 +6,9 @@
 //! `POST /plugins?name=NAME[&sha256=HEX][&path=FILE]` (component bytes as the body, or a
 //! path), `POST /plugins/NAME/activate`, `POST /plugins/rollback`, `PUT /experiments`.
 //!
-//! `/ready` is 200 only while the upstream master answers `ServiceReady`, probed in the
-//! background by [`ready_probe`]; a sidecar whose master is gone must not take traffic.
+//! `/ready` is 200 only while the upstream master (with HA masters: the current leader)
+//! answers `ServiceReady`, probed in the background by [`ready_probe`]; a sidecar whose
+//! master is gone must not take traffic.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -89,28 +90,38 @@ pub struct AdminState {
 /// master answers, logging each change once.
 pub async fn ready_probe(
     state: Arc<AdminState>,
-    upstream: String,
+    mut upstream: crate::upstream::Upstream,
     interval: Duration,
     timeout: Duration,
     shutdown: CancellationToken,
 ) {
     let mut was: Option<bool> = None;
     loop {
-        let r = crate::upstream::service_ready(&upstream, timeout).await;
+        // HA: ready only while a leader is known and answers.
+        let addr = upstream.addr();
+        let r = match &addr {
+            Some(a) => crate::upstream::service_ready(a, timeout)
+                .await
+                .map_err(|e| e.to_string()),
+            None => Err("no master leader".to_string()),
+        };
         let ok = r.is_ok();
         if was != Some(ok) {
+            let at = addr.as_deref().unwrap_or("-");
             match &r {
-                Ok(v) => tracing::info!(%upstream, version = %String::from_utf8_lossy(v),
+                Ok(v) => tracing::info!(upstream = at, version = %String::from_utf8_lossy(v),
                     "upstream master ready"),
-                Err(e) => tracing::warn!(%upstream, error = %e, "upstream master not ready"),
+                Err(e) => tracing::warn!(upstream = at, error = %e, "upstream master not ready"),
             }
             was = Some(ok);
         }
         state.ready.store(ok, Ordering::Relaxed);
         state.metrics.master.upstream_ready.set(i64::from(ok));
+        // A leader change is probed at once, not at the next interval.
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(interval) => {}
+            _ = upstream.changed() => {}
         }
     }
 }

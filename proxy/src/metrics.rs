@@ -1,6 +1,7 @@
 //! Every metric moongate exports, registered once at start-up. Each part registers its
 //! own families ([`crate::master_face::metrics`], [`crate::policy::metrics`],
-//! [`crate::eviction::metrics`], [`crate::kv::metrics`]); this file only composes them.
+//! [`crate::eviction::metrics`], [`crate::kv::metrics`], [`crate::upstream::leader`]);
+//! this file only composes them.
 //! Exposed by the admin endpoint in the OpenMetrics text format; `docs/operations.md`
 //! lists every metric.
 
@@ -23,6 +24,8 @@ pub struct Metrics {
     pub kv: Arc<KvMetrics>,
     /// The policy layer's families, and the counters and gauges plugins register.
     pub policy: Arc<PolicyFamilies>,
+    /// Where the master is (leader following).
+    pub upstream: Arc<crate::upstream::LeaderMetrics>,
 }
 
 impl Metrics {
@@ -32,7 +35,9 @@ impl Metrics {
         let eviction = Arc::new(EvictionMetrics::register(&mut registry));
         let kv = Arc::new(KvMetrics::register(&mut registry));
         let policy = Arc::new(PolicyFamilies::register(&mut registry));
+        let upstream = Arc::new(crate::upstream::LeaderMetrics::register(&mut registry));
         Metrics {
+            upstream,
             registry,
             master,
             eviction,

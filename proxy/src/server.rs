@@ -89,6 +89,26 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
 
     let shutdown = CancellationToken::new();
     let tracker = TaskTracker::new();
+    // Where the master is: fixed, or the HA leader followed through etcd.
+    let upstream = match cfg.master_face.upstream_spec() {
+        Ok(crate::upstream::UpstreamSpec::Etcd { endpoints, key }) => {
+            let u = crate::upstream::Upstream::unknown();
+            tracing::info!(?endpoints, %key, "following the master leader through etcd");
+            tokio::spawn(crate::upstream::leader::follow_etcd(
+                endpoints,
+                key,
+                u.clone(),
+                metrics.upstream.clone(),
+                shutdown.clone(),
+            ));
+            u
+        }
+        // Validated with the config: anything else is a fixed address.
+        _ => {
+            metrics.upstream.fixed(&cfg.master_face.upstream);
+            crate::upstream::Upstream::fixed(&cfg.master_face.upstream)
+        }
+    };
     let state = Arc::new(AdminState {
         metrics: metrics.clone(),
         ready: AtomicBool::new(false),
@@ -105,7 +125,7 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
     }
     tokio::spawn(admin::ready_probe(
         state.clone(),
-        cfg.master_face.upstream.clone(),
+        upstream.clone(),
         Duration::from_millis(cfg.admin.ready_probe_interval_ms),
         Duration::from_millis(cfg.admin.ready_probe_timeout_ms),
         shutdown.clone(),
@@ -121,7 +141,7 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
     if let Some(l) = kv_listener {
         let kv = crate::kv::start(
             &cfg.kv,
-            &cfg.master_face.upstream,
+            &upstream,
             l,
             policy.clone(),
             metrics.kv.clone(),
@@ -132,16 +152,16 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
     }
     let eviction = cfg.eviction.enabled.then(|| {
         let ev = crate::eviction::Eviction::new(cfg.eviction.clone(), metrics.eviction.clone());
-        tokio::spawn(ev.clone().run(
-            policy.clone(),
-            cfg.master_face.upstream.clone(),
-            shutdown.clone(),
-        ));
+        tokio::spawn(
+            ev.clone()
+                .run(policy.clone(), upstream.clone(), shutdown.clone()),
+        );
         tracing::info!(master_metrics = %cfg.eviction.master_metrics_url,
             high_watermark = cfg.eviction.high_watermark, "eviction on");
         ev
     });
     let shared = Arc::new(Shared {
+        upstream,
         cfg: cfg.master_face.clone(),
         metrics: metrics.master.clone(),
         shutdown: shutdown.clone(),

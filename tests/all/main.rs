@@ -20,6 +20,7 @@ mod codec_errors;
 mod codec_fixtures;
 mod codec_releases;
 mod eviction_live;
+mod ha;
 mod kv_bounds;
 mod kv_face;
 mod kv_quic;

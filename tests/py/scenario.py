@@ -240,6 +240,59 @@ def loop(run):
     sys.exit(1 if failures or i == 0 else 0)
 
 
+def failover(run):
+    """Puts and reads back through a master failover until told to stop: every call
+    timed, every value read checked. A read is ok (byte-exact), absent, or wrong (never
+    allowed); failed calls are expected while there is no leader."""
+    import select
+    from mooncake.store import ReplicateConfig
+    s = run.s
+    run.setup(16 * MiB)
+    cfg = ReplicateConfig()
+    cfg.preferred_segment = run.me
+    print(f"READY {run.me}", flush=True)
+    i = 0
+    ok = failed = wrong = absent = 0
+    slowest_failure = 0.0
+    first_failure = last_failure = None
+    ok_after = 0
+    while True:
+        r, _, _ = select.select([sys.stdin], [], [], 0)
+        if r:
+            break
+        k = f"fo/{os.getpid()}/{i % 50}"
+        t0 = time.monotonic()
+        rc = s.upsert(k, value(k, 2048), cfg)
+        v = s.get(k)
+        t1 = time.monotonic()
+        good = rc == 0 and len(v) > 0
+        if len(v) > 0 and bytes(v) != value(k, 2048):
+            wrong += 1
+        elif len(v) == 0 and rc == 0:
+            absent += 1
+        if good:
+            ok += 1
+            if last_failure is not None:
+                ok_after += 1
+        else:
+            failed += 1
+            slowest_failure = max(slowest_failure, t1 - t0)
+            first_failure = first_failure or t0
+            last_failure = t1
+            ok_after = 0
+            time.sleep(0.05)
+        i += 1
+    run.rec("ok", ok)
+    run.rec("failed", failed)
+    run.rec("wrong", wrong)
+    run.rec("absent_after_put", absent)
+    run.rec("slowest_failed_round_s", round(slowest_failure, 3))
+    run.rec("outage_s", round((last_failure - first_failure), 3) if first_failure else 0)
+    run.rec("ok_after_last_failure", ok_after)
+    run.rec("close", s.close())
+    run.finish()
+
+
 def demo(run):
     s = run.s
     t0 = time.time()
@@ -401,7 +454,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--role", required=True,
                    choices=["owner", "reader", "idle", "loop", "demo", "hold", "place", "disk", "steer", "bulk", "chains", "kvpeer", "guest",
-                            "diskget"])
+                            "diskget", "failover"])
     p.add_argument("--master", required=True)
     p.add_argument("--metadata", required=True)
     p.add_argument("--out", required=True)
@@ -415,7 +468,7 @@ def main():
     run = Run(a)
     {"owner": owner, "reader": reader, "idle": idle, "loop": loop, "demo": demo,
      "hold": hold, "place": place, "disk": disk, "steer": steer, "bulk": bulk, "chains": chains, "kvpeer": kvpeer, "guest": guest,
-     "diskget": diskget}[a.role](run)
+     "diskget": diskget, "failover": failover}[a.role](run)
 
 
 if __name__ == "__main__":

@@ -101,10 +101,10 @@ impl Eviction {
     pub async fn run(
         self: Arc<Self>,
         policy: Arc<Registry>,
-        upstream: String,
+        upstream: crate::upstream::Upstream,
         shutdown: CancellationToken,
     ) {
-        let mut conn: Option<Conn> = None;
+        let mut conn: Option<(String, Conn)> = None;
         let mut usage_failing = false;
         let interval = Duration::from_millis(self.cfg.interval_ms);
         loop {
@@ -165,10 +165,10 @@ impl Eviction {
 
     async fn round(
         &self,
-        conn: &mut Option<Conn>,
+        conn: &mut Option<(String, Conn)>,
         need: u64,
         policy: &Registry,
-        upstream: &str,
+        upstream: &crate::upstream::Upstream,
     ) -> Result<(), crate::upstream::CallError> {
         let cands = self
             .table
@@ -177,10 +177,17 @@ impl Eviction {
             tracing::debug!(need, "eviction round: no candidates in the table");
             return Ok(());
         }
-        if conn.is_none() {
-            *conn = Some(Conn::connect(upstream, self.call_timeout()).await?);
+        let addr = upstream
+            .addr()
+            .ok_or(crate::upstream::CallError::NoLeader)?;
+        // A connection to an earlier leader is dropped: removals go to the one in force.
+        if conn.as_ref().is_none_or(|(a, _)| *a != addr) {
+            *conn = Some((
+                addr.clone(),
+                Conn::connect(&addr, self.call_timeout()).await?,
+            ));
         }
-        let Some(c) = conn.as_mut() else {
+        let Some((_, c)) = conn.as_mut() else {
             return Ok(());
         };
         // No existence probe before removing: in Mooncake 0.3.13 ExistKey grants a read

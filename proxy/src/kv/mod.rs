@@ -82,7 +82,7 @@ pub struct Kv {
 /// configured. Runs until `shutdown`.
 pub async fn start(
     cfg: &KvConfig,
-    upstream: &str,
+    upstream: &crate::upstream::Upstream,
     listener: TcpListener,
     policy: Arc<Registry>,
     metrics: Arc<KvMetrics>,
@@ -125,7 +125,7 @@ pub async fn start(
     )
     .with_disk_root(&cfg.disk_root);
     let store = client::Store::new(
-        upstream.to_string(),
+        upstream.clone(),
         xfer,
         timeout,
         Bytes::from(cfg.tenant.clone()),
@@ -215,7 +215,7 @@ fn api_quic(
 /// keeps it registered (and unregisters it on shutdown), its name and its memory.
 async fn own_segment(
     cfg: &KvConfig,
-    upstream: &str,
+    upstream: &crate::upstream::Upstream,
     client_id: Uuid,
     metrics: &KvMetrics,
     shutdown: CancellationToken,
@@ -287,7 +287,7 @@ async fn own_segment(
         name: name.clone(),
         metadata: crate::upstream::HttpUrl::parse(&cfg.metadata_url)
             .ok_or_else(|| StartError::MetadataUrl(cfg.metadata_url.clone()))?,
-        upstream: upstream.to_string(),
+        upstream: upstream.clone(),
         timeout: Duration::from_millis(cfg.timeout_ms),
         quic_entry,
     });

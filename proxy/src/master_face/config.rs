@@ -13,8 +13,13 @@ use crate::validate::{check_addr, positive};
 pub struct MasterFaceConfig {
     /// `host:port` clients use as `master_server_address`.
     pub listen: String,
-    /// `host:port` of the real `mooncake_master` RPC port.
+    /// The real master: `host:port` of its RPC port, or HA masters as Mooncake's
+    /// clients name them, `etcd://HOST:PORT[;HOST:PORT...]` (moongate follows the
+    /// leader; see `ha_cluster_id`).
     pub upstream: String,
+    /// The HA cluster (the masters' `--cluster_id`; Mooncake clients take it from
+    /// `MC_STORE_CLUSTER_ID`). Default `mooncake_cluster`, Mooncake's.
+    pub ha_cluster_id: String,
     /// Client connections served at once; further ones are closed on accept.
     pub max_connections: usize,
     /// Largest request or response frame (header + body + attachment) in bytes.
@@ -47,6 +52,7 @@ impl Default for MasterFaceConfig {
         MasterFaceConfig {
             listen: "127.0.0.1:50052".into(),
             upstream: "127.0.0.1:50051".into(),
+            ha_cluster_id: "mooncake_cluster".into(),
             max_connections: 1024,
             max_frame_bytes: 64 << 20,
             max_inflight_per_connection: 1024,
@@ -62,7 +68,17 @@ impl MasterFaceConfig {
     /// Appends every problem of this section to `errs`.
     pub fn validate(&self, errs: &mut Vec<String>) {
         check_addr(errs, "master_face.listen", &self.listen);
-        check_addr(errs, "master_face.upstream", &self.upstream);
+        match self.upstream_spec() {
+            Ok(crate::upstream::UpstreamSpec::Direct(a)) => {
+                check_addr(errs, "master_face.upstream", &a)
+            }
+            Ok(crate::upstream::UpstreamSpec::Etcd { endpoints, .. }) => {
+                for e in &endpoints {
+                    check_addr(errs, "master_face.upstream (etcd endpoint)", e);
+                }
+            }
+            Err(e) => errs.push(format!("master_face.upstream: {e}")),
+        }
         positive(
             errs,
             "master_face.max_connections",
@@ -82,6 +98,11 @@ impl MasterFaceConfig {
             self.connect_timeout_ms,
         );
     }
+    /// How `upstream` names the master.
+    pub fn upstream_spec(&self) -> Result<crate::upstream::UpstreamSpec, String> {
+        crate::upstream::UpstreamSpec::parse(&self.upstream, &self.ha_cluster_id)
+    }
+
     pub fn connect_timeout(&self) -> Duration {
         Duration::from_millis(self.connect_timeout_ms)
     }

@@ -63,6 +63,8 @@ enum End {
     UpstreamIo(std::io::Error),
     UpstreamFrame(FrameError),
     Idle(Duration),
+    /// The master leader changed: this connection's upstream is no longer it.
+    LeaderChanged,
     Drained,
     /// The client half stopped for shutdown; the master half decides the final end.
     Draining,
@@ -89,9 +91,18 @@ impl Activity {
 /// shutdown drains it.
 pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Shared>) {
     let cfg = &shared.cfg;
+    let mut leader = shared.upstream.clone();
+    let Some(addr) = leader.addr() else {
+        // HA masters without a leader (failover in progress): the client retries.
+        shared
+            .metrics
+            .connection(super::metrics::ConnOutcome::upstream_failed);
+        tracing::warn!(%peer, "no master leader; closing client connection");
+        return;
+    };
     let upstream = match tokio::time::timeout(
         cfg.connect_timeout(),
-        TcpStream::connect(cfg.upstream.as_str()),
+        TcpStream::connect(addr.as_str()),
     )
     .await
     {
@@ -100,7 +111,7 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
             shared
                 .metrics
                 .connection(super::metrics::ConnOutcome::upstream_failed);
-            tracing::warn!(%peer, upstream = %cfg.upstream, error = %e,
+            tracing::warn!(%peer, upstream = %addr, error = %e,
                 "upstream master unreachable; closing client connection");
             return;
         }
@@ -108,7 +119,7 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
             shared
                 .metrics
                 .connection(super::metrics::ConnOutcome::upstream_failed);
-            tracing::warn!(%peer, upstream = %cfg.upstream, timeout_ms = cfg.connect_timeout_ms,
+            tracing::warn!(%peer, upstream = %addr, timeout_ms = cfg.connect_timeout_ms,
                 "upstream master connect timed out; closing client connection");
             return;
         }
@@ -140,7 +151,17 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
     };
     let s2c = master_to_client(ur, cw, &shell, &shared, &activity, &client_done);
     let idle = idle_watch(&activity, cfg.idle_timeout());
-    tokio::pin!(c2s, s2c, idle);
+    // A new leader: no new call may go to the old one. The client reconnects through
+    // moongate and reaches the new leader (and remounts, as it would directly).
+    let moved = async {
+        loop {
+            leader.changed().await;
+            if leader.addr().as_deref() != Some(addr.as_str()) {
+                return End::LeaderChanged;
+            }
+        }
+    };
+    tokio::pin!(c2s, s2c, idle, moved);
 
     let end = tokio::select! {
         e = &mut c2s => match e {
@@ -156,6 +177,7 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
         },
         e = &mut s2c => e,
         e = &mut idle => e,
+        e = &mut moved => e,
     };
     shared.metrics.upstream_connections_open.dec();
     match end {
@@ -178,6 +200,8 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
         End::Idle(d) => {
             tracing::info!(%peer, idle_ms = d.as_millis() as u64, "idle connection closed")
         }
+        End::LeaderChanged => tracing::info!(%peer, old = %addr,
+            "master leader changed; closing the client connection so it reconnects"),
     }
 }
 
@@ -408,6 +432,7 @@ mod tests {
         let all = Metrics::new();
         let fake: Arc<dyn Policy> = Arc::new(Fake::new("p"));
         let shared = Arc::new(Shared {
+            upstream: crate::upstream::Upstream::fixed(&upstream),
             cfg: super::super::config::MasterFaceConfig {
                 upstream,
                 max_inflight_per_connection: 2,

@@ -27,6 +27,8 @@ use metrics::MasterFaceMetrics;
 /// What every connection of the face shares.
 pub struct Shared {
     pub cfg: MasterFaceConfig,
+    /// The master in force (fixed, or the HA leader followed through etcd).
+    pub upstream: crate::upstream::Upstream,
     pub metrics: Arc<MasterFaceMetrics>,
     /// Cancelled on SIGTERM: connections stop reading requests and drain.
     pub shutdown: CancellationToken,

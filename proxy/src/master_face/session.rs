@@ -649,6 +649,7 @@ mod tests {
     fn session_in(cfg: MasterFaceConfig, fake: Arc<Fake>, all: &Metrics) -> (Session, Arc<Shared>) {
         let policy: Arc<dyn Policy> = fake;
         let shared = Arc::new(Shared {
+            upstream: crate::upstream::Upstream::fixed(&cfg.upstream),
             cfg,
             metrics: all.master.clone(),
             shutdown: Default::default(),

@@ -76,6 +76,8 @@ pub enum CallError {
     Undecodable(Method),
     #[error("the master answered seq {got} where seq {want} was due; connection dropped")]
     OutOfOrder { want: u32, got: u32 },
+    #[error("no master leader (HA failover in progress)")]
+    NoLeader,
 }
 
 /// One call's outcome: the decoded answer, or the transport error code the master sent.

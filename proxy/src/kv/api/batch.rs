@@ -365,7 +365,7 @@ mod tests {
         let policy: Arc<dyn Policy> = fake;
         KvState {
             store: Store::new(
-                "127.0.0.1:1".into(),
+                crate::upstream::Upstream::fixed("127.0.0.1:1"),
                 xfer,
                 t,
                 Bytes::from_static(b"default"),

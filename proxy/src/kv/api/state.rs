@@ -30,7 +30,9 @@ pub struct KvState {
 /// The one place store errors become HTTP statuses.
 pub fn status_of(e: &StoreError) -> StatusCode {
     match e {
-        StoreError::Busy(_) | StoreError::MasterBusy => StatusCode::SERVICE_UNAVAILABLE,
+        StoreError::Busy(_) | StoreError::MasterBusy | StoreError::NoLeader => {
+            StatusCode::SERVICE_UNAVAILABLE
+        }
         StoreError::Body(_) => StatusCode::BAD_REQUEST,
         StoreError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
         StoreError::Refused(ErrorCode::NO_AVAILABLE_HANDLE) => StatusCode::INSUFFICIENT_STORAGE,

@@ -13,21 +13,23 @@ use tokio::sync::Semaphore;
 use super::StoreError;
 use crate::codec::message::{Request, Response};
 use crate::kv::metrics::KvMetrics;
-use crate::upstream::Conn;
+use crate::upstream::{Conn, Upstream};
 
 pub struct MasterConns {
-    upstream: String,
+    /// The master in force: connections go to it; idle ones to an earlier leader are
+    /// dropped.
+    upstream: Upstream,
     call_timeout: Duration,
     busy_wait: Duration,
     /// One permit per connection that may be open (idle here or in a call).
     open: Arc<Semaphore>,
-    idle: Mutex<Vec<Conn>>,
+    idle: Mutex<Vec<(String, Conn)>>,
     metrics: Arc<KvMetrics>,
 }
 
 impl MasterConns {
     pub fn new(
-        upstream: String,
+        upstream: Upstream,
         call_timeout: Duration,
         max: usize,
         busy_wait: Duration,
@@ -52,16 +54,26 @@ impl MasterConns {
             self.metrics.master_busy.inc();
             return Err(StoreError::MasterBusy);
         };
-        let pooled = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let Some(addr) = self.upstream.addr() else {
+            return Err(StoreError::NoLeader);
+        };
+        let pooled = {
+            let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+            idle.retain(|(a, _)| *a == addr);
+            idle.pop()
+        };
         let mut c = match pooled {
-            Some(c) => c,
-            None => Conn::connect(&self.upstream, self.call_timeout).await?,
+            Some((_, c)) => c,
+            None => Conn::connect(&addr, self.call_timeout).await?,
         };
         let mut answers = c
             .call_all(std::slice::from_ref(&req), self.call_timeout)
             .await?;
         // Back to the pool before the permit is released (the permit counts it).
-        self.idle.lock().unwrap_or_else(|p| p.into_inner()).push(c);
+        self.idle
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((addr, c));
         match answers.pop() {
             Some(Ok(r)) => Ok(r),
             Some(Err(code)) => Err(StoreError::Rpc(code)),
@@ -95,7 +107,7 @@ mod tests {
         });
         let metrics = crate::metrics::Metrics::new().kv.clone();
         let m = Arc::new(MasterConns::new(
-            addr,
+            Upstream::fixed(&addr),
             Duration::from_millis(800),
             2,
             Duration::from_millis(100),

@@ -68,6 +68,8 @@ pub enum StoreError {
     Busy(u64),
     #[error("busy: every master connection is in use (kv.master_connections); retry")]
     MasterBusy,
+    #[error("no master leader (HA failover in progress); retry")]
+    NoLeader,
     #[error("the request body: {0}")]
     Body(String),
     #[error("the request body did not arrive within {0:?} (kv.timeout_ms)")]
@@ -149,7 +151,7 @@ pub fn fresh_uuid() -> Uuid {
 
 impl Store {
     pub fn new(
-        upstream: String,
+        upstream: crate::upstream::Upstream,
         xfer: Transfers,
         call_timeout: Duration,
         tenant: Bytes,

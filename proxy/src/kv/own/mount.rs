@@ -36,7 +36,8 @@ pub struct Registration {
     /// `host:port` of the TE-TCP listener; also the segment name and `te_endpoint`.
     pub name: String,
     pub metadata: HttpUrl,
-    pub upstream: String,
+    /// The master in force (a new HA leader answers NEED_REMOUNT; the segment remounts).
+    pub upstream: crate::upstream::Upstream,
     pub timeout: Duration,
     /// The `moongate/quic/<name>` entry, when the segment is also served over QUIC.
     pub quic_entry: Option<String>,
@@ -93,7 +94,11 @@ impl Registration {
     }
 
     async fn call(&self, req: Request) -> Result<Response, MountError> {
-        let mut c = Conn::connect(&self.upstream, self.timeout)
+        let addr = self
+            .upstream
+            .addr()
+            .ok_or_else(|| MountError::Master("no master leader".into()))?;
+        let mut c = Conn::connect(&addr, self.timeout)
             .await
             .map_err(|e| MountError::Master(e.to_string()))?;
         let mut a = c
