@@ -253,9 +253,20 @@ fn malformed_client_bytes_close_only_that_connection() {
         mg.metric("moongate_master_frame_errors_total{side=\"client\",kind=\"too_large\"}"),
         1.0
     );
+    // A type hash of no known release: relayed, counted as such (not as a decode error),
+    // logged once.
+    assert_eq!(
+        mg.metric("moongate_master_unknown_type_codes_total{method=\"ExistKey\",side=\"client\"}"),
+        1.0
+    );
     assert_eq!(
         mg.metric("moongate_master_errors_total{method=\"ExistKey\",kind=\"decode\"}"),
-        1.0
+        0.0
+    );
+    assert!(
+        mg.proc
+            .log_text()
+            .contains("type code of no known Mooncake release")
     );
     assert!(mg.proc.log_text().contains("malformed client frame"));
 }
