@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""Master failover, directly and through moongate, in one run.
+
+A real etcd, two `mooncake_master --enable_ha` (the pinned release), Mooncake's standalone
+metadata server and moongate (`upstream = "etcd://..."`). A real client puts small values
+in a loop, either directly (`master_server_address = "etcd://..."`, Mooncake's own
+discovery) or through moongate (`master_server_address` = moongate). For each kill the
+leader gets SIGKILL; measured: the time until the standby serves (its admin `/health`
+says `serving`) and until the client's first good put after the kill. The killed master
+is started again (it stands by) before the next kill. Sides alternate, --kills each.
+
+  benches/run_failover.sh --kills 5      (builds moongate in release mode first)
+
+Needs Debian's etcd-server. Not part of CI: each kill costs ~10 s of lease expiry and
+warm-up.
+"""
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import free_port, stop_all, wait_http  # noqa: E402
+
+os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+
+
+def role_putter(a):
+    """Puts until stdin closes; prints `OK <wall time>` at the first good put after a
+    failure (and at the very first), so the driver sees recovery times."""
+    import select
+    from mooncake.store import MooncakeDistributedStore
+    s = MooncakeDistributedStore()
+    rc = s.setup("127.0.0.1", a.metadata, 16 << 20, 16 << 20, "tcp", "", a.master)
+    if rc != 0:
+        raise SystemExit(f"setup failed: {rc}")
+    print("READY", flush=True)
+    failing = True
+    i = 0
+    while not select.select([sys.stdin], [], [], 0)[0]:
+        ok = s.upsert(f"fo/{i % 64}", b"x" * 4096) == 0
+        if ok and failing:
+            print(f"OK {time.time():.6f}", flush=True)
+        failing = not ok
+        i += 1
+        if not ok:
+            time.sleep(0.01)
+    s.close()
+
+
+def health(admin):
+    try:
+        with urllib.request.urlopen(f"http://{admin}/health", timeout=1) as r:
+            return json.loads(r.read()).get("ha_state", "")
+    except (OSError, ValueError):
+        return ""
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--role", default="driver")
+    p.add_argument("--master")
+    p.add_argument("--metadata")
+    p.add_argument("--kills", type=int, default=5)
+    p.add_argument("--moongate", default="target/release/moongate")
+    p.add_argument("--json")
+    a = p.parse_args()
+    if a.role == "putter":
+        return role_putter(a)
+    import mooncake
+    master_bin = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
+    work = tempfile.mkdtemp(prefix="moongate-failover-")
+    procs = []
+    masters = {}
+
+    def start_master(name):
+        rpc, admin = free_port(), free_port()
+        pr = subprocess.Popen(
+            [master_bin, "--enable_ha=true", f"--etcd_endpoints={etcd}", f"--rpc_port={rpc}",
+             "--rpc_address=127.0.0.1", f"--metrics_port={admin}", "--metrics_host=127.0.0.1",
+             "--enable_metric_reporting=false"],
+            cwd=work, stdout=open(f"{work}/{name}.log", "a"), stderr=subprocess.STDOUT)
+        procs.append(pr)
+        masters[name] = (pr, admin)
+
+    def leader():
+        for name, (pr, admin) in masters.items():
+            if pr.poll() is None and health(admin) == "serving":
+                return name
+        return None
+
+    def wait(pred, secs, what):
+        end = time.time() + secs
+        while time.time() < end:
+            v = pred()
+            if v:
+                return v
+            time.sleep(0.02)
+        raise SystemExit(f"timed out waiting for {what}; see {work}")
+
+    res = {"direct": [], "moongate": []}
+    try:
+        cport, pport = free_port(), free_port()
+        etcd = f"127.0.0.1:{cport}"
+        procs.append(subprocess.Popen(
+            ["etcd", "--name", "b", "--data-dir", f"{work}/etcd",
+             "--listen-client-urls", f"http://{etcd}", "--advertise-client-urls", f"http://{etcd}",
+             "--listen-peer-urls", f"http://127.0.0.1:{pport}",
+             "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}",
+             "--initial-cluster", f"b=http://127.0.0.1:{pport}"],
+            stdout=open(f"{work}/etcd.log", "w"), stderr=subprocess.STDOUT))
+        wait_http(f"http://{etcd}/health")
+        mdport = free_port()
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "mooncake.http_metadata_server", "--host", "127.0.0.1",
+             "--port", str(mdport)],
+            stdout=open(f"{work}/metadata.log", "w"), stderr=subprocess.STDOUT))
+        metadata = f"http://127.0.0.1:{mdport}/metadata"
+        wait(lambda: subprocess.run(["curl", "-s", "-o", "/dev/null", metadata + "?key=x"])
+             .returncode == 0, 30, "the metadata server")
+        start_master("m0")
+        start_master("m1")
+        wait(leader, 30, "a leader")
+        mg_port, mg_admin = free_port(), free_port()
+        with open(f"{work}/moongate.toml", "w") as f:
+            f.write(f'[master_face]\nlisten = "127.0.0.1:{mg_port}"\nupstream = "etcd://{etcd}"\n'
+                    f'[admin]\nlisten = "{mg_admin}"\n')
+        procs.append(subprocess.Popen(
+            [a.moongate, "run", "--config", f"{work}/moongate.toml"],
+            stdout=open(f"{work}/moongate.log", "w"), stderr=subprocess.STDOUT,
+            env={**os.environ, "RUST_LOG": "info"}))
+        wait_http(f"http://{mg_admin}/ready")
+        for k in range(2 * a.kills):
+            side = ("direct", "moongate")[k % 2]
+            master = f"etcd://{etcd}" if side == "direct" else f"127.0.0.1:{mg_port}"
+            putter = subprocess.Popen(
+                [sys.executable, __file__, "--role", "putter", "--master", master,
+                 "--metadata", metadata],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                stderr=open(f"{work}/putter-{k}.log", "w"))
+            if putter.stdout.readline().strip() != "READY":
+                raise SystemExit(f"putter did not start; see {work}")
+            first = putter.stdout.readline()  # its first good put
+            if not first.startswith("OK"):
+                raise SystemExit(f"putter: {first!r}; see {work}")
+            old = wait(leader, 30, "a leader")
+            killed = time.time()
+            masters[old][0].send_signal(signal.SIGKILL)
+            new = wait(lambda: (lambda n: n if n and n != old else None)(leader()), 60,
+                       "the standby serving")
+            serving = time.time()
+            line = putter.stdout.readline()
+            if not line.startswith("OK"):
+                raise SystemExit(f"putter did not recover: {line!r}; see {work}")
+            good = float(line.split()[1])
+            putter.stdin.close()
+            putter.wait(30)
+            res[side].append({"serving_s": serving - killed, "first_put_s": good - killed,
+                              "after_serving_s": good - serving})
+            print(f"kill {k + 1}/{2 * a.kills} ({side}): standby serving after "
+                  f"{serving - killed:.2f} s, first good put after {good - killed:.2f} s",
+                  file=sys.stderr, flush=True)
+            masters[old][0].wait(10)
+            start_master(old)  # back as the standby for the next kill
+            wait(lambda: health(masters[old][1]) == "standby", 30, "the restarted standby")
+    finally:
+        stop_all(procs)
+    med = lambda s, m: statistics.median(r[m] for r in res[s])
+    print(f"\nmedians over {a.kills} kills per side (SIGKILL of the leader)")
+    print(f"{'':<34}{'direct':>10}{'moongate':>10}{'ratio':>8}")
+    for m, label in (("serving_s", "standby serving after kill (s)"),
+                     ("first_put_s", "first good put after kill (s)"),
+                     ("after_serving_s", "first good put after serving (s)")):
+        d, g = med("direct", m), med("moongate", m)
+        print(f"{label:<34}{d:>10.2f}{g:>10.2f}{g / d if d else float('nan'):>8.2f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
