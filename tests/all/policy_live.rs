@@ -41,7 +41,7 @@ fn tier_placement_puts_keys_where_its_rules_say_and_denies_with_the_code() {
         r#"{{"rules": [{{"key_prefix": "a/", "segment": "{ea}"}}, {{"key_prefix": "b/", "segment": "{eb}"}}, {{"key_prefix": "deny/", "deny": -200}}]}}"#
     );
     let mg = Moongate::start_config(&format!(
-        "[master_face]\nupstream = \"{}\"\n[policy]\nactive = \"tiers\"\n{}",
+        "[master_face]\nupstream = \"{}\"\n[policy]\nactive = \"tiers\"\ncall_timeout_ms = 1000\n{}",
         master.rpc,
         plugin_spec("tiers", "tier-placement", &rules)
     ));
@@ -151,8 +151,10 @@ fn ab_experiment_splits_by_weight_and_each_arm_places_by_its_rule() {
     let master = Master::start();
     let (a, b) = two_owners(&master);
     let (ea, eb) = (a.endpoint().to_string(), b.endpoint().to_string());
+    // A placement is asserted per key: a hook call must not time out into fail-open
+    // (the default 10 ms is tight for a debug build on a loaded 2-core machine).
     let mg = Moongate::start_config(&format!(
-        "[master_face]\nupstream = \"{}\"\n{}{}",
+        "[master_face]\nupstream = \"{}\"\n[policy]\ncall_timeout_ms = 1000\n{}{}",
         master.rpc,
         plugin_spec(
             "to-a",

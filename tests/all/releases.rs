@@ -32,7 +32,7 @@ fn tier_placement_acts_on(release: &'static str, master_release: &'static str, l
         r#"{{"rules": [{{"key_prefix": "a/", "segment": "{ea}"}}, {{"key_prefix": "b/", "segment": "{eb}", "soft_pin_ttl_ms": 60000}}, {{"key_prefix": "deny/", "deny": -200}}]}}"#
     );
     let mg = Moongate::start_config(&format!(
-        "[master_face]\nupstream = \"{}\"\n[policy]\nactive = \"tiers\"\n{}",
+        "[master_face]\nupstream = \"{}\"\n[policy]\nactive = \"tiers\"\ncall_timeout_ms = 1000\n{}",
         master.rpc,
         plugin_spec("tiers", "tier-placement", &rules)
     ));
