@@ -152,10 +152,27 @@ impl<S: AsyncRead + Unpin> AsyncRead for Idle<S> {
                 }
                 Poll::Ready(r)
             }
-            Poll::Pending => match this.poll_idle(cx) {
-                Poll::Ready(e) => Poll::Ready(Err(e)),
-                Poll::Pending => Poll::Pending,
-            },
+            Poll::Pending => this.poll_idle(cx).map(Err),
+        }
+    }
+}
+
+impl<S> Idle<S> {
+    /// A write's outcome: bytes moved reset the deadline; a write that waits is checked
+    /// against it.
+    fn wrote(
+        &mut self,
+        cx: &mut Context<'_>,
+        r: Poll<io::Result<usize>>,
+    ) -> Poll<io::Result<usize>> {
+        match r {
+            Poll::Ready(r) => {
+                if matches!(r, Ok(n) if n > 0) {
+                    self.last = Instant::now();
+                }
+                Poll::Ready(r)
+            }
+            Poll::Pending => self.poll_idle(cx).map(Err),
         }
     }
 }
@@ -167,18 +184,8 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Idle<S> {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        match Pin::new(&mut this.io).poll_write(cx, buf) {
-            Poll::Ready(r) => {
-                if matches!(r, Ok(n) if n > 0) {
-                    this.last = Instant::now();
-                }
-                Poll::Ready(r)
-            }
-            Poll::Pending => match this.poll_idle(cx) {
-                Poll::Ready(e) => Poll::Ready(Err(e)),
-                Poll::Pending => Poll::Pending,
-            },
-        }
+        let r = Pin::new(&mut this.io).poll_write(cx, buf);
+        this.wrote(cx, r)
     }
 
     fn poll_write_vectored(
@@ -187,18 +194,8 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Idle<S> {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        match Pin::new(&mut this.io).poll_write_vectored(cx, bufs) {
-            Poll::Ready(r) => {
-                if matches!(r, Ok(n) if n > 0) {
-                    this.last = Instant::now();
-                }
-                Poll::Ready(r)
-            }
-            Poll::Pending => match this.poll_idle(cx) {
-                Poll::Ready(e) => Poll::Ready(Err(e)),
-                Poll::Pending => Poll::Pending,
-            },
-        }
+        let r = Pin::new(&mut this.io).poll_write_vectored(cx, bufs);
+        this.wrote(cx, r)
     }
 
     fn is_write_vectored(&self) -> bool {
