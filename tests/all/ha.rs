@@ -13,7 +13,8 @@ use crate::support::*;
 struct Etcd {
     proc: Proc,
     endpoint: String,
-    _dir: tempfile::TempDir,
+    cmd: Vec<String>,
+    dir: tempfile::TempDir,
 }
 
 impl Etcd {
@@ -21,32 +22,50 @@ impl Etcd {
         let dir = tempdir();
         let (client, peer) = (free_port(), free_port());
         let endpoint = format!("127.0.0.1:{client}");
-        let mut cmd = Command::new("etcd");
-        cmd.args([
-            "--name",
-            "t",
-            "--data-dir",
-            dir.path().join("data").to_str().unwrap(),
-            "--listen-client-urls",
-            &format!("http://{endpoint}"),
-            "--advertise-client-urls",
-            &format!("http://{endpoint}"),
-            "--listen-peer-urls",
-            &format!("http://127.0.0.1:{peer}"),
-            "--initial-advertise-peer-urls",
-            &format!("http://127.0.0.1:{peer}"),
-            "--initial-cluster",
-            &format!("t=http://127.0.0.1:{peer}"),
-        ]);
-        let proc = Proc::spawn("etcd", cmd, dir.path().join("etcd.log"));
-        wait_for("etcd healthy", Duration::from_secs(30), &[&proc], || {
-            http_get(&endpoint, "/health").is_some_and(|(s, b)| s == 200 && b.contains("true"))
-        });
+        let cmd = vec![
+            "--name".to_string(),
+            "t".into(),
+            "--data-dir".into(),
+            dir.path().join("data").to_str().unwrap().into(),
+            "--listen-client-urls".into(),
+            format!("http://{endpoint}"),
+            "--advertise-client-urls".into(),
+            format!("http://{endpoint}"),
+            "--listen-peer-urls".into(),
+            format!("http://127.0.0.1:{peer}"),
+            "--initial-advertise-peer-urls".into(),
+            format!("http://127.0.0.1:{peer}"),
+            "--initial-cluster".into(),
+            format!("t=http://127.0.0.1:{peer}"),
+        ];
+        let proc = Etcd::spawn(&cmd, &dir, &endpoint, "etcd.log");
         Etcd {
             proc,
             endpoint,
-            _dir: dir,
+            cmd,
+            dir,
         }
+    }
+
+    fn spawn(args: &[String], dir: &tempfile::TempDir, endpoint: &str, log: &str) -> Proc {
+        let mut cmd = Command::new("etcd");
+        cmd.args(args);
+        let proc = Proc::spawn("etcd", cmd, dir.path().join(log));
+        wait_for("etcd healthy", Duration::from_secs(30), &[&proc], || {
+            http_get(endpoint, "/health").is_some_and(|(s, b)| s == 200 && b.contains("true"))
+        });
+        proc
+    }
+
+    /// Crashes etcd (SIGKILL), as a lost etcd node would.
+    fn kill(&mut self) {
+        self.proc.signal(libc::SIGKILL);
+        assert!(self.proc.wait_exit(Duration::from_secs(10)).is_some());
+    }
+
+    /// Starts it again on the same ports and data.
+    fn restart(&mut self) {
+        self.proc = Etcd::spawn(&self.cmd, &self.dir, &self.endpoint, "etcd-restarted.log");
     }
 }
 
@@ -245,5 +264,183 @@ fn failover(signal: i32, slowest_failure_s: f64) {
             )),
             1.0
         );
+    }
+}
+
+/// etcd crashes and comes back 8 s later (longer than the 5 s leader lease). Without
+/// etcd the leader cannot renew its lease and stops serving, so this is a master
+/// outage too; moongate keeps the last leader it knew (it cannot learn a new one),
+/// counts the etcd errors, and its `/ready` follows the master. When etcd is back the
+/// masters elect a leader, moongate follows it and the clients carry on.
+#[test]
+fn etcd_down_and_back() {
+    let mut etcd = Etcd::start();
+    let (md_proc, metadata, _md_dir) = metadata_server();
+    let a = HaMaster::start(&etcd);
+    let b = HaMaster::start(&etcd);
+    let serving = |m: &HaMaster| m.state() == "serving";
+    wait_for(
+        "a leader serves",
+        Duration::from_secs(30),
+        &[&a.proc, &b.proc],
+        || serving(&a) || serving(&b),
+    );
+    let mg = Moongate::start_config(&format!(
+        "[master_face]\nupstream = \"etcd://{}\"\n",
+        etcd.endpoint
+    ));
+    let ready = || http_get(&mg.admin, "/ready").is_some_and(|(s, _)| s == 200);
+    let calls = || mg.metric("moongate_master_requests_total{method=\"UpsertStart\"}");
+    {
+        let logs = [&etcd.proc, &a.proc, &b.proc, &mg.proc, &md_proc];
+        wait_for("moongate ready", Duration::from_secs(20), &logs, ready);
+    }
+    let c1 = Background::start("failover", &mg.listen, &metadata, &[&mg.proc]);
+    let c2 = Background::start("failover", &mg.listen, &metadata, &[&mg.proc]);
+    let before = calls();
+    wait_for(
+        "calls through the leader",
+        Duration::from_secs(20),
+        &[&mg.proc],
+        || calls() >= before + 20.0,
+    );
+    let t0 = Instant::now();
+    etcd.kill();
+    // (since the kill, moongate ready, a's state, b's state), at every change.
+    let mut timeline = Vec::new();
+    let mut was = (true, String::new(), String::new());
+    let mut leader_kept = true;
+    while t0.elapsed() < Duration::from_secs(8) {
+        let now = (ready(), a.state(), b.state());
+        if now != was {
+            timeline.push((t0.elapsed(), now.clone()));
+            was = now;
+        }
+        leader_kept &= mg.metric("moongate_upstream_leader_present") == 1.0;
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let errors = mg.metric("moongate_upstream_etcd_errors_total");
+    assert!(errors >= 1.0, "etcd errors counted");
+    assert!(
+        leader_kept,
+        "the last leader stays in force while etcd is down"
+    );
+    // The leader cannot renew its lease: it stops serving, and /ready says so.
+    assert!(
+        timeline
+            .iter()
+            .any(|(_, (r, sa, sb))| !r && sa != "serving" && sb != "serving"),
+        "the leader stopped serving and moongate turned not ready: {timeline:?}"
+    );
+    etcd.restart();
+    let back = Instant::now();
+    let logs = [&etcd.proc, &a.proc, &b.proc, &mg.proc, &md_proc];
+    wait_for("a leader again", Duration::from_secs(60), &logs, || {
+        serving(&a) || serving(&b)
+    });
+    let leader_again = back.elapsed();
+    wait_for(
+        "moongate ready again",
+        Duration::from_secs(30),
+        &logs,
+        ready,
+    );
+    let ready_again = back.elapsed();
+    let before = calls();
+    wait_for(
+        "calls after etcd is back",
+        Duration::from_secs(60),
+        &logs,
+        || calls() >= before + 40.0,
+    );
+    let results: Vec<Value> = [c1, c2].into_iter().map(Background::finish).collect();
+    eprintln!(
+        "etcd down: timeline {timeline:?}; etcd errors {errors}; leader again {leader_again:?} \
+         and moongate ready {ready_again:?} after etcd restarted; clients {results:?}\n{}",
+        mg.metrics()
+            .lines()
+            .filter(|l| l.starts_with("moongate_upstream")
+                || l.starts_with("moongate_master_connections_closed"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    for r in &results {
+        assert_eq!(result(r, "wrong"), 0, "never a wrong value: {r}");
+        assert!(
+            result(r, "ok_after_last_failure").as_u64().unwrap() >= 1,
+            "{r}"
+        );
+        // The stopped master closes its connections and refuses new ones: calls fail
+        // at once through the outage, none hangs.
+        assert!(
+            result(r, "slowest_failed_round_s").as_f64().unwrap() < 1.0,
+            "{r}"
+        );
+    }
+    // The first leader, its loss (its key expired once etcd was back), the new one.
+    assert!(mg.metric("moongate_upstream_leader_changes_total") >= 3.0);
+    wait_for("connections closed", Duration::from_secs(10), &logs, || {
+        mg.metric("moongate_master_connections_open") == 0.0
+            && mg.metric("moongate_upstream_connections_open") == 0.0
+    });
+}
+
+/// The kv face through a failover: its own master connections and its mounted segment
+/// follow the leader. Before the SIGKILL a value is stored in moongate's own segment;
+/// after it, the segment is remounted on the new leader (it answers the heartbeat with
+/// NEED_REMOUNT) and puts and gets through the kv face work again. A value stored
+/// before the failover reads back byte-exact or absent (the new leader does not know
+/// it), never wrong.
+#[test]
+fn the_kv_face_and_its_segment_follow_the_leader() {
+    let etcd = Etcd::start();
+    let (md_proc, metadata, _md_dir) = metadata_server();
+    let a = HaMaster::start(&etcd);
+    let b = HaMaster::start(&etcd);
+    let serving = |m: &HaMaster| m.state() == "serving";
+    wait_for(
+        "a leader serves",
+        Duration::from_secs(30),
+        &[&a.proc, &b.proc],
+        || serving(&a) || serving(&b),
+    );
+    let (old, new) = if serving(&a) { (&a, &b) } else { (&b, &a) };
+    let kv = format!("127.0.0.1:{}", free_port());
+    let mg = Moongate::start_config(&format!(
+        "[master_face]\nupstream = \"etcd://{}\"\n[kv]\nlisten = \"{kv}\"\n\
+         metadata_url = \"{metadata}\"\nsegment_bytes = 16777216\n",
+        etcd.endpoint
+    ));
+    let logs = [&etcd.proc, &a.proc, &b.proc, &mg.proc, &md_proc];
+    wait_segment_mounted(&mg);
+    let put = |k: &str| {
+        http_bytes(&kv, "PUT", &format!("/v1/kv/{k}"), &value_of(k, 40_000)).map(|(s, _)| s)
+    };
+    let get = |k: &str| http_bytes(&kv, "GET", &format!("/v1/kv/{k}"), &[]);
+    assert_eq!(put("before"), Some(201));
+    assert_eq!(get("before").unwrap().1, value_of("before", 40_000));
+
+    old.proc.signal(libc::SIGKILL);
+    wait_for("the standby serves", Duration::from_secs(40), &logs, || {
+        serving(new)
+    });
+    wait_for("segment remounted", Duration::from_secs(20), &logs, || {
+        mg.proc
+            .log_text()
+            .contains("master asked to remount moongate's segment ok=true")
+    });
+    // Puts work again once the kv face's pool has let go of the dead leader's
+    // connections (a call on one fails, the connection is dropped).
+    wait_for(
+        "a put through the new leader",
+        Duration::from_secs(20),
+        &logs,
+        || put("after") == Some(201),
+    );
+    assert_eq!(get("after").unwrap().1, value_of("after", 40_000));
+    match get("before") {
+        Some((200, v)) => assert_eq!(v, value_of("before", 40_000), "never a wrong value"),
+        Some((404, _)) => {}
+        other => panic!("GET before: {other:?}"),
     }
 }

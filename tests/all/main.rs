@@ -10,6 +10,9 @@
 //!   free loopback ports ([`support`] starts, probes and stops them): [`real_mooncake`],
 //!   [`master_face_failures`], [`policy_live`], [`eviction_live`], [`replay_live`],
 //!   [`kv_face`], [`kv_quic`], [`kv_bounds`] (hostile peers against every kv-face bound).
+//! - Faults, live: [`ha`] (HA masters through a real etcd: failover, a frozen leader,
+//!   etcd down and back), [`faults`] (delay, reset and black hole between moongate and
+//!   the master, injected by [`fault_relay`]).
 //!
 //! Run one group with a filter, e.g. `cargo test --test all -- kv_face::`.
 
@@ -20,6 +23,8 @@ mod codec_errors;
 mod codec_fixtures;
 mod codec_releases;
 mod eviction_live;
+mod fault_relay;
+mod faults;
 mod ha;
 mod kv_bounds;
 mod kv_face;

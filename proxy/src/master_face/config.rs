@@ -31,6 +31,12 @@ pub struct MasterFaceConfig {
     pub connect_timeout_ms: u64,
     /// Close a connection after this long without a byte in either direction; 0 = never.
     pub idle_timeout_ms: u64,
+    /// Close a client connection (and its upstream one) when a call forwarded to the
+    /// master has waited this long for its answer; 0 = never. Default 10 s: the master
+    /// answers metadata calls in milliseconds, so a call this old means a frozen master
+    /// or a network black hole, and the client (whose own timeout is 30 s,
+    /// `MC_RPC_TIMEOUT_MS`) learns it sooner and reconnects.
+    pub answer_timeout_ms: u64,
     /// When decoded frames are re-encoded: `on-change` (only when a policy changed the
     /// value; otherwise the received bytes are forwarded) or `always` (every typed frame
     /// goes out re-encoded from its decoded value; proves the codec on live traffic).
@@ -58,6 +64,7 @@ impl Default for MasterFaceConfig {
             max_inflight_per_connection: 1024,
             connect_timeout_ms: 3_000,
             idle_timeout_ms: 300_000,
+            answer_timeout_ms: 10_000,
             reencode: Reencode::OnChange,
             max_batch_keys: 0,
         }
@@ -105,6 +112,9 @@ impl MasterFaceConfig {
 
     pub fn connect_timeout(&self) -> Duration {
         Duration::from_millis(self.connect_timeout_ms)
+    }
+    pub fn answer_timeout(&self) -> Option<Duration> {
+        (self.answer_timeout_ms > 0).then(|| Duration::from_millis(self.answer_timeout_ms))
     }
     pub fn idle_timeout(&self) -> Option<Duration> {
         (self.idle_timeout_ms > 0).then(|| Duration::from_millis(self.idle_timeout_ms))

@@ -26,7 +26,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::Shared;
-use super::metrics::{FrameErrorKind, Side};
+use super::metrics::{CloseReason, FrameErrorKind, Side};
 use super::session::Session;
 use crate::codec::frame::{check_request, check_response};
 use crate::codec::{FrameError, RequestFrame, ResponseFrame};
@@ -63,6 +63,8 @@ enum End {
     UpstreamIo(std::io::Error),
     UpstreamFrame(FrameError),
     Idle(Duration),
+    /// A forwarded call waited this long for the master's answer.
+    UpstreamSilent(Duration),
     /// The master leader changed: this connection's upstream is no longer it.
     LeaderChanged,
     Drained,
@@ -151,6 +153,7 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
     };
     let s2c = master_to_client(ur, cw, &shell, &shared, &activity, &client_done);
     let idle = idle_watch(&activity, cfg.idle_timeout());
+    let silent = answer_watch(&shell, cfg.answer_timeout());
     // A new leader: no new call may go to the old one. The client reconnects through
     // moongate and reaches the new leader (and remounts, as it would directly).
     let moved = async {
@@ -161,7 +164,7 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
             }
         }
     };
-    tokio::pin!(c2s, s2c, idle, moved);
+    tokio::pin!(c2s, s2c, idle, silent, moved);
 
     let end = tokio::select! {
         e = &mut c2s => match e {
@@ -177,9 +180,11 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
         },
         e = &mut s2c => e,
         e = &mut idle => e,
+        e = &mut silent => e,
         e = &mut moved => e,
     };
     shared.metrics.upstream_connections_open.dec();
+    shared.metrics.closed(end.reason());
     match end {
         End::ClientClosed => tracing::debug!(%peer, "client closed the connection"),
         End::Drained => tracing::debug!(%peer, "connection drained for shutdown"),
@@ -200,8 +205,47 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
         End::Idle(d) => {
             tracing::info!(%peer, idle_ms = d.as_millis() as u64, "idle connection closed")
         }
+        End::UpstreamSilent(d) => tracing::warn!(%peer, upstream = %addr,
+            waited_ms = d.as_millis() as u64,
+            "a call got no answer from the master in time; closing the connection"),
         End::LeaderChanged => tracing::info!(%peer, old = %addr,
             "master leader changed; closing the client connection so it reconnects"),
+    }
+}
+
+impl End {
+    fn reason(&self) -> CloseReason {
+        match self {
+            End::ClientClosed => CloseReason::client_closed,
+            End::ClientIo(_) => CloseReason::client_error,
+            End::ClientFrame(_) => CloseReason::client_bad_frame,
+            End::UpstreamClosed { .. } => CloseReason::upstream_closed,
+            End::UpstreamIo(_) => CloseReason::upstream_error,
+            End::UpstreamFrame(_) => CloseReason::upstream_bad_frame,
+            End::UpstreamSilent(_) => CloseReason::upstream_silent,
+            End::Idle(_) => CloseReason::idle,
+            End::LeaderChanged => CloseReason::leader_changed,
+            End::Drained | End::Draining => CloseReason::shutdown,
+        }
+    }
+}
+
+/// Ends the connection once the oldest forwarded call has waited `limit` for its
+/// answer. Checked every tenth of the limit (at most every second), so a silence is
+/// noticed within 1.1 x the limit at worst.
+async fn answer_watch(shell: &Shell, limit: Option<Duration>) -> End {
+    let Some(limit) = limit else {
+        return std::future::pending().await;
+    };
+    let tick = (limit / 10).clamp(Duration::from_millis(10), Duration::from_secs(1));
+    loop {
+        tokio::time::sleep(tick).await;
+        let oldest = shell.lock().oldest_unanswered();
+        if let Some(waited) = oldest.map(|t| t.elapsed())
+            && waited >= limit
+        {
+            return End::UpstreamSilent(waited);
+        }
     }
 }
 
@@ -423,21 +467,15 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn pipelined_requests_are_answered_in_order_within_the_in_flight_bound() {
-        let master = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let most_pending = Arc::new(AtomicU64::new(0));
-        let upstream = master.local_addr().unwrap().to_string();
-        tokio::spawn(scripted_master(master, most_pending.clone()));
-        let all = Metrics::new();
+    /// A master face whose one connection is served by [`serve`]; its address.
+    async fn face(
+        cfg: super::super::config::MasterFaceConfig,
+        all: &Metrics,
+    ) -> std::net::SocketAddr {
         let fake: Arc<dyn Policy> = Arc::new(Fake::new("p"));
         let shared = Arc::new(Shared {
-            upstream: crate::upstream::Upstream::fixed(&upstream),
-            cfg: super::super::config::MasterFaceConfig {
-                upstream,
-                max_inflight_per_connection: 2,
-                ..Default::default()
-            },
+            upstream: crate::upstream::Upstream::fixed(&cfg.upstream),
+            cfg,
             metrics: all.master.clone(),
             shutdown: CancellationToken::new(),
             policy: Registry::with_policies(
@@ -456,7 +494,22 @@ mod tests {
             let (sock, peer) = face.accept().await.unwrap();
             serve(sock, peer, shared).await;
         });
-        let mut client = TcpStream::connect(face_addr).await.unwrap();
+        face_addr
+    }
+
+    #[tokio::test]
+    async fn pipelined_requests_are_answered_in_order_within_the_in_flight_bound() {
+        let master = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let most_pending = Arc::new(AtomicU64::new(0));
+        let upstream = master.local_addr().unwrap().to_string();
+        tokio::spawn(scripted_master(master, most_pending.clone()));
+        let all = Metrics::new();
+        let cfg = super::super::config::MasterFaceConfig {
+            upstream,
+            max_inflight_per_connection: 2,
+            ..Default::default()
+        };
+        let mut client = TcpStream::connect(face(cfg, &all).await).await.unwrap();
         let seqs = [9u32, 2, 700, 3, 41, 5, 6];
         let mut burst = BytesMut::new();
         for &q in &seqs {
@@ -478,6 +531,43 @@ mod tests {
         assert!(
             (1..=2).contains(&most),
             "the master saw {most} requests at once; the bound is 2"
+        );
+    }
+
+    /// A master that accepts and reads but never answers (frozen, or a black hole on
+    /// the way): the connection is closed once the call has waited the answer timeout,
+    /// and the end is counted.
+    #[tokio::test]
+    async fn a_call_the_master_never_answers_closes_the_connection() {
+        let master = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let upstream = master.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            let (mut s, _) = master.accept().await.unwrap();
+            let mut sink = BytesMut::new();
+            while s.read_buf(&mut sink).await.unwrap_or(0) > 0 {}
+        });
+        let all = Metrics::new();
+        let cfg = super::super::config::MasterFaceConfig {
+            upstream,
+            answer_timeout_ms: 200,
+            ..Default::default()
+        };
+        let mut client = TcpStream::connect(face(cfg, &all).await).await.unwrap();
+        client.write_all(&exist(1)).await.unwrap();
+        let started = Instant::now();
+        let mut buf = BytesMut::new();
+        let read = tokio::time::timeout(Duration::from_secs(10), client.read_buf(&mut buf));
+        assert_eq!(read.await.expect("closed in time").unwrap_or(0), 0);
+        let waited = started.elapsed();
+        assert!(
+            waited >= Duration::from_millis(200),
+            "closed after {waited:?}"
+        );
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &all.registry).unwrap();
+        assert!(
+            text.contains("moongate_master_connections_closed_total{reason=\"upstream_silent\"} 1"),
+            "{text}"
         );
     }
 }

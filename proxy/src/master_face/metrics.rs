@@ -30,6 +30,50 @@ pub enum ConnOutcome {
     upstream_failed,
 }
 
+/// Why a served client connection ended.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum CloseReason {
+    /// The client closed it (the usual end).
+    client_closed,
+    /// Reading from or writing to the client failed.
+    client_error,
+    /// The client sent a malformed frame.
+    client_bad_frame,
+    /// The master closed its side.
+    upstream_closed,
+    /// Reading from or writing to the master failed (e.g. a reset).
+    upstream_error,
+    /// The master sent a malformed frame.
+    upstream_bad_frame,
+    /// A forwarded call went unanswered for `master_face.answer_timeout_ms`.
+    upstream_silent,
+    /// No byte moved for `master_face.idle_timeout_ms`.
+    idle,
+    /// An HA leader change: the client reconnects to the new leader.
+    leader_changed,
+    /// Closed by shutdown.
+    shutdown,
+}
+
+const CLOSE_REASONS: [CloseReason; 10] = [
+    CloseReason::client_closed,
+    CloseReason::client_error,
+    CloseReason::client_bad_frame,
+    CloseReason::upstream_closed,
+    CloseReason::upstream_error,
+    CloseReason::upstream_bad_frame,
+    CloseReason::upstream_silent,
+    CloseReason::idle,
+    CloseReason::leader_changed,
+    CloseReason::shutdown,
+];
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CloseLabel {
+    reason: CloseReason,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct FrameErrorLabels {
     side: Side,
@@ -81,6 +125,7 @@ pub struct MasterFaceMetrics {
     pub connections_open: Gauge,
     pub upstream_connections_open: Gauge,
     conn_outcomes: [Counter; 3],
+    closes: [Counter; CLOSE_REASONS.len()],
     frame_errors: Family<FrameErrorLabels, Counter>,
     pub bytes_to_master: Counter,
     pub bytes_to_client: Counter,
@@ -178,6 +223,14 @@ impl MasterFaceMetrics {
             "moongate_master_connections",
             "Client connections by outcome",
             outcomes,
+        );
+        let close_family = Family::<CloseLabel, Counter>::default();
+        let closes =
+            CLOSE_REASONS.map(|reason| close_family.get_or_create(&CloseLabel { reason }).clone());
+        registry.register(
+            "moongate_master_connections_closed",
+            "Served client connections by why they ended",
+            close_family,
         );
         let connections_open = Gauge::default();
         registry.register(
@@ -301,6 +354,7 @@ impl MasterFaceMetrics {
             connections_open,
             upstream_connections_open,
             conn_outcomes,
+            closes,
             frame_errors,
             bytes_to_master,
             bytes_to_client,
@@ -392,6 +446,11 @@ impl MasterFaceMetrics {
 
     pub fn connection(&self, outcome: ConnOutcome) {
         self.conn_outcomes[outcome as usize].inc();
+    }
+
+    /// Counts a served connection's end.
+    pub fn closed(&self, reason: CloseReason) {
+        self.closes[reason as usize].inc();
     }
 
     /// Rare by nature (a connection closes right after), so a label lookup is fine here.

@@ -117,6 +117,14 @@ impl Session {
         self.queue.len()
     }
 
+    /// When the oldest call still waiting for the master's answer arrived, if any.
+    pub fn oldest_unanswered(&self) -> Option<Instant> {
+        self.queue.iter().find_map(|e| match e {
+            InFlight::Upstream { sent, .. } => Some(*sent),
+            InFlight::Local(_) => None,
+        })
+    }
+
     /// Whether bytes wait for the client (a local answer due now).
     pub fn has_output_for_client(&self) -> bool {
         !self.to_client.is_empty()

@@ -74,15 +74,17 @@ impl Registration {
     }
 
     async fn put_metadata(&self, kind: &str, body: String) -> Result<(), MountError> {
-        let (status, resp) = http_request(
-            Method::PUT,
-            &self.metadata.authority,
-            &self.path(kind),
-            Bytes::from(body),
-            self.timeout,
-        )
-        .await
-        .map_err(|e| MountError::Metadata(e.to_string()))?;
+        let body = Bytes::from(body);
+        let mut status_and_answer = self.metadata_call(Method::PUT, kind, body.clone()).await?;
+        if status_and_answer.0 == 400 && status_and_answer.1.starts_with(b"Duplicate") {
+            // Mooncake's standalone metadata server refuses to overwrite an rpc_meta
+            // entry: ours from an earlier attempt (the master was not reachable yet) or
+            // a crashed predecessor's on the same port. Either way it is stale.
+            self.metadata_call(Method::DELETE, kind, Bytes::new())
+                .await?;
+            status_and_answer = self.metadata_call(Method::PUT, kind, body).await?;
+        }
+        let (status, resp) = status_and_answer;
         if status != 200 {
             return Err(MountError::Metadata(format!(
                 "PUT {} answered {status}: {}",
@@ -91,6 +93,24 @@ impl Registration {
             )));
         }
         Ok(())
+    }
+
+    async fn metadata_call(
+        &self,
+        method: Method,
+        kind: &str,
+        body: Bytes,
+    ) -> Result<(u16, Bytes), MountError> {
+        let (status, answer) = http_request(
+            method,
+            &self.metadata.authority,
+            &self.path(kind),
+            body,
+            self.timeout,
+        )
+        .await
+        .map_err(|e| MountError::Metadata(e.to_string()))?;
+        Ok((status, answer))
     }
 
     async fn call(&self, req: Request) -> Result<Response, MountError> {
@@ -161,15 +181,17 @@ impl Registration {
         data_port: u16,
         shutdown: CancellationToken,
     ) {
-        let mut warned = false;
+        // Logged when the reason changes, not every second.
+        let mut last_error = String::new();
         loop {
             match self.mount(&mem, &data_host, data_port).await {
                 Ok(()) => break,
                 Err(e) => {
-                    if !warned {
+                    let e = e.to_string();
+                    if e != last_error {
                         tracing::warn!(error = %e, segment = %self.name,
                             "cannot mount the own segment yet; retrying every second");
-                        warned = true;
+                        last_error = e;
                     }
                 }
             }
