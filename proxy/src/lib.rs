@@ -18,6 +18,8 @@
 //! - [`metrics`], [`admin`], [`config`]: composition of every part's metrics, the admin
 //!   endpoint, and the TOML file whose sections each part owns.
 //! - [`server`]: wiring, signals and drain.
+//! - [`sim`]: policies offline over a trace (`moongate sim`), through the same policy
+//!   host and eviction rounds as live traffic.
 
 pub mod accept;
 pub mod admin;
@@ -31,5 +33,6 @@ pub mod metrics;
 pub mod per_method;
 pub mod policy;
 pub mod server;
+pub mod sim;
 pub mod upstream;
 pub mod validate;

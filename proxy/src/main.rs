@@ -45,6 +45,139 @@ enum Command {
         /// The TOML file to check.
         file: PathBuf,
     },
+    /// Evaluate policies offline over a request trace: prefix hit rates of each plugin
+    /// next to native LRU and Belady's optimum, at each capacity (docs/policy-science.md).
+    Sim {
+        /// A Mooncake trace, JSONL with `timestamp` and `hash_ids` per request.
+        #[arg(long)]
+        trace: PathBuf,
+        /// Comma list of shares of the trace's distinct blocks (`5%,10%`) or sizes
+        /// (`64MiB`).
+        #[arg(long, value_name = "SPEC")]
+        capacity: String,
+        /// Bytes per block.
+        #[arg(long, default_value_t = 65536)]
+        block_size: u64,
+        /// A plugin: a name built into target/plugins/ (`lru`, `prefix-evict`, ...),
+        /// `default`, or a path to a .wasm component. Repeat for several.
+        #[arg(long = "policy", value_name = "NAME_OR_WASM")]
+        policies: Vec<String>,
+        /// `on-demand` (a put that does not fit frees exactly what it needs) or `live`
+        /// (moongate's watermark rounds, the master's own eviction, read leases).
+        #[arg(long, value_enum, default_value_t = RulesArg::OnDemand)]
+        rules: RulesArg,
+        /// On-demand rules: a round frees at least this share of the capacity.
+        #[arg(long, default_value_t = 0.05)]
+        evict_batch: f64,
+        /// Least recently used keys offered to the plugin per round
+        /// (eviction.max_candidates).
+        #[arg(long, default_value_t = 4096)]
+        max_candidates: usize,
+        /// Live rules: trace time is divided by this (the replay's --speed).
+        #[arg(long, default_value_t = 1.0)]
+        speed: f64,
+        /// Write the report as JSON here.
+        #[arg(long)]
+        json: Option<PathBuf>,
+        /// Draw the miss-ratio curves here (SVG).
+        #[arg(long)]
+        plot: Option<PathBuf>,
+    },
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum RulesArg {
+    OnDemand,
+    Live,
+}
+
+/// A `--policy` argument as bytes and a report label.
+fn plugin_source(arg: &str) -> Result<moongate::sim::PluginSource, String> {
+    let path = std::path::Path::new(arg);
+    let (label, bytes) = if path.is_file() {
+        let stem = path
+            .file_stem()
+            .map_or(arg.into(), |s| s.to_string_lossy().into_owned());
+        let bytes = std::fs::read(path).map_err(|e| format!("{arg}: {e}"))?;
+        (format!("{stem}.wasm"), bytes)
+    } else if arg == "default" {
+        (
+            "default.wasm".to_string(),
+            moongate::policy::registry::DEFAULT_PLUGIN.to_vec(),
+        )
+    } else {
+        let local = std::path::Path::new("target/plugins").join(format!("{arg}.wasm"));
+        let built = moongate::policy::registry::built_plugin(arg);
+        let found = [local, built].into_iter().find(|p| p.is_file()).ok_or_else(|| {
+            format!("{arg}: no such file, and no target/plugins/{arg}.wasm (build the plugins with cargo build)")
+        })?;
+        let bytes = std::fs::read(&found).map_err(|e| format!("{}: {e}", found.display()))?;
+        (format!("{arg}.wasm"), bytes)
+    };
+    Ok(moongate::sim::PluginSource {
+        label,
+        bytes,
+        config: Vec::new(),
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn sim(
+    trace: PathBuf,
+    capacity: String,
+    block_size: u64,
+    policies: Vec<String>,
+    rules: RulesArg,
+    evict_batch: f64,
+    max_candidates: usize,
+    speed: f64,
+    json: Option<PathBuf>,
+    plot: Option<PathBuf>,
+) -> Result<(), String> {
+    use moongate::sim;
+    let capacities = sim::Capacity::parse_list(&capacity).map_err(|e| format!("--capacity {e}"))?;
+    if block_size == 0 {
+        return Err("--block-size must be positive".into());
+    }
+    if speed.is_nan() || speed <= 0.0 {
+        return Err("--speed must be positive".into());
+    }
+    if !(0.0..0.5).contains(&evict_batch) {
+        return Err("--evict-batch must be in [0, 0.5)".into());
+    }
+    let text = std::fs::read_to_string(&trace).map_err(|e| format!("{}: {e}", trace.display()))?;
+    let t = sim::Trace::parse(&text).map_err(|e| format!("{}: {e}", trace.display()))?;
+    let plugins = policies
+        .iter()
+        .map(|p| plugin_source(p))
+        .collect::<Result<Vec<_>, _>>()?;
+    let spec = sim::Spec {
+        trace_name: trace.file_name().map_or_else(
+            || trace.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        ),
+        capacities,
+        block_size,
+        plugins,
+        rules: match rules {
+            RulesArg::OnDemand => sim::Rules::OnDemand { batch: evict_batch },
+            RulesArg::Live => sim::Rules::Live(sim::Live {
+                speed,
+                ..Default::default()
+            }),
+        },
+        max_candidates: max_candidates.max(1),
+    };
+    let report = sim::run(&t, &spec).map_err(|e| e.to_string())?;
+    print!("{}", sim::report::table(&report));
+    if let Some(p) = json {
+        let body = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
+        std::fs::write(&p, body).map_err(|e| format!("{}: {e}", p.display()))?;
+    }
+    if let Some(p) = plot {
+        sim::report::plot_svg(&report, &p)?;
+    }
+    Ok(())
 }
 
 fn init_logging(cfg: &Config) {
@@ -79,6 +212,35 @@ fn build_runtime(workers: usize) -> std::io::Result<tokio::runtime::Runtime> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Sim {
+            trace,
+            capacity,
+            block_size,
+            policies,
+            rules,
+            evict_batch,
+            max_candidates,
+            speed,
+            json,
+            plot,
+        } => match sim(
+            trace,
+            capacity,
+            block_size,
+            policies,
+            rules,
+            evict_batch,
+            max_candidates,
+            speed,
+            json,
+            plot,
+        ) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("moongate sim: {e}");
+                ExitCode::from(2)
+            }
+        },
         Command::CheckConfig { file } => match Config::load(&file) {
             Ok(_) => {
                 println!("{}: ok", file.display());

@@ -5,7 +5,7 @@
 //!   (0.3.11, 0.3.12), [`codec_errors`].
 //! - Older releases live, their own masters and clients: [`releases`].
 //! - The policy host with real plugin components: [`policy_host`].
-//! - The command line: [`cli`].
+//! - The command line: [`cli`], and the offline simulator [`sim`].
 //! - Live, against the real `mooncake_master` and the real Mooncake Python client on
 //!   free loopback ports ([`support`] starts, probes and stops them): [`real_mooncake`],
 //!   [`master_face_failures`], [`policy_live`], [`eviction_live`], [`replay_live`],
@@ -35,3 +35,4 @@ mod policy_live;
 mod real_mooncake;
 mod releases;
 mod replay_live;
+mod sim;

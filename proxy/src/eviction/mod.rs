@@ -251,12 +251,36 @@ impl Eviction {
         Ok(())
     }
 
-    /// Victims (indexes into `cands`, least recently used first) covering `need` bytes:
-    /// each arm's plugin chooses among the keys its arm put, for its share of the bytes.
+    /// Victims (indexes into `cands`) covering `need` bytes, chosen by each arm's plugin.
     fn choose(&self, cands: &[(Bytes, Entry)], need: u64, policy: &Registry) -> Vec<usize> {
-        let set = policy.current();
-        let arms = set.arms.len().max(1);
-        let mut by_arm: Vec<Vec<usize>> = vec![Vec::new(); arms];
+        victims(
+            policy,
+            &policy.current(),
+            cands,
+            need,
+            self.now_ms(),
+            self.cfg.max_removals_per_interval,
+        )
+    }
+}
+
+/// Victims (indexes into `cands`, least recently used first) covering `need` bytes:
+/// each arm's plugin chooses among the keys its arm put, for its share of the bytes, at
+/// most `cap` in all. The live evictor and the simulator (`crate::sim`) both choose
+/// through here, so a plugin sees the same calls in both.
+pub fn victims<K: AsRef<[u8]>>(
+    policy: &Registry,
+    set: &crate::policy::active::ActiveSet,
+    cands: &[(K, Entry)],
+    need: u64,
+    now: u64,
+    cap: usize,
+) -> Vec<usize> {
+    let arms = set.arms.len().max(1);
+    let by_arm: Vec<Vec<usize>> = if arms == 1 {
+        vec![(0..cands.len()).collect()]
+    } else {
+        let mut by_arm = vec![Vec::new(); arms];
         for (i, (_, e)) in cands.iter().enumerate() {
             let a = if (e.arm as usize) < arms {
                 e.arm as usize
@@ -265,51 +289,50 @@ impl Eviction {
             };
             by_arm[a].push(i);
         }
-        let total: u128 = cands
-            .iter()
-            .map(|(_, e)| u128::from(e.size))
-            .sum::<u128>()
-            .max(1);
-        let now = self.now_ms();
-        let cap = self.cfg.max_removals_per_interval;
-        let mut victims = Vec::new();
-        for (a, idx) in by_arm.iter().enumerate() {
-            if idx.is_empty() || victims.len() >= cap {
-                continue;
+        by_arm
+    };
+    let total: u128 = cands
+        .iter()
+        .map(|(_, e)| u128::from(e.size))
+        .sum::<u128>()
+        .max(1);
+    let mut victims = Vec::new();
+    for (a, idx) in by_arm.iter().enumerate() {
+        if idx.is_empty() || victims.len() >= cap {
+            continue;
+        }
+        let bytes: u128 = idx.iter().map(|&i| u128::from(cands[i].1.size)).sum();
+        let share = (u128::from(need) * bytes).div_ceil(total).max(1) as u64;
+        let call = wit::EvictCall {
+            keys: crate::policy::pack_keys(idx.iter().map(|&i| cands[i].0.as_ref())),
+            sizes: idx.iter().map(|&i| cands[i].1.size).collect(),
+            tiers: idx
+                .iter()
+                .map(|&i| crate::policy::view::wit_tier(cands[i].1.tier))
+                .collect(),
+            age_ms: idx
+                .iter()
+                .map(|&i| now.saturating_sub(cands[i].1.last_ms))
+                .collect(),
+            hits: idx.iter().map(|&i| cands[i].1.hits).collect(),
+            bytes_needed: share,
+        };
+        let picked = set
+            .arms
+            .get(a)
+            .and_then(|arm| policy.evict_victims(arm, &call))
+            .unwrap_or_else(|| lru(&call.sizes, share));
+        let mut seen = vec![false; idx.len()];
+        for p in picked {
+            if victims.len() >= cap {
+                break;
             }
-            let bytes: u128 = idx.iter().map(|&i| u128::from(cands[i].1.size)).sum();
-            let share = (u128::from(need) * bytes).div_ceil(total).max(1) as u64;
-            let call = wit::EvictCall {
-                keys: crate::policy::pack_keys(idx.iter().map(|&i| &cands[i].0)),
-                sizes: idx.iter().map(|&i| cands[i].1.size).collect(),
-                tiers: idx
-                    .iter()
-                    .map(|&i| crate::policy::view::wit_tier(cands[i].1.tier))
-                    .collect(),
-                age_ms: idx
-                    .iter()
-                    .map(|&i| now.saturating_sub(cands[i].1.last_ms))
-                    .collect(),
-                hits: idx.iter().map(|&i| cands[i].1.hits).collect(),
-                bytes_needed: share,
-            };
-            let picked = set
-                .arms
-                .get(a)
-                .and_then(|arm| policy.evict_victims(arm, &call))
-                .unwrap_or_else(|| lru(&call.sizes, share));
-            let mut seen = vec![false; idx.len()];
-            for p in picked {
-                if victims.len() >= cap {
-                    break;
-                }
-                if p < idx.len() && !std::mem::replace(&mut seen[p], true) {
-                    victims.push(idx[p]);
-                }
+            if p < idx.len() && !std::mem::replace(&mut seen[p], true) {
+                victims.push(idx[p]);
             }
         }
-        victims
     }
+    victims
 }
 
 /// Candidates are least recently used first: take them in order until `need` bytes.

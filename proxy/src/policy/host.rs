@@ -37,6 +37,17 @@ pub use moongate::policy::types as wit;
 /// How often the epoch advances; call deadlines are whole ticks.
 const EPOCH_TICK: Duration = Duration::from_millis(1);
 
+/// What a plugin's `now-ns` reads.
+#[derive(Debug, Clone, Default)]
+pub enum Clock {
+    /// Monotonic time since the instance started: live traffic.
+    #[default]
+    Real,
+    /// Nanoseconds the caller sets: the simulator runs plugins on trace time, so a
+    /// plugin's windows and ages mean the same offline as live.
+    Virtual(Arc<std::sync::atomic::AtomicU64>),
+}
+
 /// Engine-wide limits.
 #[derive(Debug, Clone)]
 pub struct HostLimits {
@@ -112,6 +123,7 @@ pub struct HostState {
     counters: Vec<Counter>,
     gauges: Vec<Gauge>,
     started: Instant,
+    clock: Clock,
 }
 
 impl ResourceLimiter for HostState {
@@ -193,7 +205,10 @@ impl moongate::policy::host::Host for HostState {
     }
 
     fn now_ns(&mut self) -> u64 {
-        self.started.elapsed().as_nanos() as u64
+        match &self.clock {
+            Clock::Real => self.started.elapsed().as_nanos() as u64,
+            Clock::Virtual(ns) => ns.load(Ordering::Relaxed),
+        }
     }
 }
 
@@ -203,6 +218,7 @@ pub struct PolicyEngine {
     limits: HostLimits,
     sink: Arc<PluginMetricsSink>,
     stop_ticker: Arc<AtomicBool>,
+    clock: Clock,
 }
 
 impl Drop for PolicyEngine {
@@ -213,6 +229,15 @@ impl Drop for PolicyEngine {
 
 impl PolicyEngine {
     pub fn new(limits: HostLimits, sink: Arc<PluginMetricsSink>) -> Result<Arc<Self>, LoadError> {
+        PolicyEngine::with_clock(limits, sink, Clock::Real)
+    }
+
+    /// As [`PolicyEngine::new`], with the clock plugins read.
+    pub fn with_clock(
+        limits: HostLimits,
+        sink: Arc<PluginMetricsSink>,
+        clock: Clock,
+    ) -> Result<Arc<Self>, LoadError> {
         let mut cfg = Config::new();
         cfg.wasm_component_model(true);
         cfg.epoch_interruption(true);
@@ -245,6 +270,7 @@ impl PolicyEngine {
             limits,
             sink,
             stop_ticker: stop,
+            clock,
         }))
     }
 
@@ -339,6 +365,12 @@ impl Plugin {
         &self.sha256[..12]
     }
 
+    /// Drops the live instance and its state: the next call starts a fresh one
+    /// (configured again). The simulator starts every run this way.
+    pub fn reset(&self) {
+        *self.slot.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+
     fn new_store(&self, muted: bool) -> Store<HostState> {
         let state = HostState {
             muted,
@@ -350,6 +382,7 @@ impl Plugin {
             counters: Vec::new(),
             gauges: Vec::new(),
             started: Instant::now(),
+            clock: self.engine.clock.clone(),
         };
         let mut store = Store::new(&self.engine.engine, state);
         store.limiter(|s| s as &mut dyn ResourceLimiter);

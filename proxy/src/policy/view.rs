@@ -58,11 +58,11 @@ impl Fixup {
 }
 
 /// Packs keys into one buffer plus end offsets (one copy into the guest for a batch).
-pub fn pack_keys<'a>(keys: impl Iterator<Item = &'a Bytes>) -> wit::PackedKeys {
+pub fn pack_keys<K: AsRef<[u8]>>(keys: impl Iterator<Item = K>) -> wit::PackedKeys {
     let mut bytes = Vec::new();
     let mut ends = Vec::new();
     for k in keys {
-        bytes.extend_from_slice(k);
+        bytes.extend_from_slice(k.as_ref());
         ends.push(bytes.len() as u32);
     }
     wit::PackedKeys { bytes, ends }

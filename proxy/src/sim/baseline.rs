@@ -1,0 +1,162 @@
+//! The two reference policies every simulation reports, native and exact, over a cache
+//! that holds `cap` blocks:
+//! - `lru`: after a request is served, every one of its blocks becomes the most recently
+//!   used (stored if absent); the least recently used block goes when the cache is full.
+//! - `opt`: Belady's rule: the block whose next use is furthest in the future goes
+//!   (blocks never used again first). Next use counts block references in trace order,
+//!   so within one request the deeper block is the further one: a prefix cache loses
+//!   less by dropping the end of a chain than its start.
+//!
+//! Both count prefix hits: per request, the blocks found before the first miss.
+
+use std::collections::BinaryHeap;
+
+use super::Counts;
+use super::trace::Trace;
+
+/// Leading blocks of `blocks` that `present` says are cached.
+fn prefix_hits(blocks: &[u32], present: impl Fn(u32) -> bool) -> u64 {
+    blocks.iter().take_while(|&&b| present(b)).count() as u64
+}
+
+const NONE: u32 = u32::MAX;
+
+/// Plain LRU over `cap` blocks (an intrusive doubly linked list over dense block ids).
+pub fn lru(trace: &Trace, cap: usize) -> Counts {
+    let n = trace.distinct();
+    let (mut prev, mut next) = (vec![NONE; n], vec![NONE; n]);
+    let mut present = vec![false; n];
+    // head: least recently used; tail: most recently used.
+    let (mut head, mut tail) = (NONE, NONE);
+    let mut len = 0usize;
+    let mut c = Counts::default();
+    for r in &trace.requests {
+        let blocks = trace.blocks_of(r);
+        c.lookups += blocks.len() as u64;
+        c.hits += prefix_hits(blocks, |b| present[b as usize]);
+        for &b in blocks {
+            let b = b as usize;
+            if present[b] {
+                if tail == b as u32 {
+                    continue;
+                }
+                // unlink
+                let (p, nx) = (prev[b], next[b]);
+                if p != NONE {
+                    next[p as usize] = nx;
+                } else {
+                    head = nx;
+                }
+                prev[nx as usize] = p; // nx exists: b is not the tail
+            } else {
+                if cap == 0 {
+                    continue;
+                }
+                present[b] = true;
+                len += 1;
+                c.stored += 1;
+            }
+            // append at the tail
+            prev[b] = tail;
+            next[b] = NONE;
+            if tail != NONE {
+                next[tail as usize] = b as u32;
+            } else {
+                head = b as u32;
+            }
+            tail = b as u32;
+            if len > cap {
+                let h = head as usize;
+                head = next[h];
+                if head != NONE {
+                    prev[head as usize] = NONE;
+                } else {
+                    tail = NONE;
+                }
+                present[h] = false;
+                len -= 1;
+                c.evicted += 1;
+            }
+        }
+    }
+    c
+}
+
+/// Belady's rule over `cap` blocks.
+pub fn opt(trace: &Trace, cap: usize) -> Counts {
+    let refs = trace.blocks.len();
+    // next_use[j]: the position of the next reference to the block referenced at j.
+    let mut next_use = vec![usize::MAX; refs];
+    let mut last = vec![usize::MAX; trace.distinct()];
+    for j in (0..refs).rev() {
+        let b = trace.blocks[j] as usize;
+        next_use[j] = last[b];
+        last[b] = j;
+    }
+    // The cached blocks' next use; heap entries go stale when a block is used again.
+    let mut cached_next = vec![None::<usize>; trace.distinct()];
+    let mut heap: BinaryHeap<(usize, u32)> = BinaryHeap::new();
+    let mut len = 0usize;
+    let mut c = Counts::default();
+    for r in &trace.requests {
+        let blocks = trace.blocks_of(r);
+        c.lookups += blocks.len() as u64;
+        c.hits += prefix_hits(blocks, |b| cached_next[b as usize].is_some());
+        for (j, &b) in (r.start as usize..).zip(blocks) {
+            if cap == 0 {
+                break;
+            }
+            let slot = &mut cached_next[b as usize];
+            if slot.is_none() {
+                len += 1;
+                c.stored += 1;
+            }
+            *slot = Some(next_use[j]);
+            heap.push((next_use[j], b));
+            while len > cap {
+                let Some((nu, v)) = heap.pop() else { break };
+                if cached_next[v as usize] == Some(nu) {
+                    cached_next[v as usize] = None;
+                    len -= 1;
+                    c.evicted += 1;
+                }
+            }
+        }
+    }
+    c
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn trace(reqs: &[&[u64]]) -> Trace {
+        let text: String = reqs
+            .iter()
+            .map(|r| format!("{{\"hash_ids\": {r:?}}}\n"))
+            .collect();
+        Trace::parse(&text).unwrap()
+    }
+
+    #[test]
+    fn lru_counts_prefix_hits_and_evicts_the_oldest() {
+        // cap 2: [1,2] stored; [1,3]: 1 hits, 3 evicts 2; [2,1]: 2 misses (the prefix
+        // ends there even though 1 is cached).
+        let t = trace(&[&[1, 2], &[1, 3], &[2, 1]]);
+        let c = lru(&t, 2);
+        assert_eq!((c.lookups, c.hits), (6, 1));
+        assert_eq!(c.stored, 5, "1, 2, 3, then 2 and 1 again");
+        let all = lru(&t, 10);
+        assert_eq!(all.hits, 3, "1 in [1,3], then all of [2,1]");
+        assert_eq!(lru(&t, 0).hits, 0);
+    }
+
+    #[test]
+    fn opt_keeps_what_comes_back_first() {
+        // cap 1: after [1] then [2], Belady keeps 1 (used next) over 2 (used later).
+        let t = trace(&[&[1], &[2], &[1], &[2]]);
+        assert_eq!(opt(&t, 1).hits, 1);
+        assert_eq!(lru(&t, 1).hits, 0);
+        assert!(opt(&t, 2).hits == 2 && lru(&t, 2).hits == 2);
+    }
+}

@@ -1,0 +1,546 @@
+//! A model of the store a policy runs against offline: what Mooncake holds (bytes,
+//! leases, the master's own eviction) and what moongate does around it (the key table's
+//! least-recently-used candidates, eviction rounds), driven by a trace.
+//!
+//! The policy is called exactly as live traffic calls it, through the same
+//! [`Registry`]: `decide_put` for each request's put (the `on-put` hook, with the same
+//! packing; denied keys are not stored), `steer_lookup` on the read of the found prefix
+//! (`on-lookup`; a key answered as not found ends the prefix there), `settle` after the
+//! put (`observe`, latency 0: nothing went over a network), and
+//! [`crate::eviction::victims`] for every round (`evict`). Keys are named as the trace
+//! replay names them (`all/<hash>`), in tenant `default`.
+//!
+//! Each request, at its arrival time: look the whole prefix up (leading hits count; a
+//! found key gets its access time, a hit and a read lease), then put the blocks after
+//! the prefix that are not stored (one batch put; admitted blocks are stored while they
+//! fit). When they do not fit, [`Rules`] decides what happens.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use super::Counts;
+use super::trace::Trace;
+use crate::codec::message::{BatchPutStartArgs, Request, Response};
+use crate::codec::types::{
+    BufferDescriptor, ErrorCode, GetReplicaListResponse, MemoryDescriptor, ReplicaDescriptor,
+    ReplicaLocation, ReplicaStatus, ReplicateConfig, Tier, Uuid,
+};
+use crate::eviction::Entry;
+use crate::policy::registry::Registry;
+use crate::policy::{Outcome, PutAction};
+
+/// When and how blocks leave the store.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Rules {
+    /// An ideal store whose whole capacity holds data: blocks leave only when a put
+    /// needs their room. A round asks the plugin for victims worth at least `batch` of
+    /// the capacity (a share) and queues them; they leave in the plugin's order as room
+    /// is needed, and a queued block that is found again before it leaves stays (its
+    /// hit makes it recent). A plugin call per put would cost a round of up to
+    /// `max_candidates` keys each time; with the queue, plain LRU comes out exact.
+    OnDemand { batch: f64 },
+    /// What a live deployment does (see [`Live`]).
+    Live(Live),
+}
+
+/// The rules of a live deployment: moongate-driven eviction at watermarks, checked every
+/// interval, on top of the master's own eviction and its read leases; a put that does
+/// not fit is refused (NO_AVAILABLE_HANDLE).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Live {
+    /// moongate's `eviction.high_watermark` / `low_watermark` (usage ratios).
+    pub high: f64,
+    pub low: f64,
+    /// `eviction.interval_ms`, in wall time.
+    pub interval_ms: u64,
+    /// `eviction.max_removals_per_interval`.
+    pub max_removals: usize,
+    /// `eviction.on_put_denials`: refused bytes start a round too.
+    pub on_put_denials: bool,
+    /// The master's `--eviction_high_watermark_ratio` and `--eviction_ratio`: at that
+    /// usage it evicts that share of its objects, least recently used first, leased ones
+    /// spared.
+    pub master_high: f64,
+    pub master_ratio: f64,
+    /// The master's read lease (`--default_kv_lease_ttl`): a key found within this long
+    /// is removed by neither moongate nor the master.
+    pub lease_ms: u64,
+    /// The replay's `--speed`: trace time divided by this is wall time.
+    pub speed: f64,
+}
+
+impl Default for Live {
+    /// The shipped replay benchmark's settings (benches/run_replay.sh) and Mooncake's
+    /// defaults.
+    fn default() -> Self {
+        Live {
+            high: 0.8,
+            low: 0.7,
+            interval_ms: 100,
+            max_removals: 2000,
+            on_put_denials: true,
+            master_high: 0.9,
+            master_ratio: 0.05,
+            lease_ms: 5000,
+            speed: 1.0,
+        }
+    }
+}
+
+/// The store and the knobs of one simulation.
+#[derive(Debug, Clone)]
+pub struct Model {
+    pub capacity_bytes: u64,
+    pub block_size: u64,
+    /// `eviction.max_candidates`: the least recently used keys a round offers the plugin.
+    pub max_candidates: usize,
+    pub rules: Rules,
+}
+
+#[derive(Clone, Copy, Default)]
+struct Slot {
+    present: bool,
+    /// Its place in the least-recently-used order (`Store::order`).
+    tick: u64,
+    last_ms: u64,
+    hits: u32,
+    leased_until_ms: u64,
+    /// Chosen by a round, waiting in `Store::doomed` until its room is needed.
+    doomed: bool,
+}
+
+struct Store<'a> {
+    model: &'a Model,
+    keys: Vec<Bytes>,
+    slots: Vec<Slot>,
+    /// tick -> block: least recently used first.
+    order: BTreeMap<u64, u32>,
+    /// On-demand rules: victims chosen, in the plugin's order, not yet removed.
+    doomed: std::collections::VecDeque<u32>,
+    next_tick: u64,
+    used: u64,
+    tenant: Bytes,
+    counts: Counts,
+}
+
+/// The client id the simulated puts carry (one client, one arm).
+const CLIENT: Uuid = Uuid {
+    first: 0x0053_494d,
+    second: 1,
+};
+
+impl<'a> Store<'a> {
+    fn new(model: &'a Model, trace: &'a Trace) -> Store<'a> {
+        Store {
+            model,
+            keys: trace
+                .hashes
+                .iter()
+                .map(|h| Bytes::from(format!("all/{h}")))
+                .collect(),
+            slots: vec![Slot::default(); trace.distinct()],
+            order: BTreeMap::new(),
+            doomed: Default::default(),
+            next_tick: 0,
+            used: 0,
+            tenant: Bytes::from_static(b"default"),
+            counts: Counts::default(),
+        }
+    }
+
+    fn touch(&mut self, b: u32, now_ms: u64, lease_ms: u64, hit: bool) {
+        let tick = self.next_tick;
+        self.next_tick += 1;
+        let s = &mut self.slots[b as usize];
+        if s.present {
+            self.order.remove(&s.tick);
+        }
+        s.tick = tick;
+        s.last_ms = now_ms;
+        if hit {
+            s.hits = s.hits.saturating_add(1);
+            s.leased_until_ms = now_ms + lease_ms;
+            s.doomed = false;
+        }
+        self.order.insert(tick, b);
+    }
+
+    fn store(&mut self, b: u32, now_ms: u64) {
+        self.touch(b, now_ms, 0, false);
+        let s = &mut self.slots[b as usize];
+        s.present = true;
+        s.hits = 0;
+        s.leased_until_ms = 0;
+        self.used += self.model.block_size;
+        self.counts.stored += 1;
+    }
+
+    fn drop_block(&mut self, b: u32) -> bool {
+        let s = &mut self.slots[b as usize];
+        if !s.present {
+            return false;
+        }
+        s.present = false;
+        s.doomed = false;
+        self.order.remove(&s.tick);
+        self.used -= self.model.block_size;
+        self.counts.evicted += 1;
+        true
+    }
+
+    /// Up to `max` stored blocks not under a read lease, least recently used first.
+    fn candidates(&self, max: usize, now_ms: u64) -> Vec<u32> {
+        self.order
+            .values()
+            .filter(|&&b| self.slots[b as usize].leased_until_ms <= now_ms)
+            .take(max)
+            .copied()
+            .collect()
+    }
+
+    /// One moongate eviction round for `need` bytes, at most `cap` removals: the
+    /// plugin picks among the candidates, as live; the victims leave at once.
+    fn round(&mut self, reg: &Registry, need: u64, cap: usize, now_ms: u64) {
+        for b in self.choose(reg, need, cap, now_ms) {
+            self.drop_block(b);
+        }
+    }
+
+    /// On-demand rules: frees `need` bytes from the queue of chosen victims, asking the
+    /// plugin for more (at least `ahead` bytes' worth) when the queue runs dry.
+    fn make_room(&mut self, reg: &Registry, need: u64, ahead: u64, now_ms: u64) {
+        let mut freed = 0u64;
+        let mut asked = false;
+        while freed < need {
+            let Some(b) = self.doomed.pop_front() else {
+                if asked {
+                    return; // the plugin chose too little: the rest of the put is refused
+                }
+                asked = true;
+                let chosen = self.choose(reg, (need - freed).max(ahead), usize::MAX, now_ms);
+                for &b in &chosen {
+                    self.slots[b as usize].doomed = true;
+                }
+                self.doomed.extend(chosen);
+                continue;
+            };
+            if self.slots[b as usize].doomed && self.drop_block(b) {
+                freed += self.model.block_size;
+            }
+        }
+    }
+
+    /// Victims for `need` bytes, at most `cap`, chosen by the plugin among the
+    /// candidates.
+    fn choose(&mut self, reg: &Registry, need: u64, cap: usize, now_ms: u64) -> Vec<u32> {
+        let blocks = self.candidates(self.model.max_candidates, now_ms);
+        if blocks.is_empty() {
+            return Vec::new();
+        }
+        self.counts.rounds += 1;
+        let cands: Vec<(&[u8], Entry)> = blocks
+            .iter()
+            .map(|&b| {
+                let s = &self.slots[b as usize];
+                (
+                    &self.keys[b as usize][..],
+                    Entry {
+                        tenant: self.tenant.clone(),
+                        size: self.model.block_size,
+                        tier: Tier::Memory,
+                        last_ms: s.last_ms,
+                        hits: s.hits,
+                        leased_until_ms: s.leased_until_ms,
+                        arm: 0,
+                        complete: true,
+                    },
+                )
+            })
+            .collect();
+        let set = reg.current();
+        crate::eviction::victims(reg, &set, &cands, need, now_ms, cap)
+            .into_iter()
+            .map(|v| blocks[v])
+            .collect()
+    }
+
+    /// The master's own eviction: `ratio` of its objects, least recently used first,
+    /// leased ones spared.
+    fn master_evicts(&mut self, ratio: f64, now_ms: u64) {
+        let objects = self.order.len();
+        let n = ((objects as f64 * ratio).ceil() as usize).max(1);
+        for b in self.candidates(n, now_ms) {
+            if self.drop_block(b) {
+                self.counts.master_evicted += 1;
+            }
+        }
+    }
+}
+
+/// Runs the trace against the store with `reg`'s active policy; `clock` is what the
+/// plugin's `now-ns` reads (set to trace time here).
+pub fn run(trace: &Trace, model: &Model, reg: &Registry, clock: &Arc<AtomicU64>) -> Counts {
+    let mut st = Store::new(model, trace);
+    let (lease_ms, speed) = match &model.rules {
+        Rules::OnDemand { .. } => (0, 1.0),
+        Rules::Live(l) => (l.lease_ms, l.speed.max(1e-9)),
+    };
+    let mut next_check_ms = 0u64;
+    let mut denied_bytes = 0u64;
+    let cap_bytes = model.capacity_bytes as f64;
+    let empty = Bytes::new();
+    for r in &trace.requests {
+        let now_ms = (r.ts_ms as f64 / speed) as u64;
+        clock.store(now_ms.saturating_mul(1_000_000), Ordering::Relaxed);
+        if let Rules::Live(l) = &model.rules {
+            // moongate's evictor, every interval that passed since the last request.
+            while next_check_ms <= now_ms {
+                let mut need = 0u64;
+                if st.used as f64 >= l.high * cap_bytes {
+                    need = st.used - (l.low * cap_bytes) as u64;
+                }
+                if l.on_put_denials {
+                    need = need.max(std::mem::take(&mut denied_bytes));
+                }
+                if need > 0 {
+                    st.round(reg, need, l.max_removals, now_ms);
+                }
+                next_check_ms += l.interval_ms.max(1);
+                if next_check_ms <= now_ms && need == 0 {
+                    // Nothing changes between requests: skip the idle checks.
+                    next_check_ms = now_ms + 1;
+                }
+            }
+        }
+        let blocks = trace.blocks_of(r);
+        st.counts.lookups += blocks.len() as u64;
+        let mut n = blocks
+            .iter()
+            .take_while(|&&b| st.slots[b as usize].present)
+            .count();
+        let set = reg.current();
+        if n > 0 {
+            let ticket = reg.ticket(set.clone(), &CLIENT, Some(&st.keys[blocks[0] as usize]));
+            let arm = ticket.arm();
+            if reg.steers_lookups(arm) {
+                let keys: Vec<Bytes> = blocks[..n]
+                    .iter()
+                    .map(|&b| st.keys[b as usize].clone())
+                    .collect();
+                let mut resp = replica_answer(n, model.block_size);
+                if reg.steer_lookup(arm, &keys, &mut resp) {
+                    n = found_prefix(&resp).min(n);
+                }
+            }
+        }
+        st.counts.hits += n as u64;
+        for &b in &blocks[..n] {
+            st.touch(b, now_ms, lease_ms, true);
+        }
+        let rest: Vec<u32> = blocks[n..]
+            .iter()
+            .copied()
+            .filter(|&b| !st.slots[b as usize].present)
+            .collect();
+        if rest.is_empty() {
+            continue;
+        }
+        let req = Request::BatchPutStart(BatchPutStartArgs {
+            client_id: CLIENT,
+            keys: rest.iter().map(|&b| st.keys[b as usize].clone()).collect(),
+            slice_lengths: vec![model.block_size; rest.len()],
+            config: ReplicateConfig::default(),
+            tenant_id: empty.clone(),
+        });
+        let Some(decided) = reg.decide_put(&set, &req) else {
+            continue;
+        };
+        let mut admitted = vec![true; rest.len()];
+        match &decided.action {
+            PutAction::Forward | PutAction::Rewrite { fixup: None, .. } => {}
+            PutAction::Rewrite { fixup: Some(f), .. } => {
+                for &(i, _) in &f.denied {
+                    if let Some(a) = admitted.get_mut(i) {
+                        *a = false;
+                    }
+                }
+            }
+            PutAction::Answer(_) => admitted.fill(false),
+        }
+        let want: Vec<u32> = rest
+            .iter()
+            .zip(&admitted)
+            .filter(|(_, a)| **a)
+            .map(|(&b, _)| b)
+            .collect();
+        st.counts.denied += (rest.len() - want.len()) as u64;
+        let bytes = want.len() as u64 * model.block_size;
+        if let Rules::OnDemand { batch } = model.rules
+            && st.used + bytes > model.capacity_bytes
+        {
+            let need = st.used + bytes - model.capacity_bytes;
+            st.make_room(reg, need, (batch * cap_bytes) as u64, now_ms);
+        }
+        let mut refused = 0u64;
+        for &b in &want {
+            if st.used + model.block_size <= model.capacity_bytes {
+                st.store(b, now_ms);
+            } else {
+                refused += 1;
+            }
+        }
+        st.counts.refused += refused;
+        denied_bytes += refused * model.block_size;
+        if let Rules::Live(l) = &model.rules
+            && st.used as f64 >= l.master_high * cap_bytes
+        {
+            st.master_evicts(l.master_ratio, now_ms);
+        }
+        let failed = refused > 0 || want.len() < rest.len();
+        reg.settle(
+            &decided.ticket,
+            &Outcome {
+                method: "BatchPutStart",
+                code: if refused > 0 {
+                    ErrorCode::NO_AVAILABLE_HANDLE.0
+                } else {
+                    0
+                },
+                failed,
+                latency: Some(Duration::ZERO),
+                keys: rest.len(),
+            },
+        );
+    }
+    st.counts
+}
+
+/// A `BatchGetReplicaList` answer for `n` keys, one complete memory replica each.
+fn replica_answer(n: usize, size: u64) -> Response {
+    let one = GetReplicaListResponse {
+        replicas: vec![ReplicaDescriptor {
+            id: 1,
+            location: ReplicaLocation::Memory(MemoryDescriptor {
+                buffer_descriptor: BufferDescriptor {
+                    size,
+                    buffer_address: 0,
+                    protocol: Bytes::from_static(b"tcp"),
+                    transport_endpoint: Bytes::from_static(b"127.0.0.1:1"),
+                },
+            }),
+            status: ReplicaStatus::COMPLETE,
+        }],
+        lease_ttl_ms: 0,
+        object_checksum: None,
+    };
+    Response::BatchGetReplicaList(vec![Ok(one); n])
+}
+
+/// Leading keys of a steered lookup answer that still have a replica.
+fn found_prefix(resp: &Response) -> usize {
+    match resp {
+        Response::BatchGetReplicaList(v) => v
+            .iter()
+            .take_while(|r| r.as_ref().is_ok_and(|l| !l.replicas.is_empty()))
+            .count(),
+        _ => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The store model with fake policies (no wasm): what each hook's answer does.
+
+    use super::*;
+    use crate::policy::Policy;
+    use crate::policy::fake::Fake;
+    use crate::policy::host::wit;
+
+    /// The first `n` requests of the shipped trace.
+    fn shipped(n: usize) -> Trace {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../benches/traces/mooncake_fast25_synthetic.jsonl"
+        );
+        let text = std::fs::read_to_string(path).unwrap();
+        let head: Vec<&str> = text.lines().take(n).collect();
+        Trace::parse(&head.join("\n")).unwrap()
+    }
+
+    fn run_with(trace: &Trace, p: Fake, blocks: u64, rules: Rules) -> Counts {
+        let metrics = crate::metrics::Metrics::new();
+        let policy: Arc<dyn Policy> = Arc::new(p);
+        let reg = Registry::with_policies(
+            Default::default(),
+            None,
+            metrics.policy.clone(),
+            vec![policy],
+        )
+        .unwrap();
+        let model = Model {
+            capacity_bytes: blocks * 1024,
+            block_size: 1024,
+            max_candidates: 4096,
+            rules,
+        };
+        run(trace, &model, &reg, &Arc::new(AtomicU64::new(0)))
+    }
+
+    #[test]
+    fn without_an_evict_hook_the_store_is_lru() {
+        let t = shipped(1500);
+        for share in [0.05, 0.2] {
+            let blocks = (share * t.distinct() as f64) as u64;
+            let plain = super::super::baseline::lru(&t, blocks as usize);
+            let modeled = run_with(&t, Fake::new("p"), blocks, Rules::OnDemand { batch: 0.05 });
+            assert_eq!(modeled.lookups, plain.lookups);
+            let d = (modeled.hit_rate() - plain.hit_rate()).abs();
+            assert!(d < 0.005, "{share}: {modeled:?} vs {plain:?}");
+            assert!(modeled.evicted > 0 && modeled.refused == 0);
+        }
+    }
+
+    #[test]
+    fn denied_puts_are_not_stored() {
+        let t = shipped(300);
+        let deny_all = Fake::new("deny").on_put(|c| {
+            Ok(wit::PutDecision {
+                config: None,
+                admissions: vec![wit::Admission::Deny(-200); c.sizes.len()],
+            })
+        });
+        let c = run_with(&t, deny_all, 1_000_000, Rules::OnDemand { batch: 0.05 });
+        assert_eq!((c.hits, c.stored), (0, 0));
+        assert!(c.denied > 0);
+    }
+
+    #[test]
+    fn a_key_the_lookup_hook_hides_ends_the_prefix() {
+        let t = shipped(300);
+        let all = run_with(
+            &t,
+            Fake::new("p"),
+            1_000_000,
+            Rules::OnDemand { batch: 0.05 },
+        );
+        assert!(all.hits > 0);
+        let hide = Fake::new("hide").on_lookup(|c| Ok(vec![Vec::new(); c.counts.len()]));
+        let c = run_with(&t, hide, 1_000_000, Rules::OnDemand { batch: 0.05 });
+        assert_eq!(c.hits, 0);
+    }
+
+    #[test]
+    fn live_rules_keep_usage_under_the_watermarks_and_refuse_what_does_not_fit() {
+        let t = shipped(1500);
+        let blocks = (0.05 * t.distinct() as f64) as u64;
+        let ideal = run_with(&t, Fake::new("p"), blocks, Rules::OnDemand { batch: 0.05 });
+        let live = run_with(&t, Fake::new("p"), blocks, Rules::Live(Live::default()));
+        assert!(live.rounds > 0 && live.evicted > 0);
+        // Rounds keep usage between the watermarks: less of the capacity holds data.
+        assert!(live.hits < ideal.hits, "{live:?} vs {ideal:?}");
+    }
+}
