@@ -9,7 +9,8 @@
 //! - Live, against the real `mooncake_master` and the real Mooncake Python client on
 //!   free loopback ports ([`support`] starts, probes and stops them): [`real_mooncake`],
 //!   [`master_face_failures`], [`policy_live`], [`eviction_live`], [`replay_live`],
-//!   [`kv_face`], [`kv_quic`], [`kv_bounds`] (hostile peers against every kv-face bound).
+//!   [`kv_face`], [`kv_quic`], [`kv_bounds`] (hostile peers against every kv-face bound),
+//!   [`arm_shares`] (experiment arms held to their capacity shares).
 //! - Faults, live: [`ha`] (HA masters through a real etcd: failover, a frozen leader,
 //!   etcd down and back), [`faults`] (delay, reset and black hole between moongate and
 //!   the master, injected by [`fault_relay`]).
@@ -18,6 +19,7 @@
 
 mod support;
 
+mod arm_shares;
 mod cli;
 mod codec_errors;
 mod codec_fixtures;

@@ -288,6 +288,7 @@ fn experiment_assignment_follows_the_weights() {
             },
         ],
         guardrail: Default::default(),
+        capacity: Default::default(),
     })
     .unwrap();
     let set = r.current();
@@ -307,6 +308,7 @@ fn experiment_assignment_follows_the_weights() {
                 weight: 1
             }],
             guardrail: Default::default(),
+            capacity: Default::default(),
         }),
         Err(RegistryError::BadExperiment(_))
     ));
@@ -339,6 +341,7 @@ fn latency_guardrail_stops_an_arm_and_its_traffic_goes_to_control() {
             window_ms: 60_000,
             min_calls: 5,
         },
+        capacity: Default::default(),
     })
     .unwrap();
     let set = r.current();

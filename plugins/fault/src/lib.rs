@@ -7,6 +7,8 @@
 //! - `refuse-config`: `configure` returns an error;
 //! - `trap-config`: `configure` traps.
 //! - `every-N-trap` (e.g. `every-3-trap`): trap on every Nth call, admit otherwise.
+//! - `evict-all`: admit every put; asked for victims, name every candidate (a greedy
+//!   evictor, for tests of what one experiment arm can do to another).
 
 use moongate_policy_sdk::*;
 
@@ -23,7 +25,16 @@ impl Policy for Fault {
             "trap-config" => panic!("trap in configure on purpose"),
             _ => {}
         }
-        Ok((Fault { mode, calls: 0 }, Interest::PUT))
+        let interest = if mode == "evict-all" {
+            Interest::PUT | Interest::EVICT
+        } else {
+            Interest::PUT
+        };
+        Ok((Fault { mode, calls: 0 }, interest))
+    }
+
+    fn evict(&mut self, call: EvictCall) -> Vec<u32> {
+        (0..call.sizes.len() as u32).collect()
     }
 
     fn on_put(&mut self, call: PutCall) -> PutDecision {

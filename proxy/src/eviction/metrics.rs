@@ -6,7 +6,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 /// What started an eviction round, in label order.
-pub const EVICTION_TRIGGERS: [&str; 2] = ["usage", "denials"];
+pub const EVICTION_TRIGGERS: [&str; 3] = ["usage", "denials", "arm_share"];
 /// What became of an eviction candidate moongate acted on, in label order.
 pub const EVICTION_RESULTS: [&str; 4] = ["removed", "leased", "not_found", "error"];
 /// Where an eviction round failed, in label order.
@@ -19,6 +19,9 @@ pub enum Trigger {
     Usage,
     /// The master refused puts with NO_AVAILABLE_HANDLE.
     Denials,
+    /// An experiment arm's keys crossed the high watermark of its share
+    /// (`capacity = "by-weight"`).
+    ArmShare,
 }
 
 /// What became of a victim (index into [`EVICTION_RESULTS`]).
@@ -41,7 +44,7 @@ pub enum Stage {
 
 /// Handles of the evictor (registered even when eviction is off, so dashboards see 0).
 pub struct EvictionMetrics {
-    rounds: [Counter; 2],
+    rounds: [Counter; 3],
     keys: [Counter; 4],
     pub removed_bytes: Counter,
     errors: [Counter; 2],
@@ -51,6 +54,14 @@ pub struct EvictionMetrics {
     /// Rounds that ended (all their removals answered, or cut short): what "the round is
     /// over" means to a dashboard or a test.
     pub rounds_ended: Counter,
+    arm_bytes: Family<ArmLabel, Gauge>,
+    arm_share: Family<ArmLabel, Gauge>,
+    arm_removed: Family<ArmLabel, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+pub struct ArmLabel {
+    arm: String,
 }
 
 impl EvictionMetrics {
@@ -64,6 +75,21 @@ impl EvictionMetrics {
 
     pub fn error(&self, s: Stage) {
         self.errors[s as usize].inc();
+    }
+
+    /// An experiment arm's bytes in the table, and its share (by-weight; 0 otherwise).
+    /// Once per interval per arm: a label lookup is fine.
+    pub fn arm_bytes(&self, arm: &str, bytes: u64, share: u64) {
+        let l = ArmLabel { arm: arm.into() };
+        self.arm_bytes.get_or_create(&l).set(bytes as i64);
+        self.arm_share.get_or_create(&l).set(share as i64);
+    }
+
+    /// Bytes removed from an arm's keys.
+    pub fn arm_removed(&self, arm: &str, bytes: u64) {
+        self.arm_removed
+            .get_or_create(&ArmLabel { arm: arm.into() })
+            .inc_by(bytes);
     }
 
     pub fn register(registry: &mut Registry) -> EvictionMetrics {
@@ -83,7 +109,8 @@ impl EvictionMetrics {
             registry,
             "moongate_eviction_rounds",
             "Eviction rounds by trigger (usage: master memory over eviction.high_watermark; \
-             denials: the master refused puts with NO_AVAILABLE_HANDLE)",
+             denials: the master refused puts with NO_AVAILABLE_HANDLE; arm_share: an \
+             experiment arm over the high watermark of its by-weight share)",
             "trigger",
             EVICTION_TRIGGERS,
         );
@@ -127,7 +154,29 @@ impl EvictionMetrics {
              moongate_eviction_errors_total)",
             rounds_ended.clone(),
         );
+        let arm_bytes = Family::<ArmLabel, Gauge>::default();
+        registry.register(
+            "moongate_eviction_arm_bytes",
+            "Bytes of the keys each experiment arm put, as the eviction table knows them",
+            arm_bytes.clone(),
+        );
+        let arm_share = Family::<ArmLabel, Gauge>::default();
+        registry.register(
+            "moongate_eviction_arm_share_bytes",
+            "Each arm's share of the master's capacity (experiment capacity = by-weight; 0 \
+             in a shared pool)",
+            arm_share.clone(),
+        );
+        let arm_removed = Family::<ArmLabel, Counter>::default();
+        registry.register(
+            "moongate_eviction_arm_removed_bytes",
+            "Bytes moongate removed from each arm's keys",
+            arm_removed.clone(),
+        );
         EvictionMetrics {
+            arm_bytes,
+            arm_share,
+            arm_removed,
             rounds_ended,
             rounds,
             keys,

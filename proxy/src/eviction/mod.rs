@@ -36,6 +36,7 @@ use crate::calls::Seen;
 pub use crate::calls::{Track, Tracked};
 use crate::codec::message::{RemoveArgs, Request, Response};
 use crate::codec::types::ErrorCode;
+use crate::policy::active::ActiveSet;
 use crate::policy::host::wit;
 use crate::policy::registry::Registry;
 use crate::upstream::{Conn, HttpUrl};
@@ -114,6 +115,7 @@ impl Eviction {
             }
             let mut need = 0u64;
             let mut trigger = None;
+            let mut capacity = None;
             if let Some(url) = &self.usage_url {
                 match usage::master_usage(url, self.call_timeout()).await {
                     Ok(u) => {
@@ -122,6 +124,7 @@ impl Eviction {
                             usage_failing = false;
                         }
                         if u.capacity_bytes > 0 {
+                            capacity = Some(u.capacity_bytes);
                             let ratio = u.allocated_bytes as f64 / u.capacity_bytes as f64;
                             self.metrics.usage_ppm.set((ratio * 1e6) as i64);
                             if ratio >= self.cfg.high_watermark {
@@ -147,11 +150,42 @@ impl Eviction {
                 need = need.max(denied);
                 trigger.get_or_insert(Trigger::Denials);
             }
+            let set = policy.current();
+            if set.arms.len() >= 2 && !by_weight(&set) {
+                let bytes = self.table.arm_bytes();
+                for (i, arm) in set.arms.iter().enumerate() {
+                    self.metrics
+                        .arm_bytes(&arm.name, bytes.get(i).copied().unwrap_or(0), 0);
+                }
+            }
+            if let Some(capacity) = capacity.filter(|_| by_weight(&set)) {
+                // Each arm within its own share, from its own keys only.
+                for (arm, need) in self.arm_needs(&set, capacity) {
+                    self.metrics.round(Trigger::ArmShare);
+                    let cands =
+                        self.table
+                            .candidates_of(arm, self.cfg.max_candidates, self.now_ms());
+                    let r = self
+                        .round(&mut conn, &cands, need, true, &policy, &upstream)
+                        .await;
+                    if let Err(e) = r {
+                        tracing::warn!(error = %e, arm, "eviction round cut short");
+                        conn = None;
+                    }
+                    self.metrics.rounds_ended.inc();
+                }
+            }
             let Some(trigger) = trigger.filter(|_| need > 0) else {
                 continue;
             };
             self.metrics.round(trigger);
-            if let Err(e) = self.round(&mut conn, need, &policy, &upstream).await {
+            let cands = self
+                .table
+                .candidates(self.cfg.max_candidates, self.now_ms());
+            if let Err(e) = self
+                .round(&mut conn, &cands, need, false, &policy, &upstream)
+                .await
+            {
                 tracing::warn!(error = %e, "eviction round cut short");
                 conn = None;
             }
@@ -159,20 +193,42 @@ impl Eviction {
         }
     }
 
+    /// By-weight shares: the bytes each arm over the high watermark of its share must
+    /// free to come down to the low one. Publishes every arm's bytes and share.
+    fn arm_needs(&self, set: &ActiveSet, capacity: u64) -> Vec<(usize, u64)> {
+        let bytes = self.table.arm_bytes();
+        let total: u64 = set.arms.iter().map(|a| a.weight()).sum::<u64>().max(1);
+        let mut out = Vec::new();
+        for (i, arm) in set.arms.iter().enumerate() {
+            let share =
+                (u128::from(capacity) * u128::from(arm.weight()) / u128::from(total)) as u64;
+            let used = bytes.get(i).copied().unwrap_or(0);
+            self.metrics.arm_bytes(&arm.name, used, share);
+            if used as f64 >= self.cfg.high_watermark * share as f64 {
+                let target = (self.cfg.low_watermark * share as f64) as u64;
+                out.push((i, used.saturating_sub(target)));
+            }
+        }
+        out.retain(|(_, n)| *n > 0);
+        out
+    }
+
     fn call_timeout(&self) -> Duration {
         Duration::from_millis(self.cfg.call_timeout_ms)
     }
 
+    /// Removes victims among `cands` for `need` bytes. `enforce`: when the plugins
+    /// choose too little, the least recently used candidates make up the rest (an arm
+    /// held to its share cannot keep more by declining to evict).
     async fn round(
         &self,
         conn: &mut Option<(String, Conn)>,
+        cands: &[(Bytes, Entry)],
         need: u64,
+        enforce: bool,
         policy: &Registry,
         upstream: &crate::upstream::Upstream,
     ) -> Result<(), crate::upstream::CallError> {
-        let cands = self
-            .table
-            .candidates(self.cfg.max_candidates, self.now_ms());
         if cands.is_empty() {
             tracing::debug!(need, "eviction round: no candidates in the table");
             return Ok(());
@@ -194,7 +250,16 @@ impl Eviction {
         // lease just like GetReplicaList (measured: Remove after is_exist answers
         // OBJECT_HAS_LEASE), so a probe would block the removal it prepares. A victim
         // that is already gone answers OBJECT_NOT_FOUND and is forgotten.
-        let victims = self.choose(&cands, need, policy);
+        let set = policy.current();
+        let mut victims = self.choose(cands, need, policy);
+        if enforce {
+            top_up(
+                &mut victims,
+                cands,
+                need,
+                self.cfg.max_removals_per_interval,
+            );
+        }
         tracing::debug!(
             candidates = cands.len(),
             victims = victims.len(),
@@ -227,6 +292,11 @@ impl Eviction {
                 let result = match a {
                     Ok(Response::Remove(Ok(()))) => {
                         self.metrics.removed_bytes.inc_by(e.size);
+                        if let Some(arm) =
+                            set.arms.get(e.arm as usize).filter(|_| set.arms.len() > 1)
+                        {
+                            self.metrics.arm_removed(&arm.name, e.size);
+                        }
                         removed.push((e.tenant.clone(), k.clone()));
                         Victim::Removed
                     }
@@ -270,7 +340,7 @@ impl Eviction {
 /// through here, so a plugin sees the same calls in both.
 pub fn victims<K: AsRef<[u8]>>(
     policy: &Registry,
-    set: &crate::policy::active::ActiveSet,
+    set: &ActiveSet,
     cands: &[(K, Entry)],
     need: u64,
     now: u64,
@@ -335,6 +405,35 @@ pub fn victims<K: AsRef<[u8]>>(
     victims
 }
 
+/// Adds least recently used candidates not already chosen until `victims` cover `need`
+/// bytes (or `cap` victims).
+fn top_up(victims: &mut Vec<usize>, cands: &[(Bytes, Entry)], need: u64, cap: usize) {
+    let mut chosen = vec![false; cands.len()];
+    let mut freed = 0u64;
+    for &v in victims.iter() {
+        chosen[v] = true;
+        freed = freed.saturating_add(cands[v].1.size);
+    }
+    for (i, (_, e)) in cands.iter().enumerate() {
+        if freed >= need || victims.len() >= cap {
+            break;
+        }
+        if !chosen[i] {
+            victims.push(i);
+            freed = freed.saturating_add(e.size);
+        }
+    }
+}
+
+/// Whether the experiment in force holds each arm to a share of the capacity.
+fn by_weight(set: &ActiveSet) -> bool {
+    set.arms.len() >= 2
+        && set
+            .experiment
+            .as_ref()
+            .is_some_and(|e| e.capacity == crate::policy::experiment::ArmCapacity::ByWeight)
+}
+
 /// Candidates are least recently used first: take them in order until `need` bytes.
 fn lru(sizes: &[u64], need: u64) -> Vec<usize> {
     let mut freed = 0u64;
@@ -358,6 +457,34 @@ mod tests {
         assert_eq!(lru(&[10, 10, 10], 15), [0, 1]);
         assert_eq!(lru(&[10, 10], 0), Vec::<usize>::new());
         assert_eq!(lru(&[10], 100), [0]);
+    }
+
+    #[test]
+    fn top_up_adds_the_oldest_not_chosen_until_covered() {
+        let e = |size| Entry {
+            tenant: Bytes::new(),
+            size,
+            tier: Tier::Memory,
+            last_ms: 0,
+            hits: 0,
+            leased_until_ms: 0,
+            arm: 1,
+            complete: true,
+        };
+        let cands: Vec<(Bytes, Entry)> = (0..4).map(|_| (Bytes::new(), e(10))).collect();
+        let mut v = vec![2];
+        top_up(&mut v, &cands, 25, 100);
+        assert_eq!(
+            v,
+            [2, 0, 1],
+            "the plugin's pick stays; the oldest others fill in"
+        );
+        let mut v = vec![3, 2, 1];
+        top_up(&mut v, &cands, 25, 100);
+        assert_eq!(v, [3, 2, 1], "already covered");
+        let mut v = vec![];
+        top_up(&mut v, &cands, 1000, 2);
+        assert_eq!(v, [0, 1], "at most cap");
     }
 
     #[test]

@@ -37,7 +37,52 @@ pub struct Entry {
 pub struct KeyTable {
     max_keys: usize,
     lease_ms: u64,
-    inner: Mutex<HashMap<Owned, Entry>>,
+    inner: Mutex<Inner>,
+}
+
+/// The entries, and the bytes each arm's entries weigh (kept as entries come and go,
+/// so a per-arm share is checked without a scan).
+#[derive(Default)]
+struct Inner {
+    map: HashMap<Owned, Entry>,
+    arm_bytes: Vec<u64>,
+}
+
+impl Inner {
+    fn add(&mut self, e: &Entry) {
+        let a = e.arm as usize;
+        if self.arm_bytes.len() <= a {
+            self.arm_bytes.resize(a + 1, 0);
+        }
+        self.arm_bytes[a] = self.arm_bytes[a].saturating_add(e.size);
+    }
+
+    fn sub(&mut self, e: &Entry) {
+        if let Some(b) = self.arm_bytes.get_mut(e.arm as usize) {
+            *b = b.saturating_sub(e.size);
+        }
+    }
+
+    fn insert(&mut self, k: Owned, e: Entry) {
+        self.add(&e);
+        if let Some(old) = self.map.insert(k, e) {
+            self.sub(&old);
+        }
+    }
+
+    fn remove(&mut self, k: &Owned) {
+        if let Some(old) = self.map.remove(k) {
+            self.sub(&old);
+        }
+    }
+
+    fn recount(&mut self) {
+        self.arm_bytes.iter_mut().for_each(|b| *b = 0);
+        let entries: Vec<Entry> = self.map.values().cloned().collect();
+        for e in &entries {
+            self.add(e);
+        }
+    }
 }
 
 /// A key as the master knows it: (tenant, key).
@@ -50,16 +95,21 @@ impl KeyTable {
         KeyTable {
             max_keys: max_keys.max(1),
             lease_ms,
-            inner: Mutex::new(HashMap::new()),
+            inner: Mutex::new(Inner::default()),
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Owned, Entry>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub fn len(&self) -> usize {
-        self.lock().len()
+        self.lock().map.len()
+    }
+
+    /// Bytes of the keys each arm put (index: arm), as far as the table remembers them.
+    pub fn arm_bytes(&self) -> Vec<u64> {
+        self.lock().arm_bytes.clone()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -84,8 +134,9 @@ impl KeyTable {
                 },
             );
         }
-        if t.len() > self.max_keys {
-            forget_oldest(&mut t, self.max_keys);
+        if t.map.len() > self.max_keys {
+            forget_oldest(&mut t.map, self.max_keys);
+            t.recount();
         }
     }
 
@@ -98,7 +149,7 @@ impl KeyTable {
     ) {
         let mut t = self.lock();
         for (key, tier) in found {
-            if let Some(e) = t.get_mut(&(tenant.clone(), key.clone())) {
+            if let Some(e) = t.map.get_mut(&(tenant.clone(), key.clone())) {
                 e.last_ms = now_ms;
                 e.hits = e.hits.saturating_add(1);
                 e.leased_until_ms = now_ms + self.lease_ms;
@@ -113,7 +164,7 @@ impl KeyTable {
     pub fn complete<'a>(&self, tenant: &Bytes, keys: impl Iterator<Item = &'a Bytes>) {
         let mut t = self.lock();
         for k in keys {
-            if let Some(e) = t.get_mut(&(tenant.clone(), k.clone())) {
+            if let Some(e) = t.map.get_mut(&(tenant.clone(), k.clone())) {
                 e.complete = true;
             }
         }
@@ -129,16 +180,33 @@ impl KeyTable {
 
     /// Forgets every key of `tenant` (its `RemoveAll`).
     pub fn clear(&self, tenant: &Bytes) {
-        self.lock().retain(|(t, _), _| t != tenant);
+        let mut t = self.lock();
+        t.map.retain(|(t, _), _| t != tenant);
+        t.recount();
     }
 
     /// Up to `max` complete entries not under a read lease at `now_ms`, least recently
     /// used first.
     pub fn candidates(&self, max: usize, now_ms: u64) -> Vec<(Bytes, Entry)> {
+        self.candidates_where(max, now_ms, |_| true)
+    }
+
+    /// As [`KeyTable::candidates`], among the keys arm `arm` put.
+    pub fn candidates_of(&self, arm: usize, max: usize, now_ms: u64) -> Vec<(Bytes, Entry)> {
+        self.candidates_where(max, now_ms, |e| e.arm as usize == arm)
+    }
+
+    fn candidates_where(
+        &self,
+        max: usize,
+        now_ms: u64,
+        keep: impl Fn(&Entry) -> bool,
+    ) -> Vec<(Bytes, Entry)> {
         let t = self.lock();
         let mut all: Vec<(Bytes, Entry)> = t
+            .map
             .iter()
-            .filter(|(_, e)| e.complete && e.leased_until_ms <= now_ms)
+            .filter(|(_, e)| e.complete && e.leased_until_ms <= now_ms && keep(e))
             .map(|((_, k), e)| (k.clone(), e.clone()))
             .collect();
         drop(t);
@@ -252,6 +320,30 @@ mod tests {
         );
         t.forget(&a, [k("x")].iter());
         assert!(t.is_empty());
+    }
+
+    #[test]
+    fn bytes_per_arm_follow_puts_replacements_and_removals() {
+        let t = KeyTable::new(100, 0);
+        let d = k("t");
+        t.put(
+            &d,
+            &[(k("a"), 10, Tier::Memory), (k("b"), 20, Tier::Memory)],
+            0,
+            1,
+        );
+        t.put(&d, &[(k("c"), 5, Tier::Memory)], 1, 1);
+        assert_eq!(t.arm_bytes(), [30, 5]);
+        // Put again by the other arm: it moves.
+        t.put(&d, &[(k("a"), 12, Tier::Memory)], 1, 2);
+        assert_eq!(t.arm_bytes(), [20, 17]);
+        t.forget(&d, [k("b")].iter());
+        assert_eq!(t.arm_bytes(), [0, 17]);
+        t.complete(&d, [k("a"), k("c")].iter());
+        assert_eq!(t.candidates_of(1, 10, 5).len(), 2);
+        assert!(t.candidates_of(0, 10, 5).is_empty());
+        t.clear(&d);
+        assert_eq!(t.arm_bytes(), [0, 0]);
     }
 
     #[test]

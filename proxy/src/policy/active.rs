@@ -61,6 +61,11 @@ impl Arm {
         }
     }
 
+    /// Its weight in the experiment (1 outside one).
+    pub fn weight(&self) -> u64 {
+        self.weight
+    }
+
     pub fn is_stopped(&self) -> bool {
         self.stopped.load(Ordering::Relaxed)
     }

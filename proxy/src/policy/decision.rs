@@ -430,6 +430,7 @@ mod tests {
                 },
             ],
             guardrail,
+            capacity: Default::default(),
         }
     }
 

@@ -54,6 +54,25 @@ pub struct ArmSpec {
     pub weight: u32,
 }
 
+/// How the arms of an experiment share the store's capacity (with moongate-driven
+/// eviction on).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum ArmCapacity {
+    /// One pool: rounds start on the master's usage and each arm frees its part by the
+    /// bytes it holds. One arm's policy changes what the others keep (an arm that frees
+    /// a lot leaves room the others use), which is what a fleet running that policy
+    /// everywhere would see, but it biases an A/B comparison.
+    #[default]
+    Shared,
+    /// Each arm owns `weight / sum of weights` of the capacity: a round starts when an
+    /// arm's own keys pass the high watermark of its share and removes only its keys
+    /// (its plugin chooses; moongate tops up with its least recently used keys when the
+    /// plugin frees too little). No arm's policy can evict another arm's keys or crowd
+    /// them out.
+    ByWeight,
+}
+
 /// An experiment: `PUT /experiments` takes it as JSON, `[experiment]` as TOML.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -66,6 +85,9 @@ pub struct ExperimentSpec {
     pub arms: Vec<ArmSpec>,
     #[serde(default)]
     pub guardrail: Guardrail,
+    /// `shared` (default) or `by-weight`: see [`ArmCapacity`].
+    #[serde(default)]
+    pub capacity: ArmCapacity,
 }
 
 impl ExperimentSpec {

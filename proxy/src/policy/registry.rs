@@ -368,6 +368,7 @@ mod tests {
             control: Some("b".into()),
             arms: vec![arm("a"), arm("b")],
             guardrail: Default::default(),
+            capacity: Default::default(),
         })
         .unwrap();
         assert_eq!(r.current().arms.len(), 2);
@@ -376,6 +377,7 @@ mod tests {
             control: None,
             arms: vec![],
             guardrail: Default::default(),
+            capacity: Default::default(),
         })
         .unwrap();
         let cur = r.current();
