@@ -5,7 +5,8 @@
 # it with the real client. Prints the per-arm table; --json OUT keeps the report.
 # Extra args go to benches/replay (e.g. --limit 500 --speed 50 --value-size 16384).
 # Not part of CI (minutes); tests/all/replay_live.rs runs a short slice of it. KEEP=1 keeps
-# the master and moongate logs. PROFILE=release measures a release build.
+# the master and moongate logs. PROFILE=release measures a release build. CAPACITY=by-weight
+# gives each arm its own half of the capacity (default: one shared pool).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -37,6 +38,7 @@ name = "prefix-evict"
 path = "$root/target/plugins/prefix-evict.wasm"
 [experiment]
 assign = "client"
+capacity = "${CAPACITY:-shared}"
 arms = [ { name = "lru", plugin = "lru", weight = 50 },
          { name = "prefix", plugin = "prefix-evict", weight = 50 } ]
 TOML

@@ -66,8 +66,10 @@ enum Command {
         /// (moongate's watermark rounds, the master's own eviction, read leases).
         #[arg(long, value_enum, default_value_t = RulesArg::OnDemand)]
         rules: RulesArg,
-        /// On-demand rules: a round frees at least this share of the capacity.
-        #[arg(long, default_value_t = 0.05)]
+        /// On-demand rules: a round asks the plugin for victims worth at least this share
+        /// of the capacity (they leave only as room is needed). 0.1: the size of a live
+        /// round between the default watermarks (0.8 -> 0.7).
+        #[arg(long, default_value_t = 0.1)]
         evict_batch: f64,
         /// Least recently used keys offered to the plugin per round
         /// (eviction.max_candidates).
@@ -76,6 +78,14 @@ enum Command {
         /// Live rules: trace time is divided by this (the replay's --speed).
         #[arg(long, default_value_t = 1.0)]
         speed: f64,
+        /// Live rules: moongate's eviction.high_watermark / low_watermark.
+        #[arg(long, default_value_t = 0.8)]
+        high: f64,
+        #[arg(long, default_value_t = 0.7)]
+        low: f64,
+        /// Live rules: the master's read lease (--default_kv_lease_ttl), ms; 0 = none.
+        #[arg(long, default_value_t = 5000)]
+        lease_ms: u64,
         /// Write the report as JSON here.
         #[arg(long)]
         json: Option<PathBuf>,
@@ -130,7 +140,7 @@ fn sim(
     rules: RulesArg,
     evict_batch: f64,
     max_candidates: usize,
-    speed: f64,
+    live: moongate::sim::Live,
     json: Option<PathBuf>,
     plot: Option<PathBuf>,
 ) -> Result<(), String> {
@@ -139,7 +149,7 @@ fn sim(
     if block_size == 0 {
         return Err("--block-size must be positive".into());
     }
-    if speed.is_nan() || speed <= 0.0 {
+    if live.speed.is_nan() || live.speed <= 0.0 {
         return Err("--speed must be positive".into());
     }
     if !(0.0..0.5).contains(&evict_batch) {
@@ -161,10 +171,12 @@ fn sim(
         plugins,
         rules: match rules {
             RulesArg::OnDemand => sim::Rules::OnDemand { batch: evict_batch },
-            RulesArg::Live => sim::Rules::Live(sim::Live {
-                speed,
-                ..Default::default()
-            }),
+            RulesArg::Live => {
+                if !(0.0 < live.low && live.low < live.high && live.high <= 1.0) {
+                    return Err("need 0 < --low < --high <= 1".into());
+                }
+                sim::Rules::Live(live)
+            }
         },
         max_candidates: max_candidates.max(1),
     };
@@ -221,6 +233,9 @@ fn main() -> ExitCode {
             evict_batch,
             max_candidates,
             speed,
+            high,
+            low,
+            lease_ms,
             json,
             plot,
         } => match sim(
@@ -231,7 +246,13 @@ fn main() -> ExitCode {
             rules,
             evict_batch,
             max_candidates,
-            speed,
+            moongate::sim::Live {
+                speed,
+                high,
+                low,
+                lease_ms,
+                ..Default::default()
+            },
             json,
             plot,
         ) {
