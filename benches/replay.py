@@ -28,6 +28,7 @@ import multiprocessing as mp
 import os
 import re
 import sys
+import threading
 import time
 import urllib.request
 
@@ -120,6 +121,19 @@ def metrics(admin):
         return r.read().decode()
 
 
+def master_values(text):
+    """The master's unlabelled samples ({name: value})."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, _, val = line.partition(" ")
+            try:
+                out[name] = float(val)
+            except ValueError:
+                pass
+    return out
+
+
 def samples(text, name):
     """{labels-dict-as-tuple: value} for one metric name."""
     out = {}
@@ -194,6 +208,8 @@ def main():
     p.add_argument("--workers-per-arm", type=int, default=1)
     p.add_argument("--max-workers", type=int, default=16, help="tries to fill every arm")
     p.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
+    p.add_argument("--master-metrics", help="the master's Prometheus URL: its memory usage is "
+                   "sampled every 200 ms and its own evictions counted")
     p.add_argument("--split", choices=["mirror", "route"], default="mirror",
                    help="mirror: every arm replays the whole trace; route: one arm per request")
     a = p.parse_args()
@@ -209,6 +225,18 @@ def main():
             # A conversation stays with one worker: its first block decides.
             per_worker[(arm, first % len(arms[arm]))].append((ts, ids))
     t0 = time.time() + 0.5
+    usage, done = [], threading.Event()
+    if a.master_metrics:
+        def sample():
+            while not done.wait(0.2):
+                try:
+                    with urllib.request.urlopen(a.master_metrics, timeout=2) as r:
+                        m = master_values(r.read().decode())
+                    if m.get("master_total_capacity_bytes"):
+                        usage.append(m["master_allocated_bytes"] / m["master_total_capacity_bytes"])
+                except OSError:
+                    pass
+        threading.Thread(target=sample, daemon=True).start()
     for arm in names:
         for i, (proc, conn) in enumerate(arms[arm]):
             conn.send(("run", per_worker[(arm, i)], t0, a.speed, a.value_size, f"{arm}/blk"))
@@ -219,10 +247,20 @@ def main():
             results[arm].append(st)
             proc.join(60)
     wall = time.time() - t0
+    done.set()
     mtext = metrics(a.admin) if a.admin else ""
     report = {"trace": os.path.basename(a.trace), "requests": len(reqs), "split": a.split,
               "value_size": a.value_size, "speed": a.speed, "segment_mib": a.segment_mib,
               "wall_s": round(wall, 1), "arms": {}}
+    if a.master_metrics:
+        with urllib.request.urlopen(a.master_metrics, timeout=5) as r:
+            m = master_values(r.read().decode())
+        report["master"] = {
+            "usage_mean": round(sum(usage) / len(usage), 4) if usage else None,
+            "usage_samples": len(usage),
+            "evicted_keys": m.get("master_evicted_key_count", 0.0),
+            "capacity_bytes": m.get("master_total_capacity_bytes", 0.0),
+        }
     for arm in names:
         agg = {}
         for st in results[arm]:
@@ -294,6 +332,8 @@ def print_table(rep):
         print("| " + label.ljust(w) + " | " + " | ".join(c.ljust(18) for c in cells) + " |")
     if "evictions" in rep:
         print(f"moongate evictions: {rep['evictions']}")
+    if "master" in rep:
+        print(f"master: {rep['master']}")
 
 
 if __name__ == "__main__":

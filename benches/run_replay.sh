@@ -48,4 +48,4 @@ for _ in $(seq 1 300); do curl -sf "http://127.0.0.1:$admin/ready" >/dev/null &&
 curl -sf "http://127.0.0.1:$admin/ready" >/dev/null || { tail -n 30 "$work"/*.log; exit 1; }
 benches/replay --trace benches/traces/mooncake_fast25_synthetic.jsonl \
   --master "127.0.0.1:$listen" --metadata "http://127.0.0.1:$http/metadata" \
-  --admin "127.0.0.1:$admin" "$@"
+  --admin "127.0.0.1:$admin" --master-metrics "http://127.0.0.1:$mport/metrics" "$@"

@@ -47,6 +47,9 @@ pub struct Counts {
     pub refused: u64,
     /// Eviction rounds that asked the policy.
     pub rounds: u64,
+    /// Mean share of the capacity holding data, sampled as each request arrives, in
+    /// parts per million (the store model; the native baselines leave it 0).
+    pub occupancy_ppm: u64,
 }
 
 impl Counts {

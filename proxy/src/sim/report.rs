@@ -19,8 +19,16 @@ pub fn table(r: &Report) -> String {
     );
     let _ = writeln!(
         out,
-        "{:>9} {:>24} {:>9} {:>12} {:>9} {:>9} {:>9} {:>8}",
-        "capacity", "policy", "hit rate", "gap closed", "stored", "evicted", "refused", "seconds"
+        "{:>9} {:>24} {:>9} {:>12} {:>9} {:>9} {:>9} {:>9} {:>8}",
+        "capacity",
+        "policy",
+        "hit rate",
+        "gap closed",
+        "stored",
+        "evicted",
+        "refused",
+        "occupied",
+        "seconds"
     );
     let mut by_cap: BTreeMap<u64, Vec<&super::Row>> = BTreeMap::new();
     for row in &r.results {
@@ -30,6 +38,11 @@ pub fn table(r: &Report) -> String {
         let rate = |name: &str| rows.iter().find(|x| x.policy == name).map(|x| x.hit_rate);
         let (lru, opt) = (rate("lru"), rate("opt"));
         for row in rows {
+            let occupied = if row.counts.occupancy_ppm > 0 {
+                format!("{:.1} %", row.counts.occupancy_ppm as f64 / 1e4)
+            } else {
+                "-".into()
+            };
             let gap = match (lru, opt) {
                 (Some(l), Some(o)) if o > l => {
                     format!("{:+.1} %", (row.hit_rate - l) / (o - l) * 100.0)
@@ -38,7 +51,7 @@ pub fn table(r: &Report) -> String {
             };
             let _ = writeln!(
                 out,
-                "{:>8.2}% {:>24} {:>9.4} {:>12} {:>9} {:>9} {:>9} {:>8.3}",
+                "{:>8.2}% {:>24} {:>9.4} {:>12} {:>9} {:>9} {:>9} {:>9} {:>8.3}",
                 row.capacity_fraction * 100.0,
                 row.policy,
                 row.hit_rate,
@@ -46,6 +59,7 @@ pub fn table(r: &Report) -> String {
                 row.counts.stored,
                 row.counts.evicted,
                 row.counts.refused,
+                occupied,
                 row.seconds
             );
         }

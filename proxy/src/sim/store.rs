@@ -8,7 +8,7 @@
 //! (`on-lookup`; a key answered as not found ends the prefix there), `settle` after the
 //! put (`observe`, latency 0: nothing went over a network), and
 //! [`crate::eviction::victims`] for every round (`evict`). Keys are named as the trace
-//! replay names them (`all/<hash>`), in tenant `default`.
+//! replay names them (`all/blk/<hash>`), in tenant `default`.
 //!
 //! Each request, at its arrival time: look the whole prefix up (leading hits count; a
 //! found key gets its access time, a hit and a read lease), then put the blocks after
@@ -140,7 +140,7 @@ impl<'a> Store<'a> {
             keys: trace
                 .hashes
                 .iter()
-                .map(|h| Bytes::from(format!("all/{h}")))
+                .map(|h| Bytes::from(format!("all/blk/{h}")))
                 .collect(),
             slots: vec![Slot::default(); trace.distinct()],
             order: BTreeMap::new(),
@@ -293,7 +293,9 @@ pub fn run(trace: &Trace, model: &Model, reg: &Registry, clock: &Arc<AtomicU64>)
     let mut denied_bytes = 0u64;
     let cap_bytes = model.capacity_bytes as f64;
     let empty = Bytes::new();
+    let mut occupancy_sum = 0f64;
     for r in &trace.requests {
+        occupancy_sum += st.used as f64 / cap_bytes.max(1.0);
         let now_ms = (r.ts_ms as f64 / speed) as u64;
         clock.store(now_ms.saturating_mul(1_000_000), Ordering::Relaxed);
         if let Rules::Live(l) = &model.rules {
@@ -416,6 +418,8 @@ pub fn run(trace: &Trace, model: &Model, reg: &Registry, clock: &Arc<AtomicU64>)
             },
         );
     }
+    st.counts.occupancy_ppm =
+        (occupancy_sum / trace.requests.len().max(1) as f64 * 1e6).round() as u64;
     st.counts
 }
 
