@@ -124,7 +124,7 @@ impl Eviction {
                             usage_failing = false;
                         }
                         if u.capacity_bytes > 0 {
-                            capacity = Some(u.capacity_bytes);
+                            capacity = Some((u.capacity_bytes, u.allocated_bytes));
                             let ratio = u.allocated_bytes as f64 / u.capacity_bytes as f64;
                             self.metrics.usage_ppm.set((ratio * 1e6) as i64);
                             if ratio >= self.cfg.high_watermark {
@@ -158,9 +158,9 @@ impl Eviction {
                         .arm_bytes(&arm.name, bytes.get(i).copied().unwrap_or(0), 0);
                 }
             }
-            if let Some(capacity) = capacity.filter(|_| by_weight(&set)) {
+            if let Some((capacity, allocated)) = capacity.filter(|_| by_weight(&set)) {
                 // Each arm within its own share, from its own keys only.
-                for (arm, need) in self.arm_needs(&set, capacity) {
+                for (arm, need) in self.arm_needs(&set, capacity, allocated) {
                     self.metrics.round(Trigger::ArmShare);
                     let cands =
                         self.table
@@ -195,8 +195,8 @@ impl Eviction {
 
     /// By-weight shares: the bytes each arm over the high watermark of its share must
     /// free to come down to the low one. Publishes every arm's bytes and share.
-    fn arm_needs(&self, set: &ActiveSet, capacity: u64) -> Vec<(usize, u64)> {
-        let bytes = self.table.arm_bytes();
+    fn arm_needs(&self, set: &ActiveSet, capacity: u64, allocated: u64) -> Vec<(usize, u64)> {
+        let bytes = arm_usage(&self.table.arm_bytes(), allocated);
         let total: u64 = set.arms.iter().map(|a| a.weight()).sum::<u64>().max(1);
         let mut out = Vec::new();
         for (i, arm) in set.arms.iter().enumerate() {
@@ -425,6 +425,21 @@ fn top_up(victims: &mut Vec<usize>, cands: &[(Bytes, Entry)], need: u64, cap: us
     }
 }
 
+/// Each arm's usage from the table's bytes per arm, scaled down when the table holds
+/// more than the master says is allocated: the master evicts keys on its own and the
+/// table learns of it only when a lookup misses them, so without the scaling an arm
+/// looks fuller than it is and its rounds start early.
+fn arm_usage(table_bytes: &[u64], allocated: u64) -> Vec<u64> {
+    let total: u128 = table_bytes.iter().map(|&b| u128::from(b)).sum();
+    if total <= u128::from(allocated) || total == 0 {
+        return table_bytes.to_vec();
+    }
+    table_bytes
+        .iter()
+        .map(|&b| (u128::from(b) * u128::from(allocated) / total) as u64)
+        .collect()
+}
+
 /// Whether the experiment in force holds each arm to a share of the capacity.
 fn by_weight(set: &ActiveSet) -> bool {
     set.arms.len() >= 2
@@ -457,6 +472,13 @@ mod tests {
         assert_eq!(lru(&[10, 10, 10], 15), [0, 1]);
         assert_eq!(lru(&[10, 10], 0), Vec::<usize>::new());
         assert_eq!(lru(&[10], 100), [0]);
+    }
+
+    #[test]
+    fn arm_usage_is_scaled_to_what_the_master_holds() {
+        assert_eq!(arm_usage(&[60, 40], 200), [60, 40], "the table is not over");
+        assert_eq!(arm_usage(&[60, 40], 50), [30, 20], "stale keys: scaled");
+        assert_eq!(arm_usage(&[0, 0], 0), [0, 0]);
     }
 
     #[test]
