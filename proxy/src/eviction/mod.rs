@@ -113,8 +113,7 @@ impl Eviction {
                 _ = shutdown.cancelled() => return,
                 _ = tokio::time::sleep(interval) => {}
             }
-            let mut need = 0u64;
-            let mut trigger = None;
+            let mut usage_need = 0u64;
             let mut capacity = None;
             if let Some(url) = &self.usage_url {
                 match usage::master_usage(url, self.call_timeout()).await {
@@ -130,8 +129,7 @@ impl Eviction {
                             if ratio >= self.cfg.high_watermark {
                                 let target =
                                     (self.cfg.low_watermark * u.capacity_bytes as f64) as u64;
-                                need = u.allocated_bytes.saturating_sub(target);
-                                trigger = Some(Trigger::Usage);
+                                usage_need = u.allocated_bytes.saturating_sub(target);
                             }
                         }
                     }
@@ -145,12 +143,21 @@ impl Eviction {
                     }
                 }
             }
+            let set = policy.current();
+            let shares = by_weight(&set) && capacity.is_some();
+            let mut need = 0u64;
+            let mut trigger = None;
+            // With shares the arms' own rounds below hold the pool under the watermark:
+            // a pool-wide usage round on top would free the same room twice.
+            if usage_need > 0 && !shares {
+                need = usage_need;
+                trigger = Some(Trigger::Usage);
+            }
             let denied = self.denied_bytes.swap(0, Ordering::Relaxed);
             if self.cfg.on_put_denials && denied > 0 {
                 need = need.max(denied);
                 trigger.get_or_insert(Trigger::Denials);
             }
-            let set = policy.current();
             if set.arms.len() >= 2 && !by_weight(&set) {
                 let bytes = self.table.arm_bytes();
                 for (i, arm) in set.arms.iter().enumerate() {
