@@ -4,7 +4,9 @@
 #
 #   - Debian: libibverbs1 and librdmacm1 (the Mooncake wheel links against them even
 #     when no RDMA device exists); protobuf-compiler (the etcd client crate compiles
-#     etcd's protos at build time); etcd-server (the HA tests run a real etcd).
+#     etcd's protos at build time); etcd-server (the HA tests run a real etcd);
+#     prometheus, with promtool (a test scrapes a live moongate with a real Prometheus,
+#     evaluates the shipped alert rules and every dashboard query).
 #   - A Python virtualenv in .venv with the pinned Mooncake wheel, which ships the real
 #     `mooncake_master` binary and the real store client.
 #   - One virtualenv per other supported release (.venv-0.3.11.post1,
@@ -20,7 +22,7 @@ venv=${MOONGATE_VENV:-$root/.venv}
 MOONCAKE_PKG="mooncake-transfer-engine-non-cuda==0.3.13.post1"
 
 need_apt=()
-for p in libibverbs1 librdmacm1 curl protobuf-compiler etcd-server; do
+for p in libibverbs1 librdmacm1 curl protobuf-compiler etcd-server prometheus; do
   dpkg -s "$p" >/dev/null 2>&1 || need_apt+=("$p")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then

@@ -6,6 +6,7 @@
 //! - Older releases live, their own masters and clients: [`releases`].
 //! - The policy host with real plugin components: [`policy_host`].
 //! - The command line: [`cli`], and the offline simulator [`sim`].
+//! - The shipped dashboard and alert rules on a real Prometheus: [`dashboards`].
 //! - Live, against the real `mooncake_master` and the real Mooncake Python client on
 //!   free loopback ports ([`support`] starts, probes and stops them): [`real_mooncake`],
 //!   [`master_face_failures`], [`policy_live`], [`eviction_live`], [`replay_live`],
@@ -24,6 +25,7 @@ mod cli;
 mod codec_errors;
 mod codec_fixtures;
 mod codec_releases;
+mod dashboards;
 mod eviction_live;
 mod fault_relay;
 mod faults;

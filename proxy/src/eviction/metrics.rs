@@ -83,6 +83,9 @@ impl EvictionMetrics {
         let l = ArmLabel { arm: arm.into() };
         self.arm_bytes.get_or_create(&l).set(bytes as i64);
         self.arm_share.get_or_create(&l).set(share as i64);
+        // The arm's removals series exists from its first interval (at 0), so a
+        // dashboard shows "nothing evicted" rather than "no data".
+        let _ = self.arm_removed.get_or_create(&l);
     }
 
     /// Bytes removed from an arm's keys.
