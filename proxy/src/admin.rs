@@ -84,6 +84,8 @@ pub struct AdminState {
     pub policy: Arc<Registry>,
     /// Bearer token for mutating endpoints; empty = loopback only.
     pub token: String,
+    /// The key table and its history, when eviction is on (`GET /keys/{key}`).
+    pub eviction: Option<Arc<crate::eviction::Eviction>>,
 }
 
 /// Keeps `state.ready` (and the `moongate_upstream_ready` gauge) in step with whether the
@@ -218,6 +220,43 @@ fn status_view(state: &AdminState) -> serde_json::Value {
     })
 }
 
+/// `GET /keys/{key}[?tenant=T]`: what this moongate knows of one key (its table entry,
+/// or the last end it saw). Key names describe the workload, so off loopback it needs
+/// the token, like the changing endpoints.
+fn key_view(
+    state: &AdminState,
+    req: &Request<Incoming>,
+    raw: &str,
+    loopback: bool,
+) -> Response<Full<Bytes>> {
+    if !authorized(state, req, loopback) {
+        return error(
+            StatusCode::UNAUTHORIZED,
+            "key history needs `Authorization: Bearer <admin.token>` (or a loopback admin address when no token is set)",
+        );
+    }
+    let Some(ev) = &state.eviction else {
+        return error(
+            StatusCode::NOT_FOUND,
+            "no key table: it is kept with [eviction] enabled = true",
+        );
+    };
+    let key: Vec<u8> = form_urlencoded::parse(format!("k={}", raw.replace('+', "%2B")).as_bytes())
+        .next()
+        .map(|(_, v)| v.into_owned().into_bytes())
+        .unwrap_or_default();
+    if key.is_empty() {
+        return error(StatusCode::BAD_REQUEST, "missing key: GET /keys/{key}");
+    }
+    let tenant = query(req)
+        .remove("tenant")
+        .unwrap_or_else(|| "default".into());
+    json(
+        StatusCode::OK,
+        &ev.key_state(&Bytes::from(tenant), &Bytes::from(key)),
+    )
+}
+
 async fn route(
     state: Arc<AdminState>,
     req: Request<Incoming>,
@@ -225,6 +264,9 @@ async fn route(
 ) -> Response<Full<Bytes>> {
     let path = req.uri().path().to_string();
     let method = req.method().clone();
+    if method == Method::GET && path.starts_with("/keys/") {
+        return key_view(&state, &req, &path["/keys/".len()..], loopback);
+    }
     if method == Method::GET {
         return match path.as_str() {
             "/live" => text(StatusCode::OK, "live\n"),

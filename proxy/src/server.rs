@@ -109,11 +109,22 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
             crate::upstream::Upstream::fixed(&cfg.master_face.upstream)
         }
     };
+    let eviction = cfg.eviction.enabled.then(|| {
+        let ev = crate::eviction::Eviction::new(cfg.eviction.clone(), metrics.eviction.clone());
+        tokio::spawn(
+            ev.clone()
+                .run(policy.clone(), upstream.clone(), shutdown.clone()),
+        );
+        tracing::info!(master_metrics = %cfg.eviction.master_metrics_url,
+            high_watermark = cfg.eviction.high_watermark, "eviction on");
+        ev
+    });
     let state = Arc::new(AdminState {
         metrics: metrics.clone(),
         ready: AtomicBool::new(false),
         policy: policy.clone(),
         token: cfg.admin.token.clone(),
+        eviction: eviction.clone(),
     });
     if !cfg.policy.watch_dir.is_empty() {
         tokio::spawn(watch_plugins(
@@ -150,16 +161,6 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
         .await?;
         segment_task = kv.segment_task;
     }
-    let eviction = cfg.eviction.enabled.then(|| {
-        let ev = crate::eviction::Eviction::new(cfg.eviction.clone(), metrics.eviction.clone());
-        tokio::spawn(
-            ev.clone()
-                .run(policy.clone(), upstream.clone(), shutdown.clone()),
-        );
-        tracing::info!(master_metrics = %cfg.eviction.master_metrics_url,
-            high_watermark = cfg.eviction.high_watermark, "eviction on");
-        ev
-    });
     let shared = Arc::new(Shared {
         upstream,
         cfg: cfg.master_face.clone(),

@@ -132,7 +132,8 @@ fn the_dashboard_and_alerts_work_on_a_real_prometheus() {
     let logs = [&master.proc, &mg.proc, &prom.proc];
     // Prometheus applies new targets every 5 s: wait for its first scrape.
     wait_for("first scrape", Duration::from_secs(30), &logs, || {
-        prom.query("up{job=\"moongate\"} == 1").is_some_and(|v| !v.is_empty())
+        prom.query("up{job=\"moongate\"} == 1")
+            .is_some_and(|v| !v.is_empty())
     });
     // Traffic: the demo workload through the master face, and the kv face.
     let r = run_role("demo", &mg.listen, &master.metadata, &[], &logs);

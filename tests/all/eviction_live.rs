@@ -144,3 +144,46 @@ fn a_dead_usage_source_is_counted_and_traffic_carries_on() {
     );
     assert!(mg.proc.log_text().contains("usage trigger paused"));
 }
+
+/// Lookup misses are explained: a key a client removed and a key never stored, counted
+/// by reason and arm, and `GET /keys/{key}` tells one key's story.
+#[test]
+fn lookup_misses_are_explained() {
+    let master = Master::start();
+    let mg = Moongate::start_config(&eviction_config(&master, "lru", ""));
+    mg.wait_ready(&master);
+    let r = run_role(
+        "misses",
+        &mg.listen,
+        &master.metadata,
+        &[],
+        &[&master.proc, &mg.proc],
+    );
+    assert_eq!(result(&r, "remove"), 0, "{r}");
+    assert_eq!(result(&r, "exist").to_string(), "[1,0,0]", "{r}");
+    let m = mg.metrics();
+    let misses = |why: &str| {
+        metric_value(
+            &m,
+            &format!("moongate_lookup_misses_total{{reason=\"{why}\",arm=\"p\"}}"),
+        )
+    };
+    assert_eq!(misses("removed_by_client"), 1.0, "{m}");
+    assert_eq!(misses("never_stored"), 1.0, "{m}");
+    let key = |k: &str| -> Value {
+        let (st, body) = http_get(&mg.admin, &format!("/keys/{k}")).unwrap();
+        assert_eq!(st, 200, "{body}");
+        serde_json::from_str(&body).unwrap()
+    };
+    let rm = key("m%2Frm");
+    assert_eq!(rm["last_end"]["why"], "removed_by_client", "{rm}");
+    assert!(rm["stored"].is_null(), "{rm}");
+    let kept = key("m%2Fkept");
+    assert_eq!(kept["stored"]["size"], 1024, "{kept}");
+    assert!(kept["stored"]["hits"].as_u64().unwrap() >= 1, "{kept}");
+    let never = key("m%2Fnever");
+    assert!(
+        never["stored"].is_null() && never["last_end"].is_null(),
+        "{never}"
+    );
+}

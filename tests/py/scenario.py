@@ -450,11 +450,24 @@ def place(run):
     run.finish()
 
 
+def misses(run):
+    """Lookups that miss for known reasons: a key a client removed, a key never stored
+    (and one that hits)."""
+    s = run.s
+    run.setup(16 * MiB)
+    run.rec("put_kept", s.put("m/kept", value("m/kept", 1024)))
+    run.rec("put_rm", s.put("m/rm", value("m/rm", 1024)))
+    run.rec("remove", s.remove("m/rm"))
+    run.rec("exist", [int(x) for x in s.batch_is_exist(["m/kept", "m/rm", "m/never"])])
+    run.rec("close", s.close())
+    run.finish()
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--role", required=True,
                    choices=["owner", "reader", "idle", "loop", "demo", "hold", "place", "disk", "steer", "bulk", "chains", "kvpeer", "guest",
-                            "diskget", "failover"])
+                            "diskget", "failover", "misses"])
     p.add_argument("--master", required=True)
     p.add_argument("--metadata", required=True)
     p.add_argument("--out", required=True)
@@ -468,7 +481,7 @@ def main():
     run = Run(a)
     {"owner": owner, "reader": reader, "idle": idle, "loop": loop, "demo": demo,
      "hold": hold, "place": place, "disk": disk, "steer": steer, "bulk": bulk, "chains": chains, "kvpeer": kvpeer, "guest": guest,
-     "diskget": diskget, "failover": failover}[a.role](run)
+     "diskget": diskget, "failover": failover, "misses": misses}[a.role](run)
 
 
 if __name__ == "__main__":

@@ -153,7 +153,7 @@ pub(super) fn seen_end(keys: &[Bytes], resp: &Response) -> Vec<Seen> {
 /// A revoked put is gone, whatever the master answered.
 pub(super) fn seen_revoke(keys: &[Bytes], resp: &Response) -> Vec<Seen> {
     match resp {
-        Response::PutRevoke(_) | Response::BatchPutRevoke(_) => vec![Seen::Gone(keys.to_vec())],
+        Response::PutRevoke(_) | Response::BatchPutRevoke(_) => vec![Seen::Removed(keys.to_vec())],
         _ => Vec::new(),
     }
 }

@@ -92,7 +92,7 @@ pub(super) fn seen(keys: &[Bytes], resp: &Response) -> Vec<Seen> {
         .filter(|(_, a)| matches!(a, Err(ErrorCode::OBJECT_NOT_FOUND)))
         .map(|(k, _)| k.clone())
         .collect();
-    vec![Seen::Found(found), Seen::Gone(gone)]
+    vec![Seen::Found(found), Seen::Missed(gone)]
 }
 
 #[cfg(test)]

@@ -341,8 +341,10 @@ pub enum Seen {
     Completed(Vec<Bytes>),
     /// Keys a lookup found (with the tier it named, when it named one).
     Found(Vec<(Bytes, Option<Tier>)>),
-    /// Keys no longer stored.
-    Gone(Vec<Bytes>),
+    /// Keys a lookup did not find.
+    Missed(Vec<Bytes>),
+    /// Keys a client removed (Remove, a revoked put; also when already gone).
+    Removed(Vec<Bytes>),
     /// Everything removed.
     Cleared,
 }
@@ -618,7 +620,7 @@ mod tests {
             Tracked::of(&revoke)
                 .unwrap()
                 .seen(&Response::PutRevoke(Err(ErrorCode::INTERNAL_ERROR))),
-            [Seen::Gone(vec![key("a")])],
+            [Seen::Removed(vec![key("a")])],
             "a revoked put is gone whatever the answer"
         );
         let exist = Request::ExistKey(KeyArgs {
@@ -629,7 +631,7 @@ mod tests {
             Tracked::of(&exist)
                 .unwrap()
                 .seen(&Response::ExistKey(Ok(false))),
-            [Seen::Found(vec![]), Seen::Gone(vec![key("a")])]
+            [Seen::Found(vec![]), Seen::Missed(vec![key("a")])]
         );
         let remove = Request::Remove(RemoveArgs {
             key: key("a"),

@@ -39,7 +39,7 @@ impl<'a> Remove<'a> {
 pub(super) fn seen_one(key: &Bytes, resp: &Response) -> Vec<Seen> {
     match resp {
         Response::Remove(Ok(()) | Err(ErrorCode::OBJECT_NOT_FOUND)) => {
-            vec![Seen::Gone(vec![key.clone()])]
+            vec![Seen::Removed(vec![key.clone()])]
         }
         _ => Vec::new(),
     }

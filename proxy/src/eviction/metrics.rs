@@ -57,6 +57,13 @@ pub struct EvictionMetrics {
     arm_bytes: Family<ArmLabel, Gauge>,
     arm_share: Family<ArmLabel, Gauge>,
     arm_removed: Family<ArmLabel, Counter>,
+    misses: Family<MissLabels, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+pub struct MissLabels {
+    reason: super::history::Why,
+    arm: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
@@ -86,6 +93,17 @@ impl EvictionMetrics {
         // The arm's removals series exists from its first interval (at 0), so a
         // dashboard shows "nothing evicted" rather than "no data".
         let _ = self.arm_removed.get_or_create(&l);
+    }
+
+    /// Lookup misses explained (once per lookup answer and reason: a label lookup with
+    /// the arm's name, only for answers that missed).
+    pub fn missed(&self, reason: super::history::Why, arm: &str, n: u64) {
+        self.misses
+            .get_or_create(&MissLabels {
+                reason,
+                arm: arm.to_string(),
+            })
+            .inc_by(n);
     }
 
     /// Bytes removed from an arm's keys.
@@ -176,7 +194,16 @@ impl EvictionMetrics {
             "Bytes moongate removed from each arm's keys",
             arm_removed.clone(),
         );
+        let misses = Family::<MissLabels, Counter>::default();
+        registry.register(
+            "moongate_lookup_misses",
+            "Lookup misses by why, as far as this moongate saw (never_stored, \
+             evicted_by_moongate, removed_by_client, refused_by_policy, evicted_by_master), \
+             and the arm that served the lookup (eviction on: it keeps the key table)",
+            misses.clone(),
+        );
         EvictionMetrics {
+            misses,
             arm_bytes,
             arm_share,
             arm_removed,

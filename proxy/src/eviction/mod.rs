@@ -21,6 +21,7 @@
 //! [`crate::upstream`] only.
 
 pub mod config;
+pub mod history;
 pub mod metrics;
 pub mod table;
 pub mod usage;
@@ -41,6 +42,7 @@ use crate::policy::host::wit;
 use crate::policy::registry::Registry;
 use crate::upstream::{Conn, HttpUrl};
 use config::EvictionConfig;
+pub use history::{History, Why};
 use metrics::{EvictionMetrics, Stage, Trigger, Victim};
 pub use table::{Entry, KeyTable, Tier};
 
@@ -51,6 +53,8 @@ const CHUNK: usize = 1000;
 pub struct Eviction {
     pub cfg: EvictionConfig,
     pub table: KeyTable,
+    /// Why keys that left the table left: explains lookup misses.
+    pub history: History,
     /// Bytes of puts the master denied with NO_AVAILABLE_HANDLE since the last check.
     denied_bytes: AtomicU64,
     clock: Instant,
@@ -63,6 +67,7 @@ impl Eviction {
         let usage_url = HttpUrl::parse(&cfg.master_metrics_url);
         Arc::new(Eviction {
             table: KeyTable::new(cfg.max_keys, cfg.lease_ms),
+            history: History::new(cfg.history_keys),
             cfg,
             denied_bytes: AtomicU64::new(0),
             clock: Instant::now(),
@@ -78,11 +83,17 @@ impl Eviction {
     /// Updates the table from a successful answer to a tracked request (`arm`: the arm
     /// that served the call). What the answer means is the method family's business
     /// ([`crate::calls`]); the table only applies it.
-    pub fn record(&self, t: &Tracked, resp: &Response, arm: usize) {
+    pub fn record(&self, t: &Tracked, resp: &Response, arm: usize, arm_name: &str) {
         let now = self.now_ms();
+        let arm8 = arm.min(u8::MAX as usize) as u8;
         for seen in t.seen(resp) {
             match seen {
-                Seen::Stored(keys) => self.table.put(&t.tenant, &keys, arm, now),
+                Seen::Stored(keys) => {
+                    for (k, _, _) in &keys {
+                        self.history.clear(&t.tenant, k);
+                    }
+                    self.table.put(&t.tenant, &keys, arm, now)
+                }
                 Seen::Denied(bytes) => {
                     self.denied_bytes.fetch_add(bytes, Ordering::Relaxed);
                 }
@@ -91,11 +102,93 @@ impl Eviction {
                     self.table
                         .hit(&t.tenant, keys.iter().map(|(k, tier)| (k, *tier)), now)
                 }
-                Seen::Gone(keys) => self.table.forget(&t.tenant, keys.iter()),
-                Seen::Cleared => self.table.clear(&t.tenant),
+                Seen::Missed(keys) => self.missed(&t.tenant, &keys, arm_name, now),
+                Seen::Removed(keys) => {
+                    self.table.forget(&t.tenant, keys.iter());
+                    self.history
+                        .note(&t.tenant, keys.iter(), Why::removed_by_client, arm8, now);
+                }
+                Seen::Cleared => {
+                    let gone = self.table.clear(&t.tenant);
+                    self.history
+                        .note(&t.tenant, gone.iter(), Why::removed_by_client, arm8, now);
+                }
             }
         }
         self.metrics.table_keys.set(self.table.len() as i64);
+    }
+
+    /// Explains lookup misses: a key the table holds was stored and is gone without
+    /// moongate removing it (the master evicted it); otherwise the history says why, or
+    /// it was never stored through this moongate (as far as it remembers).
+    fn missed(&self, tenant: &Bytes, keys: &[Bytes], arm_name: &str, now: u64) {
+        if keys.is_empty() {
+            return;
+        }
+        let mut by_why = [0u64; history::WHYS.len()];
+        for k in keys {
+            let why = if let Some(e) = self.table.get(tenant, k) {
+                self.table.forget(tenant, std::iter::once(k));
+                self.history.note(
+                    tenant,
+                    std::iter::once(k),
+                    Why::evicted_by_master,
+                    e.arm,
+                    now,
+                );
+                Why::evicted_by_master
+            } else {
+                self.history
+                    .last(tenant, k)
+                    .map_or(Why::never_stored, |e| e.why)
+            };
+            by_why[why as usize] += 1;
+        }
+        for (i, n) in by_why.into_iter().enumerate() {
+            if n > 0 {
+                self.metrics.missed(history::WHYS[i], arm_name, n);
+            }
+        }
+    }
+
+    /// Keys a policy denied at put (they never reached the master).
+    pub fn refused(&self, tenant: &Bytes, keys: &[&Bytes], arm: usize) {
+        let arm = arm.min(u8::MAX as usize) as u8;
+        self.history.note(
+            tenant,
+            keys.iter().copied(),
+            Why::refused_by_policy,
+            arm,
+            self.now_ms(),
+        );
+    }
+
+    /// What moongate knows of one key: its table entry, or why it left.
+    pub fn key_state(&self, tenant: &Bytes, key: &Bytes) -> serde_json::Value {
+        let now = self.now_ms();
+        let entry = self.table.get(tenant, key).map(|e| {
+            serde_json::json!({
+                "size": e.size,
+                "tier": format!("{:?}", e.tier),
+                "arm": e.arm,
+                "hits": e.hits,
+                "last_access_ms_ago": now.saturating_sub(e.last_ms),
+                "put_ended": e.complete,
+            })
+        });
+        let last = self.history.last(tenant, key).map(|e| {
+            serde_json::json!({
+                "why": format!("{:?}", e.why),
+                "arm": e.arm,
+                "ms_ago": now.saturating_sub(e.at_ms),
+            })
+        });
+        serde_json::json!({
+            "key": String::from_utf8_lossy(key),
+            "tenant": String::from_utf8_lossy(tenant),
+            "stored": entry,
+            "last_end": last,
+        })
     }
 
     /// Runs the triggers and rounds until shutdown.
@@ -299,6 +392,13 @@ impl Eviction {
                 let result = match a {
                     Ok(Response::Remove(Ok(()))) => {
                         self.metrics.removed_bytes.inc_by(e.size);
+                        self.history.note(
+                            &e.tenant,
+                            std::iter::once(k),
+                            Why::evicted_by_moongate,
+                            e.arm,
+                            self.now_ms(),
+                        );
                         if let Some(arm) =
                             set.arms.get(e.arm as usize).filter(|_| set.arms.len() > 1)
                         {
@@ -535,6 +635,7 @@ mod tests {
             &t,
             &Response::BatchPutStart(vec![Ok(vec![]), Err(ErrorCode::NO_AVAILABLE_HANDLE)]),
             0,
+            "a",
         );
         assert_eq!(ev.table.len(), 1);
         assert_eq!(ev.denied_bytes.load(Ordering::Relaxed), 50);
@@ -542,12 +643,85 @@ mod tests {
             &tracked(Track::End(vec![Bytes::from_static(b"a")])),
             &Response::BatchPutEnd(vec![Ok(())]),
             0,
+            "a",
         );
         let look = tracked(Track::Lookup(vec![Bytes::from_static(b"a")]));
-        ev.record(&look, &Response::BatchExistKey(vec![Ok(true)]), 0);
+        ev.record(&look, &Response::BatchExistKey(vec![Ok(true)]), 0, "a");
         assert!(ev.table.candidates(1, 0).is_empty(), "leased by the lookup");
         assert_eq!(ev.table.candidates(1, u64::MAX)[0].1.hits, 1);
-        ev.record(&look, &Response::ExistKey(Ok(false)), 0);
+        ev.record(&look, &Response::ExistKey(Ok(false)), 0, "a");
         assert!(ev.table.is_empty(), "a miss means the master dropped it");
+        assert_eq!(
+            ev.history
+                .last(&tenant, &Bytes::from_static(b"a"))
+                .unwrap()
+                .why,
+            Why::evicted_by_master
+        );
+    }
+
+    #[test]
+    fn every_miss_gets_a_reason() {
+        let metrics = crate::metrics::Metrics::new();
+        let ev = Eviction::new(EvictionConfig::default(), metrics.eviction.clone());
+        let tenant = Bytes::from_static(b"default");
+        let k = |s: &'static str| Bytes::from_static(s.as_bytes());
+        let tracked = |what| Tracked {
+            tenant: tenant.clone(),
+            what,
+        };
+        // "gone" stored then missed (the master dropped it); "rm" removed by a client;
+        // "ev" evicted by moongate; "no" refused by a policy; "new" never seen.
+        ev.record(
+            &tracked(Track::Put(vec![(k("gone"), 1), (k("rm"), 1)])),
+            &Response::BatchPutStart(vec![Ok(vec![]), Ok(vec![])]),
+            0,
+            "a",
+        );
+        ev.record(
+            &tracked(Track::Remove(k("rm"))),
+            &Response::Remove(Ok(())),
+            0,
+            "a",
+        );
+        ev.history
+            .note(&tenant, [k("ev")].iter(), Why::evicted_by_moongate, 1, 0);
+        ev.refused(&tenant, &[&k("no")], 1);
+        let keys = vec![k("gone"), k("rm"), k("ev"), k("no"), k("new")];
+        ev.record(
+            &tracked(Track::Lookup(keys)),
+            &Response::BatchExistKey(vec![Ok(false); 5]),
+            0,
+            "a",
+        );
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &metrics.registry).unwrap();
+        for why in [
+            "evicted_by_master",
+            "removed_by_client",
+            "evicted_by_moongate",
+            "refused_by_policy",
+            "never_stored",
+        ] {
+            assert!(
+                text.contains(&format!(
+                    "moongate_lookup_misses_total{{reason=\"{why}\",arm=\"a\"}} 1"
+                )),
+                "{why}: {text}"
+            );
+        }
+        // Stored again: its history is forgotten.
+        ev.record(
+            &tracked(Track::Put(vec![(k("rm"), 1)])),
+            &Response::BatchPutStart(vec![Ok(vec![])]),
+            0,
+            "a",
+        );
+        assert!(ev.history.last(&tenant, &k("rm")).is_none());
+        let state = ev.key_state(&tenant, &k("rm"));
+        assert!(
+            state["stored"].is_object() && state["last_end"].is_null(),
+            "{state}"
+        );
     }
 }

@@ -118,10 +118,14 @@ impl KeyTable {
 
     /// Records keys whose put the master accepted: key, size, tier of its first replica.
     pub fn put(&self, tenant: &Bytes, keys: &[(Bytes, u64, Tier)], arm: usize, now_ms: u64) {
+        // Own copies: a key decoded from a frame is a slice of the connection's read
+        // buffer, and holding the slice would keep the whole buffer alive for as long as
+        // the key stays in the table.
+        let tenant = Bytes::copy_from_slice(tenant);
         let mut t = self.lock();
         for (key, size, tier) in keys {
             t.insert(
-                (tenant.clone(), key.clone()),
+                (tenant.clone(), Bytes::copy_from_slice(key)),
                 Entry {
                     tenant: tenant.clone(),
                     size: *size,
@@ -178,11 +182,29 @@ impl KeyTable {
         }
     }
 
-    /// Forgets every key of `tenant` (its `RemoveAll`).
-    pub fn clear(&self, tenant: &Bytes) {
+    /// Forgets every key of `tenant` (its `RemoveAll`); returns them.
+    pub fn clear(&self, tenant: &Bytes) -> Vec<Bytes> {
         let mut t = self.lock();
-        t.map.retain(|(t, _), _| t != tenant);
+        let mut gone = Vec::new();
+        t.map.retain(|(t, k), _| {
+            let keep = t != tenant;
+            if !keep {
+                gone.push(k.clone());
+            }
+            keep
+        });
         t.recount();
+        gone
+    }
+
+    /// Whether the table holds this key.
+    pub fn contains(&self, tenant: &Bytes, key: &Bytes) -> bool {
+        self.lock().map.contains_key(&(tenant.clone(), key.clone()))
+    }
+
+    /// The entry of a key, if held.
+    pub fn get(&self, tenant: &Bytes, key: &Bytes) -> Option<Entry> {
+        self.lock().map.get(&(tenant.clone(), key.clone())).cloned()
     }
 
     /// Up to `max` complete entries not under a read lease at `now_ms`, least recently

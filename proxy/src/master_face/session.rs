@@ -314,6 +314,9 @@ fn on_request(
             Next::Forwarded(entry(shared, ticket, None, None, parts, &req))
         }
         PutAction::Rewrite { request, fixup } => {
+            if let Some(f) = &fixup {
+                note_refused(shared, &req, f.denied.iter().map(|(i, _)| *i), ticket.arm);
+            }
             let parts = forward(shared, out, &got, &request, true, &ticket);
             // Tracked from what went upstream: the table records the master's answer
             // to it, before denied keys are merged back (moongate's denials are not
@@ -321,6 +324,8 @@ fn on_request(
             Next::Forwarded(entry(shared, ticket, fixup, None, parts, &request))
         }
         PutAction::Answer(resp) => {
+            let all = calls::put::Put::of(&req).map_or(0, |p| p.keys().len());
+            note_refused(shared, &req, 0..all, ticket.arm);
             let denied = resp.error_count() as u64;
             m.error(ErrorKind::app, denied);
             am.error(ErrorKind::app, denied);
@@ -345,6 +350,24 @@ fn on_request(
             .write(&mut bytes);
             Next::Answered(bytes.freeze())
         }
+    }
+}
+
+/// Tells the eviction history which keys of a put a policy denied (they never reach
+/// the master, so no answer will say so).
+fn note_refused(
+    shared: &Shared,
+    req: &Request,
+    positions: impl Iterator<Item = usize>,
+    arm: usize,
+) {
+    let (Some(ev), Some(put)) = (&shared.eviction, calls::put::Put::of(req)) else {
+        return;
+    };
+    let keys = put.keys();
+    let denied: Vec<&Bytes> = positions.filter_map(|i| keys.get(i)).collect();
+    if !denied.is_empty() {
+        ev.refused(put.tenant(), &denied, arm);
     }
 }
 
@@ -572,7 +595,7 @@ impl<'a> Answering<'a> {
         if let (Some(ev), Some(e)) = (&self.shared.eviction, entry)
             && let Some(t) = &e.tracked
         {
-            ev.record(t, &resp, e.ticket.arm);
+            ev.record(t, &resp, e.ticket.arm, &e.ticket.arm().name);
         }
         if let Some(f) = fixup {
             resp = f.apply(resp);
