@@ -10,7 +10,11 @@ PutEnd through the embedded default policy), counts instructions only while that
 workload runs, and prints instructions per call and the ratio between the builds.
 
   python benches/cpu_per_call.py --moongate target/release/moongate \
-      [--baseline OTHER_BUILD] [--calls 2000]
+      [--baseline OTHER_BUILD] [--calls 2000] [--extra-config 'TOML'] [--misses]
+
+--extra-config appends TOML to moongate's config (`\n` for new lines), e.g.
+'[eviction]\nenabled = true' to price the key table and miss classification;
+--misses adds one ExistKey of an absent key per iteration (a lookup miss).
 
 Needs Debian's valgrind (`apt-get install valgrind`). Not part of CI.
 """
@@ -51,19 +55,21 @@ def role_client(a):
         s.batch_is_exist(keys)
         s.get_replica_desc(keys[i % 64])
         assert s.put(f"cpu/{a.tag}/p{i}", b"x" * 4096) == 0
+        if a.misses:
+            s.is_exist(f"cpu/{a.tag}/absent{i}")
     print("done", flush=True)
     sys.stdin.readline()
     s.close()
 
 
-def measure(binary, label, rpc, metadata, calls, work):
+def measure(binary, label, rpc, metadata, calls, work, extra_config="", misses=False):
     listen, admin = free_port(), free_port()
     out = os.path.join(work, f"callgrind.{label}")
     # The pooling allocator reserves address space per plugin instance slot; valgrind
     # cannot map the default 64 slots' worth, and one slot serves the default policy.
     cfg = os.path.join(work, f"{label}.toml")
     with open(cfg, "w") as f:
-        f.write("[policy]\nmax_instances = 1\n")
+        f.write("[policy]\nmax_instances = 1\n" + extra_config.replace("\\n", "\n") + "\n")
     mg = subprocess.Popen(
         ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
          binary, "run", "--config", cfg, "--listen", f"127.0.0.1:{listen}", "--upstream", f"127.0.0.1:{rpc}",
@@ -75,7 +81,8 @@ def measure(binary, label, rpc, metadata, calls, work):
         wait_http(f"http://127.0.0.1:{admin}/ready", secs=300)
         client = subprocess.Popen(
             [sys.executable, __file__, "--role", "client", "--master", f"127.0.0.1:{listen}",
-             "--metadata", metadata, "--calls", str(calls), "--tag", label],
+             "--metadata", metadata, "--calls", str(calls), "--tag", label]
+            + (["--misses"] if misses else []),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             stderr=open(os.path.join(work, f"client-{label}.log"), "w"))
         assert client.stdout.readline().strip() == "ready"
@@ -118,6 +125,12 @@ def main():
                    help="rounds of the workload (5 master-face calls each)")
     p.add_argument("--moongate", default="target/release/moongate")
     p.add_argument("--baseline", default="")
+    p.add_argument("--extra-config", default="", help="TOML appended to this build's config")
+    p.add_argument("--baseline-extra-config", default=None,
+                   help="TOML appended to the baseline's config; without --baseline the "
+                        "baseline is this build with this config (a config A/B)")
+    p.add_argument("--misses", action="store_true",
+                   help="one ExistKey of an absent key per round as well")
     a = p.parse_args()
     if a.role == "client":
         return role_client(a)
@@ -129,14 +142,20 @@ def main():
                               stderr=subprocess.STDOUT)
     results = {}
     try:
-        for label, binary in [("this", a.moongate)] + (
-                [("baseline", a.baseline)] if a.baseline else []):
-            results[label] = measure(binary, label, rpc, metadata, a.calls, work)
+        runs = [("this", a.moongate, a.extra_config)]
+        if a.baseline or a.baseline_extra_config is not None:
+            runs.append(("baseline", a.baseline or a.moongate,
+                         a.baseline_extra_config if a.baseline_extra_config is not None
+                         else a.extra_config))
+        for label, binary, extra in runs:
+            results[label] = measure(binary, label, rpc, metadata, a.calls, work, extra,
+                                     a.misses)
             print(f"{label} done", file=sys.stderr, flush=True)
     finally:
         stop_all([master])
-    # Each round: ExistKey, BatchExistKey(64), GetReplicaList, PutStart, PutEnd.
-    calls = a.calls * 5
+    # Each round: ExistKey, BatchExistKey(64), GetReplicaList, PutStart, PutEnd (and an
+    # ExistKey that misses).
+    calls = a.calls * (6 if a.misses else 5)
     print(f"\ninstructions moongate executed while {calls} master-face calls went through "
           f"({a.calls} rounds of ExistKey, BatchExistKey x64, GetReplicaList, PutStart, PutEnd)")
     print(f"{'build':<10} {'instructions':>14} {'per call':>10}")

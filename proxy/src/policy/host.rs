@@ -37,6 +37,13 @@ pub use moongate::policy::types as wit;
 /// How often the epoch advances; call deadlines are whole ticks.
 const EPOCH_TICK: Duration = Duration::from_millis(1);
 
+/// The least time instantiation, `configure` and the load-time conformance calls get.
+/// They run once per load, off the request path, and a busy machine can delay a few
+/// milliseconds of work past a tight call deadline (seen: a load refused with "wasm trap:
+/// interrupt" on a loaded 2-core CI run). A plugin that loops is still refused, after
+/// this long.
+const SETUP_DEADLINE: Duration = Duration::from_secs(2);
+
 /// What a plugin's `now-ns` reads.
 #[derive(Debug, Clone, Default)]
 pub enum Clock {
@@ -312,10 +319,14 @@ impl PolicyEngine {
             pre,
             interest: Mutex::new(Interest::empty()),
             slot: Mutex::new(None),
+            preflight: AtomicBool::new(false),
         });
         let interest = plugin.instantiate_now(true)?;
         *plugin.interest.lock().unwrap_or_else(|p| p.into_inner()) = interest;
-        plugin.conformance()?;
+        plugin.preflight.store(true, Ordering::Relaxed);
+        let conformance = plugin.conformance();
+        plugin.preflight.store(false, Ordering::Relaxed);
+        conformance?;
         // Conformance calls must not leave state behind (a budget spent, a table
         // filled): traffic starts on a fresh instance.
         *plugin.slot.lock().unwrap_or_else(|p| p.into_inner()) = None;
@@ -344,6 +355,8 @@ pub struct Plugin {
     pre: PolicyPre<HostState>,
     interest: Mutex<Interest>,
     slot: Mutex<Option<Live>>,
+    /// The load-time conformance calls run: they get the setup deadline.
+    preflight: AtomicBool,
 }
 
 impl std::fmt::Debug for Plugin {
@@ -393,7 +406,7 @@ impl Plugin {
     /// updates are dropped, for the pre-flight instance).
     fn instantiate_now(&self, muted: bool) -> Result<Interest, LoadError> {
         let mut store = self.new_store(muted);
-        store.set_epoch_deadline(self.deadline_ticks());
+        store.set_epoch_deadline(self.setup_ticks());
         let bindings = self
             .pre
             .instantiate(&mut store)
@@ -411,7 +424,15 @@ impl Plugin {
     }
 
     fn deadline_ticks(&self) -> u64 {
+        if self.preflight.load(Ordering::Relaxed) {
+            return self.setup_ticks();
+        }
         (self.engine.limits.call_timeout.as_millis() as u64 / EPOCH_TICK.as_millis() as u64).max(1)
+    }
+
+    fn setup_ticks(&self) -> u64 {
+        let t = self.engine.limits.call_timeout.max(SETUP_DEADLINE);
+        (t.as_millis() as u64 / EPOCH_TICK.as_millis() as u64).max(1)
     }
 
     /// Runs `f` on the live instance under a fresh deadline. On any failure the instance
