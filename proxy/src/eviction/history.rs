@@ -53,7 +53,7 @@ pub struct History {
 
 #[derive(Default)]
 struct Inner {
-    last: HashMap<Owned, (u64, Event)>,
+    last: HashMap<Owned, (u64, Event), foldhash::fast::RandomState>,
     order: VecDeque<(u64, Owned)>,
     seq: u64,
 }

@@ -44,7 +44,7 @@ pub struct KeyTable {
 /// so a per-arm share is checked without a scan).
 #[derive(Default)]
 struct Inner {
-    map: HashMap<Owned, Entry>,
+    map: HashMap<Owned, Entry, foldhash::fast::RandomState>,
     arm_bytes: Vec<u64>,
 }
 
@@ -243,7 +243,7 @@ impl KeyTable {
 
 /// Drops the least recently used ~1/64 of the table below `max` in one pass, so the
 /// O(n) scan is paid once per many inserts.
-fn forget_oldest(t: &mut HashMap<Owned, Entry>, max: usize) {
+fn forget_oldest<S>(t: &mut HashMap<Owned, Entry, S>, max: usize) {
     let target = max - max / 64;
     let excess = t.len().saturating_sub(target);
     if excess == 0 {
