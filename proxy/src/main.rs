@@ -47,52 +47,56 @@ enum Command {
     },
     /// Evaluate policies offline over a request trace: prefix hit rates of each plugin
     /// next to native LRU and Belady's optimum, at each capacity (docs/policy-science.md).
-    Sim {
-        /// A Mooncake trace, JSONL with `timestamp` and `hash_ids` per request.
-        #[arg(long)]
-        trace: PathBuf,
-        /// Comma list of shares of the trace's distinct blocks (`5%,10%`) or sizes
-        /// (`64MiB`).
-        #[arg(long, value_name = "SPEC")]
-        capacity: String,
-        /// Bytes per block.
-        #[arg(long, default_value_t = 65536)]
-        block_size: u64,
-        /// A plugin: a name built into target/plugins/ (`lru`, `prefix-evict`, ...),
-        /// `default`, or a path to a .wasm component. Repeat for several.
-        #[arg(long = "policy", value_name = "NAME_OR_WASM")]
-        policies: Vec<String>,
-        /// `on-demand` (a put that does not fit frees exactly what it needs) or `live`
-        /// (moongate's watermark rounds, the master's own eviction, read leases).
-        #[arg(long, value_enum, default_value_t = RulesArg::OnDemand)]
-        rules: RulesArg,
-        /// On-demand rules: a round asks the plugin for victims worth at least this share
-        /// of the capacity (they leave only as room is needed). 0.1: the size of a live
-        /// round between the default watermarks (0.8 -> 0.7).
-        #[arg(long, default_value_t = 0.1)]
-        evict_batch: f64,
-        /// Least recently used keys offered to the plugin per round
-        /// (eviction.max_candidates).
-        #[arg(long, default_value_t = 4096)]
-        max_candidates: usize,
-        /// Live rules: trace time is divided by this (the replay's --speed).
-        #[arg(long, default_value_t = 1.0)]
-        speed: f64,
-        /// Live rules: moongate's eviction.high_watermark / low_watermark.
-        #[arg(long, default_value_t = 0.8)]
-        high: f64,
-        #[arg(long, default_value_t = 0.7)]
-        low: f64,
-        /// Live rules: the master's read lease (--default_kv_lease_ttl), ms; 0 = none.
-        #[arg(long, default_value_t = 5000)]
-        lease_ms: u64,
-        /// Write the report as JSON here.
-        #[arg(long)]
-        json: Option<PathBuf>,
-        /// Draw the miss-ratio curves here (SVG).
-        #[arg(long)]
-        plot: Option<PathBuf>,
-    },
+    Sim(SimArgs),
+}
+
+/// `moongate sim`'s arguments.
+#[derive(clap::Args)]
+struct SimArgs {
+    /// A Mooncake trace, JSONL with `timestamp` and `hash_ids` per request.
+    #[arg(long)]
+    trace: PathBuf,
+    /// Comma list of shares of the trace's distinct blocks (`5%,10%`) or sizes
+    /// (`64MiB`).
+    #[arg(long, value_name = "SPEC")]
+    capacity: String,
+    /// Bytes per block.
+    #[arg(long, default_value_t = 65536)]
+    block_size: u64,
+    /// A plugin: a name built into target/plugins/ (`lru`, `prefix-evict`, ...),
+    /// `default`, or a path to a .wasm component. Repeat for several.
+    #[arg(long = "policy", value_name = "NAME_OR_WASM")]
+    policies: Vec<String>,
+    /// `on-demand` (a put that does not fit frees exactly what it needs) or `live`
+    /// (moongate's watermark rounds, the master's own eviction, read leases).
+    #[arg(long, value_enum, default_value_t = RulesArg::OnDemand)]
+    rules: RulesArg,
+    /// On-demand rules: a round asks the plugin for victims worth at least this share
+    /// of the capacity (they leave only as room is needed). 0.1: the size of a live
+    /// round between the default watermarks (0.8 -> 0.7).
+    #[arg(long, default_value_t = 0.1)]
+    evict_batch: f64,
+    /// Least recently used keys offered to the plugin per round
+    /// (eviction.max_candidates).
+    #[arg(long, default_value_t = 4096)]
+    max_candidates: usize,
+    /// Live rules: trace time is divided by this (the replay's --speed).
+    #[arg(long, default_value_t = 1.0)]
+    speed: f64,
+    /// Live rules: moongate's eviction.high_watermark / low_watermark.
+    #[arg(long, default_value_t = 0.8)]
+    high: f64,
+    #[arg(long, default_value_t = 0.7)]
+    low: f64,
+    /// Live rules: the master's read lease (--default_kv_lease_ttl), ms; 0 = none.
+    #[arg(long, default_value_t = 5000)]
+    lease_ms: u64,
+    /// Write the report as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Draw the miss-ratio curves here (SVG).
+    #[arg(long)]
+    plot: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -131,19 +135,29 @@ fn plugin_source(arg: &str) -> Result<moongate::sim::PluginSource, String> {
     })
 }
 
-#[allow(clippy::too_many_arguments)]
-fn sim(
-    trace: PathBuf,
-    capacity: String,
-    block_size: u64,
-    policies: Vec<String>,
-    rules: RulesArg,
-    evict_batch: f64,
-    max_candidates: usize,
-    live: moongate::sim::Live,
-    json: Option<PathBuf>,
-    plot: Option<PathBuf>,
-) -> Result<(), String> {
+fn sim(a: SimArgs) -> Result<(), String> {
+    let SimArgs {
+        trace,
+        capacity,
+        block_size,
+        policies,
+        rules,
+        evict_batch,
+        max_candidates,
+        speed,
+        high,
+        low,
+        lease_ms,
+        json,
+        plot,
+    } = a;
+    let live = moongate::sim::Live {
+        speed,
+        high,
+        low,
+        lease_ms,
+        ..Default::default()
+    };
     use moongate::sim;
     let capacities = sim::Capacity::parse_list(&capacity).map_err(|e| format!("--capacity {e}"))?;
     if block_size == 0 {
@@ -224,38 +238,7 @@ fn build_runtime(workers: usize) -> std::io::Result<tokio::runtime::Runtime> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::Sim {
-            trace,
-            capacity,
-            block_size,
-            policies,
-            rules,
-            evict_batch,
-            max_candidates,
-            speed,
-            high,
-            low,
-            lease_ms,
-            json,
-            plot,
-        } => match sim(
-            trace,
-            capacity,
-            block_size,
-            policies,
-            rules,
-            evict_batch,
-            max_candidates,
-            moongate::sim::Live {
-                speed,
-                high,
-                low,
-                lease_ms,
-                ..Default::default()
-            },
-            json,
-            plot,
-        ) {
+        Command::Sim(args) => match sim(args) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("moongate sim: {e}");

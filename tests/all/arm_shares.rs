@@ -4,7 +4,6 @@
 //! `benches/replay` (mirror split: both arms replay the same slice of the shipped trace
 //! with the real client, every read checked).
 
-use std::process::Command;
 use std::time::Duration;
 
 use serde_json::Value;
@@ -31,32 +30,21 @@ fn replay(capacity: &str, other_plugin: &str, other_config: &str) -> (Value, Str
         plugin_path(other_plugin).display(),
     ));
     mg.wait_ready(&master);
-    let dir = tempdir();
-    let out = dir.path().join("replay.json");
-    let mut cmd = Command::new("bash");
-    cmd.arg(repo_root().join("benches/replay"))
-        .arg("--trace")
-        .arg(repo_root().join("benches/traces/mooncake_fast25_synthetic.jsonl"))
-        .args(["--master", &mg.listen, "--metadata", &master.metadata])
-        .args(["--admin", &mg.admin])
-        .args(["--limit", "1000", "--speed", "100", "--value-size", "16384"])
-        .args(["--segment-mib", "16"])
-        .arg("--json")
-        .arg(&out)
-        .env("MOONGATE_PYTHON", python());
-    let mut p = Proc::spawn("replay", cmd, dir.path().join("replay.log"));
-    let st = p.wait_exit(Duration::from_secs(300));
-    let logs = || {
-        format!(
-            "{}\n{}\n{}",
-            p.log_text(),
-            mg.proc.log_text(),
-            master.proc.log_text()
-        )
-    };
-    let st = st.unwrap_or_else(|| panic!("replay hung\n{}", logs()));
-    assert!(st.success(), "replay failed ({st})\n{}", logs());
-    let r: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let r = run_replay(
+        &master,
+        &mg,
+        &[
+            "--limit",
+            "1000",
+            "--speed",
+            "100",
+            "--value-size",
+            "16384",
+            "--segment-mib",
+            "16",
+        ],
+        Duration::from_secs(300),
+    );
     assert_eq!(r["arms"]["steady"]["corrupt"], 0, "{r}");
     assert_eq!(r["arms"]["other"]["corrupt"], 0, "{r}");
     (r, mg.metrics())

@@ -2,11 +2,9 @@
 //! (lru and prefix-evict eviction, by client) with moongate-driven eviction, the real
 //! client in worker processes, every read checked byte for byte, a per-arm report.
 
-use std::process::Command;
 use std::time::Duration;
 
 use crate::support::*;
-use serde_json::Value;
 
 #[test]
 fn replay_reports_both_arms_of_an_experiment() {
@@ -26,32 +24,21 @@ fn replay_reports_both_arms_of_an_experiment() {
         plugin_path("prefix-evict").display(),
     ));
     mg.wait_ready(&master);
-    let dir = tempdir();
-    let out = dir.path().join("replay.json");
-    let mut cmd = Command::new("bash");
-    cmd.arg(repo_root().join("benches/replay"))
-        .arg("--trace")
-        .arg(repo_root().join("benches/traces/mooncake_fast25_synthetic.jsonl"))
-        .args(["--master", &mg.listen, "--metadata", &master.metadata])
-        .args(["--admin", &mg.admin])
-        .args(["--limit", "200", "--speed", "1000", "--value-size", "16384"])
-        .args(["--segment-mib", "16"])
-        .arg("--json")
-        .arg(&out)
-        .env("MOONGATE_PYTHON", python());
-    let mut p = Proc::spawn("replay", cmd, dir.path().join("replay.log"));
-    let st = p.wait_exit(Duration::from_secs(240));
-    let logs = || {
-        format!(
-            "{}\n{}\n{}",
-            p.log_text(),
-            mg.proc.log_text(),
-            master.proc.log_text()
-        )
-    };
-    let st = st.unwrap_or_else(|| panic!("replay hung\n{}", logs()));
-    assert!(st.success(), "replay failed ({st})\n{}", logs());
-    let r: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let r = run_replay(
+        &master,
+        &mg,
+        &[
+            "--limit",
+            "200",
+            "--speed",
+            "1000",
+            "--value-size",
+            "16384",
+            "--segment-mib",
+            "16",
+        ],
+        Duration::from_secs(240),
+    );
     let arms = r["arms"].as_object().unwrap();
     assert_eq!(arms.keys().collect::<Vec<_>>(), ["lru", "prefix"], "{r}");
     let total = |k: &str| arms.values().map(|a| a[k].as_f64().unwrap()).sum::<f64>();

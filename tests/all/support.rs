@@ -693,3 +693,66 @@ pub fn wait_segment_mounted(mg: &Moongate) -> String {
         .expect("segment name in the log")
         .to_string()
 }
+
+/// Runs `benches/replay` over the shipped trace through moongate (its experiment arms
+/// learned from the admin endpoint) with `args` (limit, speed, sizes), within `limit`;
+/// returns its JSON report. The panic quotes the replay's, moongate's and the master's
+/// logs.
+pub fn run_replay(
+    master: &Master,
+    mg: &Moongate,
+    args: &[&str],
+    limit: Duration,
+) -> serde_json::Value {
+    let dir = tempdir();
+    let out = dir.path().join("replay.json");
+    let mut cmd = Command::new("bash");
+    cmd.arg(repo_root().join("benches/replay"))
+        .arg("--trace")
+        .arg(repo_root().join("benches/traces/mooncake_fast25_synthetic.jsonl"))
+        .args(["--master", &mg.listen, "--metadata", &master.metadata])
+        .args(["--admin", &mg.admin])
+        .args(args)
+        .arg("--json")
+        .arg(&out)
+        .env("MOONGATE_PYTHON", python());
+    let mut p = Proc::spawn("replay", cmd, dir.path().join("replay.log"));
+    let st = p.wait_exit(limit);
+    let logs = || {
+        format!(
+            "{}\n{}\n{}",
+            p.log_text(),
+            mg.proc.log_text(),
+            master.proc.log_text()
+        )
+    };
+    let st = st.unwrap_or_else(|| panic!("replay hung\n{}", logs()));
+    assert!(st.success(), "replay failed ({st})\n{}", logs());
+    serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap()
+}
+
+/// What every client of a fault test must show afterwards (the `failover` role's
+/// results): no value read back wrong (absent is allowed: a put that reached a lost
+/// master), good rounds after its last failed one, and no failed round slower than
+/// `slowest_failure_s` (no call hung).
+pub fn assert_recovered(results: &[serde_json::Value], slowest_failure_s: f64) {
+    for r in results {
+        assert_eq!(result(r, "wrong"), 0, "never a wrong value: {r}");
+        assert!(
+            result(r, "ok_after_last_failure").as_u64().unwrap() >= 1,
+            "recovered: {r}"
+        );
+        assert!(
+            result(r, "slowest_failed_round_s").as_f64().unwrap() < slowest_failure_s,
+            "failed rounds return within {slowest_failure_s} s: {r}"
+        );
+    }
+}
+
+/// Waits until moongate holds no client and no upstream connection (nothing leaked).
+pub fn wait_no_connections(mg: &Moongate, logs: &[&Proc]) {
+    wait_for("connections closed", Duration::from_secs(10), logs, || {
+        mg.metric("moongate_master_connections_open") == 0.0
+            && mg.metric("moongate_upstream_connections_open") == 0.0
+    });
+}
