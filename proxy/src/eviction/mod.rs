@@ -127,8 +127,7 @@ impl Eviction {
         }
         let mut by_why = [0u64; history::WHYS.len()];
         for k in keys {
-            let why = if let Some(e) = self.table.get(tenant, k) {
-                self.table.forget(tenant, std::iter::once(k));
+            let why = if let Some(e) = self.table.take(tenant, k) {
                 self.history.note(
                     tenant,
                     std::iter::once(k),

@@ -70,10 +70,12 @@ impl Inner {
         }
     }
 
-    fn remove(&mut self, k: &Owned) {
-        if let Some(old) = self.map.remove(k) {
-            self.sub(&old);
+    fn remove(&mut self, k: &Owned) -> Option<Entry> {
+        let old = self.map.remove(k);
+        if let Some(o) = &old {
+            self.sub(o);
         }
+        old
     }
 
     fn recount(&mut self) {
@@ -197,9 +199,9 @@ impl KeyTable {
         gone
     }
 
-    /// Whether the table holds this key.
-    pub fn contains(&self, tenant: &Bytes, key: &Bytes) -> bool {
-        self.lock().map.contains_key(&(tenant.clone(), key.clone()))
+    /// Forgets one key and returns its entry, if it was held.
+    pub fn take(&self, tenant: &Bytes, key: &Bytes) -> Option<Entry> {
+        self.lock().remove(&(tenant.clone(), key.clone()))
     }
 
     /// The entry of a key, if held.

@@ -242,14 +242,7 @@ impl Registration {
             }))
             .await;
         for kind in ["ram", "rpc_meta", "quic"] {
-            let _ = http_request(
-                Method::DELETE,
-                &self.metadata.authority,
-                &self.path(kind),
-                Bytes::new(),
-                self.timeout,
-            )
-            .await;
+            let _ = self.metadata_call(Method::DELETE, kind, Bytes::new()).await;
         }
         tracing::info!(unmounted = matches!(r, Ok(Response::UnmountSegment(Ok(())))),
             segment = %self.name, "segment unmounted, metadata deleted");
