@@ -13,12 +13,23 @@ use crate::support::*;
 /// One replay against a fresh master and moongate: arm `steady` runs lru, arm `other`
 /// runs `other_plugin` (with `other_config`); `capacity` is the experiment's mode.
 /// Returns the replay report and moongate's metrics text.
+///
+/// The watermarks differ by mode. Shares hold only while the master never evicts on its
+/// own (its evictions take any arm's keys): at 0.8 / 0.7 a CI run saw the master evict
+/// 679 of the steady arm's keys next to lru and none next to evict-all, which moved the
+/// steady arm's hit rate by 25 %; at 0.6 / 0.5 it evicted none in either. The shared
+/// pool needs the pressure of 0.8 / 0.7 for its contrast to show.
 fn replay(capacity: &str, other_plugin: &str, other_config: &str) -> (Value, String) {
+    let (high, low) = if capacity == "by-weight" {
+        (0.6, 0.5)
+    } else {
+        (0.8, 0.7)
+    };
     let master = Master::start();
     let mg = Moongate::start_config(&format!(
         "[master_face]\nupstream = \"{}\"\n\
          [eviction]\nenabled = true\nmaster_metrics_url = \"{}\"\n\
-         high_watermark = 0.8\nlow_watermark = 0.7\ninterval_ms = 50\n\
+         high_watermark = {high}\nlow_watermark = {low}\ninterval_ms = 50\n\
          [[policy.plugins]]\nname = \"lru\"\npath = \"{}\"\n\
          [[policy.plugins]]\nname = \"other\"\npath = \"{}\"\nconfig = '{other_config}'\n\
          [experiment]\nassign = \"client\"\ncapacity = \"{capacity}\"\n\
@@ -60,9 +71,20 @@ fn with_shares_a_greedy_arm_leaves_the_other_arms_hit_rate_alone() {
     let (calm, calm_m) = replay("by-weight", "lru", "");
     let (greedy, greedy_m) = replay("by-weight", "fault", "evict-all");
     // The same pair in one shared pool: the contrast that shows the test can fail.
-    let (shared_calm, _) = replay("shared", "lru", "");
-    let (shared_greedy, _) = replay("shared", "fault", "evict-all");
+    let (shared_calm, shared_calm_m) = replay("shared", "lru", "");
+    let (shared_greedy, shared_greedy_m) = replay("shared", "fault", "evict-all");
     let steady = |r: &Value| hit_rate(r, "steady");
+    let by_master = |m: &str| {
+        metric_value(
+            m,
+            "moongate_lookup_misses_total{reason=\"evicted_by_master\",arm=\"steady\"}",
+        )
+    };
+    eprintln!(
+        "steady keys the master evicted (by-weight): next to lru {}, next to evict-all {}",
+        by_master(&calm_m),
+        by_master(&greedy_m)
+    );
     eprintln!(
         "steady arm next to lru / evict-all: by-weight {:.4} / {:.4}, shared {:.4} / {:.4}; \
          other arm: by-weight {:.4} / {:.4}",
@@ -93,13 +115,27 @@ fn with_shares_a_greedy_arm_leaves_the_other_arms_hit_rate_alone() {
         assert!(metric_value(m, "moongate_eviction_arm_share_bytes{arm=\"steady\"}") > 0.0);
         assert!(metric_value(m, "moongate_eviction_arm_bytes{arm=\"steady\"}") > 0.0);
     }
-    // In one pool the greedy arm's freed room goes to the steady arm: its hit rate
-    // moves (measured: +47 %).
+    // In one pool the greedy arm's freed room goes to the steady arm: moongate
+    // evicts far fewer of its keys. (Its hit rate moves too, by +12 % to +37 % in the
+    // runs measured; at about 1 % hits that is too few hits to assert on, while
+    // removals number in the thousands.)
+    let steady_removed = |m: &str| {
+        metric_value(
+            m,
+            "moongate_eviction_arm_removed_bytes_total{arm=\"steady\"}",
+        )
+    };
+    eprintln!(
+        "steady bytes evicted in one pool: next to lru {}, next to evict-all {}; \
+         by-weight: {} / {}",
+        steady_removed(&shared_calm_m),
+        steady_removed(&shared_greedy_m),
+        steady_removed(&calm_m),
+        steady_removed(&greedy_m)
+    );
     assert!(
-        steady(&shared_greedy) > steady(&shared_calm) * 1.2,
-        "shared pool: {:.4} vs {:.4}",
-        steady(&shared_greedy),
-        steady(&shared_calm)
+        steady_removed(&shared_greedy_m) < 0.5 * steady_removed(&shared_calm_m),
+        "shared pool: the greedy arm should have spared the steady arm's keys"
     );
     // With shares it does not (timing noise of a live replay aside).
     let tolerance = (0.1 * steady(&calm)).max(0.002);
