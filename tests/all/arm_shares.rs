@@ -71,8 +71,8 @@ fn with_shares_a_greedy_arm_leaves_the_other_arms_hit_rate_alone() {
     let (calm, calm_m) = replay("by-weight", "lru", "");
     let (greedy, greedy_m) = replay("by-weight", "fault", "evict-all");
     // The same pair in one shared pool: the contrast that shows the test can fail.
-    let (shared_calm, shared_calm_m) = replay("shared", "lru", "");
-    let (shared_greedy, shared_greedy_m) = replay("shared", "fault", "evict-all");
+    let (shared_calm, _) = replay("shared", "lru", "");
+    let (shared_greedy, _) = replay("shared", "fault", "evict-all");
     let steady = |r: &Value| hit_rate(r, "steady");
     let by_master = |m: &str| {
         metric_value(
@@ -115,30 +115,17 @@ fn with_shares_a_greedy_arm_leaves_the_other_arms_hit_rate_alone() {
         assert!(metric_value(m, "moongate_eviction_arm_share_bytes{arm=\"steady\"}") > 0.0);
         assert!(metric_value(m, "moongate_eviction_arm_bytes{arm=\"steady\"}") > 0.0);
     }
-    // In one pool the greedy arm's freed room goes to the steady arm: moongate
-    // evicts far fewer of its keys. (Its hit rate moves too, by +12 % to +37 % in the
-    // runs measured; at about 1 % hits that is too few hits to assert on, while
-    // removals number in the thousands.)
-    let steady_removed = |m: &str| {
-        metric_value(
-            m,
-            "moongate_eviction_arm_removed_bytes_total{arm=\"steady\"}",
-        )
-    };
-    eprintln!(
-        "steady bytes evicted in one pool: next to lru {}, next to evict-all {}; \
-         by-weight: {} / {}",
-        steady_removed(&shared_calm_m),
-        steady_removed(&shared_greedy_m),
-        steady_removed(&calm_m),
-        steady_removed(&greedy_m)
-    );
+    // In one pool the greedy arm's freed room goes to the steady arm: its hit rate
+    // moves. Measured in four runs: +12 % to +37 % (the by-weight pair below, at its
+    // watermarks, moved 0 % to 2 % in three).
     assert!(
-        steady_removed(&shared_greedy_m) < 0.5 * steady_removed(&shared_calm_m),
-        "shared pool: the greedy arm should have spared the steady arm's keys"
+        steady(&shared_greedy) > steady(&shared_calm) * 1.1,
+        "shared pool: {:.4} vs {:.4}",
+        steady(&shared_greedy),
+        steady(&shared_calm)
     );
     // With shares it does not (timing noise of a live replay aside).
-    let tolerance = (0.1 * steady(&calm)).max(0.002);
+    let tolerance = (0.05 * steady(&calm)).max(0.001);
     assert!(
         (steady(&calm) - steady(&greedy)).abs() <= tolerance,
         "by-weight: {:.4} vs {:.4}",
