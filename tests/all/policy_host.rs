@@ -359,3 +359,40 @@ fn latency_guardrail_stops_an_arm_and_its_traffic_goes_to_control() {
         .collect();
     assert!(picks.iter().all(|&a| a == 0), "all traffic on control");
 }
+
+/// The contract grew (`block-keys`, WIT 0.1.1) without breaking what was built before:
+/// a component built for 0.1.0 (`proxy/tests/fixtures/plugins`) loads, decides, and has
+/// no blocks to name; the same plugin built today names them.
+#[test]
+fn a_plugin_built_for_wit_0_1_0_still_loads() {
+    let e = engine();
+    let old = std::fs::read(
+        crate::support::repo_root().join("proxy/tests/fixtures/plugins/lru-wit-0.1.0.wasm"),
+    )
+    .unwrap();
+    let p = e.load("lru-0.1.0", &old, b"", None).unwrap();
+    let keys = wit::PackedKeys {
+        bytes: b"a/blk/1a/blk/2".to_vec(),
+        ends: vec![7, 14],
+    };
+    let victims = p
+        .evict(&wit::EvictCall {
+            keys: keys.clone(),
+            sizes: vec![10, 10],
+            tiers: vec![wit::Tier::Memory, wit::Tier::Memory],
+            age_ms: vec![5, 50],
+            hits: vec![0, 0],
+            bytes_needed: 10,
+        })
+        .unwrap();
+    assert_eq!(victims, [1], "the older block goes first");
+    assert!(p.block_keys(&keys).unwrap().is_none());
+
+    let new = load(&e, "lru", "").unwrap();
+    let blocks = new.block_keys(&keys).unwrap().unwrap();
+    let got: Vec<(u64, Option<u64>)> = blocks
+        .iter()
+        .map(|b| b.as_ref().map(|b| (b.hash, b.parent)).unwrap())
+        .collect();
+    assert_eq!(got, [(1, None), (2, Some(1))]);
+}

@@ -25,7 +25,7 @@
 pub mod bindings {
     wit_bindgen::generate!({
         path: "../../wit",
-        world: "policy",
+        world: "policy-with-blocks",
         pub_export_macro: true,
         default_bindings_module: "moongate_policy_sdk::bindings",
     });
@@ -33,8 +33,8 @@ pub mod bindings {
 
 pub use bindings::moongate::policy::host;
 pub use bindings::moongate::policy::types::{
-    Admission, BudgetState, EvictCall, Interest, LookupCall, Observation, PackedKeys, PutCall,
-    PutDecision, PutKind, ReplicateConfig, SoftPinAction, SplitCall, Tier,
+    Admission, BlockRef, BudgetState, EvictCall, Interest, LookupCall, Observation, PackedKeys,
+    PutCall, PutDecision, PutKind, ReplicateConfig, SoftPinAction, SplitCall, Tier,
 };
 
 /// A policy. One value lives per plugin instance; moongate calls the hooks named in the
@@ -65,6 +65,45 @@ pub trait Policy: Sized + 'static {
 
     /// Outcome and latency of a call. Default: ignored.
     fn observe(&mut self, _event: Observation) {}
+
+    /// The block each key names, for the KV events moongate publishes to routers (only
+    /// with `[events]` on; never on the request path). Default: [`blocks_of_blk_keys`],
+    /// the key format of moongate's trace replay. A connector that names keys another
+    /// way overrides this; `None` for a key publishes nothing for it.
+    fn block_keys(&mut self, keys: PackedKeys) -> Vec<Option<BlockRef>> {
+        blocks_of_blk_keys(&keys)
+    }
+}
+
+/// Blocks of keys named `PREFIX/blk/HASH` (HASH a decimal `u64`), the format of
+/// moongate's trace replay: the hash is the number; a key's parent is the key before it in
+/// the same call when that one is a block of the same `PREFIX` (a batch put stores a
+/// request's blocks in prefix order), else unknown. Other keys name no block.
+pub fn blocks_of_blk_keys(keys: &PackedKeys) -> Vec<Option<BlockRef>> {
+    let mut out: Vec<Option<BlockRef>> = Vec::with_capacity(keys.len());
+    let mut prev: Option<(&[u8], u64)> = None;
+    for key in keys.iter() {
+        let parsed = split_blk_key(key);
+        let block = parsed.map(|(prefix, hash)| BlockRef {
+            hash,
+            parent: prev.filter(|(p, _)| *p == prefix).map(|(_, h)| h),
+        });
+        prev = parsed;
+        out.push(block);
+    }
+    out
+}
+
+/// `PREFIX/blk/HASH` into (PREFIX, HASH).
+fn split_blk_key(key: &[u8]) -> Option<(&[u8], u64)> {
+    const MARK: &[u8] = b"/blk/";
+    let at = key.windows(MARK.len()).rposition(|w| w == MARK)?;
+    let digits = &key[at + MARK.len()..];
+    if digits.is_empty() || digits.len() > 20 || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    let hash = std::str::from_utf8(digits).ok()?.parse().ok()?;
+    Some((&key[..at], hash))
 }
 
 /// Split points that cut a batch into parts of at most `max_bytes` each, in key order
@@ -203,6 +242,9 @@ macro_rules! export_policy {
                 fn observe(event: $crate::Observation) {
                     with(|p| p.observe(event))
                 }
+                fn block_keys(keys: $crate::PackedKeys) -> Vec<Option<$crate::BlockRef>> {
+                    with(|p| p.block_keys(keys))
+                }
             }
             $crate::bindings::export!(Export with_types_in $crate::bindings);
         }
@@ -219,6 +261,36 @@ mod tests {
         assert_eq!(k.len(), 3);
         assert_eq!(k.iter().collect::<Vec<_>>(), [&b"a"[..], b"", b"bcd"]);
         assert!(PackedKeys::from_keys::<&str>(&[]).is_empty());
+    }
+
+    #[test]
+    fn blk_keys_are_blocks_chained_within_a_prefix() {
+        let k = PackedKeys::from_keys(&[
+            "a/blk/7",
+            "a/blk/8",
+            "b/blk/9",
+            "b/blk/x",
+            "plain",
+            "a/blk/99999999999999999999999",
+            "a/blk/",
+            "a/blk/10",
+        ]);
+        let b = blocks_of_blk_keys(&k);
+        let got: Vec<Option<(u64, Option<u64>)>> =
+            b.iter().map(|r| r.as_ref().map(|r| (r.hash, r.parent))).collect();
+        assert_eq!(
+            got,
+            [
+                Some((7, None)),
+                Some((8, Some(7))),
+                Some((9, None)),
+                None,
+                None,
+                None,
+                None,
+                Some((10, None)),
+            ]
+        );
     }
 
     #[test]

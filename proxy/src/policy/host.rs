@@ -19,7 +19,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use sha2::{Digest, Sha256};
 use thiserror::Error;
-use wasmtime::component::{Component, HasSelf, Linker};
+use wasmtime::component::{Component, ComponentExportIndex, HasSelf, Instance, Linker, TypedFunc};
 use wasmtime::{
     Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, ResourceLimiter, Store,
     Trap,
@@ -70,7 +70,7 @@ pub struct HostLimits {
 pub enum LoadError {
     #[error("not a valid policy component: {0}")]
     Compile(String),
-    #[error("component does not fit the moongate:policy@0.1.0 world: {0}")]
+    #[error("component does not fit the moongate:policy@0.1 world: {0}")]
     Link(String),
     #[error("instantiation failed: {0}")]
     Instantiate(String),
@@ -304,6 +304,7 @@ impl PolicyEngine {
         let mut linker: Linker<HostState> = Linker::new(&self.engine);
         Policy::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)
             .map_err(|e| LoadError::Link(format!("{e:#}")))?;
+        add_host_0_1_0(&mut linker).map_err(|e| LoadError::Link(format!("{e:#}")))?;
         linker
             .define_unknown_imports_as_traps(&component)
             .map_err(|e| LoadError::Link(format!("{e:#}")))?;
@@ -311,7 +312,10 @@ impl PolicyEngine {
             .instantiate_pre(&component)
             .map_err(|e| LoadError::Link(format!("{e:#}")))?;
         let pre = PolicyPre::new(pre).map_err(|e| LoadError::Link(format!("{e:#}")))?;
+        // Optional since 0.1.1: looked up by name so that 0.1.0 components still load.
+        let block_keys = component.get_export_index(None, "block-keys");
         let plugin = Arc::new(Plugin {
+            block_keys,
             name: name.to_string(),
             sha256: sha,
             config: config.to_vec(),
@@ -334,13 +338,48 @@ impl PolicyEngine {
     }
 }
 
+/// The `host` interface once more under its 0.1.0 name, for components built before the
+/// contract grew to 0.1.1 (the interface itself did not change). wasmtime would match
+/// 0.1.0 to 0.1.1 by semver, but the trap stubs for unknown (WASI) imports are defined
+/// by exact name first and would shadow that match.
+fn add_host_0_1_0(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
+    use moongate::policy::host::{Host, Level};
+    let mut i = linker.instance("moongate:policy/host@0.1.0")?;
+    i.func_wrap("log", |mut s, (level, message): (Level, String)| {
+        Host::log(s.data_mut(), level, message);
+        Ok(())
+    })?;
+    i.func_wrap("register-counter", |mut s, (n, h): (String, String)| {
+        Ok((Host::register_counter(s.data_mut(), n, h),))
+    })?;
+    i.func_wrap("register-gauge", |mut s, (n, h): (String, String)| {
+        Ok((Host::register_gauge(s.data_mut(), n, h),))
+    })?;
+    i.func_wrap("counter-add", |mut s, (h, v): (u32, u64)| {
+        Host::counter_add(s.data_mut(), h, v);
+        Ok(())
+    })?;
+    i.func_wrap("gauge-set", |mut s, (h, v): (u32, i64)| {
+        Host::gauge_set(s.data_mut(), h, v);
+        Ok(())
+    })?;
+    i.func_wrap("now-ns", |mut s, (): ()| Ok((Host::now_ns(s.data_mut()),)))?;
+    Ok(())
+}
+
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
+/// The `block-keys` export's signature.
+type BlockKeysFn = TypedFunc<(wit::PackedKeys,), (Vec<Option<wit::BlockRef>>,)>;
+
 struct Live {
     store: Store<HostState>,
     bindings: Policy,
+    instance: Instance,
+    /// Looked up on the first `block-keys` call of this instance.
+    block_keys: Option<BlockKeysFn>,
 }
 
 /// One loaded plugin generation: its compiled form and its single live instance.
@@ -353,6 +392,8 @@ pub struct Plugin {
     config: Vec<u8>,
     engine: Arc<PolicyEngine>,
     pre: PolicyPre<HostState>,
+    /// The optional `block-keys` export (WIT 0.1.1), when the component has it.
+    block_keys: Option<ComponentExportIndex>,
     interest: Mutex<Interest>,
     slot: Mutex<Option<Live>>,
     /// The load-time conformance calls run: they get the setup deadline.
@@ -407,9 +448,12 @@ impl Plugin {
     fn instantiate_now(&self, muted: bool) -> Result<Interest, LoadError> {
         let mut store = self.new_store(muted);
         store.set_epoch_deadline(self.setup_ticks());
-        let bindings = self
+        let instance = self
             .pre
+            .instance_pre()
             .instantiate(&mut store)
+            .map_err(|e| LoadError::Instantiate(format!("{e:#}")))?;
+        let bindings = Policy::new(&mut store, &instance)
             .map_err(|e| LoadError::Instantiate(format!("{e:#}")))?;
         store.data_mut().configuring = true;
         let r = bindings.call_configure(&mut store, &self.config);
@@ -419,7 +463,12 @@ impl Plugin {
             Ok(Err(msg)) => return Err(LoadError::Refused(msg)),
             Err(e) => return Err(LoadError::Configure(classify(&e, &store, self))),
         };
-        *self.slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(Live { store, bindings });
+        *self.slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(Live {
+            store,
+            bindings,
+            instance,
+            block_keys: None,
+        });
         Ok(interest)
     }
 
@@ -441,6 +490,14 @@ impl Plugin {
         &self,
         f: impl FnOnce(&Policy, &mut Store<HostState>) -> wasmtime::Result<R>,
     ) -> Result<R, CallError> {
+        self.with_live(|live| f(&live.bindings, &mut live.store))
+    }
+
+    /// As [`Plugin::with_instance`], with the whole live instance.
+    fn with_live<R>(
+        &self,
+        f: impl FnOnce(&mut Live) -> wasmtime::Result<R>,
+    ) -> Result<R, CallError> {
         let mut slot = self.slot.lock().unwrap_or_else(|p| p.into_inner());
         if slot.is_none() {
             drop(slot);
@@ -452,7 +509,7 @@ impl Plugin {
             .as_mut()
             .ok_or_else(|| CallError::Unavailable("no instance".into()))?;
         live.store.set_epoch_deadline(self.deadline_ticks());
-        match f(&live.bindings, &mut live.store) {
+        match f(live) {
             Ok(r) => Ok(r),
             Err(e) => {
                 let err = classify(&e, &live.store, self);
@@ -515,6 +572,39 @@ impl Plugin {
         self.with_instance(|b, s| b.call_observe(s, event))
     }
 
+    /// The block of each key (`block-keys`), or `None` when the component has no such
+    /// export (built for WIT 0.1.0).
+    pub fn block_keys(
+        &self,
+        keys: &wit::PackedKeys,
+    ) -> Result<Option<Vec<Option<wit::BlockRef>>>, CallError> {
+        let Some(index) = self.block_keys else {
+            return Ok(None);
+        };
+        let d = self.with_live(|live| {
+            let f = match live.block_keys {
+                Some(f) => f,
+                None => {
+                    let f: BlockKeysFn = live.instance.get_typed_func(&mut live.store, index)?;
+                    live.block_keys = Some(f);
+                    f
+                }
+            };
+            // The call takes its argument by value; keys are copied once per call, off
+            // the request path (the events publisher calls this).
+            let (out,) = f.call(&mut live.store, (keys.clone(),))?;
+            Ok(out)
+        })?;
+        if d.len() != keys.ends.len() {
+            return Err(CallError::Invalid(format!(
+                "{} blocks for {} keys",
+                d.len(),
+                keys.ends.len()
+            )));
+        }
+        Ok(Some(d))
+    }
+
     /// Conformance: one call of each hook the plugin asked for, on small synthetic input.
     fn conformance(&self) -> Result<(), LoadError> {
         let interest = self.interest();
@@ -561,6 +651,13 @@ impl Plugin {
                 error,
             })?;
         }
+        if self.block_keys.is_some() {
+            self.block_keys(&keys)
+                .map_err(|error| LoadError::Conformance {
+                    call: "block-keys",
+                    error,
+                })?;
+        }
         if interest.contains(Interest::EVICT) {
             let call = wit::EvictCall {
                 keys,
@@ -603,6 +700,12 @@ impl super::Policy for Plugin {
     }
     fn observe(&self, event: &wit::Observation) -> Result<(), CallError> {
         Plugin::observe(self, event)
+    }
+    fn block_keys(
+        &self,
+        keys: &wit::PackedKeys,
+    ) -> Result<Option<Vec<Option<wit::BlockRef>>>, CallError> {
+        Plugin::block_keys(self, keys)
     }
 }
 
