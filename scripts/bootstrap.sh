@@ -41,6 +41,11 @@ if ! "$venv/bin/python" -c "import mooncake.store" >/dev/null 2>&1 \
   echo "bootstrap: installing $MOONCAKE_PKG"
   "$venv/bin/pip" install -q --disable-pip-version-check "$MOONCAKE_PKG"
 fi
+# The KV-events test subscribes as vLLM's example subscriber does (pyzmq + msgspec).
+if ! "$venv/bin/python" -c "import zmq, msgspec" >/dev/null 2>&1; then
+  echo "bootstrap: installing pyzmq and msgspec"
+  "$venv/bin/pip" install -q --disable-pip-version-check "pyzmq==27.3.0" "msgspec==0.23.0"
+fi
 
 older_release() {
   local v=$1 extra=${2:-} dir="$root/.venv-$1"

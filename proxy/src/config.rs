@@ -29,6 +29,7 @@ pub struct Config {
     pub runtime: RuntimeConfig,
     pub policy: PolicyConfig,
     pub eviction: EvictionConfig,
+    pub events: crate::events::EventsConfig,
     pub kv: KvConfig,
     /// An experiment to start with (instead of `policy.active`).
     pub experiment: Option<crate::policy::experiment::ExperimentSpec>,
@@ -139,6 +140,7 @@ impl Config {
         );
         self.kv.validate(&mut errs);
         self.eviction.validate(&mut errs);
+        self.events.validate(&mut errs);
         self.policy.validate(
             &mut errs,
             self.experiment

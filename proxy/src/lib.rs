@@ -12,6 +12,8 @@
 //! - [`upstream`]: moongate's own connections to the master and to HTTP endpoints.
 //! - [`policy`]: the `Policy` trait, the wasm host, and the one decision lifecycle
 //!   (decide -> apply -> settle) every face goes through; plugins, swaps, experiments.
+//! - [`events`]: KV events for routers (what the key table sees stored and gone, named
+//!   as blocks by the policy, published over ZeroMQ).
 //! - [`eviction`]: the key table and the evictor.
 //! - [`kv`]: the kv face (API, client core, transports, own segment).
 //! - [`master_face`]: the sans-IO session per client connection and its tokio shell.
@@ -26,6 +28,7 @@ pub mod admin;
 pub mod calls;
 pub mod codec;
 pub mod config;
+pub mod events;
 pub mod eviction;
 pub mod kv;
 pub mod master_face;

@@ -49,6 +49,8 @@ pub enum RunError {
     Policy(#[from] crate::policy::registry::RegistryError),
     #[error("{0}")]
     Kv(#[from] crate::kv::StartError),
+    #[error(transparent)]
+    Events(#[from] crate::events::publisher::BindError),
 }
 
 async fn bind(what: &'static str, addr: &str) -> Result<TcpListener, RunError> {
@@ -109,14 +111,45 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
             crate::upstream::Upstream::fixed(&cfg.master_face.upstream)
         }
     };
-    let eviction = cfg.eviction.enabled.then(|| {
-        let ev = crate::eviction::Eviction::new(cfg.eviction.clone(), metrics.eviction.clone());
-        tokio::spawn(
-            ev.clone()
-                .run(policy.clone(), upstream.clone(), shutdown.clone()),
+    let events = if cfg.events.enabled {
+        let publisher = crate::events::publisher::Publisher::bind(
+            &cfg.events,
+            metrics.events.clone(),
+            shutdown.clone(),
+        )
+        .await?;
+        tracing::info!(endpoint = %publisher.endpoint,
+            replay = %publisher.replay_endpoint.as_deref().unwrap_or("off"),
+            topic = %cfg.events.topic, "KV events publishing");
+        let (events, rx) = crate::events::Events::new(&cfg.events, metrics.events.clone());
+        tokio::spawn(crate::events::run(
+            rx,
+            publisher,
+            policy.clone(),
+            cfg.events.clone(),
+            metrics.events.clone(),
+            shutdown.clone(),
+        ));
+        Some(events)
+    } else {
+        None
+    };
+    // The key table is kept for eviction and for events; the evictor runs only with
+    // eviction on.
+    let eviction = (cfg.eviction.enabled || events.is_some()).then(|| {
+        let ev = crate::eviction::Eviction::new(
+            cfg.eviction.clone(),
+            metrics.eviction.clone(),
+            events.clone(),
         );
-        tracing::info!(master_metrics = %cfg.eviction.master_metrics_url,
-            high_watermark = cfg.eviction.high_watermark, "eviction on");
+        if cfg.eviction.enabled {
+            tokio::spawn(
+                ev.clone()
+                    .run(policy.clone(), upstream.clone(), shutdown.clone()),
+            );
+            tracing::info!(master_metrics = %cfg.eviction.master_metrics_url,
+                high_watermark = cfg.eviction.high_watermark, "eviction on");
+        }
         ev
     });
     let state = Arc::new(AdminState {

@@ -31,6 +31,7 @@ mod fault_relay;
 mod faults;
 mod ha;
 mod kv_bounds;
+mod kv_events;
 mod kv_face;
 mod kv_quic;
 mod master_face_failures;

@@ -533,6 +533,8 @@ pub struct Background {
     pub stdin: Option<ChildStdin>,
     pub ready_line: String,
     pub out: PathBuf,
+    /// Every later `READY` line, for [`Background::step`].
+    ready: std::sync::mpsc::Receiver<String>,
     _dir: tempfile::TempDir,
 }
 
@@ -564,7 +566,6 @@ impl Background {
     ) -> Background {
         let dir = tempdir();
         let out = dir.path().join("out.json");
-        let log = dir.path().join("client.log");
         let mut cmd = Command::new(release.map_or_else(python, |r| r.python.clone()));
         if let Some(r) = release {
             r.apply(&mut cmd);
@@ -573,8 +574,22 @@ impl Background {
             .args(["--role", role, "--master", master, "--metadata", metadata])
             .arg("--out")
             .arg(&out)
-            .args(extra)
-            .stdin(Stdio::piped())
+            .args(extra);
+        Background::spawn(role, cmd, dir, logs)
+    }
+
+    /// Starts `cmd` (which writes its results to `dir/out.json`, given to it by the
+    /// caller) and waits for its first `READY` line on stdout.
+    pub fn spawn(
+        name: &str,
+        mut cmd: Command,
+        dir: tempfile::TempDir,
+        logs: &[&Proc],
+    ) -> Background {
+        let out = dir.path().join("out.json");
+        let log = dir.path().join("client.log");
+        let role = name;
+        cmd.stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&log).unwrap())
             .env("MC_TCP_BIND_ADDRESS", "127.0.0.1");
@@ -610,8 +625,26 @@ impl Background {
             stdin,
             ready_line,
             out,
+            ready: rx,
             _dir: dir,
         }
+    }
+
+    /// Sends `line` and waits for the next `READY` line (returned).
+    pub fn step(&mut self, line: &str) -> String {
+        if let Some(s) = self.stdin.as_mut() {
+            writeln!(s, "{line}").expect("write to the role's stdin");
+            s.flush().expect("flush the role's stdin");
+        }
+        self.ready
+            .recv_timeout(Duration::from_secs(120))
+            .unwrap_or_else(|_| {
+                panic!(
+                    "{} did not answer {line:?}\n{}",
+                    self.proc.name,
+                    self.proc.log_text()
+                )
+            })
     }
 
     pub fn endpoint(&self) -> &str {

@@ -33,6 +33,8 @@ Roles:
   guest   mount no memory, read own/small and own/big (put through moongate's kv face
           into moongate's own segment), then put py/x (70000 B) and py/big (5 MiB + 1),
           which can only land in moongate's segment.
+  events  three phases of puts, removals, a RemoveAll and a 10 MiB batch put, each
+          ended by "READY <n>" and a line on stdin (the KV-events test).
   place   put each of --count keys (--prefix) one call at a time (so a per-key policy
           decides each), then report every put's return code and where each replica
           landed (segment endpoint, from batch_get_replica_desc).
@@ -463,11 +465,38 @@ def misses(run):
     run.finish()
 
 
+def events(run):
+    """KV events: a scripted workload whose every event a test checks. Three phases,
+    each ended by "READY <n>" and a line on stdin."""
+    s = run.s
+    run.setup(16 * MiB)
+    chain = [f"ev/blk/{i}" for i in range(1, 9)]
+    run.rec("put_chain", s.put_batch(chain, [value(k, 64 << 10) for k in chain]))
+    run.rec("put_one", s.put("ev/blk/100", value("ev/blk/100", 4096)))
+    run.rec("put_plain", s.put("plain", value("plain", 4096)))
+    run.rec("remove_one", s.remove("ev/blk/100"))
+    print("READY 1", flush=True)
+    sys.stdin.readline()
+    late = [f"ev/blk/{i}" for i in range(200, 204)]
+    run.rec("put_late", s.put_batch(late, [value(k, 4096) for k in late]))
+    run.rec("remove_all", s.remove_all())
+    print("READY 2", flush=True)
+    sys.stdin.readline()
+    # 10 MiB into a 16 MiB pool: over the test's eviction mark.
+    big = [f"ev/blk/{i}" for i in range(1000, 1040)]
+    run.rec("put_big", s.put_batch(big, [value(k, 256 << 10) for k in big]))
+    print("READY 3", flush=True)
+    sys.stdin.readline()
+    run.rec("exist_big", dict(zip(big, [int(x) for x in s.batch_is_exist(big)])))
+    run.rec("close", s.close())
+    run.finish()
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--role", required=True,
                    choices=["owner", "reader", "idle", "loop", "demo", "hold", "place", "disk", "steer", "bulk", "chains", "kvpeer", "guest",
-                            "diskget", "failover", "misses"])
+                            "diskget", "failover", "misses", "events"])
     p.add_argument("--master", required=True)
     p.add_argument("--metadata", required=True)
     p.add_argument("--out", required=True)
@@ -481,7 +510,8 @@ def main():
     run = Run(a)
     {"owner": owner, "reader": reader, "idle": idle, "loop": loop, "demo": demo,
      "hold": hold, "place": place, "disk": disk, "steer": steer, "bulk": bulk, "chains": chains, "kvpeer": kvpeer, "guest": guest,
-     "diskget": diskget, "failover": failover, "misses": misses}[a.role](run)
+     "diskget": diskget, "failover": failover, "misses": misses,
+     "events": events}[a.role](run)
 
 
 if __name__ == "__main__":

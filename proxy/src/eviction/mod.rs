@@ -37,6 +37,7 @@ use crate::calls::Seen;
 pub use crate::calls::{Track, Tracked};
 use crate::codec::message::{RemoveArgs, Request, Response};
 use crate::codec::types::ErrorCode;
+use crate::events::{Change, Changes, Events, What};
 use crate::policy::active::ActiveSet;
 use crate::policy::host::wit;
 use crate::policy::registry::Registry;
@@ -60,10 +61,18 @@ pub struct Eviction {
     clock: Instant,
     metrics: Arc<EvictionMetrics>,
     usage_url: Option<HttpUrl>,
+    /// KV events (`[events]` on): what the table sees stored and gone, for routers.
+    events: Option<Arc<Events>>,
 }
 
 impl Eviction {
-    pub fn new(cfg: EvictionConfig, metrics: Arc<EvictionMetrics>) -> Arc<Eviction> {
+    /// The table and the evictor's state; `events`: where stores and removals go when KV
+    /// events are on.
+    pub fn new(
+        cfg: EvictionConfig,
+        metrics: Arc<EvictionMetrics>,
+        events: Option<Arc<Events>>,
+    ) -> Arc<Eviction> {
         let usage_url = HttpUrl::parse(&cfg.master_metrics_url);
         Arc::new(Eviction {
             table: KeyTable::new(cfg.max_keys, cfg.lease_ms),
@@ -73,6 +82,7 @@ impl Eviction {
             clock: Instant::now(),
             metrics,
             usage_url,
+            events,
         })
     }
 
@@ -97,19 +107,46 @@ impl Eviction {
                 Seen::Denied(bytes) => {
                     self.denied_bytes.fetch_add(bytes, Ordering::Relaxed);
                 }
-                Seen::Completed(keys) => self.table.complete(&t.tenant, keys.iter()),
+                Seen::Completed(keys) => match &self.events {
+                    Some(ev) => {
+                        let mut c = Changes::new(What::Stored);
+                        self.table.complete(&t.tenant, keys.iter(), |k, e| {
+                            c.push(e.arm, Some(e.tier), k)
+                        });
+                        c.send(ev);
+                    }
+                    None => self.table.complete(&t.tenant, keys.iter(), |_, _| {}),
+                },
                 Seen::Found(keys) => {
                     self.table
                         .hit(&t.tenant, keys.iter().map(|(k, tier)| (k, *tier)), now)
                 }
                 Seen::Missed(keys) => self.missed(&t.tenant, &keys, arm_name, now),
                 Seen::Removed(keys) => {
-                    self.table.forget(&t.tenant, keys.iter());
+                    match &self.events {
+                        Some(ev) => {
+                            let mut c = Changes::new(What::Removed);
+                            for k in &keys {
+                                let e = self.table.take(&t.tenant, k);
+                                c.push(e.as_ref().map_or(arm8, |e| e.arm), e.map(|e| e.tier), k);
+                            }
+                            c.send(ev);
+                        }
+                        None => self.table.forget(&t.tenant, keys.iter()),
+                    }
                     self.history
                         .note(&t.tenant, keys.iter(), Why::removed_by_client, arm8, now);
                 }
                 Seen::Cleared => {
                     let gone = self.table.clear(&t.tenant);
+                    if let Some(ev) = &self.events {
+                        ev.send(Change {
+                            what: What::Cleared,
+                            arm: arm8,
+                            tier: None,
+                            keys: Vec::new(),
+                        });
+                    }
                     self.history
                         .note(&t.tenant, gone.iter(), Why::removed_by_client, arm8, now);
                 }
@@ -126,8 +163,13 @@ impl Eviction {
             return;
         }
         let mut by_why = [0u64; history::WHYS.len()];
+        let mut gone = self.events.as_ref().map(|_| Changes::new(What::Removed));
         for k in keys {
             let why = if let Some(e) = self.table.take(tenant, k) {
+                // The master's own eviction, announced when seen.
+                if let Some(c) = &mut gone {
+                    c.push(e.arm, Some(e.tier), k);
+                }
                 self.history.note(
                     tenant,
                     std::iter::once(k),
@@ -147,6 +189,9 @@ impl Eviction {
             if n > 0 {
                 self.metrics.missed(history::WHYS[i], arm_name, n);
             }
+        }
+        if let (Some(c), Some(ev)) = (gone, &self.events) {
+            c.send(ev);
         }
     }
 
@@ -380,6 +425,7 @@ impl Eviction {
             })
             .collect();
         let mut removed = Vec::new();
+        let mut gone = self.events.as_ref().map(|_| Changes::new(What::Removed));
         for (chunk, entries) in reqs.chunks(CHUNK).zip(chosen.chunks(CHUNK)) {
             let answers = c
                 .call_all(chunk, self.call_timeout())
@@ -404,11 +450,18 @@ impl Eviction {
                             self.metrics.arm_removed(&arm.name, e.size);
                         }
                         removed.push((e.tenant.clone(), k.clone()));
+                        if let Some(c) = &mut gone {
+                            c.push(e.arm, Some(e.tier), k);
+                        }
                         Victim::Removed
                     }
                     Ok(Response::Remove(Err(ErrorCode::OBJECT_HAS_LEASE))) => Victim::Leased,
                     Ok(Response::Remove(Err(ErrorCode::OBJECT_NOT_FOUND))) => {
+                        // Already gone (the master evicted it): gone all the same.
                         removed.push((e.tenant.clone(), k.clone()));
+                        if let Some(c) = &mut gone {
+                            c.push(e.arm, Some(e.tier), k);
+                        }
                         Victim::NotFound
                     }
                     other => {
@@ -420,6 +473,9 @@ impl Eviction {
             }
         }
         tracing::debug!(need, removed = removed.len(), "eviction round");
+        if let (Some(c), Some(ev)) = (gone, &self.events) {
+            c.send(ev);
+        }
         for (tenant, key) in &removed {
             self.table.forget(tenant, std::iter::once(key));
         }
@@ -620,6 +676,7 @@ mod tests {
         let ev = Eviction::new(
             EvictionConfig::default(),
             crate::metrics::Metrics::new().eviction.clone(),
+            None,
         );
         let tenant = Bytes::from_static(b"default");
         let tracked = |what| Tracked {
@@ -660,9 +717,74 @@ mod tests {
     }
 
     #[test]
+    fn the_table_tells_events_what_was_stored_and_what_is_gone() {
+        use crate::events::{Change, Events, EventsConfig, What};
+        let metrics = crate::metrics::Metrics::new();
+        let (events, mut rx) = Events::new(&EventsConfig::default(), metrics.events.clone());
+        let ev = Eviction::new(
+            EvictionConfig::default(),
+            metrics.eviction.clone(),
+            Some(events),
+        );
+        let tenant = Bytes::from_static(b"default");
+        let k = |s: &'static str| Bytes::from_static(s.as_bytes());
+        let tracked = |what| Tracked {
+            tenant: tenant.clone(),
+            what,
+        };
+        ev.record(
+            &tracked(Track::Put(vec![(k("a"), 1), (k("b"), 1), (k("c"), 1)])),
+            &Response::BatchPutStart(vec![Ok(vec![]), Ok(vec![]), Ok(vec![])]),
+            2,
+            "x",
+        );
+        // Nothing is stored until the put ends; a repeated end says nothing new.
+        assert!(rx.try_recv().is_err());
+        for _ in 0..2 {
+            ev.record(
+                &tracked(Track::End(vec![k("a"), k("b"), k("c")])),
+                &Response::BatchPutEnd(vec![Ok(()), Ok(()), Ok(())]),
+                2,
+                "x",
+            );
+        }
+        let stored = rx.try_recv().unwrap();
+        assert_eq!(
+            (stored.what, stored.arm, stored.keys.len()),
+            (What::Stored, 2, 3)
+        );
+        assert!(rx.try_recv().is_err());
+        // A client's removal, a key found gone (the master's eviction), a RemoveAll.
+        ev.record(
+            &tracked(Track::Remove(k("a"))),
+            &Response::Remove(Ok(())),
+            0,
+            "x",
+        );
+        ev.record(
+            &tracked(Track::Lookup(vec![k("b"), k("never")])),
+            &Response::BatchExistKey(vec![Ok(false), Ok(false)]),
+            0,
+            "x",
+        );
+        ev.record(&tracked(Track::RemoveAll), &Response::RemoveAll(1), 0, "x");
+        let rest: Vec<Change> = std::iter::from_fn(|| rx.try_recv().ok()).collect();
+        let shapes: Vec<(What, Vec<Bytes>, u8)> =
+            rest.into_iter().map(|c| (c.what, c.keys, c.arm)).collect();
+        assert_eq!(
+            shapes,
+            [
+                (What::Removed, vec![k("a")], 2),
+                (What::Removed, vec![k("b")], 2),
+                (What::Cleared, vec![], 0),
+            ]
+        );
+    }
+
+    #[test]
     fn every_miss_gets_a_reason() {
         let metrics = crate::metrics::Metrics::new();
-        let ev = Eviction::new(EvictionConfig::default(), metrics.eviction.clone());
+        let ev = Eviction::new(EvictionConfig::default(), metrics.eviction.clone(), None);
         let tenant = Bytes::from_static(b"default");
         let k = |s: &'static str| Bytes::from_static(s.as_bytes());
         let tracked = |what| Tracked {

@@ -166,12 +166,22 @@ impl KeyTable {
         }
     }
 
-    /// Marks keys whose put ended: they are stored and may be evicted.
-    pub fn complete<'a>(&self, tenant: &Bytes, keys: impl Iterator<Item = &'a Bytes>) {
+    /// Marks keys whose put ended: they are stored and may be evicted. `newly` sees each
+    /// key that was not marked before (a put of an existing key is a no-op in Mooncake,
+    /// and a repeated end changes nothing).
+    pub fn complete<'a>(
+        &self,
+        tenant: &Bytes,
+        keys: impl Iterator<Item = &'a Bytes>,
+        mut newly: impl FnMut(&Bytes, &Entry),
+    ) {
         let mut t = self.lock();
         for k in keys {
-            if let Some(e) = t.map.get_mut(&(tenant.clone(), k.clone())) {
+            if let Some(e) = t.map.get_mut(&(tenant.clone(), k.clone()))
+                && !e.complete
+            {
                 e.complete = true;
+                newly(k, e);
             }
         }
     }
@@ -285,7 +295,7 @@ mod tests {
         );
         t.put(&d, &[(k("c"), 30, Tier::Disk)], 1, 2);
         assert!(t.candidates(10, 5).is_empty(), "puts not ended yet");
-        t.complete(&d, [k("a"), k("b"), k("c")].iter());
+        t.complete(&d, [k("a"), k("b"), k("c")].iter(), |_, _| {});
         t.hit(
             &d,
             [(&k("a"), Some(Tier::Disk)), (&k("zz"), None)].into_iter(),
@@ -313,7 +323,7 @@ mod tests {
             0,
             0,
         );
-        t.complete(&k("t"), [k("a"), k("b")].iter());
+        t.complete(&k("t"), [k("a"), k("b")].iter(), |_, _| {});
         t.hit(&k("t"), [(&k("a"), None)].into_iter(), 10);
         let keys = |now| -> Vec<Bytes> { t.candidates(10, now).into_iter().map(|c| c.0).collect() };
         assert_eq!(keys(50), [k("b")]);
@@ -327,7 +337,7 @@ mod tests {
         t.put(&a, &[(k("x"), 10, Tier::Memory)], 0, 1);
         t.put(&b, &[(k("x"), 20, Tier::Disk)], 1, 2);
         assert_eq!(t.len(), 2, "the same key under two tenants is two entries");
-        t.complete(&a, [k("x")].iter());
+        t.complete(&a, [k("x")].iter(), |_, _| {});
         // Only a's put ended: only a's key is a candidate, under a.
         let c = t.candidates(10, 5);
         assert_eq!(c.len(), 1);
@@ -363,7 +373,7 @@ mod tests {
         assert_eq!(t.arm_bytes(), [20, 17]);
         t.forget(&d, [k("b")].iter());
         assert_eq!(t.arm_bytes(), [0, 17]);
-        t.complete(&d, [k("a"), k("c")].iter());
+        t.complete(&d, [k("a"), k("c")].iter(), |_, _| {});
         assert_eq!(t.candidates_of(1, 10, 5).len(), 2);
         assert!(t.candidates_of(0, 10, 5).is_empty());
         t.clear(&d);
@@ -376,7 +386,7 @@ mod tests {
         for i in 0..5000u64 {
             let key = k(&i.to_string());
             t.put(&k("t"), &[(key.clone(), 1, Tier::Memory)], 0, i);
-            t.complete(&k("t"), std::iter::once(&key));
+            t.complete(&k("t"), std::iter::once(&key), |_, _| {});
         }
         assert!(t.len() <= 1000, "{}", t.len());
         assert!(t.len() >= 900);

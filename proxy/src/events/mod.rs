@@ -1,0 +1,324 @@
+//! KV events for cache-aware routers: the pool's block stores and removals, as this
+//! moongate sees them, published in vLLM's KV-event format over ZeroMQ.
+//!
+//! Rooms:
+//! - here: [`Events`], the handle the key table feeds ([`Change`]s, never waiting: a full
+//!   queue drops and counts), and the publisher task that turns changes into events;
+//! - [`wire`]: the msgpack encoding (pure);
+//! - [`publisher`]: the PUB and replay sockets (bytes only);
+//! - [`config`], [`metrics`].
+//!
+//! What a change means is decided by the key table ([`crate::eviction`]): a put whose
+//! end succeeded is stored, a removal, a `RemoveAll`, an eviction by moongate or a key
+//! found gone on a lookup is removed. How a key maps to a block hash and parent is the
+//! active policy's `block-keys` hook, called here, off the request path.
+
+pub mod config;
+pub mod metrics;
+pub mod publisher;
+pub mod wire;
+
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::codec::types::Tier;
+use crate::policy::registry::Registry;
+use crate::policy::wit;
+pub use config::EventsConfig;
+use metrics::{EventsMetrics, Stage};
+use publisher::Publisher;
+use wire::Event;
+
+/// What happened to the keys of a [`Change`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum What {
+    Stored,
+    Removed,
+    /// Every key is gone (`RemoveAll`); the change carries no keys.
+    Cleared,
+}
+
+/// Keys of one call (in the call's order) that changed alike: one arm, one tier.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Change {
+    pub what: What,
+    /// The experiment arm whose policy names the keys as blocks.
+    pub arm: u8,
+    /// `None`: not known (a removal of a key moongate never saw stored).
+    pub tier: Option<Tier>,
+    pub keys: Vec<Bytes>,
+}
+
+/// Builds the changes of one call: a new change whenever the arm or the tier changes, so
+/// a batch put's keys stay together and in order.
+#[derive(Debug)]
+pub struct Changes {
+    what: What,
+    out: Vec<Change>,
+}
+
+impl Changes {
+    pub fn new(what: What) -> Changes {
+        Changes {
+            what,
+            out: Vec::new(),
+        }
+    }
+
+    pub fn push(&mut self, arm: u8, tier: Option<Tier>, key: &Bytes) {
+        match self.out.last_mut() {
+            Some(c) if c.arm == arm && c.tier == tier => c.keys.push(key.clone()),
+            _ => self.out.push(Change {
+                what: self.what,
+                arm,
+                tier,
+                keys: vec![key.clone()],
+            }),
+        }
+    }
+
+    /// Sends every change to `events`.
+    pub fn send(self, events: &Events) {
+        for c in self.out {
+            events.send(c);
+        }
+    }
+}
+
+/// The `medium` of an event: the Mooncake tier, named as Mooncake's replica types are.
+pub fn medium(tier: Tier) -> &'static str {
+    match tier {
+        Tier::Memory => "MEMORY",
+        Tier::Nof => "NOF",
+        Tier::Disk => "DISK",
+        Tier::LocalDisk => "LOCAL_DISK",
+        Tier::Dfs => "DFS",
+    }
+}
+
+/// The handle the key table holds.
+pub struct Events {
+    tx: mpsc::Sender<Change>,
+    metrics: Arc<EventsMetrics>,
+}
+
+impl Events {
+    /// The handle and the receiving end for [`run`].
+    pub fn new(
+        cfg: &EventsConfig,
+        metrics: Arc<EventsMetrics>,
+    ) -> (Arc<Events>, mpsc::Receiver<Change>) {
+        let (tx, rx) = mpsc::channel(cfg.queue.max(1));
+        (Arc::new(Events { tx, metrics }), rx)
+    }
+
+    /// Queues a change, or drops and counts it when the queue is full: the caller is
+    /// the master face, which never waits on a router.
+    pub fn send(&self, change: Change) {
+        match self.tx.try_send(change) {
+            Ok(()) => self.metrics.queued.inc(),
+            Err(_) => self.metrics.dropped.inc(),
+        };
+    }
+}
+
+/// Publishes queued changes until shutdown, then what is still queued.
+pub async fn run(
+    mut rx: mpsc::Receiver<Change>,
+    mut publisher: Publisher,
+    policy: Arc<Registry>,
+    cfg: EventsConfig,
+    metrics: Arc<EventsMetrics>,
+    shutdown: CancellationToken,
+) {
+    let max = cfg.max_batch_events.max(1);
+    let mut changes = Vec::with_capacity(max);
+    let mut payload = Vec::new();
+    loop {
+        let n = tokio::select! {
+            _ = shutdown.cancelled() => {
+                while let Ok(c) = rx.try_recv() {
+                    changes.push(c);
+                }
+                0
+            }
+            n = rx.recv_many(&mut changes, max) => n,
+        };
+        let events = to_events(&changes, &policy, &metrics);
+        let handled = changes.len() as u64;
+        changes.clear();
+        for chunk in events.chunks(max) {
+            payload.clear();
+            let ts = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64());
+            wire::encode_batch(ts, chunk, cfg.block_tokens, &mut payload);
+            match publisher.publish(Bytes::copy_from_slice(&payload)).await {
+                Ok(()) => {
+                    metrics.batches.inc();
+                    for e in chunk {
+                        metrics.published(e.tag());
+                    }
+                }
+                Err(e) => {
+                    metrics.error(Stage::Send);
+                    tracing::warn!(error = %e, "events: a batch could not be published");
+                }
+            }
+        }
+        metrics.handled.inc_by(handled);
+        if n == 0 {
+            return;
+        }
+    }
+}
+
+/// Events of `changes`, in order: the keys named as blocks by their arm's policy.
+fn to_events(changes: &[Change], policy: &Registry, metrics: &EventsMetrics) -> Vec<Event> {
+    let set = policy.current();
+    let mut out = Vec::new();
+    for c in changes {
+        if c.what == What::Cleared {
+            out.push(Event::Cleared);
+            continue;
+        }
+        let Some(arm) = set.arms.get(c.arm as usize).or(set.arms.first()) else {
+            continue;
+        };
+        let keys = crate::policy::pack_keys(c.keys.iter());
+        let blocks = match arm.plugin.block_keys(&keys) {
+            Ok(Some(b)) => b,
+            Ok(None) => {
+                metrics.unmapped.inc_by(c.keys.len() as u64);
+                continue;
+            }
+            Err(e) => {
+                metrics.error(Stage::Hook);
+                metrics.unmapped.inc_by(c.keys.len() as u64);
+                tracing::debug!(plugin = arm.plugin.name(), error = %e, "events: block-keys failed");
+                continue;
+            }
+        };
+        let medium = c.tier.map(medium);
+        let unmapped = blocks.iter().filter(|b| b.is_none()).count();
+        metrics.unmapped.inc_by(unmapped as u64);
+        match c.what {
+            What::Stored => chains(&blocks, medium, &mut out),
+            _ => {
+                let hashes: Vec<u64> = blocks.iter().flatten().map(|b| b.hash).collect();
+                if !hashes.is_empty() {
+                    out.push(Event::Removed { hashes, medium });
+                }
+            }
+        }
+    }
+    out
+}
+
+/// `BlockStored` events for blocks in call order: one event per run of blocks where each
+/// block's parent is the block before it.
+fn chains(blocks: &[Option<wit::BlockRef>], medium: Option<&'static str>, out: &mut Vec<Event>) {
+    let mut run: Option<(Vec<u64>, Option<u64>)> = None;
+    for b in blocks {
+        let Some(b) = b else {
+            if let Some((hashes, parent)) = run.take() {
+                out.push(Event::Stored {
+                    hashes,
+                    parent,
+                    medium,
+                });
+            }
+            continue;
+        };
+        match &mut run {
+            Some((hashes, _)) if hashes.last().copied() == b.parent && b.parent.is_some() => {
+                hashes.push(b.hash)
+            }
+            _ => {
+                if let Some((hashes, parent)) = run.take() {
+                    out.push(Event::Stored {
+                        hashes,
+                        parent,
+                        medium,
+                    });
+                }
+                run = Some((vec![b.hash], b.parent));
+            }
+        }
+    }
+    if let Some((hashes, parent)) = run {
+        out.push(Event::Stored {
+            hashes,
+            parent,
+            medium,
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn b(hash: u64, parent: Option<u64>) -> Option<wit::BlockRef> {
+        Some(wit::BlockRef { hash, parent })
+    }
+
+    #[test]
+    fn stored_blocks_become_one_event_per_chain() {
+        let mut out = Vec::new();
+        chains(
+            &[
+                b(1, None),
+                b(2, Some(1)),
+                b(3, Some(2)),
+                b(9, Some(7)),
+                None,
+                b(10, Some(9)),
+            ],
+            Some("MEMORY"),
+            &mut out,
+        );
+        let got: Vec<(Vec<u64>, Option<u64>)> = out
+            .into_iter()
+            .map(|e| match e {
+                Event::Stored { hashes, parent, .. } => (hashes, parent),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (vec![1, 2, 3], None),
+                (vec![9], Some(7)),
+                (vec![10], Some(9)),
+            ]
+        );
+    }
+
+    #[test]
+    fn changes_split_by_arm_and_tier_in_order() {
+        let k = |s: &'static str| Bytes::from_static(s.as_bytes());
+        let mut c = Changes::new(What::Stored);
+        c.push(0, Some(Tier::Memory), &k("a"));
+        c.push(0, Some(Tier::Memory), &k("b"));
+        c.push(0, Some(Tier::Disk), &k("c"));
+        c.push(1, Some(Tier::Disk), &k("d"));
+        let shapes: Vec<(u8, Option<Tier>, usize)> = c
+            .out
+            .iter()
+            .map(|c| (c.arm, c.tier, c.keys.len()))
+            .collect();
+        assert_eq!(
+            shapes,
+            [
+                (0, Some(Tier::Memory), 2),
+                (0, Some(Tier::Disk), 1),
+                (1, Some(Tier::Disk), 1)
+            ]
+        );
+    }
+}

@@ -1,0 +1,179 @@
+//! KV events end to end: the real master, moongate with `[events]` on and the lru
+//! plugin (the SDK's default `block-keys` names the replay's `PREFIX/blk/HASH` keys), a real
+//! client's scripted workload, and a subscriber written as routers write them (pyzmq,
+//! msgspec with vLLM's declared structures) that misses a phase and replays it.
+
+use std::collections::BTreeSet;
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use crate::support::*;
+
+/// Both endpoints moongate logged, e.g. `tcp://127.0.0.1:40123`.
+fn endpoints(mg: &Moongate) -> (String, String) {
+    wait_for("events bound", Duration::from_secs(10), &[&mg.proc], || {
+        mg.proc.log_text().contains("KV events publishing")
+    });
+    let log = mg.proc.log_text();
+    let field = |name: &str| {
+        log.split(&format!("{name}="))
+            .nth(1)
+            .and_then(|r| r.split_whitespace().next())
+            .expect("endpoint in the log")
+            .to_string()
+    };
+    (field("endpoint"), field("replay"))
+}
+
+/// Waits until the publisher has handled every queued change.
+fn wait_published(mg: &Moongate) {
+    wait_for(
+        "events published",
+        Duration::from_secs(10),
+        &[&mg.proc],
+        || {
+            let m = mg.metrics();
+            let q = metric_value(&m, "moongate_events_changes_total{state=\"queued\"}");
+            q > 0.0 && q == metric_value(&m, "moongate_events_changes_total{state=\"handled\"}")
+        },
+    );
+}
+
+#[test]
+fn every_event_of_a_real_workload_reaches_a_vllm_subscriber_and_gaps_replay() {
+    let master = Master::start();
+    let mg = Moongate::start_config(&format!(
+        "[master_face]\nupstream = \"{}\"\n\
+         [eviction]\nenabled = true\nmaster_metrics_url = \"{}\"\n\
+         high_watermark = 0.5\nlow_watermark = 0.3\ninterval_ms = 100\n\
+         [events]\nenabled = true\nendpoint = \"tcp://127.0.0.1:0\"\n\
+         replay_endpoint = \"tcp://127.0.0.1:0\"\n\
+         [policy]\nactive = \"p\"\n\
+         [[policy.plugins]]\nname = \"p\"\npath = \"{}\"\n",
+        master.rpc,
+        master.metrics_url,
+        plugin_path("lru").display()
+    ));
+    mg.wait_ready(&master);
+    let (endpoint, replay) = endpoints(&mg);
+
+    let dir = tempdir();
+    let mut cmd = Command::new(python());
+    cmd.arg(repo_root().join("tests/py/kv_events_sub.py"))
+        .args(["--endpoint", &endpoint, "--replay", &replay, "--out"])
+        .arg(dir.path().join("out.json"));
+    let mut sub = Background::spawn("subscriber", cmd, dir, &[&mg.proc]);
+
+    let logs = [&master.proc, &mg.proc];
+    let mut work = Background::start("events", &mg.listen, &master.metadata, &logs);
+    assert_eq!(work.ready_line, "READY 1");
+    wait_published(&mg);
+    // Phase 2 is published while the subscriber is away: a real gap.
+    sub.step("pause");
+    assert_eq!(work.step("go"), "READY 2");
+    wait_published(&mg);
+    sub.step("resume");
+    assert_eq!(work.step("go"), "READY 3");
+    // moongate's usage round has run (10 MiB in a 16 MiB pool, over the 0.5 mark).
+    wait_for("keys evicted", Duration::from_secs(10), &logs, || {
+        mg.metric("moongate_eviction_keys_total{result=\"removed\"}") >= 1.0
+    });
+    let r = work.finish();
+    wait_published(&mg);
+    let batches = mg.metric("moongate_events_batches_total");
+    sub.step(&format!("finish {batches}"));
+    let got: Value = serde_json::from_str(&std::fs::read_to_string(&sub.out).unwrap()).unwrap();
+    let m = mg.metrics();
+
+    // Every batch arrived, in order, some of them by replay.
+    let seqs: Vec<u64> = got["batches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["seq"].as_u64().unwrap())
+        .collect();
+    assert_eq!(seqs, (0..batches as u64).collect::<Vec<_>>(), "{got}");
+    assert!(got["gaps"].as_u64().unwrap() >= 1, "{got}");
+    assert!(!got["replayed"].as_array().unwrap().is_empty(), "{got}");
+    assert!(
+        metric_value(&m, "moongate_events_replays_total") >= 1.0,
+        "{m}"
+    );
+    assert_eq!(
+        metric_value(&m, "moongate_events_dropped_total"),
+        0.0,
+        "{m}"
+    );
+    // `plain` names no block.
+    assert_eq!(
+        metric_value(&m, "moongate_events_unmapped_keys_total"),
+        1.0,
+        "{m}"
+    );
+
+    let events: Vec<Value> = got["batches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|b| b["events"].as_array().unwrap().clone())
+        .collect();
+    // Phases 1 and 2 exactly: the chain in one event, the single put, its removal, the
+    // late chain, the RemoveAll.
+    let first_big = events
+        .iter()
+        .position(|e| e["hashes"][0].as_u64().is_some_and(|h| h >= 1000))
+        .unwrap_or(events.len());
+    let stored = |hashes: Vec<u64>| {
+        json!({"type": "BlockStored", "hashes": hashes, "parent": null,
+               "block_size": 16, "medium": "MEMORY"})
+    };
+    assert_eq!(
+        events[..first_big],
+        [
+            stored((1..=8).collect()),
+            stored(vec![100]),
+            json!({"type": "BlockRemoved", "hashes": [100], "medium": "MEMORY"}),
+            stored((200..=203).collect()),
+            json!({"type": "AllBlocksCleared"}),
+        ],
+        "{got}\n{r}"
+    );
+    // Phase 3: what the events say is stored is exactly what the client finds.
+    let mut held = BTreeSet::new();
+    for e in &events[first_big..] {
+        let hashes = e["hashes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|h| h.as_u64().unwrap());
+        match e["type"].as_str().unwrap() {
+            "BlockStored" => {
+                assert_eq!(e["medium"], "MEMORY", "{e}");
+                held.extend(hashes);
+            }
+            "BlockRemoved" => {
+                for h in hashes {
+                    held.remove(&h);
+                }
+            }
+            other => panic!("unexpected {other}: {got}"),
+        }
+    }
+    let exist = result(&r, "exist_big");
+    let found: BTreeSet<u64> = exist
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(_, v)| v.as_i64() == Some(1))
+        .map(|(k, _)| k.rsplit('/').next().unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(held, found, "events vs the store\n{got}\n{r}");
+    // The workload did what it is for: some stored, some evicted.
+    assert!(!found.is_empty() && found.len() < 40, "{r}\n{m}");
+    assert!(
+        metric_value(&m, "moongate_events_published_total{type=\"BlockRemoved\"}") >= 2.0,
+        "{m}"
+    );
+}

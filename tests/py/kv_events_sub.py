@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""A KV-events subscriber as routers write them: vLLM's declared structures (msgspec),
+a SUB socket for batches, the replay socket for sequence gaps.
+
+Commands on stdin, each answered with a "READY <what>" line on stdout:
+  pause        close the SUB socket (events published meanwhile are missed)
+  resume       subscribe again; the next batch shows the gap, which is replayed
+  finish N     make sure batches 0..N-1 were all received (replaying what is missing),
+               write the result JSON to --out and exit
+"""
+import argparse
+import json
+import queue
+import sys
+import threading
+import time
+from typing import Any, Optional, Union
+
+import msgspec
+import zmq
+from msgspec.msgpack import Decoder
+
+# As vllm/distributed/kv_events.py declares them (ExternalBlockHash = bytes | int).
+ExternalBlockHash = Union[bytes, int]
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: Optional[int] = None
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Base class for all KV cache-related events"""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: Optional[ExternalBlockHash]
+    token_ids: list[int]
+    block_size: int
+    lora_id: Optional[int]
+    medium: Optional[str]
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[ExternalBlockHash]
+    medium: Optional[str]
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
+
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def as_json(e):
+    if isinstance(e, BlockStored):
+        return {"type": "BlockStored", "hashes": e.block_hashes, "parent": e.parent_block_hash,
+                "block_size": e.block_size, "medium": e.medium}
+    if isinstance(e, BlockRemoved):
+        return {"type": "BlockRemoved", "hashes": e.block_hashes, "medium": e.medium}
+    return {"type": "AllBlocksCleared"}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--endpoint", required=True)
+    p.add_argument("--replay", required=True)
+    p.add_argument("--topic", default="")
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    decoder = Decoder(type=KVEventBatch)
+    ctx = zmq.Context()
+    got = {}
+    replayed = []
+    gaps = 0
+
+    def subscribe():
+        s = ctx.socket(zmq.SUB)
+        s.connect(a.endpoint)
+        s.setsockopt_string(zmq.SUBSCRIBE, a.topic)
+        return s
+
+    def replay(start, until=None):
+        """Asks for every batch from `start` on; DEALER, so one request gets them all."""
+        d = ctx.socket(zmq.DEALER)
+        d.connect(a.replay)
+        d.send_multipart([b"", start.to_bytes(8, "big")])
+        while d.poll(5000):
+            _, seq_b, payload = d.recv_multipart()
+            if seq_b == END_SEQ:
+                break
+            seq = int.from_bytes(seq_b, "big")
+            if seq not in got:
+                got[seq] = decoder.decode(payload)
+                replayed.append(seq)
+        else:
+            raise SystemExit(f"replay from {start}: no end marker")
+        d.close(linger=0)
+
+    def last():
+        return max(got) if got else -1
+
+    cmds = queue.Queue()
+    threading.Thread(target=lambda: [cmds.put(l.strip()) for l in sys.stdin], daemon=True).start()
+    sub = subscribe()
+    # The slow-joiner: a SUB socket receives only after its subscription reached the
+    # publisher. Nothing to wait for here: a missed first batch is replayed.
+    print("READY subscribed", flush=True)
+    while True:
+        if sub is not None and sub.poll(20):
+            topic, seq_b, payload = sub.recv_multipart()
+            seq = int.from_bytes(seq_b, "big")
+            if seq > last() + 1:
+                gaps += 1
+                replay(last() + 1)
+            if seq not in got:
+                got[seq] = decoder.decode(payload)
+        try:
+            cmd = cmds.get_nowait()
+        except queue.Empty:
+            continue
+        if cmd == "pause":
+            sub.close(linger=0)
+            sub = None
+            print("READY paused", flush=True)
+        elif cmd == "resume":
+            sub = subscribe()
+            print("READY resumed", flush=True)
+        elif cmd.startswith("finish"):
+            n = int(cmd.split()[1])
+            deadline = time.time() + 10
+            while len([s for s in got if s < n]) < n and time.time() < deadline:
+                if sub is not None and sub.poll(100):
+                    topic, seq_b, payload = sub.recv_multipart()
+                    seq = int.from_bytes(seq_b, "big")
+                    got.setdefault(seq, decoder.decode(payload))
+                missing = [s for s in range(n) if s not in got]
+                if missing:
+                    replay(missing[0])
+            out = {
+                "batches": [{"seq": s, "ts": got[s].ts, "events": [as_json(e) for e in got[s].events]}
+                            for s in sorted(got)],
+                "replayed": sorted(replayed),
+                "gaps": gaps,
+            }
+            with open(a.out, "w") as f:
+                json.dump(out, f)
+            print("READY finished", flush=True)
+            return
+
+
+if __name__ == "__main__":
+    main()
