@@ -119,6 +119,10 @@ def main():
                    help="a second moongate binary (e.g. an earlier commit's release build) "
                         "run side by side with the same config, to compare two builds in "
                         "one run")
+    p.add_argument("--baseline-config", default=None,
+                   help="config file for the baseline (default: --moongate-config); with "
+                        "--baseline set to the same binary this compares two configs, e.g. "
+                        "KV events on against off")
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--json", help="write the summary here")
     a = p.parse_args()
@@ -142,9 +146,10 @@ def main():
             stdout=open(f"{work}/moongate.log", "w"), stderr=subprocess.STDOUT,
             env={**os.environ, "RUST_LOG": "warn"}))
         if a.baseline:
+            base_cfg = a.moongate_config if a.baseline_config is None else a.baseline_config
             procs.append(subprocess.Popen(
                 [a.baseline, "run"]
-                + (["--config", a.moongate_config] if a.moongate_config else [])
+                + (["--config", base_cfg] if base_cfg else [])
                 + ["--listen", f"127.0.0.1:{b_listen}",
                    "--upstream", f"127.0.0.1:{rpc}", "--admin", f"127.0.0.1:{b_admin}"],
                 stdout=open(f"{work}/baseline.log", "w"), stderr=subprocess.STDOUT,

@@ -76,6 +76,10 @@ panel("Bytes found per tier", [(f'sum by (tier) ({rate("moongate_tier_bytes_tota
 panel("Master memory usage", [(f'max(moongate_master_memory_usage_ppm{{{I}}}) / 1e6', "allocated / capacity")], "percentunit")
 panel("Eviction", [(f'sum by (result) ({rate("moongate_eviction_keys_total")})', "victims {{result}}"),
                    (f'sum by (trigger) ({rate("moongate_eviction_rounds_total")})', "rounds {{trigger}}")], "ops")
+panel("KV events for routers", [(f'sum by (type) ({rate("moongate_events_published_total")})', "published {{type}}"),
+                                (f'sum({rate("moongate_events_dropped_total")})', "dropped (queue full)"),
+                                (f'sum({rate("moongate_events_unmapped_keys_total")})', "keys naming no block")], "ops",
+      desc="Events in vLLM's KV-event format, as [events] publishes them; drops are lost to routers.")
 endrow()
 row("kv face")
 panel("kv requests by op and status", [(f'sum by (op, status) ({rate("moongate_kv_requests_total")})', "{{op}} {{status}}")], "reqps")
@@ -88,7 +92,7 @@ dash = {
   "__inputs": [{"name": "DS_PROMETHEUS", "label": "Prometheus", "type": "datasource", "pluginId": "prometheus", "pluginName": "Prometheus"}],
   "title": "moongate", "uid": "moongate", "tags": ["moongate", "mooncake"], "timezone": "browser",
   "schemaVersion": 39, "version": 1, "refresh": "30s", "time": {"from": "now-1h", "to": "now"},
-  "description": "moongate: master face, policies and A/B arms, tiers and eviction, kv face. Every query is checked against a live moongate by tests/all/dashboards.rs.",
+  "description": "moongate: master face, policies and A/B arms, tiers, eviction and KV events, kv face. Every query is checked against a live moongate by tests/all/dashboards.rs.",
   "templating": {"list": [
     {"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Prometheus"},
     {"name": "instance", "type": "query", "datasource": {"type": "prometheus", "uid": "${datasource}"},

@@ -121,6 +121,8 @@ fn the_dashboard_and_alerts_work_on_a_real_prometheus() {
          [experiment]\nassign = \"key\"\n\
          arms = [ {{ name = \"base\", plugin = \"default\", weight = 50 }},\n\
                   {{ name = \"lru\", plugin = \"lru\", weight = 50 }} ]\n\
+         [events]\nenabled = true\nendpoint = \"tcp://127.0.0.1:0\"\n\
+         replay_endpoint = \"tcp://127.0.0.1:0\"\n\
          [kv]\nlisten = \"{kv}\"\nmetadata_url = \"{}\"\nsegment_bytes = 16777216\n",
         master.rpc,
         master.metrics_url,
@@ -193,7 +195,7 @@ fn the_dashboard_and_alerts_work_on_a_real_prometheus() {
     });
     let rules = prom.api("/api/v1/rules");
     let rs = rules["data"]["groups"][0]["rules"].as_array().unwrap();
-    assert_eq!(rs.len(), 10, "{rules}");
+    assert_eq!(rs.len(), 11, "{rules}");
     for r in rs {
         assert_eq!(r["health"], "ok", "{r}");
     }

@@ -176,4 +176,43 @@ fn every_event_of_a_real_workload_reaches_a_vllm_subscriber_and_gaps_replay() {
         metric_value(&m, "moongate_events_published_total{type=\"BlockRemoved\"}") >= 2.0,
         "{m}"
     );
+
+    // The router example joins late: it catches up from the replay buffer and answers
+    // which prefix this rank holds.
+    let found: Vec<u64> = found.into_iter().collect();
+    let all: Vec<u64> = (1000..1040).collect();
+    let leading = all.iter().take_while(|h| found.contains(h)).count();
+    let answers = router_answers(&endpoint, &replay, &[&found, &all], &logs);
+    assert_eq!(answers[0]["best"], "r0", "{answers:?}");
+    assert_eq!(
+        answers[0]["ranks"][0]["prefix_blocks"],
+        found.len(),
+        "{answers:?}"
+    );
+    assert_eq!(
+        answers[0]["ranks"][0]["media"],
+        json!(["MEMORY"]),
+        "{answers:?}"
+    );
+    assert_eq!(
+        answers[1]["ranks"][0]["prefix_blocks"], leading,
+        "{answers:?}"
+    );
+}
+
+/// Runs `deploy/examples/kv_router.py` against one moongate (rank `r0`) and asks it one
+/// query per list of block hashes; returns its answers.
+fn router_answers(endpoint: &str, replay: &str, queries: &[&[u64]], logs: &[&Proc]) -> Vec<Value> {
+    let dir = tempdir();
+    let mut cmd = Command::new(python());
+    cmd.arg(repo_root().join("deploy/examples/kv_router.py"))
+        .args(["--rank", &format!("r0={endpoint},{replay}")]);
+    let mut router = Background::spawn("router", cmd, dir, logs);
+    queries
+        .iter()
+        .map(|q| {
+            let line = router.ask(&json!(q).to_string(), Duration::from_secs(30));
+            serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"))
+        })
+        .collect()
 }

@@ -527,14 +527,28 @@ pub fn run_role_on(
     serde_json::from_str(&text).unwrap()
 }
 
+/// The next `READY` line within `limit` (other lines are output the caller did not ask
+/// for, skipped).
+fn next_ready(lines: &std::sync::mpsc::Receiver<String>, limit: Duration) -> Option<String> {
+    let end = Instant::now() + limit;
+    loop {
+        let left = end.checked_duration_since(Instant::now())?;
+        match lines.recv_timeout(left) {
+            Ok(l) if l.starts_with("READY") => return Some(l),
+            Ok(_) => continue,
+            Err(_) => return None,
+        }
+    }
+}
+
 /// A scenario role kept running in the background, talking over stdin/stdout.
 pub struct Background {
     pub proc: Proc,
     pub stdin: Option<ChildStdin>,
     pub ready_line: String,
     pub out: PathBuf,
-    /// Every later `READY` line, for [`Background::step`].
-    ready: std::sync::mpsc::Receiver<String>,
+    /// Every later line of its stdout, for [`Background::step`] and [`Background::ask`].
+    lines: std::sync::mpsc::Receiver<String>,
     _dir: tempfile::TempDir,
 }
 
@@ -599,9 +613,7 @@ impl Background {
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if line.starts_with("READY") {
-                    let _ = tx.send(line);
-                }
+                let _ = tx.send(line);
             }
         });
         let proc = Proc {
@@ -609,9 +621,9 @@ impl Background {
             child,
             log,
         };
-        let ready_line = match rx.recv_timeout(Duration::from_secs(60)) {
-            Ok(l) => l,
-            Err(_) => {
+        let ready_line = match next_ready(&rx, Duration::from_secs(60)) {
+            Some(l) => l,
+            None => {
                 let all: Vec<String> = logs.iter().map(|l| l.log_text()).collect();
                 panic!(
                     "{role} never got ready\n{}\n{}",
@@ -625,9 +637,24 @@ impl Background {
             stdin,
             ready_line,
             out,
-            ready: rx,
+            lines: rx,
             _dir: dir,
         }
+    }
+
+    /// Sends `line` and returns the next line it prints (any line, not only `READY`).
+    pub fn ask(&mut self, line: &str, limit: Duration) -> String {
+        if let Some(s) = self.stdin.as_mut() {
+            writeln!(s, "{line}").expect("write to the role's stdin");
+            s.flush().expect("flush the role's stdin");
+        }
+        self.lines.recv_timeout(limit).unwrap_or_else(|_| {
+            panic!(
+                "{} did not answer {line:?}\n{}",
+                self.proc.name,
+                self.proc.log_text()
+            )
+        })
     }
 
     /// Sends `line` and waits for the next `READY` line (returned).
@@ -636,15 +663,13 @@ impl Background {
             writeln!(s, "{line}").expect("write to the role's stdin");
             s.flush().expect("flush the role's stdin");
         }
-        self.ready
-            .recv_timeout(Duration::from_secs(120))
-            .unwrap_or_else(|_| {
-                panic!(
-                    "{} did not answer {line:?}\n{}",
-                    self.proc.name,
-                    self.proc.log_text()
-                )
-            })
+        next_ready(&self.lines, Duration::from_secs(120)).unwrap_or_else(|| {
+            panic!(
+                "{} did not answer {line:?}\n{}",
+                self.proc.name,
+                self.proc.log_text()
+            )
+        })
     }
 
     pub fn endpoint(&self) -> &str {

@@ -1,0 +1,175 @@
+#!/usr/bin/env python3
+"""A cache-aware routing index fed by moongate's KV events: which rank's Mooncake pool
+holds the longest prefix of a request's blocks, and in which tier.
+
+One moongate runs beside each rank with `[events] enabled = true`. This index subscribes
+to all of them, catches up from each one's replay buffer, then follows the live stream
+(replaying any sequence gap), and answers queries: a JSON list of block hashes per line
+on stdin -> one JSON line on stdout with each rank's matched prefix length and medium,
+best first.
+
+  python deploy/examples/kv_router.py \\
+      --rank rank0=tcp://10.0.0.1:5557,tcp://10.0.0.1:5558 \\
+      --rank rank1=tcp://10.0.0.2:5557,tcp://10.0.0.2:5558
+  [101, 102, 103]
+  {"best": "rank0", "ranks": [{"rank": "rank0", "prefix_blocks": 3, "media": ["MEMORY"]}, ...]}
+
+Needs pyzmq and msgspec. The structures are vLLM's (vllm/distributed/kv_events.py), so
+the same index can also read vLLM's own GPU/CPU events.
+"""
+import argparse
+import json
+import sys
+import threading
+from typing import Any, Optional, Union
+
+import msgspec
+import zmq
+from msgspec.msgpack import Decoder
+
+ExternalBlockHash = Union[bytes, int]
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: Optional[int] = None
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: Optional[ExternalBlockHash]
+    token_ids: list[int]
+    block_size: int
+    lora_id: Optional[int]
+    medium: Optional[str]
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[ExternalBlockHash]
+    medium: Optional[str]
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
+
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+class Index:
+    """block hash -> {rank: set of media}, updated from events, read by queries."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.blocks = {}
+
+    def apply(self, rank, batch):
+        with self.lock:
+            for e in batch.events:
+                if isinstance(e, BlockStored):
+                    for h in e.block_hashes:
+                        self.blocks.setdefault(h, {}).setdefault(rank, set()).add(e.medium)
+                elif isinstance(e, BlockRemoved):
+                    for h in e.block_hashes:
+                        ranks = self.blocks.get(h, {})
+                        media = ranks.get(rank, set())
+                        # No medium: the block is gone from every tier.
+                        media.difference_update({e.medium} if e.medium else set(media))
+                        if not media:
+                            ranks.pop(rank, None)
+                        if not ranks:
+                            self.blocks.pop(h, None)
+                else:
+                    for h in list(self.blocks):
+                        self.blocks[h].pop(rank, None)
+                        if not self.blocks[h]:
+                            del self.blocks[h]
+
+    def query(self, hashes, ranks):
+        out = []
+        with self.lock:
+            for r in ranks:
+                n, media = 0, set()
+                for h in hashes:
+                    held = self.blocks.get(h, {}).get(r)
+                    if not held:
+                        break
+                    n += 1
+                    media |= held
+                out.append({"rank": r, "prefix_blocks": n, "media": sorted(m or "" for m in media)})
+        out.sort(key=lambda x: -x["prefix_blocks"])
+        return {"best": out[0]["rank"] if out and out[0]["prefix_blocks"] else None, "ranks": out}
+
+
+def follow(ctx, rank, pub, replay, index, caught_up):
+    decoder = Decoder(type=KVEventBatch)
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(pub)
+    sub.setsockopt_string(zmq.SUBSCRIBE, "")
+    last = -1
+
+    def catch_up(start):
+        nonlocal last
+        d = ctx.socket(zmq.DEALER)
+        d.connect(replay)
+        d.send_multipart([b"", start.to_bytes(8, "big")])
+        while d.poll(5000):
+            _, seq_b, payload = d.recv_multipart()
+            if seq_b == END_SEQ:
+                break
+            seq = int.from_bytes(seq_b, "big")
+            if seq > last:
+                index.apply(rank, decoder.decode(payload))
+                last = seq
+        d.close(linger=0)
+
+    # Everything the publisher still buffers, then the live stream.
+    catch_up(0)
+    caught_up.release()
+    while True:
+        _, seq_b, payload = sub.recv_multipart()
+        seq = int.from_bytes(seq_b, "big")
+        if seq <= last:
+            continue
+        if seq > last + 1:
+            catch_up(last + 1)
+            if seq <= last:
+                continue
+        index.apply(rank, decoder.decode(payload))
+        last = seq
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rank", action="append", required=True,
+                   help="NAME=PUB_ENDPOINT,REPLAY_ENDPOINT (one per moongate)")
+    a = p.parse_args()
+    ctx = zmq.Context()
+    index = Index()
+    names = []
+    caught_up = threading.Semaphore(0)
+    for spec in a.rank:
+        name, _, eps = spec.partition("=")
+        pub, _, replay = eps.partition(",")
+        names.append(name)
+        threading.Thread(target=follow, args=(ctx, name, pub, replay, index, caught_up),
+                         daemon=True).start()
+    for _ in names:
+        caught_up.acquire()
+    print("READY", flush=True)
+    for line in sys.stdin:
+        if line.strip():
+            print(json.dumps(index.query(json.loads(line), names)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
