@@ -127,6 +127,7 @@ fn registry() -> Arc<Registry> {
     let spec = |name: &str, file: &str| PluginSpec {
         name: name.into(),
         path: Some(format!("{dir}/{file}.wasm")),
+        from: None,
         sha256: None,
         config: String::new(),
     };

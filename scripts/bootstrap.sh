@@ -22,7 +22,8 @@ venv=${MOONGATE_VENV:-$root/.venv}
 MOONCAKE_PKG="mooncake-transfer-engine-non-cuda==0.3.13.post1"
 
 need_apt=()
-for p in libibverbs1 librdmacm1 curl protobuf-compiler etcd-server prometheus; do
+for p in libibverbs1 librdmacm1 curl protobuf-compiler etcd-server prometheus \
+         docker-registry minisign systemd; do
   dpkg -s "$p" >/dev/null 2>&1 || need_apt+=("$p")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then
@@ -42,6 +43,11 @@ if ! "$venv/bin/python" -c "import mooncake.store" >/dev/null 2>&1 \
   "$venv/bin/pip" install -q --disable-pip-version-check "$MOONCAKE_PKG"
 fi
 # The KV-events test subscribes as vLLM's example subscriber does (pyzmq + msgspec).
+# deploy/k8s/ is validated against the Kubernetes API schemas (bundled by this package).
+if ! "$venv/bin/python" -c "import kubernetes_validate" >/dev/null 2>&1; then
+  echo "bootstrap: installing kubernetes-validate"
+  "$venv/bin/pip" install -q --disable-pip-version-check "kubernetes-validate==1.37.0"
+fi
 if ! "$venv/bin/python" -c "import zmq, msgspec" >/dev/null 2>&1; then
   echo "bootstrap: installing pyzmq and msgspec"
   "$venv/bin/pip" install -q --disable-pip-version-check "pyzmq==27.3.0" "msgspec==0.23.0"

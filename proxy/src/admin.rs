@@ -3,8 +3,9 @@
 //! Read: `GET /live`, `GET /ready`, `GET /status`, `GET /metrics`, `GET /plugins`,
 //! `GET /experiments`.
 //! Change (bearer token `admin.token`, or loopback when no token is set):
-//! `POST /plugins?name=NAME[&sha256=HEX][&path=FILE]` (component bytes as the body, or a
-//! path), `POST /plugins/NAME/activate`, `POST /plugins/rollback`, `PUT /experiments`.
+//! `POST /plugins?name=NAME[&sha256=HEX][&path=FILE | &from=oci://REF]` (component bytes
+//! as the body with an optional `X-Moongate-Signature` header, a path with `PATH.minisig`
+//! beside it, or a registry reference), `POST /plugins/NAME/activate`, `POST /plugins/rollback`, `PUT /experiments`.
 //!
 //! `/ready` is 200 only while the upstream master (with HA masters: the current leader)
 //! answers `ServiceReady`, probed in the background by [`ready_probe`]; a sidecar whose
@@ -28,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
 use crate::policy::experiment::ExperimentSpec;
-use crate::policy::registry::{Registry, RegistryError};
+use crate::policy::registry::{Origin, Registry, RegistryError};
 use crate::validate::{check_addr, positive};
 
 /// The admin HTTP endpoint: `/live`, `/ready`, `/metrics`.
@@ -75,7 +76,9 @@ impl AdminConfig {
 }
 
 /// Largest plugin upload accepted.
-const MAX_PLUGIN_BYTES: usize = 32 << 20;
+/// The request header carrying an uploaded plugin's minisign signature (base64 of the
+/// `.minisig` file's text).
+pub const SIGNATURE_HEADER: &str = "x-moongate-signature";
 
 /// State the admin endpoint reads.
 pub struct AdminState {
@@ -157,6 +160,8 @@ fn registry_error(e: &RegistryError) -> Response<Full<Bytes>> {
     let status = match e {
         RegistryError::UnknownPlugin(_) => StatusCode::NOT_FOUND,
         RegistryError::NoLastGood => StatusCode::CONFLICT,
+        RegistryError::Untrusted { .. } => StatusCode::FORBIDDEN,
+        RegistryError::Pull(_) => StatusCode::BAD_GATEWAY,
         _ => StatusCode::UNPROCESSABLE_ENTITY,
     };
     error(status, e)
@@ -320,37 +325,75 @@ async fn route(
             let Some(name) = q.get("name").cloned() else {
                 return error(StatusCode::BAD_REQUEST, "missing ?name=NAME");
             };
-            let body = match Limited::new(req.into_body(), MAX_PLUGIN_BYTES)
-                .collect()
-                .await
-            {
+            let pin = q.get("sha256").cloned();
+            // A signature for an uploaded body: the `.minisig` file's text, base64 (a
+            // header holds no newlines). Files carry theirs beside them (`PATH.minisig`),
+            // registry artifacts in their manifest.
+            let header_sig = match req.headers().get(SIGNATURE_HEADER) {
+                None => None,
+                Some(v) => match v
+                    .to_str()
+                    .ok()
+                    .and_then(crate::supply::credentials::decode_base64)
+                    .and_then(|b| String::from_utf8(b).ok())
+                {
+                    Some(s) => Some(s),
+                    None => {
+                        return error(
+                            StatusCode::BAD_REQUEST,
+                            format!("{SIGNATURE_HEADER}: not base64 of a .minisig file's text"),
+                        );
+                    }
+                },
+            };
+            if let Some(from) = q.get("from") {
+                let r = crate::policy_feed::load_reference(&state.policy, &name, from, pin, false)
+                    .await;
+                return match r {
+                    Ok(info) => json(StatusCode::OK, &info),
+                    Err(e @ RegistryError::Pull(_)) => error(StatusCode::BAD_GATEWAY, e),
+                    Err(e) => registry_error(&e),
+                };
+            }
+            let cap = state.policy.max_plugin_bytes();
+            let body = match Limited::new(req.into_body(), cap).collect().await {
                 Ok(b) => b.to_bytes(),
                 Err(e) => {
                     return error(
                         StatusCode::PAYLOAD_TOO_LARGE,
-                        format!("body unreadable or over {MAX_PLUGIN_BYTES} bytes: {e}"),
+                        format!(
+                            "body unreadable or over {cap} bytes (policy.max_plugin_bytes): {e}"
+                        ),
                     );
                 }
             };
-            let bytes = match (q.get("path"), body.is_empty()) {
+            let (bytes, origin) = match (q.get("path"), body.is_empty()) {
                 (Some(p), true) => match tokio::fs::read(p).await {
-                    Ok(b) => Bytes::from(b),
+                    Ok(b) => (Bytes::from(b), Origin::file(std::path::Path::new(p))),
                     Err(e) => {
                         return error(StatusCode::BAD_REQUEST, format!("cannot read {p}: {e}"));
                     }
                 },
-                (None, false) => body,
+                (None, false) => (
+                    body,
+                    Origin {
+                        source: Some("upload".into()),
+                        signature: header_sig,
+                    },
+                ),
                 _ => {
                     return error(
                         StatusCode::BAD_REQUEST,
-                        "send the component bytes as the body, or an empty body and ?path=FILE",
+                        "send the component bytes as the body, or an empty body and ?path=FILE, \
+                         or ?from=oci://HOST/REPO:TAG",
                     );
                 }
             };
-            let pin = q.get("sha256").cloned();
             let policy = state.policy.clone();
-            match tokio::task::spawn_blocking(move || policy.load(&name, &bytes, pin.as_deref()))
-                .await
+            match tokio::task::spawn_blocking(move || {
+                policy.load_from(&name, &bytes, pin.as_deref(), &origin)
+            })
+            .await
             {
                 Ok(Ok(info)) => json(StatusCode::OK, &info),
                 Ok(Err(e)) => registry_error(&e),

@@ -14,6 +14,10 @@
 //!   (decide -> apply -> settle) every face goes through; plugins, swaps, experiments.
 //! - [`events`]: KV events for routers (what the key table sees stored and gone, named
 //!   as blocks by the policy, published over ZeroMQ).
+//! - [`supply`]: where plugin components come from besides files (OCI registries,
+//!   registry credentials); bytes only.
+//! - [`policy_feed`]: feeds the registry from outside (start-up `from` references, the
+//!   watched directory's files and `.oci` references, the admin API's pulls).
 //! - [`eviction`]: the key table and the evictor.
 //! - [`kv`]: the kv face (API, client core, transports, own segment).
 //! - [`master_face`]: the sans-IO session per client connection and its tokio shell.
@@ -35,7 +39,9 @@ pub mod master_face;
 pub mod metrics;
 pub mod per_method;
 pub mod policy;
+pub mod policy_feed;
 pub mod server;
 pub mod sim;
+pub mod supply;
 pub mod upstream;
 pub mod validate;

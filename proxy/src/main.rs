@@ -48,6 +48,122 @@ enum Command {
     /// Evaluate policies offline over a request trace: prefix hit rates of each plugin
     /// next to native LRU and Belady's optimum, at each capacity (docs/policy-science.md).
     Sim(SimArgs),
+    /// Move plugin components to and from OCI registries (the CNCF Wasm artifact
+    /// layout), with their minisign signatures.
+    Plugin {
+        #[command(subcommand)]
+        action: PluginCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum PluginCommand {
+    /// Push a component; its signature (`--signature`, or `FILE.minisig` when present)
+    /// goes along as a manifest annotation. Prints the pinned reference
+    /// (`oci://HOST/REPO@sha256:...`).
+    Push {
+        /// The component (`.wasm`).
+        file: PathBuf,
+        /// `oci://HOST[:PORT]/REPOSITORY[:TAG]`.
+        reference: String,
+        /// A minisign signature of FILE (default: FILE.minisig, when present).
+        #[arg(long)]
+        signature: Option<PathBuf>,
+        #[command(flatten)]
+        registry: RegistryArgs,
+    },
+    /// Pull a component into `--out` and its signature, if any, into `OUT.minisig`.
+    /// Prints the pinned reference.
+    Pull {
+        /// `oci://HOST[:PORT]/REPOSITORY(:TAG|@sha256:DIGEST)`.
+        reference: String,
+        /// Where to write the component.
+        #[arg(long, short)]
+        out: PathBuf,
+        #[command(flatten)]
+        registry: RegistryArgs,
+    },
+}
+
+/// How to reach a registry (the `policy.*` keys of the same names, for the CLI).
+#[derive(clap::Args)]
+struct RegistryArgs {
+    /// A registry (`HOST[:PORT]`) reached over plain HTTP; repeat for several.
+    /// Loopback registries always are.
+    #[arg(long = "insecure-registry", value_name = "HOST[:PORT]")]
+    insecure: Vec<String>,
+    /// Docker-style credentials file (default: $DOCKER_CONFIG/config.json, else
+    /// ~/.docker/config.json, when present).
+    #[arg(long)]
+    auth_file: Option<String>,
+    /// Largest component to pull, in bytes.
+    #[arg(long, default_value_t = 32 << 20)]
+    max_bytes: u64,
+    /// Deadline of the whole push or pull, in milliseconds.
+    #[arg(long, default_value_t = 30_000)]
+    timeout_ms: u64,
+}
+
+impl RegistryArgs {
+    fn settings(&self) -> moongate::supply::oci::Settings {
+        moongate::supply::oci::Settings {
+            insecure: self.insecure.clone(),
+            auth_file: moongate::supply::credentials::auth_file(
+                self.auth_file.as_deref().unwrap_or(""),
+            ),
+            max_bytes: self.max_bytes,
+            timeout: std::time::Duration::from_millis(self.timeout_ms),
+        }
+    }
+}
+
+fn plugin(action: PluginCommand) -> Result<String, String> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    match action {
+        PluginCommand::Push {
+            file,
+            reference,
+            signature,
+            registry,
+        } => {
+            let bytes = std::fs::read(&file).map_err(|e| format!("{}: {e}", file.display()))?;
+            let sig_path = signature.unwrap_or_else(|| {
+                let mut p = file.clone().into_os_string();
+                p.push(".minisig");
+                PathBuf::from(p)
+            });
+            let sig = std::fs::read_to_string(&sig_path).ok();
+            rt.block_on(moongate::supply::oci::push(
+                bytes,
+                sig.as_deref(),
+                &reference,
+                &registry.settings(),
+            ))
+            .map_err(|e| e.to_string())
+        }
+        PluginCommand::Pull {
+            reference,
+            out,
+            registry,
+        } => {
+            let p = rt
+                .block_on(moongate::supply::oci::pull(
+                    &reference,
+                    &registry.settings(),
+                ))
+                .map_err(|e| e.to_string())?;
+            std::fs::write(&out, &p.bytes).map_err(|e| format!("{}: {e}", out.display()))?;
+            if let Some(sig) = &p.signature {
+                let mut path = out.clone().into_os_string();
+                path.push(".minisig");
+                std::fs::write(&path, sig).map_err(|e| format!("{path:?}: {e}"))?;
+            }
+            Ok(p.pinned)
+        }
+    }
 }
 
 /// `moongate sim`'s arguments.
@@ -242,6 +358,16 @@ fn main() -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("moongate sim: {e}");
+                ExitCode::from(2)
+            }
+        },
+        Command::Plugin { action } => match plugin(action) {
+            Ok(pinned) => {
+                println!("{pinned}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("moongate plugin: {e}");
                 ExitCode::from(2)
             }
         },

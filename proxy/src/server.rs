@@ -18,23 +18,6 @@ use crate::policy::registry::Registry;
 
 /// Polls `dir` for new or changed `NAME.wasm` files (a poll, not inotify: it works the
 /// same on every filesystem a ConfigMap or volume can be, and a second's delay is fine).
-async fn watch_plugins(
-    policy: Arc<Registry>,
-    dir: std::path::PathBuf,
-    every: Duration,
-    shutdown: CancellationToken,
-) {
-    tracing::info!(dir = %dir.display(), "watching for plugins");
-    loop {
-        let (p, d) = (policy.clone(), dir.clone());
-        let _ = tokio::task::spawn_blocking(move || p.scan_dir(&d)).await;
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(every) => {}
-        }
-    }
-}
-
 #[derive(Debug, Error)]
 pub enum RunError {
     #[error("cannot listen on {addr} ({what}): {source}")]
@@ -73,7 +56,8 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
             cfg.experiment.clone(),
             metrics.policy.clone(),
         );
-        tokio::task::spawn_blocking(move || Registry::new(p, e, m))
+        let fetched = crate::policy_feed::pull_configured(&p).await?;
+        tokio::task::spawn_blocking(move || Registry::new_with(p, e, m, fetched))
             .await
             .expect("policy loading does not panic")?
     };
@@ -160,7 +144,7 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
         eviction: eviction.clone(),
     });
     if !cfg.policy.watch_dir.is_empty() {
-        tokio::spawn(watch_plugins(
+        tokio::spawn(crate::policy_feed::watch(
             policy.clone(),
             cfg.policy.watch_dir.clone().into(),
             Duration::from_millis(cfg.policy.watch_interval_ms),

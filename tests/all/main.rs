@@ -41,3 +41,4 @@ mod real_mooncake;
 mod releases;
 mod replay_live;
 mod sim;
+mod supply;

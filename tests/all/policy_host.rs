@@ -200,12 +200,14 @@ fn specs() -> Vec<PluginSpec> {
         PluginSpec {
             name: "tiers".into(),
             path: Some(format!("{dir}/tier-placement.wasm")),
+            from: None,
             sha256: None,
             config: r#"{"rules": [{"segment": "127.0.0.1:9"}]}"#.into(),
         },
         PluginSpec {
             name: "flaky".into(),
             path: None,
+            from: None,
             sha256: None,
             config: "every-2-trap".into(),
         },

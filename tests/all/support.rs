@@ -261,11 +261,26 @@ pub fn http(addr: &str, method: &str, path: &str, body: &[u8]) -> Option<(u16, S
 
 /// As [`http`], with the body as bytes (values are binary).
 pub fn http_bytes(addr: &str, method: &str, path: &str, body: &[u8]) -> Option<(u16, Vec<u8>)> {
+    http_with(addr, method, path, &[], body)
+}
+
+/// As [`http_bytes`], with extra request headers.
+pub fn http_with(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Option<(u16, Vec<u8>)> {
     let mut s = TcpStream::connect(addr).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(30))).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(60))).ok()?;
+    let extra: String = headers
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}\r\n"))
+        .collect();
     write!(
         s,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n{extra}Content-Length: {}\r\n\r\n",
         body.len()
     )
     .ok()?;

@@ -19,12 +19,21 @@ pub struct PluginInfo {
     pub state: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    /// Where the bytes came from: `file:PATH`, `oci://HOST/REPO@sha256:...` (a tag
+    /// resolved to its digest once, at pull), `upload` (the admin API's body).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+    /// The trusted minisign key that signed it (with `policy.trusted_keys` set).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub signed_by: Option<String>,
 }
 
 struct Entry {
     plugin: Option<Arc<dyn Policy>>,
     sha256: String,
     rejected: Option<String>,
+    source: Option<String>,
+    signed_by: Option<String>,
 }
 
 /// Loaded and rejected plugins by name.
@@ -40,18 +49,30 @@ impl Catalog {
 
     /// Adds (or replaces) a plugin that passed pre-flight.
     pub fn insert(&self, p: Arc<dyn Policy>) {
+        self.insert_from(p, None, None);
+    }
+
+    /// As [`Catalog::insert`], with where the bytes came from and who signed them.
+    pub fn insert_from(
+        &self,
+        p: Arc<dyn Policy>,
+        source: Option<String>,
+        signed_by: Option<String>,
+    ) {
         self.lock().insert(
             p.name().to_string(),
             Entry {
                 sha256: p.sha256().to_string(),
                 plugin: Some(p),
                 rejected: None,
+                source,
+                signed_by,
             },
         );
     }
 
     /// Records a rejected upload, unless a working plugin of that name is loaded.
-    pub fn reject(&self, name: &str, sha256: String, reason: String) {
+    pub fn reject(&self, name: &str, sha256: String, reason: String, source: Option<String>) {
         let mut cat = self.lock();
         if cat.get(name).is_none_or(|e| e.plugin.is_none()) {
             cat.insert(
@@ -60,6 +81,8 @@ impl Catalog {
                     plugin: None,
                     sha256,
                     rejected: Some(reason),
+                    source,
+                    signed_by: None,
                 },
             );
         }
@@ -93,6 +116,8 @@ impl Catalog {
                     sha256: e.sha256.clone(),
                     state: state.into(),
                     reason: e.rejected.clone(),
+                    source: e.source.clone(),
+                    signed_by: e.signed_by.clone(),
                 }
             })
             .collect()

@@ -38,6 +38,22 @@ pub struct PolicyConfig {
     pub rollback: RollbackConfig,
     /// Plugins to load at start-up and their configs.
     pub plugins: Vec<PluginSpec>,
+    /// Minisign public keys (each the base64 line of a `minisign.pub`, `RW...`). Set:
+    /// every plugin from a file, the watched directory, the admin API or a registry needs
+    /// a valid minisign signature by one of them (the embedded default is exempt).
+    /// Empty: signatures are not checked.
+    pub trusted_keys: Vec<String>,
+    /// Registries (`HOST[:PORT]`) reached over plain HTTP; every other one over HTTPS.
+    /// Loopback registries are always reached over plain HTTP.
+    pub insecure_registries: Vec<String>,
+    /// Docker-style credentials (`config.json` with `auths`). Empty:
+    /// `$DOCKER_CONFIG/config.json`, else `~/.docker/config.json`, when present.
+    pub registry_auth_file: String,
+    /// Largest plugin component accepted: registry pulls check the manifest before
+    /// downloading; uploads are cut off.
+    pub max_plugin_bytes: u64,
+    /// Deadline of one registry pull.
+    pub pull_timeout_ms: u64,
 }
 
 /// Automatic return to the last-good policy after a bad activation.
@@ -58,9 +74,14 @@ pub struct RollbackConfig {
 pub struct PluginSpec {
     /// Catalog name; `default` configures the embedded plugin.
     pub name: String,
-    /// Component file; without it only the config applies (for `default`, or for a
-    /// plugin that arrives later by the admin API or the watched directory).
+    /// Component file; without it (and without `from`) only the config applies (for
+    /// `default`, or for a plugin that arrives later by the admin API or the watched
+    /// directory). With `policy.trusted_keys`, `PATH.minisig` must sign it.
     pub path: Option<String>,
+    /// Or an OCI reference, `oci://HOST[:PORT]/REPO(:TAG|@sha256:DIGEST)`, pulled at
+    /// start-up (a tag resolves to a digest once, shown in `GET /plugins`).
+    #[serde(default)]
+    pub from: Option<String>,
     /// Refuse the file unless its sha256 (hex) matches.
     pub sha256: Option<String>,
     /// Config handed to the plugin's `configure` (usually JSON).
@@ -81,6 +102,11 @@ impl Default for PolicyConfig {
             watch_interval_ms: 1_000,
             rollback: RollbackConfig::default(),
             plugins: Vec::new(),
+            trusted_keys: Vec::new(),
+            insecure_registries: Vec::new(),
+            registry_auth_file: String::new(),
+            max_plugin_bytes: 32 << 20,
+            pull_timeout_ms: 30_000,
         }
     }
 }
@@ -96,6 +122,16 @@ impl Default for RollbackConfig {
 }
 
 impl PolicyConfig {
+    /// How registries are reached, from this section.
+    pub fn oci_settings(&self) -> crate::supply::oci::Settings {
+        crate::supply::oci::Settings {
+            insecure: self.insecure_registries.clone(),
+            auth_file: crate::supply::credentials::auth_file(&self.registry_auth_file),
+            max_bytes: self.max_plugin_bytes,
+            timeout: std::time::Duration::from_millis(self.pull_timeout_ms),
+        }
+    }
+
     /// The config string of plugin `name` (empty when it has none).
     pub fn plugin_config(&self, name: &str) -> String {
         self.plugins
@@ -133,6 +169,17 @@ impl PolicyConfig {
             if spec.name == "default" && spec.path.is_some() {
                 errs.push("policy.plugins: `default` is embedded; it takes no path".into());
             }
+            if spec.path.is_some() && spec.from.is_some() {
+                errs.push(format!(
+                    "policy.plugins.{}: give `path` or `from`, not both",
+                    spec.name
+                ));
+            }
+            if let Some(from) = &spec.from
+                && let Err(e) = crate::supply::oci::parse(from)
+            {
+                errs.push(format!("policy.plugins.{}.from: {e}", spec.name));
+            }
             if let Some(path) = &spec.path
                 && !std::path::Path::new(path).is_file()
             {
@@ -141,6 +188,11 @@ impl PolicyConfig {
                     spec.name
                 ));
             }
+        }
+        positive(errs, "policy.max_plugin_bytes", self.max_plugin_bytes);
+        positive(errs, "policy.pull_timeout_ms", self.pull_timeout_ms);
+        if let Err(e) = super::trust::Trust::new(&self.trusted_keys) {
+            errs.push(format!("policy.trusted_keys: {e}"));
         }
         let known = |n: &str| n == "default" || self.plugins.iter().any(|s| s.name == n);
         if !known(&self.active) {

@@ -187,6 +187,10 @@ pub struct PolicyFamilies {
     pub swaps: Counter,
     pub rollbacks: Counter,
     pub guardrail_stops: Counter,
+    /// Plugins refused for their signature, by [`super::trust::TRUST_REASONS`].
+    pub signature_refusals: [Counter; 4],
+    /// Registry pulls: `ok`, `error`.
+    pub pulls: [Counter; 2],
     /// The counters and gauges plugins register during `configure`.
     pub plugins: Arc<PluginMetricsSink>,
 }
@@ -314,6 +318,8 @@ impl PolicyFamilies {
             swaps: Counter::default(),
             rollbacks: Counter::default(),
             guardrail_stops: Counter::default(),
+            signature_refusals: Default::default(),
+            pulls: Default::default(),
             plugins: plugins.clone(),
         };
         registry.register(
@@ -384,6 +390,23 @@ impl PolicyFamilies {
             "Experiment arms stopped by their guardrail",
             policy.guardrail_stops.clone(),
         );
+        let refusals = Family::<[(&'static str, &'static str); 1], Counter>::default();
+        registry.register(
+            "moongate_plugin_signature_refusals",
+            "Plugins refused for their signature (policy.trusted_keys set): unsigned, \
+             malformed, untrusted_key, bad_signature",
+            refusals.clone(),
+        );
+        let pulls = Family::<[(&'static str, &'static str); 1], Counter>::default();
+        registry.register(
+            "moongate_plugin_pulls",
+            "Plugin pulls from OCI registries by result (ok, error)",
+            pulls.clone(),
+        );
+        let mut policy = policy;
+        policy.signature_refusals =
+            super::trust::TRUST_REASONS.map(|r| refusals.get_or_create(&[("reason", r)]).clone());
+        policy.pulls = ["ok", "error"].map(|r| pulls.get_or_create(&[("result", r)]).clone());
         policy
     }
 }

@@ -28,6 +28,7 @@ pub mod experiment;
 pub mod host;
 pub mod metrics;
 pub mod registry;
+pub mod trust;
 pub mod view;
 
 #[cfg(test)]

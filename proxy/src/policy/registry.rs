@@ -39,6 +39,36 @@ pub enum RegistryError {
     BadName(String),
     #[error("this registry has no plugin engine (it was built from given policies)")]
     NoEngine,
+    #[error("plugin {name:?} refused: {error}")]
+    Untrusted {
+        name: String,
+        error: super::trust::TrustError,
+    },
+    #[error("policy.trusted_keys: {0}")]
+    BadKeys(String),
+    #[error("{0}")]
+    Pull(String),
+}
+
+/// Where a plugin's bytes came from and the signature that came with them.
+#[derive(Debug, Clone, Default)]
+pub struct Origin {
+    /// `file:PATH`, `oci://HOST/REPO@sha256:...`, `upload`; shown in `GET /plugins`.
+    pub source: Option<String>,
+    /// The text of a `.minisig` file (a minisign signature of the bytes).
+    pub signature: Option<String>,
+}
+
+impl Origin {
+    /// A component file, with the signature beside it (`PATH.minisig`) when present.
+    pub fn file(path: &std::path::Path) -> Origin {
+        let mut sig = path.as_os_str().to_owned();
+        sig.push(".minisig");
+        Origin {
+            source: Some(format!("file:{}", path.display())),
+            signature: std::fs::read_to_string(sig).ok(),
+        }
+    }
 }
 
 /// What the faces hold: the policies and how to call them.
@@ -49,6 +79,10 @@ pub struct Registry {
     pub(super) metrics: Arc<PolicyFamilies>,
     catalog: Catalog,
     pub(super) active: Active,
+    /// `policy.trusted_keys`; empty: signatures are not checked.
+    trust: super::trust::Trust,
+    /// The watched directory's files as last tried: name -> (sha256, signature).
+    scanned: std::sync::Mutex<std::collections::HashMap<String, (String, Option<String>)>>,
 }
 
 impl Registry {
@@ -59,6 +93,17 @@ impl Registry {
         cfg: PolicyConfig,
         experiment: Option<ExperimentSpec>,
         metrics: Arc<PolicyFamilies>,
+    ) -> Result<Arc<Registry>, RegistryError> {
+        Registry::new_with(cfg, experiment, metrics, Vec::new())
+    }
+
+    /// As [`Registry::new`], with plugins whose bytes the caller fetched (the configured
+    /// `from = "oci://..."` ones: pulling is not this layer's business), by name.
+    pub fn new_with(
+        cfg: PolicyConfig,
+        experiment: Option<ExperimentSpec>,
+        metrics: Arc<PolicyFamilies>,
+        fetched: Vec<(String, Vec<u8>, Origin)>,
     ) -> Result<Arc<Registry>, RegistryError> {
         let engine = PolicyEngine::new(
             HostLimits {
@@ -81,8 +126,18 @@ impl Registry {
                     path: path.clone(),
                     error,
                 })?;
-                reg.load(&spec.name, &bytes, spec.sha256.as_deref())?;
+                let origin = Origin::file(std::path::Path::new(path));
+                reg.load_from(&spec.name, &bytes, spec.sha256.as_deref(), &origin)?;
             }
+        }
+        for (name, bytes, origin) in fetched {
+            let pin = reg
+                .cfg
+                .plugins
+                .iter()
+                .find(|p| p.name == name)
+                .and_then(|p| p.sha256.clone());
+            reg.load_from(&name, &bytes, pin.as_deref(), &origin)?;
         }
         reg.start(experiment)?;
         Ok(reg)
@@ -119,12 +174,15 @@ impl Registry {
             path: "reaper thread".into(),
             error: e,
         })?;
+        let trust = super::trust::Trust::new(&cfg.trusted_keys).map_err(RegistryError::BadKeys)?;
         let reg = Registry {
             engine,
             cfg,
             metrics,
             catalog: Catalog::default(),
             active,
+            trust,
+            scanned: Default::default(),
         };
         for p in policies {
             reg.catalog.insert(p);
@@ -150,23 +208,92 @@ impl Registry {
         bytes: &[u8],
         sha256: Option<&str>,
     ) -> Result<PluginInfo, RegistryError> {
+        self.load_from(name, bytes, sha256, &Origin::default())
+    }
+
+    /// As [`Registry::load`], for bytes from `origin`. With `policy.trusted_keys` set,
+    /// the origin's signature must be a trusted key's over these exact bytes; a refused
+    /// plugin is recorded as rejected and counted, and the active one stays.
+    pub fn load_from(
+        &self,
+        name: &str,
+        bytes: &[u8],
+        sha256: Option<&str>,
+        origin: &Origin,
+    ) -> Result<PluginInfo, RegistryError> {
         if !valid_name(name) {
             return Err(RegistryError::BadName(name.to_string()));
         }
         let engine = self.engine.as_ref().ok_or(RegistryError::NoEngine)?;
+        let signed_by = if self.trust.is_empty() {
+            None
+        } else {
+            match self.trust.check(bytes, origin.signature.as_deref()) {
+                Ok(key) => Some(key.to_string()),
+                Err(error) => {
+                    let i = super::trust::TRUST_REASONS
+                        .iter()
+                        .position(|r| *r == error.reason())
+                        .unwrap_or(0);
+                    self.metrics.signature_refusals[i].inc();
+                    tracing::warn!(plugin = name, source = ?origin.source, error = %error,
+                        "plugin refused: signature");
+                    self.catalog.reject(
+                        name,
+                        hex_sha(bytes),
+                        error.to_string(),
+                        origin.source.clone(),
+                    );
+                    return Err(RegistryError::Untrusted {
+                        name: name.to_string(),
+                        error,
+                    });
+                }
+            }
+        };
         let config = self.cfg.plugin_config(name);
         match engine.load(name, bytes, config.as_bytes(), sha256) {
             Ok(p) => {
-                tracing::info!(plugin = name, sha256 = %p.sha256, interest = ?p.interest(), "plugin loaded");
-                self.catalog.insert(p);
+                tracing::info!(plugin = name, sha256 = %p.sha256, source = ?origin.source,
+                    signed_by = ?signed_by, interest = ?p.interest(), "plugin loaded");
+                self.catalog
+                    .insert_from(p, origin.source.clone(), signed_by);
                 Ok(self.info(name).expect("just inserted"))
             }
             Err(e) => {
                 tracing::warn!(plugin = name, error = %e, "plugin rejected");
-                self.catalog.reject(name, hex_sha(bytes), e.to_string());
+                self.catalog
+                    .reject(name, hex_sha(bytes), e.to_string(), origin.source.clone());
                 Err(e.into())
             }
         }
+    }
+
+    /// Whether `name` is the sole active policy (no experiment): a new version of it
+    /// from the watched directory or a registry is activated at once.
+    pub fn is_sole_active(&self, name: &str) -> bool {
+        let cur = self.current();
+        cur.experiment.is_none() && cur.arms.first().is_some_and(|a| a.plugin.name() == name)
+    }
+
+    /// The signature-checking state, for the admin API's error mapping.
+    pub fn checks_signatures(&self) -> bool {
+        !self.trust.is_empty()
+    }
+
+    /// `policy.max_plugin_bytes`, for uploads.
+    pub fn max_plugin_bytes(&self) -> usize {
+        usize::try_from(self.cfg.max_plugin_bytes).unwrap_or(usize::MAX)
+    }
+
+    /// How registries are reached (from `[policy]`).
+    pub fn oci_settings(&self) -> crate::supply::oci::Settings {
+        self.cfg.oci_settings()
+    }
+
+    /// Counts a registry pull.
+    pub fn count_pull(&self, ok: bool) {
+        self.metrics.pulls[usize::from(!ok)].inc();
     }
 
     fn plugin(&self, name: &str) -> Result<Arc<dyn Policy>, RegistryError> {
@@ -257,8 +384,20 @@ impl Registry {
             let Ok(bytes) = std::fs::read(&path) else {
                 continue;
             };
-            if self.catalog.sha256(&name).as_deref() == Some(hex_sha(&bytes).as_str()) {
-                continue;
+            let origin = Origin::file(&path);
+            // Tried already with these bytes and this signature: a component copied
+            // before its `.minisig` is tried again once the signature arrives.
+            let attempt = (hex_sha(&bytes), origin.signature.clone());
+            {
+                let mut seen = self.scanned.lock().unwrap_or_else(|p| p.into_inner());
+                if seen.get(&name) == Some(&attempt)
+                    || (!seen.contains_key(&name)
+                        && self.catalog.sha256(&name).as_deref() == Some(attempt.0.as_str()))
+                {
+                    seen.insert(name.clone(), attempt);
+                    continue;
+                }
+                seen.insert(name.clone(), attempt);
             }
             let pin = self
                 .cfg
@@ -266,13 +405,12 @@ impl Registry {
                 .iter()
                 .find(|p| p.name == name)
                 .and_then(|p| p.sha256.clone());
-            if self.load(&name, &bytes, pin.as_deref()).is_ok() {
-                let cur = self.current();
-                if cur.experiment.is_none()
-                    && cur.arms.first().is_some_and(|a| a.plugin.name() == name)
-                {
-                    let _ = self.activate(&name);
-                }
+            if self
+                .load_from(&name, &bytes, pin.as_deref(), &origin)
+                .is_ok()
+                && self.is_sole_active(&name)
+            {
+                let _ = self.activate(&name);
             }
         }
     }
@@ -344,9 +482,10 @@ mod tests {
     #[test]
     fn a_rejected_upload_never_replaces_a_working_plugin() {
         let r = registry();
-        r.catalog.reject("a", "00".into(), "broken".into());
+        r.catalog.reject("a", "00".into(), "broken".into(), None);
         assert_eq!(state(&r, "a"), "active");
-        r.catalog.reject("fresh", "11".into(), "broken".into());
+        r.catalog
+            .reject("fresh", "11".into(), "broken".into(), None);
         let row = r.info("fresh").unwrap();
         assert_eq!(
             (row.state.as_str(), row.reason.as_deref()),
