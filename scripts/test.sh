@@ -35,6 +35,8 @@ echo "== cargo test"
 # Integration tests start their own master/moongate/clients on free loopback ports;
 # two test threads keep a 2-core machine responsive for the heartbeat-sensitive ones.
 cargo test --workspace --locked -- --test-threads="${MOONGATE_TEST_THREADS:-2}"
+echo "== deploy/Containerfile's steps as a script (no registry for base images here)"
+bash deploy/container-steps.sh --profile dev
 echo "== the plugins' own unit tests (host target: their pure logic, no host calls)"
 (cd plugins && cargo test --locked --target-dir ../target/plugins-host)
 echo "== the fuzz target still builds (running it needs cargo-fuzz and nightly)"

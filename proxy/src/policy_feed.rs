@@ -87,7 +87,8 @@ pub async fn load_reference(
 /// [`Registry::scan_dir`], and `NAME.oci` files (one reference each, as a Kubernetes
 /// ConfigMap key or a downward-API annotation file carries it) pulled whenever their
 /// text changes. A failed pull is retried each interval and logged when its error
-/// changes; the active plugin stays.
+/// changes; refused bytes are not pulled again until the text changes; either way the
+/// active plugin stays.
 pub async fn watch(
     registry: Arc<Registry>,
     dir: PathBuf,
@@ -95,23 +96,26 @@ pub async fn watch(
     shutdown: CancellationToken,
 ) {
     tracing::info!(dir = %dir.display(), "watching for plugins");
-    // name -> (reference text, last error): what was last tried.
-    let mut tried: HashMap<String, (String, Option<String>)> = HashMap::new();
+    // name -> (reference text, last error, whether to try it again): a failed pull is
+    // retried each interval (the registry may come back); bytes refused for what they
+    // are (signature, pre-flight) are not, until the reference changes.
+    let mut tried: HashMap<String, (String, Option<String>, bool)> = HashMap::new();
     loop {
         let (r, d) = (registry.clone(), dir.clone());
         let _ = tokio::task::spawn_blocking(move || r.scan_dir(&d)).await;
         for (name, reference) in oci_files(&dir) {
             let done = tried
                 .get(&name)
-                .is_some_and(|(text, err)| *text == reference && err.is_none());
+                .is_some_and(|(text, _, again)| *text == reference && !again);
             if done {
                 continue;
             }
             let result = load_reference(&registry, &name, &reference, None, true).await;
             let err = result.as_ref().err().map(|e| e.to_string());
+            let again = matches!(result, Err(RegistryError::Pull(_)));
             let repeated = tried
                 .get(&name)
-                .is_some_and(|(t, e)| *t == reference && *e == err);
+                .is_some_and(|(t, e, _)| *t == reference && *e == err);
             match (&result, repeated) {
                 (Ok(info), _) => {
                     tracing::info!(plugin = %name, reference = %reference,
@@ -123,7 +127,7 @@ pub async fn watch(
                 }
                 (Err(_), true) => {}
             }
-            tried.insert(name, (reference, err));
+            tried.insert(name, (reference, err, again));
         }
         tokio::select! {
             _ = shutdown.cancelled() => return,

@@ -26,6 +26,7 @@ mod codec_errors;
 mod codec_fixtures;
 mod codec_releases;
 mod dashboards;
+mod deploy;
 mod eviction_live;
 mod fault_relay;
 mod faults;

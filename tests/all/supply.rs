@@ -13,14 +13,14 @@ use serde_json::Value;
 use crate::support::*;
 
 /// A registry on a free loopback port, storing in its own temporary directory.
-struct OciRegistry {
-    proc: Proc,
-    addr: String,
+pub struct OciRegistry {
+    pub proc: Proc,
+    pub addr: String,
     _dir: tempfile::TempDir,
 }
 
 impl OciRegistry {
-    fn start() -> OciRegistry {
+    pub fn start() -> OciRegistry {
         let dir = tempdir();
         let addr = format!("127.0.0.1:{}", free_port());
         let cfg = dir.path().join("config.yml");
@@ -46,13 +46,13 @@ impl OciRegistry {
         }
     }
 
-    fn reference(&self, repo_tag: &str) -> String {
+    pub fn reference(&self, repo_tag: &str) -> String {
         format!("oci://{}/{repo_tag}", self.addr)
     }
 }
 
 /// A minisign key pair made by the real `minisign`: (public key line, secret key file).
-fn keypair(dir: &Path, name: &str) -> (String, PathBuf) {
+pub fn keypair(dir: &Path, name: &str) -> (String, PathBuf) {
     let (p, s) = (
         dir.join(format!("{name}.pub")),
         dir.join(format!("{name}.sec")),
@@ -70,7 +70,7 @@ fn keypair(dir: &Path, name: &str) -> (String, PathBuf) {
 }
 
 /// Copies `plugin` to `dir/file` and signs it there with `key` (FILE.minisig).
-fn signed_copy(dir: &Path, plugin: &str, file: &str, key: Option<&Path>) -> PathBuf {
+pub fn signed_copy(dir: &Path, plugin: &str, file: &str, key: Option<&Path>) -> PathBuf {
     let f = dir.join(file);
     std::fs::copy(plugin_path(plugin), &f).unwrap();
     if let Some(key) = key {
@@ -101,14 +101,14 @@ fn cli(args: &[&str]) -> (i32, String, String) {
     )
 }
 
-fn push(file: &Path, reference: &str) -> String {
+pub fn push(file: &Path, reference: &str) -> String {
     let (code, out, err) = cli(&["push", file.to_str().unwrap(), reference]);
     assert_eq!(code, 0, "push {reference}: {err}");
     assert!(out.contains("@sha256:"), "{out}");
     out
 }
 
-fn plugins(mg: &Moongate) -> Vec<Value> {
+pub fn plugins(mg: &Moongate) -> Vec<Value> {
     let (st, body) = http_get(&mg.admin, "/plugins").unwrap();
     assert_eq!(st, 200, "{body}");
     serde_json::from_str::<Value>(&body)
@@ -118,7 +118,7 @@ fn plugins(mg: &Moongate) -> Vec<Value> {
         .clone()
 }
 
-fn plugin(mg: &Moongate, name: &str) -> Value {
+pub fn plugin(mg: &Moongate, name: &str) -> Value {
     plugins(mg)
         .into_iter()
         .find(|p| p["name"] == name)
