@@ -95,25 +95,19 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
             crate::upstream::Upstream::fixed(&cfg.master_face.upstream)
         }
     };
+    let mut events_thread = None;
+    // Stopped after the connections drained, so the changes of the last calls are
+    // published too.
+    let events_stop = CancellationToken::new();
     let events = if cfg.events.enabled {
-        let publisher = crate::events::publisher::Publisher::bind(
+        let (events, thread) = crate::events::start(
             &cfg.events,
             metrics.events.clone(),
-            shutdown.clone(),
+            policy.clone(),
+            events_stop.clone(),
         )
         .await?;
-        tracing::info!(endpoint = %publisher.endpoint,
-            replay = %publisher.replay_endpoint.as_deref().unwrap_or("off"),
-            topic = %cfg.events.topic, "KV events publishing");
-        let (events, rx) = crate::events::Events::new(&cfg.events, metrics.events.clone());
-        tokio::spawn(crate::events::run(
-            rx,
-            publisher,
-            policy.clone(),
-            cfg.events.clone(),
-            metrics.events.clone(),
-            shutdown.clone(),
-        ));
+        events_thread = Some(thread);
         Some(events)
     } else {
         None
@@ -214,6 +208,16 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
         );
     } else {
         tracing::info!("all connections drained");
+    }
+    events_stop.cancel();
+    if let Some(t) = events_thread {
+        let joined = tokio::task::spawn_blocking(move || t.join());
+        if tokio::time::timeout(Duration::from_secs(5), joined)
+            .await
+            .is_err()
+        {
+            tracing::warn!("the events publisher did not finish within 5 s");
+        }
     }
     // The segment's heartbeat task unmounts it and deletes its metadata on shutdown.
     if let Some(t) = segment_task {

@@ -126,6 +126,59 @@ impl Events {
     }
 }
 
+/// Starts the publisher on a thread of its own (with its own single-threaded runtime):
+/// naming blocks calls the plugin, a burst of changes is a burst of plugin calls, and
+/// none of them may delay the master face's thread. Returns once the sockets are bound
+/// (or could not be); the thread ends when `stop` is cancelled, after publishing what
+/// was queued.
+pub async fn start(
+    cfg: &EventsConfig,
+    metrics: Arc<EventsMetrics>,
+    policy: Arc<Registry>,
+    stop: CancellationToken,
+) -> Result<(Arc<Events>, std::thread::JoinHandle<()>), publisher::BindError> {
+    let shutdown = stop;
+    let (events, rx) = Events::new(cfg, metrics.clone());
+    let (bound_tx, bound_rx) = tokio::sync::oneshot::channel();
+    let cfg = cfg.clone();
+    let thread = std::thread::Builder::new()
+        .name("moongate-events".into())
+        .spawn(move || {
+            let rt = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    let _ = bound_tx.send(Err(publisher::BindError::Runtime(e)));
+                    return;
+                }
+            };
+            rt.block_on(async move {
+                let p = match Publisher::bind(&cfg, metrics.clone(), shutdown.clone()).await {
+                    Ok(p) => p,
+                    Err(e) => {
+                        let _ = bound_tx.send(Err(e));
+                        return;
+                    }
+                };
+                tracing::info!(endpoint = %p.endpoint,
+                    replay = %p.replay_endpoint.as_deref().unwrap_or("off"),
+                    topic = %cfg.topic, "KV events publishing");
+                let _ = bound_tx.send(Ok(()));
+                run(rx, p, policy, cfg, metrics, shutdown).await;
+            });
+        })
+        .map_err(publisher::BindError::Runtime)?;
+    match bound_rx.await {
+        Ok(Ok(())) => Ok((events, thread)),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err(publisher::BindError::Runtime(std::io::Error::other(
+            "the events thread ended before binding",
+        ))),
+    }
+}
+
 /// Publishes queued changes until shutdown, then what is still queued.
 pub async fn run(
     mut rx: mpsc::Receiver<Change>,

@@ -20,6 +20,8 @@ use super::wire;
 
 #[derive(Debug, Error)]
 pub enum BindError {
+    #[error("events: cannot start the publisher thread: {0}")]
+    Runtime(std::io::Error),
     #[error("events.{key}: cannot bind {endpoint}: {source}")]
     Bind {
         key: &'static str,
