@@ -88,8 +88,8 @@ enum PluginCommand {
 /// How to reach a registry (the `policy.*` keys of the same names, for the CLI).
 #[derive(clap::Args)]
 struct RegistryArgs {
-    /// A registry (`HOST[:PORT]`) reached over plain HTTP; repeat for several.
-    /// Loopback registries always are.
+    /// A registry (`HOST[:PORT]`) that may be reached over plain HTTP when HTTPS fails;
+    /// repeat for several. Loopback registries always may.
     #[arg(long = "insecure-registry", value_name = "HOST[:PORT]")]
     insecure: Vec<String>,
     /// Docker-style credentials file (default: $DOCKER_CONFIG/config.json, else

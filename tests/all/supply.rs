@@ -20,15 +20,28 @@ pub struct OciRegistry {
 }
 
 impl OciRegistry {
+    /// Plain HTTP (a loopback registry).
     pub fn start() -> OciRegistry {
+        OciRegistry::start_with(None)
+    }
+
+    /// With `tls` = (certificate, key) PEM files: HTTPS only.
+    pub fn start_with(tls: Option<(&Path, &Path)>) -> OciRegistry {
         let dir = tempdir();
         let addr = format!("127.0.0.1:{}", free_port());
         let cfg = dir.path().join("config.yml");
+        let tls_cfg = tls.map_or(String::new(), |(c, k)| {
+            format!(
+                "  tls:\n    certificate: {}\n    key: {}\n",
+                c.display(),
+                k.display()
+            )
+        });
         std::fs::write(
             &cfg,
             format!(
                 "version: 0.1\nlog: {{level: info}}\nstorage:\n  filesystem:\n    rootdirectory: {}\n\
-                 http:\n  addr: {addr}\n",
+                 http:\n  addr: {addr}\n{tls_cfg}",
                 dir.path().join("data").display()
             ),
         )
@@ -37,7 +50,12 @@ impl OciRegistry {
         cmd.arg("serve").arg(&cfg);
         let proc = Proc::spawn("docker-registry", cmd, dir.path().join("registry.log"));
         wait_for("registry ready", Duration::from_secs(20), &[&proc], || {
-            http_get(&addr, "/v2/").is_some_and(|(s, _)| s == 200)
+            if tls.is_some() {
+                // It listens once it serves; speaking TLS is the test's business.
+                std::net::TcpStream::connect(&addr).is_ok()
+            } else {
+                http_get(&addr, "/v2/").is_some_and(|(s, _)| s == 200)
+            }
         });
         OciRegistry {
             proc,
@@ -89,9 +107,15 @@ pub fn signed_copy(dir: &Path, plugin: &str, file: &str, key: Option<&Path>) -> 
 
 /// `moongate plugin ARGS...`: (exit code, stdout, stderr).
 fn cli(args: &[&str]) -> (i32, String, String) {
+    cli_env(args, &[])
+}
+
+/// [`cli`] with extra environment variables.
+fn cli_env(args: &[&str], env: &[(&str, &Path)]) -> (i32, String, String) {
     let o = Command::new(env!("CARGO_BIN_EXE_moongate"))
         .arg("plugin")
         .args(args)
+        .envs(env.iter().map(|(k, v)| (*k, *v)))
         .output()
         .unwrap();
     (
@@ -358,4 +382,49 @@ fn a_configured_reference_nobody_can_pull_stops_the_start() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success(), "{err}");
     assert!(err.contains("policy.plugins.p"), "{err}");
+}
+
+/// A loopback registry that speaks TLS is reached over TLS (HTTPS is always tried
+/// first), with the certificate checked against the system's trust store (here
+/// `SSL_CERT_FILE`): untrusted, the pull fails, and the plain-HTTP try after it cannot
+/// talk to a TLS port either.
+#[test]
+fn a_registry_that_speaks_tls_is_reached_over_tls_and_its_certificate_checked() {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
+    let dir = tempdir();
+    let d = dir.path();
+    let ca_key = KeyPair::generate().unwrap();
+    let mut p = CertificateParams::new(vec!["moongate test registry CA".to_string()]).unwrap();
+    p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = p.self_signed(&ca_key).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let leaf = CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()])
+        .unwrap()
+        .signed_by(&key, &ca, &ca_key)
+        .unwrap();
+    let (ca_pem, cert_pem, key_pem) = (d.join("ca.pem"), d.join("cert.pem"), d.join("key.pem"));
+    std::fs::write(&ca_pem, ca.pem()).unwrap();
+    std::fs::write(&cert_pem, leaf.pem()).unwrap();
+    std::fs::write(&key_pem, key.serialize_pem()).unwrap();
+    let reg = OciRegistry::start_with(Some((&cert_pem, &key_pem)));
+    let trust = [("SSL_CERT_FILE", ca_pem.as_path())];
+
+    let file = signed_copy(d, "lru", "lru.wasm", None);
+    let reference = reg.reference("moongate/lru:tls");
+    let (code, pinned, err) = cli_env(&["push", file.to_str().unwrap(), &reference], &trust);
+    assert_eq!(code, 0, "{err}\n{}", reg.proc.log_text());
+    let out = d.join("out.wasm");
+    let (code, again, err) = cli_env(&["pull", &reference, "-o", out.to_str().unwrap()], &trust);
+    assert_eq!((code, again.as_str()), (0, pinned.as_str()), "{err}");
+    assert_eq!(std::fs::read(&out).unwrap(), std::fs::read(&file).unwrap());
+
+    // Not trusted: refused, over both schemes.
+    let (code, _, err) = cli_env(
+        &["pull", &reference, "-o", out.to_str().unwrap()],
+        &[("SSL_CERT_FILE", d.join("key.pem").as_path())],
+    );
+    assert!(
+        code != 0 && err.contains("over HTTPS") && err.contains("over HTTP"),
+        "{err}"
+    );
 }

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""A KV-events subscriber as routers write them: vLLM's declared structures (msgspec),
+"""A KV-events subscriber as routers write them: vLLM's declared structures (msgspec,
+taken from deploy/examples/kv_router.py),
 a SUB socket for batches, the replay socket for sequence gaps.
 
 Commands on stdin, each answered with a "READY <what>" line on stdout:
@@ -10,53 +11,20 @@ Commands on stdin, each answered with a "READY <what>" line on stdout:
 """
 import argparse
 import json
+import os
 import queue
 import sys
 import threading
 import time
-from typing import Any, Optional, Union
 
-import msgspec
 import zmq
 from msgspec.msgpack import Decoder
 
-# As vllm/distributed/kv_events.py declares them (ExternalBlockHash = bytes | int).
-ExternalBlockHash = Union[bytes, int]
-
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: Optional[int] = None
-
-
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """Base class for all KV cache-related events"""
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[ExternalBlockHash]
-    parent_block_hash: Optional[ExternalBlockHash]
-    token_ids: list[int]
-    block_size: int
-    lora_id: Optional[int]
-    medium: Optional[str]
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[ExternalBlockHash]
-    medium: Optional[str]
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
-
-
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
+# The structures as vllm/distributed/kv_events.py declares them, from the router
+# example (the code a router would run; this test proves it reads moongate's events).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../deploy/examples"))
+from kv_router import (BlockRemoved, BlockStored, END_SEQ,  # noqa: E402
+                       KVEventBatch)
 
 
 def as_json(e):

@@ -629,6 +629,18 @@ fn lru(sizes: &[u64], need: u64) -> Vec<usize> {
 mod tests {
     use super::*;
 
+    fn k(s: &'static str) -> Bytes {
+        Bytes::from_static(s.as_bytes())
+    }
+
+    /// A tracked call of tenant `default`.
+    fn tracked(what: Track) -> Tracked {
+        Tracked {
+            tenant: Bytes::from_static(b"default"),
+            what,
+        }
+    }
+
     #[test]
     fn lru_takes_oldest_until_covered() {
         assert_eq!(lru(&[10, 10, 10], 15), [0, 1]);
@@ -726,12 +738,6 @@ mod tests {
             metrics.eviction.clone(),
             Some(events),
         );
-        let tenant = Bytes::from_static(b"default");
-        let k = |s: &'static str| Bytes::from_static(s.as_bytes());
-        let tracked = |what| Tracked {
-            tenant: tenant.clone(),
-            what,
-        };
         ev.record(
             &tracked(Track::Put(vec![(k("a"), 1), (k("b"), 1), (k("c"), 1)])),
             &Response::BatchPutStart(vec![Ok(vec![]), Ok(vec![]), Ok(vec![])]),
@@ -786,11 +792,6 @@ mod tests {
         let metrics = crate::metrics::Metrics::new();
         let ev = Eviction::new(EvictionConfig::default(), metrics.eviction.clone(), None);
         let tenant = Bytes::from_static(b"default");
-        let k = |s: &'static str| Bytes::from_static(s.as_bytes());
-        let tracked = |what| Tracked {
-            tenant: tenant.clone(),
-            what,
-        };
         // "gone" stored then missed (the master dropped it); "rm" removed by a client;
         // "ev" evicted by moongate; "no" refused by a policy; "new" never seen.
         ev.record(

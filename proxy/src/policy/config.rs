@@ -43,8 +43,8 @@ pub struct PolicyConfig {
     /// a valid minisign signature by one of them (the embedded default is exempt).
     /// Empty: signatures are not checked.
     pub trusted_keys: Vec<String>,
-    /// Registries (`HOST[:PORT]`) reached over plain HTTP; every other one over HTTPS.
-    /// Loopback registries are always reached over plain HTTP.
+    /// Registries (`HOST[:PORT]`) that may be reached over plain HTTP when HTTPS fails;
+    /// loopback registries always may. HTTPS is always tried first.
     pub insecure_registries: Vec<String>,
     /// Docker-style credentials (`config.json` with `auths`). Empty:
     /// `$DOCKER_CONFIG/config.json`, else `~/.docker/config.json`, when present.

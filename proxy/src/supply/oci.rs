@@ -6,8 +6,8 @@
 //! tag to the manifest's digest once and returns the pinned form
 //! (`oci://HOST/REPO@sha256:...`), which is what moongate records and shows; the layer's
 //! size is checked against the cap before a byte of it is fetched, and the fetched bytes
-//! against the layer's digest. HTTPS always, except for loopback registries and those an
-//! operator lists as insecure. A signature (the text of a `.minisig` file) travels as
+//! against the layer's digest. HTTPS first, always; plain HTTP after it only for
+//! loopback registries and those an operator lists as insecure. A signature (the text of a `.minisig` file) travels as
 //! the manifest annotation [`SIGNATURE_ANNOTATION`], base64-encoded.
 
 use std::collections::BTreeMap;
@@ -29,7 +29,8 @@ pub const SIGNATURE_ANNOTATION: &str = "dev.moongate.plugin.minisig";
 /// How moongate talks to registries (from `[policy]`).
 #[derive(Debug, Clone)]
 pub struct Settings {
-    /// `HOST[:PORT]` registries reached over plain HTTP (loopback ones always are).
+    /// `HOST[:PORT]` registries that may be reached over plain HTTP when HTTPS fails
+    /// (loopback ones always may).
     pub insecure: Vec<String>,
     /// A Docker-style `config.json`; `None`: anonymous.
     pub auth_file: Option<PathBuf>,
@@ -104,12 +105,59 @@ fn is_loopback(registry: &str) -> bool {
             .is_ok_and(|ip| ip.is_loopback())
 }
 
-fn client(s: &Settings, r: &Reference) -> WasmClient {
-    let registry = r.resolve_registry().to_string();
-    let protocol = if is_loopback(&registry) || s.insecure.contains(&registry) {
-        ClientProtocol::HttpsExcept(vec![registry])
+/// The schemes to try, in order: HTTPS first, always; plain HTTP after it only for a
+/// loopback registry or one in `insecure` (Docker's rule for insecure registries), so a
+/// loopback registry that speaks TLS is still reached over TLS.
+fn schemes(s: &Settings, r: &Reference) -> &'static [bool] {
+    let registry = r.resolve_registry();
+    if is_loopback(registry) || s.insecure.iter().any(|h| h == registry) {
+        &[true, false]
     } else {
+        &[true]
+    }
+}
+
+/// Runs `attempt` over each allowed scheme until one succeeds. An answer from the
+/// registry (too large, wrong digest) ends the tries; when every scheme failed, the
+/// error names each.
+async fn over_schemes<T, F, Fut>(
+    reference: &str,
+    s: &Settings,
+    r: &Reference,
+    attempt: F,
+) -> Result<T, OciError>
+where
+    F: Fn(bool) -> Fut,
+    Fut: std::future::Future<Output = Result<T, OciError>>,
+{
+    let mut failures = Vec::new();
+    for &tls in schemes(s, r) {
+        match attempt(tls).await {
+            Ok(v) => return Ok(v),
+            Err(e @ (OciError::TooLarge { .. } | OciError::DigestMismatch { .. })) => {
+                return Err(e);
+            }
+            Err(e) => failures.push((tls, e)),
+        }
+    }
+    if failures.len() == 1 {
+        return Err(failures.remove(0).1);
+    }
+    Err(OciError::Registry {
+        reference: reference.to_string(),
+        message: failures
+            .iter()
+            .map(|(tls, e)| format!("over {}: {e}", if *tls { "HTTPS" } else { "HTTP" }))
+            .collect::<Vec<_>>()
+            .join("; "),
+    })
+}
+
+fn client(s: &Settings, tls: bool) -> WasmClient {
+    let protocol = if tls {
         ClientProtocol::Https
+    } else {
+        ClientProtocol::Http
     };
     WasmClient::new(Client::new(ClientConfig {
         protocol,
@@ -147,13 +195,19 @@ fn sha256_digest(bytes: &[u8]) -> String {
 /// checks the signature; a failed pull changes nothing.
 pub async fn pull(reference: &str, s: &Settings) -> Result<Pulled, OciError> {
     let r = parse(reference)?;
-    tokio::time::timeout(s.timeout, pull_inner(reference, &r, s))
+    let work = over_schemes(reference, s, &r, |tls| pull_inner(reference, &r, s, tls));
+    tokio::time::timeout(s.timeout, work)
         .await
         .map_err(|_| OciError::Timeout(reference.to_string()))?
 }
 
-async fn pull_inner(reference: &str, r: &Reference, s: &Settings) -> Result<Pulled, OciError> {
-    let c = client(s, r);
+async fn pull_inner(
+    reference: &str,
+    r: &Reference,
+    s: &Settings,
+    tls: bool,
+) -> Result<Pulled, OciError> {
+    let c = client(s, tls);
     let auth = auth(s, r)?;
     let (manifest, _config, digest) =
         c.pull_manifest_and_config(r, &auth)
@@ -226,27 +280,35 @@ pub async fn push(
     s: &Settings,
 ) -> Result<String, OciError> {
     let r = parse(reference)?;
-    let c = client(s, &r);
     let auth = auth(s, &r)?;
-    let (config, layer) =
+    let artifact = |bytes: Vec<u8>| {
         WasmConfig::from_raw_component(bytes, None).map_err(|e| OciError::NotAComponent {
             reference: reference.to_string(),
             message: format!("{e:#}"),
-        })?;
+        })
+    };
+    // Refuse what is no component before talking to any registry.
+    artifact(bytes.clone())?;
     let annotations = signature.map(|sig| {
         BTreeMap::from([(
             SIGNATURE_ANNOTATION.to_string(),
             credentials::encode_base64(sig.as_bytes()),
         )])
     });
-    let work = async {
-        c.push(&r, &auth, layer, config, annotations)
-            .await
-            .map_err(|e| registry_error(reference, format!("{e:#}")))?;
-        c.fetch_manifest_digest(&r, &auth)
-            .await
-            .map_err(|e| registry_error(reference, e))
-    };
+    let work = over_schemes(reference, s, &r, |tls| {
+        let (c, auth, annotations, r) =
+            (client(s, tls), auth.clone(), annotations.clone(), r.clone());
+        let made = artifact(bytes.clone());
+        async move {
+            let (config, layer) = made?;
+            c.push(&r, &auth, layer, config, annotations)
+                .await
+                .map_err(|e| registry_error(reference, format!("{e:#}")))?;
+            c.fetch_manifest_digest(&r, &auth)
+                .await
+                .map_err(|e| registry_error(reference, e))
+        }
+    });
     let digest = tokio::time::timeout(s.timeout, work)
         .await
         .map_err(|_| OciError::Timeout(reference.to_string()))??;
