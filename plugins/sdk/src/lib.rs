@@ -276,8 +276,10 @@ mod tests {
             "a/blk/10",
         ]);
         let b = blocks_of_blk_keys(&k);
-        let got: Vec<Option<(u64, Option<u64>)>> =
-            b.iter().map(|r| r.as_ref().map(|r| (r.hash, r.parent))).collect();
+        let got: Vec<Option<(u64, Option<u64>)>> = b
+            .iter()
+            .map(|r| r.as_ref().map(|r| (r.hash, r.parent)))
+            .collect();
         assert_eq!(
             got,
             [
