@@ -43,10 +43,11 @@ if ! "$venv/bin/python" -c "import mooncake.store" >/dev/null 2>&1 \
   "$venv/bin/pip" install -q --disable-pip-version-check "$MOONCAKE_PKG"
 fi
 # The KV-events test subscribes as vLLM's example subscriber does (pyzmq + msgspec).
-# deploy/k8s/ is validated against the Kubernetes API schemas (bundled by this package).
-if ! "$venv/bin/python" -c "import kubernetes_validate" >/dev/null 2>&1; then
-  echo "bootstrap: installing kubernetes-validate"
-  "$venv/bin/pip" install -q --disable-pip-version-check "kubernetes-validate==1.37.0"
+# deploy/k8s/ is validated against the Kubernetes API schemas (bundled by this package);
+# the registry-login test writes the registry's htpasswd file with bcrypt.
+if ! "$venv/bin/python" -c "import kubernetes_validate, bcrypt" >/dev/null 2>&1; then
+  echo "bootstrap: installing kubernetes-validate and bcrypt"
+  "$venv/bin/pip" install -q --disable-pip-version-check "kubernetes-validate==1.37.0" "bcrypt==4.3.0"
 fi
 if ! "$venv/bin/python" -c "import zmq, msgspec" >/dev/null 2>&1; then
   echo "bootstrap: installing pyzmq and msgspec"

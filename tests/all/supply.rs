@@ -22,11 +22,12 @@ pub struct OciRegistry {
 impl OciRegistry {
     /// Plain HTTP (a loopback registry).
     pub fn start() -> OciRegistry {
-        OciRegistry::start_with(None)
+        OciRegistry::start_with(None, None)
     }
 
-    /// With `tls` = (certificate, key) PEM files: HTTPS only.
-    pub fn start_with(tls: Option<(&Path, &Path)>) -> OciRegistry {
+    /// With `tls` = (certificate, key) PEM files: HTTPS only. With `htpasswd`: every
+    /// request needs one of its logins.
+    pub fn start_with(tls: Option<(&Path, &Path)>, htpasswd: Option<&Path>) -> OciRegistry {
         let dir = tempdir();
         let addr = format!("127.0.0.1:{}", free_port());
         let cfg = dir.path().join("config.yml");
@@ -37,11 +38,17 @@ impl OciRegistry {
                 k.display()
             )
         });
+        let auth_cfg = htpasswd.map_or(String::new(), |p| {
+            format!(
+                "auth:\n  htpasswd:\n    realm: moongate-test\n    path: {}\n",
+                p.display()
+            )
+        });
         std::fs::write(
             &cfg,
             format!(
                 "version: 0.1\nlog: {{level: info}}\nstorage:\n  filesystem:\n    rootdirectory: {}\n\
-                 http:\n  addr: {addr}\n{tls_cfg}",
+                 http:\n  addr: {addr}\n{tls_cfg}{auth_cfg}",
                 dir.path().join("data").display()
             ),
         )
@@ -54,7 +61,8 @@ impl OciRegistry {
                 // It listens once it serves; speaking TLS is the test's business.
                 std::net::TcpStream::connect(&addr).is_ok()
             } else {
-                http_get(&addr, "/v2/").is_some_and(|(s, _)| s == 200)
+                // 401 without a login: up all the same.
+                http_get(&addr, "/v2/").is_some_and(|(s, _)| s == 200 || s == 401)
             }
         });
         OciRegistry {
@@ -406,7 +414,7 @@ fn a_registry_that_speaks_tls_is_reached_over_tls_and_its_certificate_checked() 
     std::fs::write(&ca_pem, ca.pem()).unwrap();
     std::fs::write(&cert_pem, leaf.pem()).unwrap();
     std::fs::write(&key_pem, key.serialize_pem()).unwrap();
-    let reg = OciRegistry::start_with(Some((&cert_pem, &key_pem)));
+    let reg = OciRegistry::start_with(Some((&cert_pem, &key_pem)), None);
     let trust = [("SSL_CERT_FILE", ca_pem.as_path())];
 
     let file = signed_copy(d, "lru", "lru.wasm", None);
@@ -427,4 +435,74 @@ fn a_registry_that_speaks_tls_is_reached_over_tls_and_its_certificate_checked() 
         code != 0 && err.contains("over HTTPS") && err.contains("over HTTP"),
         "{err}"
     );
+}
+
+/// A registry that wants a login: moongate takes it from a Docker-style config file
+/// (`policy.registry_auth_file`, the CLI's `--auth-file`); without it, or with a wrong
+/// one, the pull is refused and nothing changes.
+#[test]
+fn a_registry_login_comes_from_a_docker_config_file() {
+    let dir = tempdir();
+    let d = dir.path();
+    let htpasswd = d.join("htpasswd");
+    let o = Command::new(python())
+        .arg("-c")
+        .arg(
+            "import bcrypt, sys; open(sys.argv[1], 'w').write('ci:' + \
+             bcrypt.hashpw(b'secret', bcrypt.gensalt(rounds=5)).decode() + '\\n')",
+        )
+        .arg(&htpasswd)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let reg = OciRegistry::start_with(None, Some(&htpasswd));
+    let login = |user_pass: &str, file: &str| {
+        use base64::Engine;
+        let auth = base64::engine::general_purpose::STANDARD.encode(user_pass);
+        let p = d.join(file);
+        std::fs::write(
+            &p,
+            format!(r#"{{"auths": {{"{}": {{"auth": "{auth}"}}}}}}"#, reg.addr),
+        )
+        .unwrap();
+        p
+    };
+    let (good, bad) = (
+        login("ci:secret", "good.json"),
+        login("ci:wrong", "bad.json"),
+    );
+    let file = signed_copy(d, "lru", "lru.wasm", None);
+    let reference = reg.reference("moongate/lru:1");
+    let (code, pinned, err) = cli(&[
+        "push",
+        file.to_str().unwrap(),
+        &reference,
+        "--auth-file",
+        good.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let out = d.join("out.wasm");
+    for (auth, ok) in [(Some(&good), true), (Some(&bad), false), (None, false)] {
+        let mut args = vec!["pull", &reference, "-o", out.to_str().unwrap()];
+        if let Some(a) = auth {
+            args.extend(["--auth-file", a.to_str().unwrap()]);
+        }
+        let (code, got, err) = cli(&args);
+        if ok {
+            assert_eq!((code, got.as_str()), (0, pinned.as_str()), "{err}");
+        } else {
+            assert!(
+                code != 0 && err.contains("Not authorized"),
+                "{auth:?}: {err}"
+            );
+        }
+    }
+    // moongate itself, with the config file.
+    let mg = Moongate::start_config(&format!(
+        "[master_face]\nupstream = \"127.0.0.1:1\"\n[policy]\nregistry_auth_file = \"{}\"\n",
+        good.display()
+    ));
+    let (st, body) = post(&mg, &format!("name=q&from={}", enc(&reference)), &[], b"");
+    assert_eq!(st, 200, "{body}\n{}", reg.proc.log_text());
+    assert_eq!(plugin(&mg, "q")["source"], pinned.as_str());
 }

@@ -46,7 +46,7 @@ pub enum OciError {
     BadReference(String),
     #[error("{reference}: {message}")]
     Registry { reference: String, message: String },
-    #[error("{reference}: no Wasm component artifact there: {message}")]
+    #[error("{reference}: cannot fetch a Wasm component artifact: {message}")]
     NotWasm { reference: String, message: String },
     #[error(
         "{reference}: the component is {size} bytes, over the cap of {max} (policy.max_plugin_bytes)"
