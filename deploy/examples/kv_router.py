@@ -65,6 +65,24 @@ class KVEventBatch(EventBatch):
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
+def replay(ctx, endpoint, start, timeout_ms=5000):
+    """Every batch the publisher still buffers from sequence `start` on, as (seq,
+    payload) pairs, by vLLM's replay protocol: a DEALER socket (one request, many
+    answers) sends the start as 8 bytes big-endian; the answers end with END_SEQ."""
+    d = ctx.socket(zmq.DEALER)
+    d.connect(endpoint)
+    try:
+        d.send_multipart([b"", start.to_bytes(8, "big")])
+        while d.poll(timeout_ms):
+            _, seq_b, payload = d.recv_multipart()
+            if seq_b == END_SEQ:
+                return
+            yield int.from_bytes(seq_b, "big"), payload
+        raise TimeoutError(f"replay from {start} at {endpoint}: no end marker")
+    finally:
+        d.close(linger=0)
+
+
 class Index:
     """block hash -> {rank: set of media}, updated from events, read by queries."""
 
@@ -110,7 +128,7 @@ class Index:
         return {"best": out[0]["rank"] if out and out[0]["prefix_blocks"] else None, "ranks": out}
 
 
-def follow(ctx, rank, pub, replay, index, caught_up):
+def follow(ctx, rank, pub, replay_endpoint, index, caught_up):
     decoder = Decoder(type=KVEventBatch)
     sub = ctx.socket(zmq.SUB)
     sub.connect(pub)
@@ -119,18 +137,10 @@ def follow(ctx, rank, pub, replay, index, caught_up):
 
     def catch_up(start):
         nonlocal last
-        d = ctx.socket(zmq.DEALER)
-        d.connect(replay)
-        d.send_multipart([b"", start.to_bytes(8, "big")])
-        while d.poll(5000):
-            _, seq_b, payload = d.recv_multipart()
-            if seq_b == END_SEQ:
-                break
-            seq = int.from_bytes(seq_b, "big")
+        for seq, payload in replay(ctx, replay_endpoint, start):
             if seq > last:
                 index.apply(rank, decoder.decode(payload))
                 last = seq
-        d.close(linger=0)
 
     # Everything the publisher still buffers, then the live stream.
     catch_up(0)

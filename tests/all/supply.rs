@@ -170,9 +170,7 @@ fn post(mg: &Moongate, query: &str, headers: &[(&str, &str)], body: &[u8]) -> (u
 }
 
 fn enc(s: &str) -> String {
-    s.replace(':', "%3A")
-        .replace('/', "%2F")
-        .replace('@', "%40")
+    form_urlencoded::byte_serialize(s.as_bytes()).collect()
 }
 
 #[test]

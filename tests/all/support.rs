@@ -617,7 +617,6 @@ impl Background {
     ) -> Background {
         let out = dir.path().join("out.json");
         let log = dir.path().join("client.log");
-        let role = name;
         cmd.stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&log).unwrap())
@@ -632,7 +631,7 @@ impl Background {
             }
         });
         let proc = Proc {
-            name: role.to_string(),
+            name: name.to_string(),
             child,
             log,
         };
@@ -641,7 +640,7 @@ impl Background {
             None => {
                 let all: Vec<String> = logs.iter().map(|l| l.log_text()).collect();
                 panic!(
-                    "{role} never got ready\n{}\n{}",
+                    "{name} never got ready\n{}\n{}",
                     proc.log_text(),
                     all.join("\n")
                 )

@@ -23,8 +23,7 @@ from msgspec.msgpack import Decoder
 # The structures as vllm/distributed/kv_events.py declares them, from the router
 # example (the code a router would run; this test proves it reads moongate's events).
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../deploy/examples"))
-from kv_router import (BlockRemoved, BlockStored, END_SEQ,  # noqa: E402
-                       KVEventBatch)
+from kv_router import BlockRemoved, BlockStored, KVEventBatch, replay  # noqa: E402
 
 
 def as_json(e):
@@ -55,22 +54,11 @@ def main():
         s.setsockopt_string(zmq.SUBSCRIBE, a.topic)
         return s
 
-    def replay(start, until=None):
-        """Asks for every batch from `start` on; DEALER, so one request gets them all."""
-        d = ctx.socket(zmq.DEALER)
-        d.connect(a.replay)
-        d.send_multipart([b"", start.to_bytes(8, "big")])
-        while d.poll(5000):
-            _, seq_b, payload = d.recv_multipart()
-            if seq_b == END_SEQ:
-                break
-            seq = int.from_bytes(seq_b, "big")
+    def catch_up(start):
+        for seq, payload in replay(ctx, a.replay, start):
             if seq not in got:
                 got[seq] = decoder.decode(payload)
                 replayed.append(seq)
-        else:
-            raise SystemExit(f"replay from {start}: no end marker")
-        d.close(linger=0)
 
     def last():
         return max(got) if got else -1
@@ -87,7 +75,7 @@ def main():
             seq = int.from_bytes(seq_b, "big")
             if seq > last() + 1:
                 gaps += 1
-                replay(last() + 1)
+                catch_up(last() + 1)
             if seq not in got:
                 got[seq] = decoder.decode(payload)
         try:
@@ -111,7 +99,7 @@ def main():
                     got.setdefault(seq, decoder.decode(payload))
                 missing = [s for s in range(n) if s not in got]
                 if missing:
-                    replay(missing[0])
+                    catch_up(missing[0])
             out = {
                 "batches": [{"seq": s, "ts": got[s].ts, "events": [as_json(e) for e in got[s].events]}
                             for s in sorted(got)],

@@ -4,7 +4,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 
-/// Event types by their wire tag, in [`super::wire::Event::tag`] order.
+/// Event types by their wire tag, in [`super::wire::Event::index`] order.
 pub const EVENT_TYPES: [&str; 3] = ["BlockStored", "BlockRemoved", "AllBlocksCleared"];
 
 /// Stages where publishing can fail.
@@ -38,9 +38,10 @@ impl EventsMetrics {
         self.errors[s as usize].inc();
     }
 
-    pub fn published(&self, tag: &str) {
-        if let Some(i) = EVENT_TYPES.iter().position(|t| *t == tag) {
-            self.published[i].inc();
+    /// One event published, by [`super::wire::Event::index`].
+    pub fn published(&self, index: usize) {
+        if let Some(c) = self.published.get(index) {
+            c.inc();
         }
     }
 

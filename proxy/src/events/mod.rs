@@ -214,7 +214,7 @@ pub async fn run(
                 Ok(()) => {
                     metrics.batches.inc();
                     for e in chunk {
-                        metrics.published(e.tag());
+                        metrics.published(e.index());
                     }
                 }
                 Err(e) => {

@@ -54,26 +54,12 @@ impl Publisher {
         shutdown: CancellationToken,
     ) -> Result<Publisher, BindError> {
         let mut socket = PubSocket::new();
-        let bound = socket
-            .bind(&cfg.endpoint)
-            .await
-            .map_err(|source| BindError::Bind {
-                key: "endpoint",
-                endpoint: cfg.endpoint.clone(),
-                source,
-            })?;
+        let bound = bind(&mut socket, "endpoint", &cfg.endpoint).await?;
         let ring: Ring = Arc::new(Mutex::new(VecDeque::new()));
         let mut replay_endpoint = None;
         if !cfg.replay_endpoint.is_empty() {
             let mut router = RouterSocket::new();
-            let at = router
-                .bind(&cfg.replay_endpoint)
-                .await
-                .map_err(|source| BindError::Bind {
-                    key: "replay_endpoint",
-                    endpoint: cfg.replay_endpoint.clone(),
-                    source,
-                })?;
+            let at = bind(&mut router, "replay_endpoint", &cfg.replay_endpoint).await?;
             replay_endpoint = Some(at.to_string());
             tokio::spawn(serve_replay(router, ring.clone(), metrics, shutdown));
         }
@@ -108,6 +94,22 @@ impl Publisher {
         ]);
         self.socket.send(msg).await
     }
+}
+
+/// Binds `socket` to `endpoint` (config key `events.{key}`), naming both on failure.
+async fn bind<S: Socket>(
+    socket: &mut S,
+    key: &'static str,
+    endpoint: &str,
+) -> Result<zeromq::Endpoint, BindError> {
+    socket
+        .bind(endpoint)
+        .await
+        .map_err(|source| BindError::Bind {
+            key,
+            endpoint: endpoint.to_string(),
+            source,
+        })
 }
 
 fn message(frames: Vec<Bytes>) -> ZmqMessage {

@@ -33,10 +33,15 @@ pub enum Event {
 impl Event {
     /// The event's type name on the wire (its msgspec tag), also a metric label.
     pub fn tag(&self) -> &'static str {
+        super::metrics::EVENT_TYPES[self.index()]
+    }
+
+    /// Its place in [`super::metrics::EVENT_TYPES`].
+    pub fn index(&self) -> usize {
         match self {
-            Event::Stored { .. } => "BlockStored",
-            Event::Removed { .. } => "BlockRemoved",
-            Event::Cleared => "AllBlocksCleared",
+            Event::Stored { .. } => 0,
+            Event::Removed { .. } => 1,
+            Event::Cleared => 2,
         }
     }
 }

@@ -131,6 +131,8 @@ impl Registry {
             }
         }
         for (name, bytes, origin) in fetched {
+            // Pulled before the registry existed: counted now.
+            reg.count_pull(true);
             let pin = reg
                 .cfg
                 .plugins
@@ -274,11 +276,6 @@ impl Registry {
     pub fn is_sole_active(&self, name: &str) -> bool {
         let cur = self.current();
         cur.experiment.is_none() && cur.arms.first().is_some_and(|a| a.plugin.name() == name)
-    }
-
-    /// The signature-checking state, for the admin API's error mapping.
-    pub fn checks_signatures(&self) -> bool {
-        !self.trust.is_empty()
     }
 
     /// `policy.max_plugin_bytes`, for uploads.
