@@ -656,6 +656,17 @@ impl Background {
         }
     }
 
+    /// Waits for its next `READY` line without sending anything.
+    pub fn wait_ready(&self, what: &str, limit: Duration) -> String {
+        next_ready(&self.lines, limit).unwrap_or_else(|| {
+            panic!(
+                "{}: no {what} within {limit:?}\n{}",
+                self.proc.name,
+                self.proc.log_text()
+            )
+        })
+    }
+
     /// Sends `line` and returns the next line it prints (any line, not only `READY`).
     pub fn ask(&mut self, line: &str, limit: Duration) -> String {
         if let Some(s) = self.stdin.as_mut() {

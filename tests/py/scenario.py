@@ -276,6 +276,9 @@ def failover(run):
             ok += 1
             if last_failure is not None:
                 ok_after += 1
+                if ok_after == 1:
+                    # Back after an outage: a test can wait for this line.
+                    print("READY recovered", flush=True)
         else:
             failed += 1
             slowest_failure = max(slowest_failure, t1 - t0)
