@@ -89,6 +89,8 @@ pub struct AdminState {
     pub token: String,
     /// The key table and its history, when eviction is on (`GET /keys/{key}`).
     pub eviction: Option<Arc<crate::eviction::Eviction>>,
+    /// The master face's peers and owners (`GET /ranks`).
+    pub topology: Arc<crate::topology::Topology>,
 }
 
 /// Keeps `state.ready` (and the `moongate_upstream_ready` gauge) in step with whether the
@@ -298,6 +300,16 @@ async fn route(
             "/status" => json(StatusCode::OK, &status_view(&state)),
             "/plugins" => json(StatusCode::OK, &state.policy.list()),
             "/experiments" => json(StatusCode::OK, &experiments_view(&state.policy)),
+            "/ranks" => {
+                let set = state.policy.current();
+                let view = state.topology.report(|p| {
+                    let who = p.assign.or(p.client()).unwrap_or_default();
+                    set.arms
+                        .get(set.pick(&who, None))
+                        .map_or_else(String::new, |a| a.name.clone())
+                });
+                json(StatusCode::OK, &view)
+            }
             _ => text(
                 StatusCode::NOT_FOUND,
                 "not found; see the admin section of docs/operations.md\n",

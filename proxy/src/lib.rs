@@ -43,5 +43,6 @@ pub mod policy_feed;
 pub mod server;
 pub mod sim;
 pub mod supply;
+pub mod topology;
 pub mod upstream;
 pub mod validate;

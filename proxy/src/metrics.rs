@@ -27,6 +27,8 @@ pub struct Metrics {
     pub policy: Arc<PolicyFamilies>,
     /// Where the master is (leader following).
     pub upstream: Arc<crate::upstream::LeaderMetrics>,
+    /// Peers, owners' offloads and SSDs.
+    pub topology: Arc<crate::topology::metrics::TopologyMetrics>,
 }
 
 impl Metrics {
@@ -40,7 +42,11 @@ impl Metrics {
         let kv = Arc::new(KvMetrics::register(&mut registry));
         let policy = Arc::new(PolicyFamilies::register(&mut registry));
         let upstream = Arc::new(crate::upstream::LeaderMetrics::register(&mut registry));
+        let topology = Arc::new(crate::topology::metrics::TopologyMetrics::register(
+            &mut registry,
+        ));
         Metrics {
+            topology,
             upstream,
             registry,
             master,

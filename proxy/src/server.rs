@@ -112,6 +112,7 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
     } else {
         None
     };
+    let topology = Arc::new(crate::topology::Topology::new(metrics.topology.clone()));
     // The key table is kept for eviction and for events; the evictor runs only with
     // eviction on.
     let eviction = (cfg.eviction.enabled || events.is_some()).then(|| {
@@ -121,10 +122,12 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
             events.clone(),
         );
         if cfg.eviction.enabled {
-            tokio::spawn(
-                ev.clone()
-                    .run(policy.clone(), upstream.clone(), shutdown.clone()),
-            );
+            tokio::spawn(ev.clone().run(
+                policy.clone(),
+                upstream.clone(),
+                topology.clone(),
+                shutdown.clone(),
+            ));
             tracing::info!(master_metrics = %cfg.eviction.master_metrics_url,
                 high_watermark = cfg.eviction.high_watermark, "eviction on");
         }
@@ -136,6 +139,7 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
         policy: policy.clone(),
         token: cfg.admin.token.clone(),
         eviction: eviction.clone(),
+        topology: topology.clone(),
     });
     if !cfg.policy.watch_dir.is_empty() {
         tokio::spawn(crate::policy_feed::watch(
@@ -180,6 +184,7 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
         policy,
         put_bytes_in_flight: Default::default(),
         eviction,
+        topology,
     });
     let accept = tokio::spawn(master_face::accept_loop(
         master_listener,

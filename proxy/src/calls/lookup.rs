@@ -9,7 +9,7 @@ use bytes::Bytes;
 use super::{ERROR, FOUND, NOT_FOUND, Seen, Tally, UNKNOWN, tier_label};
 use crate::codec::Method;
 use crate::codec::message::{Request, Response};
-use crate::codec::types::{ErrorCode, Expected, GetReplicaListResponse};
+use crate::codec::types::{ErrorCode, Expected, GetReplicaListResponse, Tier};
 
 /// A decoded lookup: one key or a batch.
 pub type Lookup<'a> = super::Keyed<'a>;
@@ -71,6 +71,43 @@ pub(super) fn tally(resp: &Response, t: &mut Tally) {
             Err(_) => t.keys[UNKNOWN][ERROR] += 1,
         }
     }
+}
+
+/// Served-tier label values, in index order: the tier of the replica a reader reads.
+/// `other`: NVMe-oF or DFS; `unknown`: not found or failed (what vLLM's tier log calls
+/// unknown).
+pub const SERVED_LABELS: [&str; 5] = ["memory", "disk", "local_disk", "other", "unknown"];
+/// The [`SERVED_LABELS`] index of keys that were not served.
+pub const SERVED_UNKNOWN: usize = 4;
+
+/// The tier a reader reads one answer from, and its bytes: Mooncake's client (every
+/// release 0.3.11-0.3.13) reads the first replica of the list, except that one that
+/// mounted segments of its own prefers a memory replica on them (a requester-only rank
+/// mounts none). The master lists replicas in the order they were made, so memory comes
+/// before the copy offloaded from it. A key not found, or any error, is `unknown`.
+pub fn served(answer: &Expected<GetReplicaListResponse>) -> (usize, u64) {
+    let Ok(list) = answer else {
+        return (SERVED_UNKNOWN, 0);
+    };
+    let Some(first) = list.replicas.first() else {
+        return (SERVED_UNKNOWN, 0);
+    };
+    let tier = match first.location.tier() {
+        Tier::Memory => 0,
+        Tier::Disk => 1,
+        Tier::LocalDisk => 2,
+        Tier::Nof | Tier::Dfs => 3,
+    };
+    (tier, first.location.size())
+}
+
+/// The tiers each answer has a copy in, as the key table keeps them.
+pub fn has_local_disk(answer: &Expected<GetReplicaListResponse>) -> bool {
+    answer.as_ref().is_ok_and(|l| {
+        l.replicas
+            .iter()
+            .any(|r| r.location.tier() == Tier::LocalDisk)
+    })
 }
 
 /// Found keys (tier of the first replica), and keys the master no longer has.

@@ -12,6 +12,7 @@
 //! | [`exist`] | ExistKey, BatchExistKey |
 //! | [`remove`] | Remove, RemoveAll |
 //! | [`client`] | MountSegment, ReMountSegment, UnmountSegment, Ping, FetchTasks |
+//! | [`offload`] | MountLocalDiskSegment, ReportSsdCapacity, OffloadObjectHeartbeat, NotifyOffloadSuccess, PromotionAllocStart, NotifyPromotionSuccess (read, never changed) |
 //!
 //! Pure: decoded values in, decoded values out. The codec below knows only the wire;
 //! the master face, the policy view and the evictor above ask these rooms.
@@ -20,6 +21,7 @@ pub mod client;
 pub mod end;
 pub mod exist;
 pub mod lookup;
+pub mod offload;
 pub mod put;
 pub mod remove;
 
@@ -65,7 +67,9 @@ pub fn call(req: &Request) -> Call<'_> {
         Request::UnmountSegment(a) => Call::Client(client::Client::Unmount(a)),
         Request::Ping(id) => Call::Client(client::Client::Ping(id)),
         Request::FetchTasks(a) => Call::Client(client::Client::FetchTasks(a)),
-        Request::ServiceReady(_) | Request::GetStorageConfig(_) => Call::Other,
+        Request::ServiceReady(_) | Request::GetStorageConfig(_) | Request::BatchReplicaClear(_) => {
+            Call::Other
+        }
     }
 }
 
@@ -256,6 +260,7 @@ fn visit_errors(resp: &Response, mut f: impl FnMut(ErrorCode) -> bool) {
         Response::ExistKey(r) => one(r, &mut f),
         Response::BatchExistKey(v) => many(v, &mut f),
         Response::RemoveAll(_) => {}
+        Response::BatchReplicaClear(r) => one(r, &mut f),
     }
 }
 
@@ -314,6 +319,9 @@ impl AnswerExt for Response {
 pub struct Tracked {
     pub tenant: Bytes,
     pub what: Track,
+    /// The client id the call carries (zero when it carries none): the owner of the
+    /// keys a put stores, whom the master checks on a replica clear.
+    pub client: Uuid,
 }
 
 /// The keys a tracked call is about, by what it does to them.
@@ -335,6 +343,9 @@ pub enum Track {
 pub enum Seen {
     /// Put starts the master accepted: key, size, tier of its first replica.
     Stored(Vec<(Bytes, u64, Tier)>),
+    /// Where the memory replica of a stored key lives: key, the segment's transfer
+    /// endpoint (what a replica clear names it by, once mapped to the segment's name).
+    Placed(Vec<(Bytes, Bytes)>),
     /// Bytes of puts the master refused for lack of room (NO_AVAILABLE_HANDLE).
     Denied(u64),
     /// Keys whose put ended: they may now be removed.
@@ -363,6 +374,7 @@ impl Tracked {
         Some(Tracked {
             tenant: tenant.clone(),
             what,
+            client: req.client_id().unwrap_or_default(),
         })
     }
 
@@ -545,7 +557,8 @@ mod tests {
             Tracked::of(&r),
             Some(Tracked {
                 tenant: Bytes::new(),
-                what: Track::RemoveAll
+                what: Track::RemoveAll,
+                client: Uuid::default(),
             })
         );
         let r = Request::BatchExistKey(KeysArgs {
@@ -651,6 +664,7 @@ mod tests {
         let all = Tracked {
             tenant: t.clone(),
             what: Track::RemoveAll,
+            client: Uuid::default(),
         };
         assert_eq!(all.seen(&Response::RemoveAll(-1)), Vec::<Seen>::new());
         assert_eq!(Tracked::of(&remove).unwrap().tenant, t);

@@ -10,7 +10,9 @@ use bytes::Bytes;
 use super::{Seen, Track};
 use crate::codec::Method;
 use crate::codec::message::{BatchPutStartArgs, PutStartArgs, Request, Response};
-use crate::codec::types::{ErrorCode, Expected, ReplicaDescriptor, ReplicateConfig, Tier, Uuid};
+use crate::codec::types::{
+    ErrorCode, Expected, ReplicaDescriptor, ReplicaLocation, ReplicateConfig, Tier, Uuid,
+};
 
 /// Put or upsert (an upsert replaces an existing value).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -262,14 +264,20 @@ pub(super) fn seen(keys: &[(Bytes, u64)], resp: &Response) -> Vec<Seen> {
         return Vec::new();
     };
     let mut stored = Vec::with_capacity(keys.len());
+    let mut placed = Vec::new();
     let mut denied = 0u64;
     for ((key, size), a) in keys.iter().zip(answers) {
         match a {
-            Ok(reps) => stored.push((
-                key.clone(),
-                *size,
-                reps.first().map_or(Tier::Memory, |r| r.location.tier()),
-            )),
+            Ok(reps) => {
+                stored.push((
+                    key.clone(),
+                    *size,
+                    reps.first().map_or(Tier::Memory, |r| r.location.tier()),
+                ));
+                if let Some(ReplicaLocation::Memory(m)) = reps.first().map(|r| &r.location) {
+                    placed.push((key.clone(), m.buffer_descriptor.transport_endpoint.clone()));
+                }
+            }
             Err(ErrorCode::NO_AVAILABLE_HANDLE) => denied = denied.saturating_add(*size),
             Err(_) => {}
         }
@@ -280,6 +288,9 @@ pub(super) fn seen(keys: &[(Bytes, u64)], resp: &Response) -> Vec<Seen> {
     }
     if denied > 0 {
         out.push(Seen::Denied(denied));
+    }
+    if !placed.is_empty() {
+        out.push(Seen::Placed(placed));
     }
     out
 }

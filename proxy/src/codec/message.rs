@@ -125,6 +125,14 @@ pack_struct! {
     pub struct RemoveArgs { pub key: Bytes, pub force: bool, pub tenant_id: Bytes }
 }
 pack_struct! {
+    /// `BatchReplicaClear(object_keys, client_id, segment_name)`: drops the replicas of
+    /// keys `client_id` put that live on `segment_name` (all of them when it is empty);
+    /// a key left with no replica is removed. Keys under a read lease are skipped. The
+    /// answer lists the keys cleared. moongate's evictor sends it to free memory while
+    /// an SSD copy stays.
+    pub struct ReplicaClearArgs { pub keys: Vec<Bytes>, pub client_id: Uuid, pub segment_name: Bytes }
+}
+pack_struct! {
     /// `RemoveAll(force, tenant_id)`.
     pub struct RemoveAllArgs { pub force: bool, pub tenant_id: Bytes }
 }
@@ -256,6 +264,7 @@ typed_methods! {
     BatchExistKey(KeysArgs) -> Vec<Expected<bool>>;
     Remove(RemoveArgs) -> Expected<()>;
     RemoveAll(RemoveAllArgs) -> i64;
+    BatchReplicaClear(ReplicaClearArgs) -> Expected<Vec<Bytes>>;
 }
 
 /// Zero-argument requests carry no body (not even an empty message); a body sent anyway
@@ -360,7 +369,8 @@ mod tests {
 
     #[test]
     fn argument_type_codes_match_the_method_table() {
-        let cases: [(Method, u32); 8] = [
+        let cases: [(Method, u32); 9] = [
+            (Method::BatchReplicaClear, 0x472b_2fa2),
             (Method::PutStart, 0xe385_bd0e),
             (Method::BatchPutStart, 0x5870_c0a4),
             (Method::BatchExistKey, 0x00f7_8d62),
@@ -429,6 +439,11 @@ mod tests {
             Method::RemoveAll => Request::RemoveAll(RemoveAllArgs {
                 force: false,
                 tenant_id: t,
+            }),
+            Method::BatchReplicaClear => Request::BatchReplicaClear(ReplicaClearArgs {
+                keys: vec![Bytes::from_static(b"k")],
+                client_id: id,
+                segment_name: t,
             }),
             _ => unreachable!(),
         }

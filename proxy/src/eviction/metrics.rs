@@ -8,7 +8,14 @@ use prometheus_client::registry::Registry;
 /// What started an eviction round, in label order.
 pub const EVICTION_TRIGGERS: [&str; 3] = ["usage", "denials", "arm_share"];
 /// What became of an eviction candidate moongate acted on, in label order.
-pub const EVICTION_RESULTS: [&str; 4] = ["removed", "leased", "not_found", "error"];
+pub const EVICTION_RESULTS: [&str; 6] = [
+    "removed",
+    "leased",
+    "not_found",
+    "error",
+    "memory_cleared",
+    "kept",
+];
 /// Where an eviction round failed, in label order.
 pub const EVICTION_STAGES: [&str; 2] = ["usage", "remove"];
 
@@ -33,6 +40,12 @@ pub enum Victim {
     /// Already gone: forgotten.
     NotFound,
     Error,
+    /// Offload on: its memory replica was dropped; a copy on an owner's SSD stays.
+    MemoryCleared,
+    /// Offload on: the master cleared nothing (its memory replica already gone, a
+    /// lease, or the key gone), or its segment is unknown to moongate: kept (tried
+    /// again after a lease, forgotten after a few tries).
+    Kept,
 }
 
 /// Where a round was cut short (index into [`EVICTION_STAGES`]).
@@ -45,7 +58,7 @@ pub enum Stage {
 /// Handles of the evictor (registered even when eviction is off, so dashboards see 0).
 pub struct EvictionMetrics {
     rounds: [Counter; 3],
-    keys: [Counter; 4],
+    keys: [Counter; 6],
     pub removed_bytes: Counter,
     errors: [Counter; 2],
     pub table_keys: Gauge,
@@ -151,7 +164,8 @@ impl EvictionMetrics {
             registry,
             "moongate_eviction_keys",
             "Eviction victims by result (removed; leased: a reader holds a lease, kept; \
-             not_found: already gone, forgotten; error)",
+             not_found: already gone, forgotten; error; with an SSD tier: memory_cleared, \
+             the memory replica dropped and the SSD copy kept, kept: nothing cleared)",
             "result",
             EVICTION_RESULTS,
         );

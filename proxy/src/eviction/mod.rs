@@ -49,6 +49,8 @@ pub use table::{Entry, KeyTable, Tier};
 
 /// Removals per pipelined burst on moongate's own connection.
 const CHUNK: usize = 1000;
+/// Replica clears that clear nothing before the table forgets a key (offload on).
+const CLEAR_TRIES: u8 = 3;
 
 /// The evictor's shared state: the key table, the denial count, the metric handles.
 pub struct Eviction {
@@ -63,6 +65,9 @@ pub struct Eviction {
     usage_url: Option<HttpUrl>,
     /// KV events (`[events]` on): what the table sees stored and gone, for routers.
     events: Option<Arc<Events>>,
+    /// The master face's owners: with an SSD tier offloading, victims lose only their
+    /// memory replica (set when the evictor starts).
+    topology: std::sync::OnceLock<Arc<crate::topology::Topology>>,
 }
 
 impl Eviction {
@@ -83,6 +88,7 @@ impl Eviction {
             metrics,
             usage_url,
             events,
+            topology: std::sync::OnceLock::new(),
         })
     }
 
@@ -107,6 +113,7 @@ impl Eviction {
                 Seen::Denied(bytes) => {
                     self.denied_bytes.fetch_add(bytes, Ordering::Relaxed);
                 }
+                Seen::Placed(keys) => self.table.placed(&t.tenant, &keys, t.client),
                 Seen::Completed(keys) => match &self.events {
                     Some(ev) => {
                         let mut c = Changes::new(What::Stored);
@@ -153,6 +160,22 @@ impl Eviction {
             }
         }
         self.metrics.table_keys.set(self.table.len() as i64);
+    }
+
+    /// Keys an owner wrote to its SSD: the table marks them (eviction then keeps that
+    /// copy), and KV events announce the new medium.
+    pub fn offloaded(&self, items: &[crate::calls::offload::Item]) {
+        let keys = items.iter().map(|i| (&i.tenant, &i.key));
+        let now = self.now_ms();
+        match &self.events {
+            Some(ev) => {
+                let mut c = Changes::new(What::Stored);
+                self.table
+                    .on_disk(keys, now, |k, e| c.push(e.arm, Some(Tier::LocalDisk), k));
+                c.send(ev);
+            }
+            None => self.table.on_disk(keys, now, |_, _| {}),
+        }
     }
 
     /// Explains lookup misses: a key the table holds was stored and is gone without
@@ -240,8 +263,10 @@ impl Eviction {
         self: Arc<Self>,
         policy: Arc<Registry>,
         upstream: crate::upstream::Upstream,
+        topology: Arc<crate::topology::Topology>,
         shutdown: CancellationToken,
     ) {
+        let _ = self.topology.set(topology);
         let mut conn: Option<(String, Conn)> = None;
         let mut usage_failing = false;
         let interval = Duration::from_millis(self.cfg.interval_ms);
@@ -373,6 +398,18 @@ impl Eviction {
         policy: &Registry,
         upstream: &crate::upstream::Upstream,
     ) -> Result<(), crate::upstream::CallError> {
+        // With an SSD tier offloading, moongate frees memory only from keys already on
+        // an SSD (it drops their memory replica): a key with no other copy is left to
+        // the master, which offloads before it evicts (`offload_on_evict`) or drops it.
+        let topo = self.topology.get().filter(|t| t.offloading());
+        let on_disk: Vec<(Bytes, Entry)>;
+        let cands = match topo {
+            Some(_) => {
+                on_disk = cands.iter().filter(|(_, e)| e.on_disk).cloned().collect();
+                &on_disk[..]
+            }
+            None => cands,
+        };
         if cands.is_empty() {
             tracing::debug!(need, "eviction round: no candidates in the table");
             return Ok(());
@@ -414,6 +451,9 @@ impl Eviction {
             return Ok(());
         }
         let chosen: Vec<(Bytes, Entry)> = victims.into_iter().map(|i| cands[i].clone()).collect();
+        if let Some(topo) = topo {
+            return self.clear_memory(c, &chosen, &set, topo).await;
+        }
         let reqs: Vec<Request> = chosen
             .iter()
             .map(|(k, e)| {
@@ -477,6 +517,120 @@ impl Eviction {
             c.send(ev);
         }
         for (tenant, key) in &removed {
+            self.table.forget(tenant, std::iter::once(key));
+        }
+        self.metrics.table_keys.set(self.table.len() as i64);
+        Ok(())
+    }
+
+    /// With an SSD tier offloading: drops only the victims' memory replicas
+    /// (`BatchReplicaClear` naming the memory segment and the client that put them), so
+    /// a copy on an owner's SSD stays; a key with no other copy goes, as with `Remove`.
+    /// A victim whose memory segment moongate does not know is kept: never a `Remove`,
+    /// which would delete the SSD copy too.
+    async fn clear_memory(
+        &self,
+        c: &mut Conn,
+        chosen: &[(Bytes, Entry)],
+        set: &ActiveSet,
+        topo: &crate::topology::Topology,
+    ) -> Result<(), crate::upstream::CallError> {
+        use crate::codec::message::ReplicaClearArgs;
+        // One call per (client, segment): the master checks both per key.
+        let mut groups: std::collections::BTreeMap<(u64, u64, u16), Vec<usize>> =
+            Default::default();
+        for (i, (_, e)) in chosen.iter().enumerate() {
+            if e.segment == table::NO_SEGMENT {
+                self.metrics.victim(Victim::Kept);
+                continue;
+            }
+            groups
+                .entry((e.client.first, e.client.second, e.segment))
+                .or_default()
+                .push(i);
+        }
+        let mut memory_gone = self.events.as_ref().map(|_| Changes::new(What::Removed));
+        let mut forgotten = Vec::new();
+        for ((first, second, seg), idx) in groups {
+            let Some(endpoint) = self.table.segment(seg) else {
+                continue;
+            };
+            let name = topo.segment_name(&endpoint);
+            for part in idx.chunks(CHUNK) {
+                let req = Request::BatchReplicaClear(ReplicaClearArgs {
+                    keys: part.iter().map(|&i| chosen[i].0.clone()).collect(),
+                    client_id: crate::codec::types::Uuid { first, second },
+                    segment_name: name.clone(),
+                });
+                let answer = c
+                    .call_all(std::slice::from_ref(&req), self.call_timeout())
+                    .await
+                    .inspect_err(|_| self.metrics.error(Stage::Remove))?;
+                let cleared: std::collections::HashSet<Bytes> = match answer.into_iter().next() {
+                    Some(Ok(Response::BatchReplicaClear(Ok(keys)))) => {
+                        tracing::debug!(segment = ?name, asked = part.len(), cleared = ?keys,
+                            "memory replicas cleared");
+                        keys.into_iter().collect()
+                    }
+                    other => {
+                        tracing::debug!(answer = ?other, "replica clear failed");
+                        for _ in part {
+                            self.metrics.victim(Victim::Error);
+                        }
+                        continue;
+                    }
+                };
+                for &i in part {
+                    let (k, e) = &chosen[i];
+                    if !cleared.contains(k) {
+                        // The master cleared nothing: the key is under a lease (an
+                        // owner's offload lookup grants one), its memory replica is
+                        // already gone (the master evicted it, the SSD copy serves it),
+                        // or the key is gone. The answer does not say which: the key
+                        // waits a lease before it is tried again, and is forgotten after
+                        // a few tries, or the same stale keys would be chosen round
+                        // after round. The master's own eviction stays the backstop.
+                        self.metrics.victim(Victim::Kept);
+                        self.table.back_off(
+                            &e.tenant,
+                            k,
+                            self.now_ms() + self.cfg.lease_ms,
+                            CLEAR_TRIES,
+                        );
+                        continue;
+                    }
+                    self.metrics.removed_bytes.inc_by(e.size);
+                    if let Some(arm) = set.arms.get(e.arm as usize).filter(|_| set.arms.len() > 1) {
+                        self.metrics.arm_removed(&arm.name, e.size);
+                    }
+                    if e.on_disk {
+                        // Its memory copy is gone; its SSD copy still serves reads.
+                        self.metrics.victim(Victim::MemoryCleared);
+                        if let Some(c) = &mut memory_gone {
+                            c.push(e.arm, Some(Tier::Memory), k);
+                        }
+                    } else {
+                        self.metrics.victim(Victim::Removed);
+                        self.history.note(
+                            &e.tenant,
+                            std::iter::once(k),
+                            Why::evicted_by_moongate,
+                            e.arm,
+                            self.now_ms(),
+                        );
+                        if let Some(c) = &mut memory_gone {
+                            c.push(e.arm, Some(e.tier), k);
+                        }
+                    }
+                    forgotten.push((e.tenant.clone(), k.clone()));
+                }
+            }
+        }
+        if let (Some(c), Some(ev)) = (memory_gone, &self.events) {
+            c.send(ev);
+        }
+        // The table holds what uses memory: a key left only on an SSD leaves it.
+        for (tenant, key) in &forgotten {
             self.table.forget(tenant, std::iter::once(key));
         }
         self.metrics.table_keys.set(self.table.len() as i64);
@@ -638,6 +792,7 @@ mod tests {
         Tracked {
             tenant: Bytes::from_static(b"default"),
             what,
+            client: Default::default(),
         }
     }
 
@@ -666,6 +821,10 @@ mod tests {
             leased_until_ms: 0,
             arm: 1,
             complete: true,
+            on_disk: false,
+            client: Default::default(),
+            segment: table::NO_SEGMENT,
+            tries: 0,
         };
         let cands: Vec<(Bytes, Entry)> = (0..4).map(|_| (Bytes::new(), e(10))).collect();
         let mut v = vec![2];
@@ -694,6 +853,7 @@ mod tests {
         let tracked = |what| Tracked {
             tenant: tenant.clone(),
             what,
+            client: Default::default(),
         };
         let t = tracked(Track::Put(vec![
             (Bytes::from_static(b"a"), 100),

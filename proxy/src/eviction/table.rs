@@ -13,6 +13,7 @@ use std::sync::Mutex;
 use bytes::Bytes;
 
 pub use crate::codec::types::Tier;
+use crate::codec::types::Uuid;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Entry {
@@ -31,7 +32,22 @@ pub struct Entry {
     pub arm: u8,
     /// The put ended (PutEnd accepted). Until then a removal fails: no candidate.
     pub complete: bool,
+    /// An owner reported a copy of it on its SSD (NotifyOffloadSuccess), or a lookup
+    /// answer listed one.
+    pub on_disk: bool,
+    /// The client id of the put (the master checks it on a replica clear).
+    pub client: Uuid,
+    /// The memory replica's segment, as an index into [`KeyTable::segment`]
+    /// ([`NO_SEGMENT`] when unknown).
+    pub segment: u16,
+    /// Replica clears of it that cleared nothing (offload on).
+    pub tries: u8,
 }
+
+/// [`Entry::segment`] when the memory replica's segment is not known.
+pub const NO_SEGMENT: u16 = u16::MAX;
+/// Distinct segments remembered (a pool has one per owner or rank with memory).
+const MAX_SEGMENTS: usize = 4096;
 
 /// What the table holds, behind one lock (calls take it once per answer, not per key).
 pub struct KeyTable {
@@ -46,6 +62,8 @@ pub struct KeyTable {
 struct Inner {
     map: HashMap<Owned, Entry, foldhash::fast::RandomState>,
     arm_bytes: Vec<u64>,
+    /// Memory segments' transfer endpoints, interned (entries hold an index).
+    segments: Vec<Bytes>,
 }
 
 impl Inner {
@@ -137,12 +155,82 @@ impl KeyTable {
                     leased_until_ms: 0,
                     arm: arm.min(u8::MAX as usize) as u8,
                     complete: false,
+                    on_disk: false,
+                    client: Uuid::default(),
+                    segment: NO_SEGMENT,
+                    tries: 0,
                 },
             );
         }
         if t.map.len() > self.max_keys {
             forget_oldest(&mut t.map, self.max_keys);
             t.recount();
+        }
+    }
+
+    /// Records who put keys and where their memory replica lives (`endpoint`: the
+    /// segment's transfer endpoint).
+    pub fn placed(&self, tenant: &Bytes, keys: &[(Bytes, Bytes)], client: Uuid) {
+        let mut t = self.lock();
+        let t = &mut *t;
+        for (key, endpoint) in keys {
+            let seg = match t.segments.iter().position(|s| s == endpoint) {
+                Some(i) => i as u16,
+                None if t.segments.len() < MAX_SEGMENTS => {
+                    t.segments.push(Bytes::copy_from_slice(endpoint));
+                    (t.segments.len() - 1) as u16
+                }
+                None => NO_SEGMENT,
+            };
+            if let Some(e) = t.map.get_mut(&(tenant.clone(), key.clone())) {
+                e.client = client;
+                e.segment = seg;
+            }
+        }
+    }
+
+    /// A replica clear left `key` as it was (a lease, or its memory replica already
+    /// gone): it is no candidate until `until_ms`; after `max_tries` such clears the
+    /// table forgets it. Returns whether it is still held.
+    pub fn back_off(&self, tenant: &Bytes, key: &Bytes, until_ms: u64, max_tries: u8) -> bool {
+        let mut t = self.lock();
+        let k = (tenant.clone(), key.clone());
+        let Some(e) = t.map.get_mut(&k) else {
+            return false;
+        };
+        e.tries = e.tries.saturating_add(1);
+        e.leased_until_ms = e.leased_until_ms.max(until_ms);
+        if e.tries >= max_tries {
+            t.remove(&k);
+            return false;
+        }
+        true
+    }
+
+    /// The transfer endpoint of segment `i` ([`Entry::segment`]).
+    pub fn segment(&self, i: u16) -> Option<Bytes> {
+        self.lock().segments.get(usize::from(i)).cloned()
+    }
+
+    /// Marks keys an owner wrote to its SSD (at `now_ms`); calls `each` with the
+    /// entries it held. A key is no candidate for a lease after the notice: measured
+    /// with Mooncake 0.3.13.post1, a memory replica cleared within ~0.3 s of the owner's
+    /// NotifyOffloadSuccess took the whole key with it, one cleared a lease (1 s) later
+    /// left the SSD copy serving reads.
+    pub fn on_disk<'a>(
+        &self,
+        keys: impl Iterator<Item = (&'a Bytes, &'a Bytes)>,
+        now_ms: u64,
+        mut each: impl FnMut(&Bytes, &Entry),
+    ) {
+        let mut t = self.lock();
+        let until = now_ms + self.lease_ms;
+        for (tenant, key) in keys {
+            if let Some(e) = t.map.get_mut(&(tenant.clone(), key.clone())) {
+                e.on_disk = true;
+                e.leased_until_ms = e.leased_until_ms.max(until);
+                each(key, e);
+            }
         }
     }
 

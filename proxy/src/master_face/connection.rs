@@ -30,6 +30,7 @@ use super::metrics::{CloseReason, FrameErrorKind, Side};
 use super::session::Session;
 use crate::codec::frame::{check_request, check_response};
 use crate::codec::{FrameError, RequestFrame, ResponseFrame};
+use crate::topology::{Peer, PeerKey};
 
 const READ_CHUNK: usize = 64 << 10;
 
@@ -89,6 +90,37 @@ impl Activity {
     }
 }
 
+/// How long finding the process behind a connection may delay its first call; past it
+/// the peer is known by its address.
+const IDENTIFY_WITHIN: Duration = Duration::from_millis(500);
+
+/// A connection's peer, counted as connected until this is dropped.
+struct Joined(Arc<Peer>, Arc<crate::topology::Topology>);
+
+impl Drop for Joined {
+    fn drop(&mut self) {
+        self.1.leave(&self.0);
+    }
+}
+
+/// The process (or address) behind a connection, found off the runtime.
+async fn identify(client: &TcpStream, peer: std::net::SocketAddr, shared: &Arc<Shared>) -> Joined {
+    let topo = shared.topology.clone();
+    let key = match client.local_addr() {
+        Ok(ours) => {
+            let t = topo.clone();
+            let found = tokio::task::spawn_blocking(move || t.identify(ours, peer));
+            match tokio::time::timeout(IDENTIFY_WITHIN, found).await {
+                Ok(Ok(k)) => k,
+                _ => PeerKey::Addr(peer.ip()),
+            }
+        }
+        Err(_) => PeerKey::Addr(peer.ip()),
+    };
+    tracing::debug!(%peer, who = %key, "client identified");
+    Joined(topo.join(key), topo)
+}
+
 /// Serves one accepted client connection until either side closes, it idles out, or
 /// shutdown drains it.
 pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Shared>) {
@@ -134,10 +166,11 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
     shared.metrics.upstream_connections_open.inc();
     tracing::debug!(%peer, "client connected");
 
+    let who = identify(&client, peer, &shared).await;
     let (cr, cw) = client.into_split();
     let (ur, uw) = upstream.into_split();
     let shell = Shell {
-        session: Mutex::new(Session::new(shared.clone())),
+        session: Mutex::new(Session::new(shared.clone(), who.0.clone())),
         room: Notify::new(),
         local: Notify::new(),
     };
@@ -487,6 +520,7 @@ mod tests {
             .unwrap(),
             put_bytes_in_flight: Default::default(),
             eviction: None,
+            topology: Arc::new(crate::topology::Topology::new(all.topology.clone())),
         });
         let face = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let face_addr = face.local_addr().unwrap();

@@ -39,6 +39,8 @@ pub struct Shared {
     pub put_bytes_in_flight: Arc<std::sync::atomic::AtomicU64>,
     /// The eviction table to feed from answers (`[eviction] enabled`).
     pub eviction: Option<Arc<crate::eviction::Eviction>>,
+    /// Who is behind each connection, what ranks were served, what owners offloaded.
+    pub topology: Arc<crate::topology::Topology>,
 }
 
 /// Accepts client connections until `shared.shutdown` is cancelled. Connection tasks are

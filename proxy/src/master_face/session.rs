@@ -34,6 +34,7 @@ use super::Shared;
 use super::config::Reencode;
 use super::metrics::{FrameErrorKind, Side};
 use super::split::{self, InFlightBytes, Merge, Merged};
+use crate::calls::offload::Offload;
 use crate::calls::{self, AnswerExt, CallExt, Tracked};
 use crate::codec::frame::errc;
 use crate::codec::message::{Request, Response, RpcError, is_typed};
@@ -43,6 +44,7 @@ use crate::codec::{
 };
 use crate::per_method::{ErrorKind, MethodMetrics};
 use crate::policy::{Fixup, Outcome, PutAction, PutDecided, Ticket};
+use crate::topology::{LookupRole, Peer};
 
 /// What the session keeps of a forwarded call until its answer arrives.
 pub struct Entry {
@@ -58,15 +60,22 @@ pub struct Entry {
     pub in_flight: Option<InFlightBytes>,
     /// What the answer tells the eviction table (eviction on).
     pub tracked: Option<Tracked>,
+    /// A lookup's tenant and keys: what its answer served the reader.
+    pub read: Option<(Bytes, Vec<Bytes>)>,
 }
 
 /// A request not yet answered to the client, in request order.
+// Entries live in a bounded per-connection queue; boxing them would cost an allocation
+// per call.
+#[allow(clippy::large_enum_variant)]
 enum InFlight {
     Upstream {
         seq: u32,
         method: Option<Method>,
         sent: Instant,
         entry: Option<Entry>,
+        /// An offload-family call, read on its way: applied when the master accepts it.
+        offload: Option<Box<Offload>>,
     },
     /// Answered by moongate: these bytes go to the client when its turn comes.
     Local(Bytes),
@@ -75,6 +84,9 @@ enum InFlight {
 /// The protocol state of one client connection and its upstream connection.
 pub struct Session {
     shared: Arc<Shared>,
+    /// The process (or address) behind this connection, shared by its other
+    /// connections.
+    peer: Arc<Peer>,
     queue: VecDeque<InFlight>,
     /// The Mooncake client id, once a request carried it: a connection belongs to one
     /// client process, so by-client arms hold for the calls that do not carry it.
@@ -95,9 +107,10 @@ impl Drop for Session {
 }
 
 impl Session {
-    pub fn new(shared: Arc<Shared>) -> Session {
+    pub fn new(shared: Arc<Shared>, peer: Arc<Peer>) -> Session {
         Session {
             shared,
+            peer,
             queue: VecDeque::new(),
             client: None,
             schema: None,
@@ -153,23 +166,25 @@ impl Session {
     /// `now`. The caller checked [`Session::has_room`].
     pub fn handle_request(&mut self, frame: &RequestFrame, raw: &Bytes, now: Instant) {
         let method = Method::from_function_id(frame.header.function_id);
-        let upstream = |entry| InFlight::Upstream {
+        let upstream = |entry, offload| InFlight::Upstream {
             seq: frame.header.seq_num,
             method,
             sent: now,
             entry,
+            offload,
         };
         let next = on_request(
             &self.shared,
             &mut self.to_master,
-            (&mut self.client, &mut self.schema),
+            (&self.peer, &mut self.client, &mut self.schema),
             frame,
             raw,
             method,
         );
         self.queue.push_back(match next {
-            Next::Relayed => upstream(None),
-            Next::Forwarded(entry) => upstream(Some(entry)),
+            Next::Relayed => upstream(None, None),
+            Next::Offload(call) => upstream(None, Some(call)),
+            Next::Forwarded(entry) => upstream(Some(entry), None),
             Next::Answered(bytes) => InFlight::Local(bytes),
         });
         // A local answer with nothing before it goes out at once.
@@ -205,14 +220,18 @@ impl Session {
                 method,
                 sent,
                 entry,
+                offload,
             }) if s == seq => {
+                if let Some(call) = offload {
+                    self.offloaded(&call, frame);
+                }
                 let latency = now.saturating_duration_since(sent);
                 self.shared
                     .metrics
                     .method(method)
                     .latency
                     .observe(latency.as_secs_f64());
-                let a = Answering::new(method, entry.as_ref(), latency, &self.shared);
+                let a = Answering::new(method, entry.as_ref(), latency, &self.shared, &self.peer);
                 if split.is_some() {
                     match std::mem::take(&mut self.merge).finish(seq) {
                         Merged::Failed(bytes) => {
@@ -258,10 +277,34 @@ impl Session {
     }
 }
 
-/// What became of one request.
+impl Session {
+    /// The master's answer to an owner's offload-family call: what it changed.
+    fn offloaded(&self, call: &Offload, frame: &ResponseFrame) {
+        let ok = frame.header.err_code == errc::OK;
+        let topo = &self.shared.topology;
+        if let Offload::Heartbeat { .. } = call {
+            topo.offload_call(&self.peer, call, ok);
+            if let Some(items) = ok.then(|| calls::offload::tasks(&frame.body)).flatten() {
+                topo.offload_tasks(&items);
+            }
+            return;
+        }
+        let ok = ok && calls::offload::answered_ok(&frame.body);
+        tracing::debug!(?call, ok, "offload call answered");
+        let reached_disk = topo.offload_call(&self.peer, call, ok);
+        if let (Some(ev), false) = (&self.shared.eviction, reached_disk.is_empty()) {
+            ev.offloaded(&reached_disk);
+        }
+    }
+}
+
+/// What became of one request (moved once into the queue: not boxed).
+#[allow(clippy::large_enum_variant)]
 enum Next {
     /// Not decoded: relayed as received, nothing to remember.
     Relayed,
+    /// An offload-family call, relayed as received and read on the way.
+    Offload(Box<Offload>),
     /// Forwarded (as received, rewritten or split); its answer needs the entry.
     Forwarded(Entry),
     /// Answered by moongate: these bytes go to the client when its turn comes.
@@ -272,7 +315,7 @@ enum Next {
 fn on_request(
     shared: &Shared,
     out: &mut BytesMut,
-    (client, schema): (&mut Option<Uuid>, &mut Option<Schema>),
+    (peer, client, schema): (&Peer, &mut Option<Uuid>, &mut Option<Schema>),
     frame: &RequestFrame,
     raw: &Bytes,
     method: Option<Method>,
@@ -281,6 +324,10 @@ fn on_request(
     m.requests.inc();
     let Some((req, style)) = decode_request(shared, frame, method, m) else {
         out.extend_from_slice(raw);
+        // Owners' offload calls are read (never changed) on their way.
+        if let Some(call) = method.and_then(|m| calls::offload::request(m, &frame.body)) {
+            return Next::Offload(Box::new(call));
+        }
         return Next::Relayed;
     };
     if let Some(s) = older::identifies(req.method(), style.schema)
@@ -292,11 +339,20 @@ fn on_request(
     let got = Received { frame, raw, style };
     if let Some(id) = req.client_id() {
         *client = Some(id);
+        peer.saw_client(id);
     }
+    match &req {
+        Request::MountSegment(a) => shared.topology.mounted(std::slice::from_ref(&a.segment)),
+        Request::ReMountSegment(a) => shared.topology.mounted(&a.segments),
+        _ => {}
+    }
+    // Arms are assigned by the process behind the connection when it is known, so a
+    // rank's calls land in one arm whether or not they carry its client id.
+    let who = peer.assign.or(*client);
     let policy = &shared.policy;
     let set = policy.current();
-    let Some(PutDecided { action, ticket }) = policy.decide_put(&set, &req) else {
-        let ticket = policy.ticket(set, &client.unwrap_or_default(), req.first_key());
+    let Some(PutDecided { action, ticket }) = policy.decide_put_as(&set, &req, who.as_ref()) else {
+        let ticket = policy.ticket(set, &who.unwrap_or_default(), req.first_key());
         let arm = ticket.arm();
         arm.metrics.requests[req.method().index()].requests.inc();
         let lookup_keys = match calls::call(&req) {
@@ -386,6 +442,10 @@ fn entry(
         parts,
         in_flight: put_bytes(sent, shared),
         tracked: shared.eviction.as_ref().and_then(|_| Tracked::of(sent)),
+        read: match calls::call(sent) {
+            calls::Call::Lookup(l) => Some((l.tenant().clone(), l.keys().to_vec())),
+            _ => None,
+        },
     }
 }
 
@@ -488,6 +548,7 @@ fn put_bytes(req: &Request, shared: &Shared) -> Option<InFlightBytes> {
 
 /// Per-answer context: the metric handles and arm of the call being answered.
 struct Answering<'a> {
+    peer: &'a Peer,
     method: Option<Method>,
     entry: Option<&'a Entry>,
     latency: Duration,
@@ -502,6 +563,7 @@ impl<'a> Answering<'a> {
         entry: Option<&'a Entry>,
         latency: Duration,
         shared: &'a Shared,
+        peer: &'a Peer,
     ) -> Self {
         let am = entry
             .zip(method)
@@ -510,6 +572,7 @@ impl<'a> Answering<'a> {
             am.latency.observe(latency.as_secs_f64());
         }
         Answering {
+            peer,
             method,
             entry,
             latency,
@@ -610,8 +673,20 @@ impl<'a> Answering<'a> {
                 .steer_lookup(e.ticket.arm(), keys, &mut resp);
         }
         if let Some(e) = entry {
+            // What the reader will read, after steering; an owner's look at keys it is
+            // about to offload is its own work, not a read or a hit.
+            let role = match (&e.read, calls::lookup::results(&resp)) {
+                (Some((tenant, keys)), Some(answers)) => self.shared.topology.lookup(
+                    self.peer,
+                    tenant,
+                    keys,
+                    answers,
+                    &e.ticket.arm().metrics,
+                ),
+                _ => LookupRole::Read,
+            };
             let tally = calls::Tally::of(&resp);
-            if !tally.is_empty() {
+            if !tally.is_empty() && role == LookupRole::Read {
                 e.ticket.arm().metrics.add_tally(&tally);
             }
         }
@@ -693,8 +768,12 @@ mod tests {
             .unwrap(),
             put_bytes_in_flight: Default::default(),
             eviction: None,
+            topology: Arc::new(crate::topology::Topology::new(all.topology.clone())),
         });
-        (Session::new(shared.clone()), shared)
+        let peer = shared
+            .topology
+            .join(crate::topology::PeerKey::Addr([127, 0, 0, 1].into()));
+        (Session::new(shared.clone(), peer), shared)
     }
 
     fn session(fake: Arc<Fake>) -> (Session, Arc<Shared>) {

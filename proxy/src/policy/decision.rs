@@ -98,8 +98,19 @@ impl Registry {
     /// plugin (when it wants `on-put`), and turns the answer, or the fail mode's
     /// decision, into an action.
     pub fn decide_put(&self, set: &Arc<ActiveSet>, req: &Request) -> Option<PutDecided> {
+        self.decide_put_as(set, req, None)
+    }
+
+    /// As [`Registry::decide_put`], the arm assigned by `who` (the caller's identity of
+    /// the client, such as its process) instead of the client id the request carries.
+    pub fn decide_put_as(
+        &self,
+        set: &Arc<ActiveSet>,
+        req: &Request,
+        who: Option<&Uuid>,
+    ) -> Option<PutDecided> {
         let view = put_view(req)?;
-        let arm_i = set.pick(&view.client, view.keys.first());
+        let arm_i = set.pick(who.unwrap_or(&view.client), view.keys.first());
         let arm = &set.arms[arm_i];
         let ticket = |plugin_failed| Ticket {
             set: set.clone(),

@@ -135,6 +135,10 @@ pub struct ArmMetrics {
     pub tier_bytes: [[Counter; 3]; 4],
     /// `ExistKey` / `BatchExistKey` keys: `[hit, miss]`.
     pub lookups: [Counter; 2],
+    /// Keys and bytes readers were served, by the tier of the replica they read
+    /// ([`crate::calls::lookup::SERVED_LABELS`] index).
+    pub served_keys: [Counter; 5],
+    pub served_bytes: [Counter; 5],
 }
 
 impl ArmMetrics {
@@ -167,6 +171,12 @@ struct TierLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ServedLabels {
+    tier: String,
+    arm: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct LookupLabels {
     result: String,
     arm: String,
@@ -183,6 +193,8 @@ pub struct PolicyFamilies {
     tier_keys: Family<TierLabels, Counter>,
     tier_bytes: Family<TierLabels, Counter>,
     lookups: Family<LookupLabels, Counter>,
+    served_keys: Family<ServedLabels, Counter>,
+    served_bytes: Family<ServedLabels, Counter>,
     pub active_generation: Gauge,
     pub swaps: Counter,
     pub rollbacks: Counter,
@@ -262,6 +274,8 @@ impl PolicyFamilies {
                     }
                 })
                 .collect(),
+            served_keys: self.served_family(&self.served_keys, arm),
+            served_bytes: self.served_family(&self.served_bytes, arm),
             tier_keys: self.tier_family(&self.tier_keys, arm),
             tier_bytes: self.tier_family(&self.tier_bytes, arm),
             lookups: ["hit", "miss"].map(|result| {
@@ -273,6 +287,16 @@ impl PolicyFamilies {
                     .clone()
             }),
         }
+    }
+
+    fn served_family(&self, f: &Family<ServedLabels, Counter>, arm: &str) -> [Counter; 5] {
+        crate::calls::lookup::SERVED_LABELS.map(|tier| {
+            f.get_or_create(&ServedLabels {
+                tier: tier.into(),
+                arm: arm.into(),
+            })
+            .clone()
+        })
     }
 
     fn tier_family(&self, f: &Family<TierLabels, Counter>, arm: &str) -> [[Counter; 3]; 4] {
@@ -313,6 +337,8 @@ impl PolicyFamilies {
             arm_errors: Family::default(),
             tier_keys: Family::default(),
             tier_bytes: Family::default(),
+            served_keys: Family::default(),
+            served_bytes: Family::default(),
             lookups: Family::default(),
             active_generation: Gauge::default(),
             swaps: Counter::default(),
@@ -364,6 +390,18 @@ impl PolicyFamilies {
             "moongate_tier_bytes",
             "Object bytes of found keys in lookup answers, by tier, outcome and arm",
             policy.tier_bytes.clone(),
+        );
+        registry.register(
+            "moongate_served_keys",
+            "Keys readers were served, by the tier of the replica they read (memory, disk, \
+             local_disk, other, unknown = not found) and arm; a key looked up again by the \
+             same reader within its read lease counts once; owners' offload lookups are not reads",
+            policy.served_keys.clone(),
+        );
+        registry.register(
+            "moongate_served_bytes",
+            "Object bytes readers were served, by tier and arm",
+            policy.served_bytes.clone(),
         );
         registry.register(
             "moongate_lookup_keys",

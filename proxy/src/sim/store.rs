@@ -257,6 +257,10 @@ impl<'a> Store<'a> {
                         leased_until_ms: s.leased_until_ms,
                         arm: 0,
                         complete: true,
+                        on_disk: false,
+                        client: Default::default(),
+                        segment: crate::eviction::table::NO_SEGMENT,
+                        tries: 0,
                     },
                 )
             })

@@ -1,0 +1,526 @@
+//! Who is behind the master face's connections and what each was served: ranks
+//! identified by their process even when they never name themselves, owners by the
+//! offload calls they make, the tier each rank's reads were served from, and what each
+//! owner offloaded to and promoted from its SSD.
+//!
+//! - **Identity** ([`identify`]): a connection's peer is its process (loopback) or its
+//!   address; every connection of one process shares one [`Peer`], so a rank's pooled
+//!   connections land in one experiment arm (`assign = "client"` hashes the peer's
+//!   [`Peer::assign`] id) whether or not its calls carry a client id.
+//! - **Owners**: a peer that makes offload calls ([`crate::calls::offload`]) is an owner.
+//!   The keys its offload heartbeats are handed are remembered until the owner looks them
+//!   up (it does, once, before writing each to the SSD); those lookups are the owner's
+//!   own work, not reads served. Other lookups from an owner's process are its dummy
+//!   clients' reads, which the owner makes on their behalf under its own identity.
+//! - **Served tiers**: for each lookup answer a reader gets, the tier of the replica it
+//!   will read ([`crate::calls::lookup::served`]), counted once per reader and key while
+//!   the read lease of the first answer lasts: vLLM's tier log looks a batch up
+//!   (`batch_get_replica_desc`) just before reading it, and that is one read.
+//!
+//! Knows no frames and no sockets: the master face hands it peers' addresses, decoded
+//! answers and offload calls. Bounded: peers, remembered offload keys and each peer's
+//! recent reads are capped.
+
+pub mod identify;
+pub mod metrics;
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use bytes::Bytes;
+
+use crate::calls::lookup::{SERVED_LABELS, served};
+use crate::calls::offload::{Item, Offload};
+use crate::codec::types::{Expected, GetReplicaListResponse, Segment, Uuid};
+use crate::policy::metrics::ArmMetrics;
+pub use identify::PeerKey;
+use metrics::TopologyMetrics;
+
+/// Peers remembered (connected or not, for `GET /ranks`); the oldest unconnected go
+/// first past this.
+const MAX_PEERS: usize = 4096;
+/// Keys handed to owners to offload and not yet looked up by them.
+const MAX_PENDING_OFFLOADS: usize = 1 << 20;
+/// Reads remembered per peer for counting a key once per lease.
+const MAX_RECENT: usize = 1 << 16;
+/// How long a key's read counts as one when the master's answer names no lease (a key
+/// not found): the last lease the master granted, or this before any.
+const DEFAULT_LEASE_MS: u64 = 5_000;
+
+/// Keys and bytes per [`SERVED_LABELS`] tier.
+pub type TierCounts = [(u64, u64); SERVED_LABELS.len()];
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// One client process (or remote address) and what it was served.
+pub struct Peer {
+    pub key: PeerKey,
+    /// The id `assign = "client"` hashes for every call of this peer: the process
+    /// (pid, start time) when known. `None` for an address-only peer, whose calls are
+    /// assigned by the client id they carry, as before.
+    pub assign: Option<Uuid>,
+    /// The Mooncake client id its calls carried, once one did.
+    client: Mutex<Option<Uuid>>,
+    owner: AtomicBool,
+    connections: AtomicU32,
+    served: [(AtomicU64, AtomicU64); SERVED_LABELS.len()],
+    last_batch: Mutex<TierCounts>,
+    lookups: AtomicU64,
+    /// Key hash -> until when (ms on the topology's clock) a read of it counts as the
+    /// one already counted.
+    recent: Mutex<HashMap<u64, u64, foldhash::fast::RandomState>>,
+    /// Last time a connection of this peer closed (ms), for pruning.
+    left_ms: AtomicU64,
+}
+
+impl Peer {
+    fn new(key: PeerKey) -> Peer {
+        let assign = match key {
+            PeerKey::Process { pid, start } => Some(Uuid {
+                first: u64::from(pid),
+                second: start,
+            }),
+            PeerKey::Addr(_) => None,
+        };
+        Peer {
+            key,
+            assign,
+            client: Mutex::new(None),
+            owner: AtomicBool::new(false),
+            connections: AtomicU32::new(0),
+            served: Default::default(),
+            last_batch: Mutex::new(Default::default()),
+            lookups: AtomicU64::new(0),
+            recent: Mutex::new(HashMap::default()),
+            left_ms: AtomicU64::new(0),
+        }
+    }
+
+    /// Whether this peer made offload calls (a standalone owner).
+    pub fn is_owner(&self) -> bool {
+        self.owner.load(Ordering::Relaxed)
+    }
+
+    /// The client id its calls carried, if any did.
+    pub fn client(&self) -> Option<Uuid> {
+        *lock(&self.client)
+    }
+
+    /// Remembers the client id a call carried (the first one is kept: a process runs one
+    /// Mooncake client; an owner's dummies' calls carry the owner's).
+    pub fn saw_client(&self, id: Uuid) {
+        if id == Uuid::default() {
+            return;
+        }
+        let mut c = lock(&self.client);
+        if c.is_none() {
+            *c = Some(id);
+        }
+    }
+
+    /// Keys and bytes served per tier since it first connected.
+    pub fn served(&self) -> TierCounts {
+        std::array::from_fn(|i| {
+            (
+                self.served[i].0.load(Ordering::Relaxed),
+                self.served[i].1.load(Ordering::Relaxed),
+            )
+        })
+    }
+}
+
+/// What an owner told the master about its SSD.
+#[derive(Debug, Default, Clone)]
+pub struct OwnerState {
+    pub capacity_bytes: Option<i64>,
+    pub offloading: bool,
+    pub offloaded_keys: u64,
+    pub offloaded_bytes: u64,
+    /// Keys an offload notice named with no place on the SSD.
+    pub offload_failed_keys: u64,
+    pub promoted_keys: u64,
+    pub promoted_bytes: u64,
+}
+
+#[derive(Default)]
+struct OffloadState {
+    /// Keys an owner's heartbeat was handed, in arrival order (bounded).
+    pending: HashMap<(Bytes, Bytes), (), foldhash::fast::RandomState>,
+    order: VecDeque<(Bytes, Bytes)>,
+    /// Promotions under way: key -> size.
+    promoting: HashMap<(Bytes, Bytes), u64, foldhash::fast::RandomState>,
+    owners: HashMap<Uuid, OwnerState>,
+}
+
+/// The peers of the master face, and what owners did with their SSDs.
+pub struct Topology {
+    peers: Mutex<HashMap<PeerKey, Arc<Peer>>>,
+    offload: Mutex<OffloadState>,
+    /// Memory segments clients mounted: transfer endpoint -> segment name (what a
+    /// replica clear names a segment by).
+    segments: Mutex<HashMap<Bytes, Bytes>>,
+    /// The last lease the master granted (ms), for keys whose answer names none.
+    lease_ms: AtomicU64,
+    clock: Instant,
+    metrics: Arc<TopologyMetrics>,
+}
+
+/// What a lookup answer was, for the tier accounting of the call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LookupRole {
+    /// Every key was an owner's look before offloading it: not a read.
+    OwnerOffload,
+    /// Reads (some keys may have been an owner's offload lookups).
+    Read,
+}
+
+impl Topology {
+    pub fn new(metrics: Arc<TopologyMetrics>) -> Topology {
+        Topology {
+            peers: Mutex::new(HashMap::new()),
+            offload: Mutex::new(OffloadState::default()),
+            segments: Mutex::new(HashMap::new()),
+            lease_ms: AtomicU64::new(DEFAULT_LEASE_MS),
+            clock: Instant::now(),
+            metrics,
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.clock.elapsed().as_millis() as u64
+    }
+
+    /// The identity of a new connection's peer (`ours`: the address it reached,
+    /// `theirs`: the peer's). Reads `/proc`: call it off the async runtime.
+    pub fn identify(&self, ours: SocketAddr, theirs: SocketAddr) -> PeerKey {
+        let known: Vec<u32> = lock(&self.peers)
+            .keys()
+            .filter_map(|k| match k {
+                PeerKey::Process { pid, .. } => Some(*pid),
+                PeerKey::Addr(_) => None,
+            })
+            .collect();
+        identify::identify(ours, theirs, &known)
+    }
+
+    /// The peer for `key`, counted as one more connection.
+    pub fn join(&self, key: PeerKey) -> Arc<Peer> {
+        let mut peers = lock(&self.peers);
+        if peers.len() >= MAX_PEERS && !peers.contains_key(&key) {
+            // Forget the peers gone longest.
+            let mut gone: Vec<(u64, PeerKey)> = peers
+                .values()
+                .filter(|p| p.connections.load(Ordering::Relaxed) == 0)
+                .map(|p| (p.left_ms.load(Ordering::Relaxed), p.key))
+                .collect();
+            gone.sort_unstable_by_key(|(t, _)| *t);
+            for (_, k) in gone.iter().take(peers.len() / 4 + 1) {
+                peers.remove(k);
+            }
+        }
+        let p = peers
+            .entry(key)
+            .or_insert_with(|| Arc::new(Peer::new(key)))
+            .clone();
+        p.connections.fetch_add(1, Ordering::Relaxed);
+        self.metrics.peers.set(
+            peers
+                .values()
+                .filter(|p| p.connections.load(Ordering::Relaxed) > 0)
+                .count() as i64,
+        );
+        p
+    }
+
+    /// A connection of `peer` closed.
+    pub fn leave(&self, peer: &Peer) {
+        peer.connections.fetch_sub(1, Ordering::Relaxed);
+        peer.left_ms.store(self.now_ms(), Ordering::Relaxed);
+        let peers = lock(&self.peers);
+        self.metrics.peers.set(
+            peers
+                .values()
+                .filter(|p| p.connections.load(Ordering::Relaxed) > 0)
+                .count() as i64,
+        );
+    }
+
+    /// An offload-family call from `peer` (the request; `ok`: the master accepted it).
+    /// Returns the keys that reached an SSD, for the key table and KV events.
+    pub fn offload_call(&self, peer: &Peer, call: &Offload, ok: bool) -> Vec<Item> {
+        if !peer.owner.swap(true, Ordering::Relaxed) {
+            tracing::info!(peer = %peer.key, client = %call.client(), "an owner with an SSD tier connected");
+        }
+        peer.saw_client(call.client());
+        if !ok {
+            return Vec::new();
+        }
+        let owner_label = call.client().to_string();
+        let mut st = lock(&self.offload);
+        let st = &mut *st;
+        let owner = st.owners.entry(call.client()).or_default();
+        match call {
+            Offload::MountDisk { offloading, .. } => {
+                owner.offloading = *offloading;
+                Vec::new()
+            }
+            Offload::Capacity { bytes, .. } => {
+                owner.capacity_bytes = Some(*bytes);
+                self.metrics.ssd_capacity(&owner_label).set(*bytes);
+                Vec::new()
+            }
+            Offload::Heartbeat { .. } => Vec::new(),
+            Offload::Offloaded { items, failed, .. } => {
+                if !failed.is_empty() {
+                    self.metrics.offload_failed.inc_by(failed.len() as u64);
+                    owner.offload_failed_keys += failed.len() as u64;
+                }
+                let bytes: u64 = items.iter().map(|i| i.size).sum();
+                owner.offloaded_keys += items.len() as u64;
+                owner.offloaded_bytes = owner.offloaded_bytes.saturating_add(bytes);
+                self.metrics.offloaded_keys.inc_by(items.len() as u64);
+                self.metrics.offloaded_bytes.inc_by(bytes);
+                for i in items {
+                    st.pending.remove(&(i.tenant.clone(), i.key.clone()));
+                }
+                items.clone()
+            }
+            Offload::PromotionStart { item, .. } => {
+                if st.promoting.len() < MAX_PENDING_OFFLOADS {
+                    st.promoting
+                        .insert((item.tenant.clone(), item.key.clone()), item.size);
+                }
+                Vec::new()
+            }
+            Offload::Promoted { tenant, key, .. } => {
+                let size = st
+                    .promoting
+                    .remove(&(tenant.clone(), key.clone()))
+                    .unwrap_or(0);
+                owner.promoted_keys += 1;
+                owner.promoted_bytes = owner.promoted_bytes.saturating_add(size);
+                self.metrics.promoted_keys.inc();
+                self.metrics.promoted_bytes.inc_by(size);
+                Vec::new()
+            }
+        }
+    }
+
+    /// Keys an owner's heartbeat answer asks it to offload: its next lookups of them are
+    /// its own.
+    pub fn offload_tasks(&self, items: &[Item]) {
+        if items.is_empty() {
+            return;
+        }
+        self.metrics.offload_tasks.inc_by(items.len() as u64);
+        let mut st = lock(&self.offload);
+        for i in items {
+            let k = (
+                Bytes::copy_from_slice(&i.tenant),
+                Bytes::copy_from_slice(&i.key),
+            );
+            if st.pending.insert(k.clone(), ()).is_none() {
+                st.order.push_back(k);
+            }
+        }
+        while st.pending.len() > MAX_PENDING_OFFLOADS {
+            match st.order.pop_front() {
+                Some(k) => {
+                    st.pending.remove(&k);
+                }
+                None => break,
+            }
+        }
+        // The order queue also holds keys already taken; keep it near the map's size.
+        if st.order.len() > 2 * st.pending.len() + 1024 {
+            let OffloadState { pending, order, .. } = &mut *st;
+            order.retain(|k| pending.contains_key(k));
+        }
+    }
+
+    /// Segments a client mounted (MountSegment, ReMountSegment).
+    pub fn mounted(&self, segments: &[Segment]) {
+        let mut m = lock(&self.segments);
+        for s in segments {
+            if m.len() < MAX_PEERS || m.contains_key(&s.te_endpoint) {
+                m.insert(
+                    Bytes::copy_from_slice(&s.te_endpoint),
+                    Bytes::copy_from_slice(&s.name),
+                );
+            }
+        }
+    }
+
+    /// The name of the segment at a memory replica's transfer endpoint: as mounted, or
+    /// the endpoint itself (Mooncake names a client's segment by its `host:port`).
+    pub fn segment_name(&self, endpoint: &Bytes) -> Bytes {
+        lock(&self.segments)
+            .get(endpoint)
+            .cloned()
+            .unwrap_or_else(|| endpoint.clone())
+    }
+
+    /// Whether any owner has offloading on (then eviction must keep disk copies).
+    pub fn offloading(&self) -> bool {
+        lock(&self.offload).owners.values().any(|o| o.offloading)
+    }
+
+    /// Every owner seen and its SSD figures.
+    pub fn owners(&self) -> Vec<(Uuid, OwnerState)> {
+        lock(&self.offload)
+            .owners
+            .iter()
+            .map(|(k, v)| (*k, v.clone()))
+            .collect()
+    }
+
+    /// Counts the tiers `peer` is served from by one lookup answer (after any steering:
+    /// what the reader gets), into `arm`'s served counters. An owner's lookups of keys it
+    /// was handed to offload are counted apart, not as reads.
+    pub fn lookup(
+        &self,
+        peer: &Peer,
+        tenant: &Bytes,
+        keys: &[Bytes],
+        answers: &[Expected<GetReplicaListResponse>],
+        arm: &ArmMetrics,
+    ) -> LookupRole {
+        if keys.len() != answers.len() {
+            return LookupRole::Read;
+        }
+        let mut own = vec![false; 0];
+        if peer.is_owner() {
+            let mut st = lock(&self.offload);
+            if !st.pending.is_empty() {
+                own = keys
+                    .iter()
+                    .map(|k| st.pending.remove(&(tenant.clone(), k.clone())).is_some())
+                    .collect();
+            }
+        }
+        let own_count = own.iter().filter(|o| **o).count();
+        if own_count > 0 {
+            self.metrics.owner_offload_lookups.inc_by(own_count as u64);
+            if own_count == keys.len() {
+                return LookupRole::OwnerOffload;
+            }
+        }
+        let now = self.now_ms();
+        let mut batch: TierCounts = Default::default();
+        {
+            let mut recent = lock(&peer.recent);
+            if recent.len() >= MAX_RECENT {
+                recent.retain(|_, until| *until > now);
+                if recent.len() >= MAX_RECENT {
+                    recent.clear();
+                }
+            }
+            for (i, (k, a)) in keys.iter().zip(answers).enumerate() {
+                if own.get(i).copied().unwrap_or(false) {
+                    continue;
+                }
+                let lease = match a {
+                    Ok(l) if l.lease_ttl_ms > 0 => {
+                        self.lease_ms.store(l.lease_ttl_ms, Ordering::Relaxed);
+                        l.lease_ttl_ms
+                    }
+                    _ => self.lease_ms.load(Ordering::Relaxed),
+                };
+                let h = key_hash(tenant, k);
+                let until = recent.entry(h).or_insert(0);
+                if *until > now {
+                    // Looked up again within the lease of the answer already counted.
+                    continue;
+                }
+                *until = now.saturating_add(lease);
+                let (tier, bytes) = served(a);
+                batch[tier].0 += 1;
+                batch[tier].1 = batch[tier].1.saturating_add(bytes);
+            }
+        }
+        if batch.iter().all(|(k, _)| *k == 0) {
+            return LookupRole::Read;
+        }
+        peer.lookups.fetch_add(1, Ordering::Relaxed);
+        for (t, (k, b)) in batch.iter().enumerate() {
+            if *k > 0 {
+                arm.served_keys[t].inc_by(*k);
+                peer.served[t].0.fetch_add(*k, Ordering::Relaxed);
+            }
+            if *b > 0 {
+                arm.served_bytes[t].inc_by(*b);
+                peer.served[t].1.fetch_add(*b, Ordering::Relaxed);
+            }
+        }
+        *lock(&peer.last_batch) = batch;
+        LookupRole::Read
+    }
+
+    /// `GET /ranks`: every peer, what it was served, and the owners' SSDs.
+    pub fn report(&self, arm_of: impl Fn(&Peer) -> String) -> serde_json::Value {
+        let tiers = |c: &TierCounts| {
+            serde_json::Value::Object(
+                SERVED_LABELS
+                    .iter()
+                    .zip(c)
+                    .map(|(l, (k, b))| {
+                        ((*l).to_string(), serde_json::json!({"keys": k, "bytes": b}))
+                    })
+                    .collect(),
+            )
+        };
+        let peers: Vec<serde_json::Value> = lock(&self.peers)
+            .values()
+            .map(|p| {
+                let (pid, addr) = match p.key {
+                    PeerKey::Process { pid, .. } => (Some(pid), None),
+                    PeerKey::Addr(a) => (None, Some(a.to_string())),
+                };
+                serde_json::json!({
+                    "peer": p.key.to_string(),
+                    "pid": pid,
+                    "address": addr,
+                    "client_id": p.client().map(|c| c.to_string()),
+                    "role": if p.is_owner() { "owner" } else { "rank" },
+                    "connections": p.connections.load(Ordering::Relaxed),
+                    "arm": arm_of(p),
+                    "lookups": p.lookups.load(Ordering::Relaxed),
+                    "served": tiers(&p.served()),
+                    "last_batch": tiers(&lock(&p.last_batch)),
+                })
+            })
+            .collect();
+        let owners: Vec<serde_json::Value> = self
+            .owners()
+            .into_iter()
+            .map(|(id, o)| {
+                serde_json::json!({
+                    "client_id": id.to_string(),
+                    "offloading": o.offloading,
+                    "ssd_capacity_bytes": o.capacity_bytes,
+                    "offloaded_keys": o.offloaded_keys,
+                    "offloaded_bytes": o.offloaded_bytes,
+                    "offload_failed_keys": o.offload_failed_keys,
+                    "promoted_keys": o.promoted_keys,
+                    "promoted_bytes": o.promoted_bytes,
+                })
+            })
+            .collect();
+        serde_json::json!({"peers": peers, "owners": owners})
+    }
+}
+
+fn key_hash(tenant: &[u8], key: &[u8]) -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    // A fixed seed: only compared within this process.
+    let mut h = foldhash::fast::FixedState::with_seed(0x6d67).build_hasher();
+    h.write(tenant);
+    h.write_u8(0xff);
+    h.write(key);
+    h.finish()
+}
