@@ -7,10 +7,16 @@
 //!   were asked for (prefix order); once the budget is spent, that key and every later
 //!   key of the answer are answered as not found, so the engine recomputes them instead
 //!   of waiting on a saturated disk (vLLM's static 0.9 x 1280 MiB staging rule, as a
-//!   live budget).
+//!   live budget);
+//! - a key is charged once per window: one admitted in this window or the one before is
+//!   admitted again at no charge. vLLM looks a batch up before it loads it (its
+//!   scheduler's existence check, its tier log's `batch_get_replica_desc`), and the
+//!   load of a key the budget admitted at its lookup must not be cut afterwards.
 //!
 //! Config (JSON): `{"window_ms": 1000, "disk_bytes": 1207959552, "prefer": "memory"}`.
 //! Metrics: gauge `disk_bytes_in_window`, counters `disk_keys_admitted`, `keys_cut`.
+
+use std::collections::BTreeSet;
 
 use moongate_policy_sdk::*;
 use serde::Deserialize;
@@ -36,6 +42,9 @@ struct DiskBudget {
     cfg: Config,
     window: Window,
     used: u64,
+    /// Keys admitted as disk reads in this window, and in the one before.
+    admitted_now: BTreeSet<Vec<u8>>,
+    admitted_before: BTreeSet<Vec<u8>>,
     gauge_used: u32,
     admitted: u32,
     cut: u32,
@@ -58,6 +67,8 @@ impl Policy for DiskBudget {
                 cfg,
                 window,
                 used: 0,
+                admitted_now: BTreeSet::new(),
+                admitted_before: BTreeSet::new(),
                 gauge_used: host::register_gauge(
                     "disk_bytes_in_window",
                     "disk bytes admitted this window",
@@ -72,11 +83,12 @@ impl Policy for DiskBudget {
     fn on_lookup(&mut self, call: LookupCall) -> Vec<Vec<u32>> {
         if self.window.roll() {
             self.used = 0;
+            self.admitted_before = std::mem::take(&mut self.admitted_now);
         }
         let mut out = Vec::with_capacity(call.counts.len());
         let (mut at, mut exhausted) = (0usize, false);
         let (mut admitted, mut cut) = (0u64, 0u64);
-        for &n in &call.counts {
+        for (k, &n) in call.counts.iter().enumerate() {
             let tiers = &call.tiers[at..at + n as usize];
             let sizes = &call.sizes[at..at + n as usize];
             at += n as usize;
@@ -84,7 +96,9 @@ impl Policy for DiskBudget {
                 out.push(Vec::new());
                 continue;
             }
-            if exhausted {
+            let key = call.keys.get(k);
+            let seen = self.admitted_now.contains(key) || self.admitted_before.contains(key);
+            if exhausted && !seen {
                 cut += 1;
                 out.push(Vec::new());
                 continue;
@@ -96,7 +110,12 @@ impl Policy for DiskBudget {
                 order.sort_by_key(|&i| !matches!(tiers[i as usize], Tier::Memory));
             }
             let first = order[0] as usize;
-            if is_disk(tiers[first]) {
+            if is_disk(tiers[first]) && seen {
+                // Charged when it was first admitted.
+                if !self.admitted_now.contains(key) {
+                    self.admitted_now.insert(key.to_vec());
+                }
+            } else if is_disk(tiers[first]) {
                 if self.used + sizes[first] > self.cfg.disk_bytes {
                     exhausted = true;
                     cut += 1;
@@ -105,6 +124,7 @@ impl Policy for DiskBudget {
                 }
                 self.used += sizes[first];
                 admitted += 1;
+                self.admitted_now.insert(key.to_vec());
             }
             out.push(order);
         }

@@ -9,7 +9,7 @@ use bytes::Bytes;
 use super::{Seen, Tally};
 use crate::codec::Method;
 use crate::codec::message::{Request, Response};
-use crate::codec::types::{ErrorCode, Expected};
+use crate::codec::types::{ErrorCode, Expected, GetReplicaListResponse};
 
 /// A decoded existence check: one key or a batch.
 pub type Exist<'a> = super::Keyed<'a>;
@@ -21,6 +21,39 @@ pub(super) fn split(c: &Exist<'_>, parts: &[Range<usize>]) -> Option<Vec<Request
 
 pub(super) fn splittable(m: Method) -> bool {
     m == Method::BatchExistKey
+}
+
+/// The replica lookup that answers an existence check the way a steering plugin can
+/// act on: `ExistKey` -> `GetReplicaList`, `BatchExistKey` -> `BatchGetReplicaList`,
+/// same keys and tenant. Their arguments have the same layout in every release, and
+/// both grant the same read lease on a found key. `None` for other requests.
+pub fn as_lookup(req: &Request) -> Option<Request> {
+    match req {
+        Request::ExistKey(a) => Some(Request::GetReplicaList(a.clone())),
+        Request::BatchExistKey(a) => Some(Request::BatchGetReplicaList(a.clone())),
+        _ => None,
+    }
+}
+
+/// The existence answer a (steered) lookup answer stands for: a key with a replica
+/// left to read exists; one not found, not ready, or left with none (a plugin dropped
+/// them all) does not; any other error stays that error. Other answers come back as
+/// `Err`.
+pub fn from_lookup(resp: Response) -> Result<Response, Response> {
+    fn one(r: Expected<GetReplicaListResponse>) -> Expected<bool> {
+        match r {
+            Ok(list) => Ok(!list.replicas.is_empty()),
+            Err(ErrorCode::OBJECT_NOT_FOUND | ErrorCode::REPLICA_IS_NOT_READY) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+    match resp {
+        Response::GetReplicaList(r) => Ok(Response::ExistKey(one(r))),
+        Response::BatchGetReplicaList(v) => {
+            Ok(Response::BatchExistKey(v.into_iter().map(one).collect()))
+        }
+        other => Err(other),
+    }
 }
 
 fn results(resp: &Response) -> Option<&[Expected<bool>]> {

@@ -44,6 +44,13 @@ pub struct MasterFaceConfig {
     /// Batch calls with more keys than this go to the master as several calls of at most
     /// this many keys, answered as one merged reply; 0 = never split by count.
     pub max_batch_keys: usize,
+    /// When the serving arm's plugin steers lookups (`on-lookup`, e.g. `disk-budget`),
+    /// an `ExistKey` / `BatchExistKey` goes to the master as the replica lookup of the
+    /// same keys, the plugin steers it, and the client gets the existence answer that
+    /// follows (a key the plugin will not serve does not exist). This is where vLLM's
+    /// scheduler counts its hits: a key a budget refuses is a miss before a load is
+    /// planned, not a failed load. Both calls grant the same read lease.
+    pub steer_exists: bool,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
@@ -67,6 +74,7 @@ impl Default for MasterFaceConfig {
             answer_timeout_ms: 10_000,
             reencode: Reencode::OnChange,
             max_batch_keys: 0,
+            steer_exists: true,
         }
     }
 }

@@ -40,7 +40,8 @@ use crate::codec::frame::errc;
 use crate::codec::message::{Request, Response, RpcError, is_typed};
 use crate::codec::types::Uuid;
 use crate::codec::{
-    BodyStyle, DecodeError, Method, RequestFrame, ResponseFrame, ResponseHeader, Schema, older,
+    BodyStyle, DecodeError, Method, RequestFrame, RequestHeader, ResponseFrame, ResponseHeader,
+    Schema, older,
 };
 use crate::per_method::{ErrorKind, MethodMetrics};
 use crate::policy::{Fixup, Outcome, PutAction, PutDecided, Ticket};
@@ -62,6 +63,9 @@ pub struct Entry {
     pub tracked: Option<Tracked>,
     /// A lookup's tenant and keys: what its answer served the reader.
     pub read: Option<(Bytes, Vec<Bytes>)>,
+    /// An existence check sent as the replica lookup of its keys (for the arm's
+    /// plugin to steer): the client's method, whose answer it gets.
+    pub exist: Option<Method>,
 }
 
 /// A request not yet answered to the client, in request order.
@@ -184,6 +188,14 @@ impl Session {
         self.queue.push_back(match next {
             Next::Relayed => upstream(None, None),
             Next::Offload(call) => upstream(None, Some(call)),
+            Next::Forwarded(entry) if entry.exist.is_some() => InFlight::Upstream {
+                seq: frame.header.seq_num,
+                // The answer comes in the lookup's layout.
+                method: method.map(exist_as_lookup),
+                sent: now,
+                entry: Some(entry),
+                offload: None,
+            },
             Next::Forwarded(entry) => upstream(Some(entry), None),
             Next::Answered(bytes) => InFlight::Local(bytes),
         });
@@ -226,12 +238,21 @@ impl Session {
                     self.offloaded(&call, frame);
                 }
                 let latency = now.saturating_duration_since(sent);
+                // Counted under the method the client called.
+                let shown = entry.as_ref().and_then(|e| e.exist).or(method);
                 self.shared
                     .metrics
-                    .method(method)
+                    .method(shown)
                     .latency
                     .observe(latency.as_secs_f64());
-                let a = Answering::new(method, entry.as_ref(), latency, &self.shared, &self.peer);
+                let a = Answering::new(
+                    method,
+                    shown,
+                    entry.as_ref(),
+                    latency,
+                    &self.shared,
+                    &self.peer,
+                );
                 if split.is_some() {
                     match std::mem::take(&mut self.merge).finish(seq) {
                         Merged::Failed(bytes) => {
@@ -355,12 +376,36 @@ fn on_request(
         let ticket = policy.ticket(set, &who.unwrap_or_default(), req.first_key());
         let arm = ticket.arm();
         arm.metrics.requests[req.method().index()].requests.inc();
-        let lookup_keys = match calls::call(&req) {
-            calls::Call::Lookup(l) if policy.steers_lookups(arm) => Some(l.keys().to_vec()),
-            _ => None,
+        let steer = policy.steers_lookups(arm);
+        let (lookup_keys, as_lookup) = match calls::call(&req) {
+            calls::Call::Lookup(l) if steer => (Some(l.keys().to_vec()), None),
+            calls::Call::Exist(e) if steer && shared.cfg.steer_exists => {
+                (Some(e.keys().to_vec()), calls::exist::as_lookup(&req))
+            }
+            _ => (None, None),
         };
-        let parts = forward(shared, out, &got, &req, false, &ticket);
-        return Next::Forwarded(entry(shared, ticket, None, lookup_keys, parts, &req));
+        let parts = match &as_lookup {
+            Some(lookup) => {
+                let frame = RequestFrame {
+                    header: RequestHeader {
+                        function_id: lookup.method().function_id(),
+                        ..frame.header
+                    },
+                    body: frame.body.clone(),
+                    attachment: frame.attachment.clone(),
+                };
+                let got = Received {
+                    frame: &frame,
+                    raw,
+                    style,
+                };
+                forward(shared, out, &got, lookup, true, &ticket)
+            }
+            None => forward(shared, out, &got, &req, false, &ticket),
+        };
+        let mut e = entry(shared, ticket, None, lookup_keys, parts, &req);
+        e.exist = as_lookup.map(|_| req.method());
+        return Next::Forwarded(e);
     };
     let am = &ticket.arm().metrics.requests[req.method().index()];
     am.requests.inc();
@@ -446,6 +491,16 @@ fn entry(
             calls::Call::Lookup(l) => Some((l.tenant().clone(), l.keys().to_vec())),
             _ => None,
         },
+        exist: None,
+    }
+}
+
+/// The lookup an existence check goes upstream as (see `steer_exists`).
+fn exist_as_lookup(m: Method) -> Method {
+    match m {
+        Method::ExistKey => Method::GetReplicaList,
+        Method::BatchExistKey => Method::BatchGetReplicaList,
+        other => other,
     }
 }
 
@@ -560,13 +615,14 @@ struct Answering<'a> {
 impl<'a> Answering<'a> {
     fn new(
         method: Option<Method>,
+        shown: Option<Method>,
         entry: Option<&'a Entry>,
         latency: Duration,
         shared: &'a Shared,
         peer: &'a Peer,
     ) -> Self {
         let am = entry
-            .zip(method)
+            .zip(shown)
             .map(|(e, method)| &e.ticket.arm().metrics.requests[method.index()]);
         if let Some(am) = am {
             am.latency.observe(latency.as_secs_f64());
@@ -577,7 +633,7 @@ impl<'a> Answering<'a> {
             entry,
             latency,
             shared,
-            m: shared.metrics.method(method),
+            m: shared.metrics.method(shown),
             am,
         }
     }
@@ -671,6 +727,15 @@ impl<'a> Answering<'a> {
                 .shared
                 .policy
                 .steer_lookup(e.ticket.arm(), keys, &mut resp);
+        }
+        let mut style = style;
+        if entry.is_some_and(|e| e.exist.is_some()) {
+            // An existence check sent as a lookup: the client gets its own answer.
+            resp = match calls::exist::from_lookup(resp) {
+                Ok(r) | Err(r) => r,
+            };
+            steered = true;
+            style.compat = false;
         }
         if let Some(e) = entry {
             // What the reader will read, after steering; an owner's look at keys it is
@@ -981,6 +1046,69 @@ mod tests {
             fake.observations(),
             [("BatchPutStart".to_string(), -200, 4)]
         );
+    }
+
+    #[test]
+    fn an_existence_check_goes_up_as_a_lookup_the_plugin_steers() {
+        use crate::codec::types::*;
+        // The plugin serves the first key and refuses the second (an empty list).
+        let fake = Fake::new("budget").on_lookup(|c| {
+            Ok((0..c.counts.len())
+                .map(|i| if i == 0 { vec![0] } else { vec![] })
+                .collect())
+        });
+        let (mut s, _) = session(Arc::new(fake));
+        let now = Instant::now();
+        let req = Request::BatchExistKey(KeysArgs {
+            keys: vec![key("a"), key("b"), key("c")],
+            tenant_id: key("default"),
+        });
+        let (f, raw) = request(9, &req);
+        s.handle_request(&f, &raw, now);
+        let up = sent(s.poll_to_master());
+        assert_eq!(up.len(), 1);
+        let Request::BatchGetReplicaList(a) = &up[0].1 else {
+            panic!("not sent as a lookup: {:?}", up[0].1);
+        };
+        assert_eq!((up[0].0, a.keys.len()), (9, 3));
+        let found = || {
+            Ok(GetReplicaListResponse {
+                replicas: vec![ReplicaDescriptor {
+                    id: 1,
+                    location: ReplicaLocation::Disk(DiskDescriptor {
+                        file_path: key("f"),
+                        object_size: 10,
+                    }),
+                    status: ReplicaStatus::COMPLETE,
+                }],
+                lease_ttl_ms: 10_000,
+                object_checksum: None,
+            })
+        };
+        let (f, raw) = answer(
+            9,
+            &Response::BatchGetReplicaList(vec![
+                found(),
+                found(),
+                Err(ErrorCode::OBJECT_NOT_FOUND),
+            ]),
+        );
+        s.handle_response(&f, &raw, now);
+        let back = replies(s.poll_to_client());
+        assert_eq!(back.len(), 1);
+        assert_eq!(
+            decoded(Method::BatchExistKey, &back[0].2),
+            Response::BatchExistKey(vec![Ok(true), Ok(false), Ok(false)]),
+            "a key the plugin will not serve does not exist"
+        );
+        // Without a steering plugin, an existence check goes up as it came.
+        let (mut s, _) = session(Arc::new(Fake::new("p")));
+        let (f, raw) = request(3, &req);
+        s.handle_request(&f, &raw, now);
+        assert!(matches!(
+            sent(s.poll_to_master())[0].1,
+            Request::BatchExistKey(_)
+        ));
     }
 
     #[test]
