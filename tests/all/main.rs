@@ -11,7 +11,9 @@
 //!   free loopback ports ([`support`] starts, probes and stops them): [`real_mooncake`],
 //!   [`master_face_failures`], [`policy_live`], [`eviction_live`], [`replay_live`],
 //!   [`kv_face`], [`kv_quic`], [`kv_bounds`] (hostile peers against every kv-face bound),
-//!   [`arm_shares`] (experiment arms held to their capacity shares).
+//!   [`arm_shares`] (experiment arms held to their capacity shares), [`owner_topology`]
+//!   (vLLM's owner with an SSD tier and requester-only ranks: served tiers, offload,
+//!   eviction that keeps the SSD, ranks in arms, a disk budget at lookup).
 //! - Faults, live: [`ha`] (HA masters through a real etcd: failover, a frozen leader,
 //!   etcd down and back), [`faults`] (delay, reset and black hole between moongate and
 //!   the master, injected by [`fault_relay`]).
@@ -36,6 +38,7 @@ mod kv_events;
 mod kv_face;
 mod kv_quic;
 mod master_face_failures;
+mod owner_topology;
 mod policy_host;
 mod policy_live;
 mod real_mooncake;

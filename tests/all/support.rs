@@ -337,6 +337,8 @@ pub struct MasterOpts {
     pub ports: Option<(u16, u16)>,
     /// Run this older release's master instead of the pinned one.
     pub release: Option<Release>,
+    /// More flags (`--enable_offload=true`, a lease, ...).
+    pub extra: Vec<String>,
 }
 
 impl Master {
@@ -372,6 +374,7 @@ impl Master {
         if let Some(root) = &opts.root_fs_dir {
             cmd.arg(format!("--root_fs_dir={}", root.display()));
         }
+        cmd.args(&opts.extra);
         cmd.current_dir(dir.path());
         let proc = Proc::spawn("mooncake_master", cmd, dir.path().join("master.log"));
         let rpc = format!("127.0.0.1:{rpc_port}");

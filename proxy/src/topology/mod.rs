@@ -285,7 +285,8 @@ impl Topology {
                 owner.offloaded_bytes = owner.offloaded_bytes.saturating_add(bytes);
                 self.metrics.offloaded_keys.inc_by(items.len() as u64);
                 self.metrics.offloaded_bytes.inc_by(bytes);
-                for i in items {
+                // Settled either way: a later lookup of these is no offload work.
+                for i in items.iter().chain(failed) {
                     st.pending.remove(&(i.tenant.clone(), i.key.clone()));
                 }
                 items.clone()

@@ -1,0 +1,428 @@
+//! vLLM's owner-client topology through moongate, with the real parts: one
+//! `mooncake_master` with offload on, one standalone owner (`mooncake_client
+//! --enable_offload=true`) holding the memory pool and an SSD tier, requester-only ranks
+//! (`global_segment_size = 0`) that put and read through the owner, and a dummy client
+//! of the owner. Every one of them is pointed at moongate (`tests/py/owner_topology.py`
+//! plays the ranks and the dummy).
+//!
+//! What is checked, exactly where it can be:
+//! - served tiers: moongate's disk-served keys equal the reader's own offload-read count,
+//!   its memory-served and unknown keys the reader's replica classification;
+//! - offload read: keys offloaded (and those a notice named with no place on the SSD)
+//!   add up to the keys the master handed the owner; the owner's SSD capacity;
+//! - eviction with an SSD tier drops memory replicas only: moongate removes no key, and
+//!   every key it freed memory from reads back from the SSD;
+//! - ranks: each requester-only rank is its own process in `GET /ranks`, wholly in one
+//!   experiment arm, and the arms' request counts are the sums of their ranks';
+//! - a disk budget acts at the existence check: every key it reports present loads.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use crate::support::*;
+
+/// The owner's SSD (the bucket backend's files) and its settings: small buckets and a
+/// 1 s heartbeat so a short test reaches the disk (Mooncake's defaults, 500 keys or
+/// 256 MiB a bucket and a 10 s heartbeat, keep 200 MiB in the owner's buffer).
+const OWNER_ENV: [(&str, &str); 6] = [
+    (
+        "MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR",
+        "bucket_storage_backend",
+    ),
+    ("MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT", "10"),
+    ("MOONCAKE_OFFLOAD_BUCKET_SIZE_LIMIT_BYTES", "10485760"),
+    ("MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS", "1"),
+    ("MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES", "268435456"),
+    ("MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES", "4294967296"),
+];
+
+const KEYS: usize = 200;
+const SIZE: usize = 1 << 20;
+
+fn script() -> PathBuf {
+    repo_root().join("tests/py/owner_topology.py")
+}
+
+/// The master, moongate in front of it, and the owner behind moongate.
+struct Topology {
+    master: Master,
+    mg: Moongate,
+    owner: Proc,
+    owner_port: u16,
+    _ssd: tempfile::TempDir,
+}
+
+impl Topology {
+    /// `policy`: TOML appended to moongate's config (an experiment, a plugin).
+    fn start(policy: &str) -> Topology {
+        // A 1 s read lease, so moongate may free an offloaded key's memory soon after
+        // the owner looked it up to offload it (the default is 10 s).
+        let master = Master::start_with(MasterOpts {
+            extra: vec![
+                "--enable_offload=true".into(),
+                "--default_kv_lease_ttl=1000".into(),
+            ],
+            ..Default::default()
+        });
+        let mg = Moongate::start_config(&format!(
+            "[master_face]\nupstream = \"{}\"\n\
+             [eviction]\nenabled = true\nmaster_metrics_url = \"{}\"\n\
+             high_watermark = 0.5\nlow_watermark = 0.3\nlease_ms = 1000\n{policy}",
+            master.rpc, master.metrics_url
+        ));
+        mg.wait_ready(&master);
+        let ssd = tempdir();
+        let owner_port = free_port();
+        let mut cmd = Command::new(master_binary().with_file_name("mooncake_client"));
+        cmd.args([
+            "--host=127.0.0.1",
+            &format!("--port={owner_port}"),
+            &format!("--master_server_address={}", mg.listen),
+            &format!("--metadata_server={}", master.metadata),
+            "--global_segment_size=64 MB",
+            "--protocol=tcp",
+            "--enable_offload=true",
+            "--start_offload_rpc_server=true",
+            "--logtostderr",
+        ])
+        .env("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", ssd.path())
+        .envs(OWNER_ENV);
+        let owner = Proc::spawn("owner", cmd, ssd.path().join("owner.log"));
+        // Ready once it mounted its SSD tier and reported its capacity through moongate.
+        wait_for(
+            "the owner's SSD tier",
+            Duration::from_secs(60),
+            &[&owner, &mg.proc, &master.proc],
+            || {
+                http_get(&mg.admin, "/metrics").is_some_and(|(_, m)| {
+                    m.lines()
+                        .any(|l| l.starts_with("moongate_ssd_capacity_bytes{"))
+                })
+            },
+        );
+        Topology {
+            master,
+            mg,
+            owner,
+            owner_port,
+            _ssd: ssd,
+        }
+    }
+
+    fn logs(&self) -> [&Proc; 3] {
+        [&self.owner, &self.mg.proc, &self.master.proc]
+    }
+
+    fn role(&self, role: &str) -> Command {
+        let mut cmd = Command::new(python());
+        cmd.arg(script()).args([
+            "--role",
+            role,
+            "--master",
+            &self.mg.listen,
+            "--metadata",
+            &self.master.metadata,
+            "--owner",
+            &format!("127.0.0.1:{}", self.owner_port),
+        ]);
+        cmd
+    }
+
+    /// Runs a role to its end; its results.
+    fn run(&self, role: &str, extra: &[&str]) -> serde_json::Value {
+        let dir = tempdir();
+        let out = dir.path().join("out.json");
+        let mut cmd = self.role(role);
+        cmd.arg("--out").arg(&out).args(extra);
+        let mut p = Proc::spawn(role, cmd, dir.path().join("role.log"));
+        let st = p.wait_exit(Duration::from_secs(240));
+        let logs: Vec<String> = self.logs().iter().map(|l| l.log_text()).collect();
+        assert!(
+            st.is_some_and(|s| s.success()),
+            "{role} failed or hung\n{}\n{}",
+            p.log_text(),
+            logs.join("\n")
+        );
+        serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap()
+    }
+
+    /// A requester-only rank taking commands.
+    fn reader(&self) -> Background {
+        let dir = tempdir();
+        let mut cmd = self.role("reader");
+        cmd.arg("--out").arg(dir.path().join("out.json"));
+        Background::spawn("reader", cmd, dir, &self.logs())
+    }
+
+    /// Puts the keys (paced, so moongate's evictor frees memory as the pool fills)
+    /// and waits until the owner reported every key the master handed it.
+    fn write(&self) {
+        let w = self.run("writer", &["--keys", &KEYS.to_string(), "--pace-ms", "50"]);
+        assert_eq!(w["stored"], KEYS, "{w}");
+        wait_for(
+            "every offload reported",
+            Duration::from_secs(90),
+            &self.logs(),
+            || {
+                let m = self.mg.metrics();
+                metric_value(&m, "moongate_offload_keys_total")
+                    + metric_value(&m, "moongate_offload_failed_keys_total")
+                    >= KEYS as f64
+            },
+        );
+    }
+
+    fn ranks(&self) -> serde_json::Value {
+        let (st, body) = http_get(&self.mg.admin, "/ranks").unwrap();
+        assert_eq!(st, 200, "{body}");
+        serde_json::from_str(&body).unwrap()
+    }
+}
+
+/// The sum of every sample of a family whose labels include `with` (all arms).
+fn sum(text: &str, family: &str, with: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(&format!("{family}{{")) && l.contains(with))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+fn served(text: &str, tier: &str) -> f64 {
+    sum(
+        text,
+        "moongate_served_keys_total",
+        &format!("tier=\"{tier}\""),
+    )
+}
+
+/// A reader's answer to one command (its `READY <json>` line).
+fn ask(r: &mut Background, cmd: &str) -> serde_json::Value {
+    let line = r.step(cmd);
+    serde_json::from_str(line.trim_start_matches("READY").trim())
+        .unwrap_or_else(|e| panic!("{cmd}: {e}: {line}"))
+}
+
+#[test]
+fn served_tiers_offload_an_ssd_eviction_keeps_and_ranks_in_arms() {
+    let t = Topology::start(
+        "[experiment]\nassign = \"client\"\n\
+         arms = [ { name = \"a\", plugin = \"default\", weight = 50 },\n\
+                  { name = \"b\", plugin = \"default\", weight = 50 } ]\n",
+    );
+    t.write();
+
+    // vLLM's load with its tier log on: per batch, a replica lookup, then the reads.
+    let mut reader = t.reader();
+    let before = t.mg.metrics();
+    let r = ask(&mut reader, &format!("read 0 {KEYS} 16"));
+    let after = t.mg.metrics();
+    let delta = |tier| served(&after, tier) - served(&before, tier);
+    assert_eq!(r["corrupt"], 0, "{r}");
+    assert_eq!(
+        delta("local_disk"),
+        r["offload_reads"].as_f64().unwrap(),
+        "disk-served keys are the reads the client made from the SSD: {r}"
+    );
+    assert!(r["offload_reads"].as_f64().unwrap() > 0.0, "{r}");
+    assert_eq!(delta("memory"), r["memory_first"].as_f64().unwrap(), "{r}");
+    assert_eq!(delta("unknown"), r["missing"].as_f64().unwrap(), "{r}");
+    assert_eq!(
+        r["exact"].as_f64().unwrap() + r["missing"].as_f64().unwrap(),
+        KEYS as f64,
+        "every key that exists reads back byte for byte: {r}"
+    );
+
+    // What the owner did with its SSD.
+    let m = t.mg.metrics();
+    let offloaded = metric_value(&m, "moongate_offload_keys_total");
+    let failed = metric_value(&m, "moongate_offload_failed_keys_total");
+    assert_eq!(
+        offloaded + failed,
+        metric_value(&m, "moongate_offload_tasks_total"),
+        "every key handed to the owner was reported"
+    );
+    assert!(offloaded > 0.0);
+    assert_eq!(
+        metric_value(&m, "moongate_offload_bytes_total"),
+        offloaded * SIZE as f64
+    );
+    assert!(
+        sum(&m, "moongate_ssd_capacity_bytes", "owner=") >= 4_294_967_296.0,
+        "the owner's reported SSD capacity"
+    );
+    assert!(metric_value(&m, "moongate_owner_offload_lookup_keys_total") > 0.0);
+
+    // Eviction with an SSD tier: memory replicas dropped, never a key.
+    let cleared = metric_value(
+        &m,
+        "moongate_eviction_keys_total{result=\"memory_cleared\"}",
+    );
+    assert!(
+        cleared > 0.0,
+        "moongate freed memory\n{}",
+        t.mg.proc.log_text()
+    );
+    assert_eq!(
+        metric_value(&m, "moongate_eviction_keys_total{result=\"removed\"}"),
+        0.0,
+        "with an SSD tier moongate removes no key"
+    );
+    assert!(
+        r["missing"].as_f64().unwrap() <= failed,
+        "keys lost are only keys with no SSD copy (the master's own eviction): {r}, \
+         {failed} offloads failed"
+    );
+
+    // Ranks: every requester-only rank is its own process, wholly in one arm.
+    let mut ranks = vec![reader];
+    for _ in 0..3 {
+        ranks.push(t.reader());
+    }
+    let arms_of = |t: &Topology, ranks: &[Background]| {
+        let view = t.ranks();
+        ranks
+            .iter()
+            .map(|r| {
+                let pid = r.proc.pid();
+                view["peers"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|p| p["pid"] == pid)
+                    .unwrap_or_else(|| panic!("rank pid {pid} not in /ranks: {view}"))["arm"]
+                    .as_str()
+                    .unwrap()
+                    .to_string()
+            })
+            .collect::<Vec<_>>()
+    };
+    // Arms are a hash of the process: add ranks until both arms have one (1 in 8 that
+    // four land in one arm; eight ranks make it 1 in 128, twelve 1 in 2048).
+    while ranks.len() < 12 {
+        let arms = arms_of(&t, &ranks);
+        if arms.iter().any(|a| *a != arms[0]) {
+            break;
+        }
+        ranks.push(t.reader());
+    }
+    let arms = arms_of(&t, &ranks);
+    let before = t.mg.metrics();
+    for r in &mut ranks {
+        let e = ask(r, "exist 0 50");
+        assert_eq!(e["exists"].as_array().unwrap().len(), 50);
+        let l = ask(r, "load 0 4");
+        assert_eq!(l["corrupt"], 0, "{l}");
+    }
+    let after = t.mg.metrics();
+    for arm in ["a", "b"] {
+        let calls = |m: &str| {
+            metric_value(
+                m,
+                &format!("moongate_arm_requests_total{{arm=\"{arm}\",method=\"BatchExistKey\"}}"),
+            )
+        };
+        let want = arms.iter().filter(|a| *a == arm).count() as f64;
+        assert_eq!(
+            calls(&after) - calls(&before),
+            want,
+            "arm {arm}: one existence check per rank assigned to it ({arms:?})"
+        );
+    }
+    assert!(
+        arms.iter().any(|a| a != &arms[0]),
+        "requester-only ranks split across arms: {arms:?}"
+    );
+    let view = t.ranks();
+    let pids: std::collections::HashSet<i64> = view["peers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["role"] == "rank")
+        .filter_map(|p| p["pid"].as_i64())
+        .collect();
+    assert!(pids.len() >= ranks.len(), "{view}");
+
+    // A dummy client of the owner: its reads arrive as the owner's and are served.
+    let owner_served = |v: &serde_json::Value| -> i64 {
+        let o = v["peers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["role"] == "owner")
+            .unwrap_or_else(|| panic!("no owner in /ranks: {v}"));
+        ["memory", "local_disk", "unknown", "disk", "other"]
+            .iter()
+            .map(|t| o["served"][t]["keys"].as_i64().unwrap())
+            .sum()
+    };
+    let owner_before = owner_served(&t.ranks());
+    let d = t.run("dummy", &["--first", "100", "--keys", "8"]);
+    assert_eq!(d["corrupt"], 0, "{d}");
+    assert!(d["exact"].as_i64().unwrap() > 0, "{d}");
+    assert_eq!(
+        owner_served(&t.ranks()) - owner_before,
+        8,
+        "the dummy's 8 reads, made by its owner"
+    );
+    for r in ranks {
+        let _ = r.finish();
+    }
+}
+
+#[test]
+fn a_disk_budget_answers_at_the_existence_check_so_no_planned_load_fails() {
+    let plugin = plugin_path("disk-budget");
+    let t = Topology::start(&format!(
+        "[policy]\nactive = \"budget\"\n\
+         [[policy.plugins]]\nname = \"budget\"\npath = \"{}\"\n\
+         config = '{{\"window_ms\": 600000, \"disk_bytes\": 16777216}}'\n",
+        plugin.display()
+    ));
+    t.write();
+    let mut reader = t.reader();
+    // vLLM's scheduler asks which keys are there, then loads those it counted as hits.
+    let e = ask(&mut reader, &format!("exist 0 {KEYS}"));
+    let exists: Vec<bool> = e["exists"]
+        .as_array()
+        .unwrap()
+        .iter()
+        // batch_is_exist answers 1 / 0 (and -1 for an error).
+        .map(|v| v.as_i64() == Some(1) || v.as_bool() == Some(true))
+        .collect();
+    let hits = exists.iter().filter(|x| **x).count();
+    assert!(hits > 0, "{e}");
+    // Every key was written and most reached the SSD: without the budget far more
+    // than 16 would be there (a few are lost to the master's own eviction).
+    assert!(
+        hits < KEYS / 2,
+        "the budget (16 MiB of disk reads) answered keys absent: {e}"
+    );
+    // ... then it loads them (all keys here: the absent ones fail, as a miss would):
+    // none that was reported present fails.
+    let l = ask(&mut reader, &format!("load 0 {KEYS}"));
+    let results = l["results"].as_array().unwrap();
+    let failed_hits: Vec<usize> = (0..KEYS)
+        .filter(|&i| exists[i] && results[i].as_i64().unwrap_or(-1) < 0)
+        .collect();
+    assert!(
+        failed_hits.is_empty(),
+        "keys reported present whose load failed: {failed_hits:?}\n{e}\n{l}"
+    );
+    assert_eq!(l["corrupt"], 0, "{l}");
+    // With the tier log on (a replica lookup before each batch of reads): a key the
+    // budget admitted is not charged again, so its read is not cut.
+    let r = ask(&mut reader, &format!("read 0 {KEYS} 16"));
+    assert_eq!(r["corrupt"], 0, "{r}");
+    assert!(r["exact"].as_u64().unwrap() >= hits as u64, "{r}\n{e}");
+    let m = t.mg.metrics();
+    let admitted = metric_value(
+        &m,
+        "moongate_plugin_counter_total{plugin=\"budget\",name=\"disk_keys_admitted\"}",
+    );
+    assert!(
+        admitted <= 16.0,
+        "16 MiB of 1 MiB disk reads, each key charged once: {admitted}"
+    );
+    let _ = reader.finish();
+}
