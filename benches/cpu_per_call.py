@@ -10,13 +10,18 @@ PutEnd through the embedded default policy), counts instructions only while that
 workload runs, and prints instructions per call and the ratio between the builds.
 
   python benches/cpu_per_call.py --moongate target/release/moongate \
-      [--baseline OTHER_BUILD] [--calls 2000] [--extra-config 'TOML'] [--misses]
+      [--baseline OTHER_BUILD] [--calls 2000] [--extra-config 'TOML'] [--misses] \
+      [--max-per-call N]
 
 --extra-config appends TOML to moongate's config (`\n` for new lines), e.g.
 '[eviction]\nenabled = true' to price the key table and miss classification;
 --misses adds one ExistKey of an absent key per iteration (a lookup miss).
 
-Needs Debian's valgrind (`apt-get install valgrind`). Not part of CI.
+--max-per-call N exits 1 when this build spends more than N instructions per call: CI
+runs it as a ceiling (counts repeat within ~0.5 %, so the check cannot flake the way a
+timed assertion would).
+
+Needs Debian's valgrind (scripts/bootstrap.sh installs it).
 """
 import argparse
 import os
@@ -131,6 +136,8 @@ def main():
                         "baseline is this build with this config (a config A/B)")
     p.add_argument("--misses", action="store_true",
                    help="one ExistKey of an absent key per round as well")
+    p.add_argument("--max-per-call", type=float, default=0,
+                   help="fail (exit 1) when this build's instructions per call exceed it")
     a = p.parse_args()
     if a.role == "client":
         return role_client(a)
@@ -164,7 +171,19 @@ def main():
     if results.get("baseline"):
         print(f"this / baseline: {results['this'] / results['baseline']:.3f}")
     print(f"(work dir {work})")
+    if a.max_per_call:
+        per_call = results["this"] / calls
+        if not results["this"]:
+            print("FAIL: no instructions counted", file=sys.stderr)
+            return 1
+        if per_call > a.max_per_call:
+            print(f"FAIL: {per_call:.0f} instructions per master-face call, above the "
+                  f"ceiling of {a.max_per_call:.0f} (docs/results.md)", file=sys.stderr)
+            return 1
+        print(f"ok: {per_call:.0f} instructions per call, within the ceiling of "
+              f"{a.max_per_call:.0f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
