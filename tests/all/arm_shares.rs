@@ -1,6 +1,6 @@
 //! Experiment arms that do not interfere: with `capacity = "by-weight"` each arm is held
 //! to its share of the capacity and loses only its own keys, so one arm's greedy
-//! eviction policy leaves the other arm's hit rate where it was. The workload is
+//! eviction policy leaves the other arm's keys alone (in one shared pool it does not). The workload is
 //! `benches/replay` (mirror split: both arms replay the same slice of the shipped trace
 //! with the real client, every read checked).
 
@@ -67,13 +67,16 @@ fn hit_rate(r: &Value, arm: &str) -> f64 {
 }
 
 #[test]
-fn with_shares_a_greedy_arm_leaves_the_other_arms_hit_rate_alone() {
+fn with_shares_a_greedy_arm_leaves_the_other_arms_keys_alone() {
     let (calm, calm_m) = replay("by-weight", "lru", "");
     let (greedy, greedy_m) = replay("by-weight", "fault", "evict-all");
-    // The same pair in one shared pool: the contrast that shows the test can fail.
-    let (shared_calm, _) = replay("shared", "lru", "");
-    let (shared_greedy, _) = replay("shared", "fault", "evict-all");
     let steady = |r: &Value| hit_rate(r, "steady");
+    let steady_removed = |m: &str| {
+        metric_value(
+            m,
+            "moongate_eviction_arm_removed_bytes_total{arm=\"steady\"}",
+        )
+    };
     let by_master = |m: &str| {
         metric_value(
             m,
@@ -81,25 +84,18 @@ fn with_shares_a_greedy_arm_leaves_the_other_arms_hit_rate_alone() {
         )
     };
     eprintln!(
-        "steady keys the master evicted (by-weight): next to lru {}, next to evict-all {}",
+        "steady arm next to lru / evict-all: bytes moongate removed {} / {}, keys the \
+         master evicted {} / {}, hit rate {:.4} / {:.4}; other arm's hit rate {:.4} / {:.4}",
+        steady_removed(&calm_m),
+        steady_removed(&greedy_m),
         by_master(&calm_m),
-        by_master(&greedy_m)
-    );
-    eprintln!(
-        "steady arm next to lru / evict-all: by-weight {:.4} / {:.4}, shared {:.4} / {:.4}; \
-         other arm: by-weight {:.4} / {:.4}",
+        by_master(&greedy_m),
         steady(&calm),
         steady(&greedy),
-        steady(&shared_calm),
-        steady(&shared_greedy),
         hit_rate(&calm, "other"),
         hit_rate(&greedy, "other")
     );
-    // The greedy policy acted: its arm lost keys and hits.
-    assert!(
-        hit_rate(&greedy, "other") < hit_rate(&calm, "other"),
-        "{greedy}"
-    );
+    // The greedy policy acted: it removed far more of its own arm's keys.
     let removed = |m: &str| {
         metric_value(
             m,
@@ -115,21 +111,18 @@ fn with_shares_a_greedy_arm_leaves_the_other_arms_hit_rate_alone() {
         assert!(metric_value(m, "moongate_eviction_arm_share_bytes{arm=\"steady\"}") > 0.0);
         assert!(metric_value(m, "moongate_eviction_arm_bytes{arm=\"steady\"}") > 0.0);
     }
-    // In one pool the greedy arm's freed room goes to the steady arm: its hit rate
-    // moves. Measured in four runs: +12 % to +37 % (the by-weight pair below, at its
-    // watermarks, moved 0 % to 2 % in three).
+    // Isolation is asserted on the steady arm's keys moongate removed: both replays put
+    // the same keys, so with shares the bytes removed are set by the workload and the
+    // arm's own share. Measured: 374.8 M / 377.4 M quiet, 377.4 M / 377.4 M with two CPU
+    // hogs beside the test. In one shared pool the same figure moves with the other
+    // arm's policy (41.2 M next to lru, 289.7 M next to evict-all, quiet) and with the
+    // machine's load (346.0 M / 319.2 M busy), which is why the shared-pool contrast and
+    // the hit rates (a ~1 % rate that a few blocks' timing moves: 0.0102 vs 0.0078 with
+    // shares on a busy machine) are measured by `benches/run_replay.sh`
+    // (`CAPACITY=shared` / `by-weight`), not asserted here.
+    let (a, b) = (steady_removed(&calm_m), steady_removed(&greedy_m));
     assert!(
-        steady(&shared_greedy) > steady(&shared_calm) * 1.1,
-        "shared pool: {:.4} vs {:.4}",
-        steady(&shared_greedy),
-        steady(&shared_calm)
-    );
-    // With shares it does not (timing noise of a live replay aside).
-    let tolerance = (0.05 * steady(&calm)).max(0.001);
-    assert!(
-        (steady(&calm) - steady(&greedy)).abs() <= tolerance,
-        "by-weight: {:.4} vs {:.4}",
-        steady(&calm),
-        steady(&greedy)
+        (a - b).abs() <= 0.1 * a.max(b),
+        "by-weight: the steady arm lost {a} bytes next to lru, {b} next to evict-all"
     );
 }
