@@ -46,6 +46,9 @@ fn script() -> PathBuf {
 
 /// The master, moongate in front of it, and the owner behind moongate.
 struct Topology {
+    /// The Mooncake release of the master, the owner and the ranks (`None`: the pinned
+    /// 0.3.13.post1).
+    release: Option<Release>,
     master: Master,
     mg: Moongate,
     owner: Proc,
@@ -56,6 +59,10 @@ struct Topology {
 impl Topology {
     /// `policy`: TOML appended to moongate's config (an experiment, a plugin).
     fn start(policy: &str) -> Topology {
+        Topology::start_on(None, policy)
+    }
+
+    fn start_on(release: Option<Release>, policy: &str) -> Topology {
         // A 1 s read lease, so moongate may free an offloaded key's memory soon after
         // the owner looked it up to offload it (the default is 10 s).
         let master = Master::start_with(MasterOpts {
@@ -63,6 +70,7 @@ impl Topology {
                 "--enable_offload=true".into(),
                 "--default_kv_lease_ttl=1000".into(),
             ],
+            release: release.clone(),
             ..Default::default()
         });
         let mg = Moongate::start_config(&format!(
@@ -74,7 +82,11 @@ impl Topology {
         mg.wait_ready(&master);
         let ssd = tempdir();
         let owner_port = free_port();
-        let mut cmd = Command::new(master_binary().with_file_name("mooncake_client"));
+        let master_bin = release.as_ref().map_or_else(master_binary, Release::master);
+        let mut cmd = Command::new(master_bin.with_file_name("mooncake_client"));
+        if let Some(r) = &release {
+            r.apply(&mut cmd);
+        }
         cmd.args([
             "--host=127.0.0.1",
             &format!("--port={owner_port}"),
@@ -102,6 +114,7 @@ impl Topology {
             },
         );
         Topology {
+            release,
             master,
             mg,
             owner,
@@ -115,7 +128,14 @@ impl Topology {
     }
 
     fn role(&self, role: &str) -> Command {
-        let mut cmd = Command::new(python());
+        let mut cmd = match &self.release {
+            Some(r) => {
+                let mut c = Command::new(&r.python);
+                r.apply(&mut c);
+                c
+            }
+            None => Command::new(python()),
+        };
         cmd.arg(script()).args([
             "--role",
             role,
@@ -203,13 +223,31 @@ fn ask(r: &mut Background, cmd: &str) -> serde_json::Value {
         .unwrap_or_else(|e| panic!("{cmd}: {e}: {line}"))
 }
 
+const TWO_ARMS: &str = "[experiment]\nassign = \"client\"\n\
+     arms = [ { name = \"a\", plugin = \"default\", weight = 50 },\n\
+              { name = \"b\", plugin = \"default\", weight = 50 } ]\n";
+
 #[test]
 fn served_tiers_offload_an_ssd_eviction_keeps_and_ranks_in_arms() {
-    let t = Topology::start(
-        "[experiment]\nassign = \"client\"\n\
-         arms = [ { name = \"a\", plugin = \"default\", weight = 50 },\n\
-                  { name = \"b\", plugin = \"default\", weight = 50 } ]\n",
-    );
+    let t = Topology::start(TWO_ARMS);
+    let reader = served_offload_and_eviction(&t);
+    ranks_and_a_dummy(&t, reader);
+}
+
+/// The same on every older release with offload (0.3.11.post1, 0.3.12.post1: their
+/// master, owner and clients).
+#[test]
+fn served_tiers_offload_and_an_ssd_eviction_keeps_on_older_releases() {
+    for name in ["0.3.11.post1", "0.3.12.post1"] {
+        let t = Topology::start_on(Some(Release::older(name)), TWO_ARMS);
+        let reader = served_offload_and_eviction(&t);
+        let _ = reader.finish();
+    }
+}
+
+/// Writes, reads with vLLM's tier log, and checks served tiers, offload and eviction;
+/// returns the reader (a requester-only rank) for more.
+fn served_offload_and_eviction(t: &Topology) -> Background {
     t.write();
 
     // vLLM's load with its tier log on: per batch, a replica lookup, then the reads.
@@ -274,6 +312,11 @@ fn served_tiers_offload_an_ssd_eviction_keeps_and_ranks_in_arms() {
          {failed} offloads failed"
     );
 
+    reader
+}
+
+/// Ranks in arms (the reader and more requester-only ranks), and a dummy of the owner.
+fn ranks_and_a_dummy(t: &Topology, reader: Background) {
     // Ranks: every requester-only rank is its own process, wholly in one arm.
     let mut ranks = vec![reader];
     for _ in 0..3 {
@@ -300,13 +343,13 @@ fn served_tiers_offload_an_ssd_eviction_keeps_and_ranks_in_arms() {
     // Arms are a hash of the process: add ranks until both arms have one (1 in 8 that
     // four land in one arm; eight ranks make it 1 in 128, twelve 1 in 2048).
     while ranks.len() < 12 {
-        let arms = arms_of(&t, &ranks);
+        let arms = arms_of(t, &ranks);
         if arms.iter().any(|a| *a != arms[0]) {
             break;
         }
         ranks.push(t.reader());
     }
-    let arms = arms_of(&t, &ranks);
+    let arms = arms_of(t, &ranks);
     let before = t.mg.metrics();
     for r in &mut ranks {
         let e = ask(r, "exist 0 50");

@@ -94,7 +94,15 @@ pub fn request(method: Method, body: &Bytes) -> Option<Offload> {
         return None;
     }
     let msg = GenericMessage::decode(body).ok()?;
-    let Value::Struct(args) = &msg.value else {
+    let read = read_request(method, &msg.value);
+    if read.is_none() {
+        tracing::debug!(%method, value = ?msg.value, "offload call of a shape moongate does not read");
+    }
+    read
+}
+
+fn read_request(method: Method, value: &Value) -> Option<Offload> {
+    let Value::Struct(args) = value else {
         return None;
     };
     let client = uuid(args.first()?)?;
@@ -120,6 +128,12 @@ pub fn request(method: Method, body: &Bytes) -> Option<Offload> {
             let (items, failed): (Noted<'_>, Noted<'_>) = tasks
                 .into_iter()
                 .zip(metas)
+                .map(|(mut i, m)| {
+                    if i.size == 0 {
+                        i.size = data_size(m).unwrap_or(0);
+                    }
+                    (i, m)
+                })
                 .partition(|(_, m)| stored_at(m));
             Offload::Offloaded {
                 client,
@@ -154,7 +168,10 @@ pub fn request(method: Method, body: &Bytes) -> Option<Offload> {
 /// error answer or another shape).
 pub fn tasks(body: &Bytes) -> Option<Vec<Item>> {
     match GenericMessage::decode(body).ok()?.value {
-        Value::Ok(v) => items(&v),
+        Value::Ok(v) => items(&v).or_else(|| {
+            tracing::debug!(value = ?v, "offload tasks of a shape moongate does not read");
+            None
+        }),
         _ => None,
     }
 }
@@ -192,6 +209,12 @@ fn strings(vs: &[Value]) -> Vec<Bytes> {
 /// transport_endpoint}` names a place on the SSD. Measured with 0.3.13.post1: part of an
 /// eager offload's notices carry `{-1, 0, 0, -1, ""}` for keys the bucket backend did not
 /// write, and the master lists no SSD replica for them.
+fn data_size(meta: &Value) -> Option<u64> {
+    let Value::Struct(f) = meta else { return None };
+    let n = scalar(f.get(3)?)? as i64;
+    u64::try_from(n).ok()
+}
+
 fn stored_at(meta: &Value) -> bool {
     let Value::Struct(f) = meta else { return false };
     let bucket = f.first().and_then(scalar).map(|b| b as i64);
@@ -202,11 +225,33 @@ fn stored_at(meta: &Value) -> bool {
     bucket.is_some_and(|b| b >= 0) && endpoint.is_some_and(|e| !e.is_empty())
 }
 
-/// A vector of task items: `{tenant_id, key, size}` or `{key, size}`.
+/// Task items: `vector<{tenant_id, key, size}>` (0.3.13), `map<key, size>` (the
+/// heartbeat answer of 0.3.11 and 0.3.12) or `vector<key>` (their offload notice, whose
+/// sizes are in the metadata: 0 here).
 fn items(v: &Value) -> Option<Vec<Item>> {
+    if let Value::Map(m) = v {
+        return m
+            .iter()
+            .map(|(k, n)| match k {
+                Value::Str(key) => Some(Item {
+                    tenant: Bytes::new(),
+                    key: key.clone(),
+                    size: scalar(n)?,
+                }),
+                _ => None,
+            })
+            .collect();
+    }
     let Value::Seq(seq) = v else { return None };
     seq.iter()
         .map(|it| {
+            if let Value::Str(key) = it {
+                return Some(Item {
+                    tenant: Bytes::new(),
+                    key: key.clone(),
+                    size: 0,
+                });
+            }
             let Value::Struct(f) = it else { return None };
             let strs = strings(f);
             let size = f.iter().find_map(scalar)?;
@@ -348,6 +393,54 @@ mod tests {
         );
         assert_eq!(tasks(&err), None);
         assert!(!answered_ok(&err));
+    }
+
+    #[test]
+    fn reads_the_older_releases_shapes() {
+        // 0.3.11 / 0.3.12: the notice names keys only (sizes in the metadata) ...
+        let mut lit = vec![0xfd];
+        lit.extend_from_slice(&UUID_LIT);
+        lit.extend_from_slice(&[0x84, 0x80, 0x0c]);
+        lit.push(0x84);
+        lit.extend_from_slice(&[0xfd, 0x03, 0x03, 0x03, 0x03, 0x80, 0x0c, 0xff]);
+        lit.push(0xff);
+        let meta = |bucket: i64, size: i64, endpoint: &str| {
+            Value::Struct(vec![
+                i64v(bucket),
+                i64v(0),
+                i64v(1),
+                i64v(size),
+                s(endpoint),
+            ])
+        };
+        let b = body(
+            &lit,
+            Value::Struct(vec![
+                uuid_value(1, 2),
+                Value::Seq(vec![s("a"), s("b")]),
+                Value::Seq(vec![meta(3, 77, "h:1"), meta(-1, -1, "")]),
+            ]),
+        );
+        let Some(Offload::Offloaded { items, failed, .. }) =
+            request(Method::NotifyOffloadSuccess, &b)
+        else {
+            panic!("not read");
+        };
+        assert_eq!((items.len(), items[0].size, failed.len()), (1, 77, 1));
+        // ... and the heartbeat answers a map of key to size.
+        let lit = [0x87, 0x82, 0x80, 0x0c, 0x03, 0x01];
+        let ok = body(
+            &lit,
+            Value::Ok(Box::new(Value::Map(vec![(s("k"), i64v(9))]))),
+        );
+        assert_eq!(
+            tasks(&ok),
+            Some(vec![Item {
+                tenant: Bytes::new(),
+                key: Bytes::from_static(b"k"),
+                size: 9
+            }])
+        );
     }
 
     #[test]

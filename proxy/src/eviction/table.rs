@@ -226,7 +226,17 @@ impl KeyTable {
         let mut t = self.lock();
         let until = now_ms + self.lease_ms;
         for (tenant, key) in keys {
-            if let Some(e) = t.map.get_mut(&(tenant.clone(), key.clone())) {
+            // 0.3.12's offload notices name no tenant while its puts say "default".
+            let k = (tenant.clone(), key.clone());
+            let k = if tenant.is_empty() && !t.map.contains_key(&k) {
+                (
+                    Bytes::from_static(crate::topology::DEFAULT_TENANT),
+                    key.clone(),
+                )
+            } else {
+                k
+            };
+            if let Some(e) = t.map.get_mut(&k) {
                 e.on_disk = true;
                 e.leased_until_ms = e.leased_until_ms.max(until);
                 each(key, e);

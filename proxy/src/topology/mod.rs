@@ -50,6 +50,10 @@ const MAX_RECENT: usize = 1 << 16;
 /// not found): the last lease the master granted, or this before any.
 const DEFAULT_LEASE_MS: u64 = 5_000;
 
+/// The tenant Mooncake's clients send (0.3.12 on); offload calls before 0.3.13 name
+/// none.
+pub const DEFAULT_TENANT: &[u8] = b"default";
+
 /// Keys and bytes per [`SERVED_LABELS`] tier.
 pub type TierCounts = [(u64, u64); SERVED_LABELS.len()];
 
@@ -398,9 +402,15 @@ impl Topology {
         if peer.is_owner() {
             let mut st = lock(&self.offload);
             if !st.pending.is_empty() {
+                // 0.3.12's offload calls name no tenant while its lookups say "default".
+                let untenanted = tenant.as_ref() == DEFAULT_TENANT;
                 own = keys
                     .iter()
-                    .map(|k| st.pending.remove(&(tenant.clone(), k.clone())).is_some())
+                    .map(|k| {
+                        st.pending.remove(&(tenant.clone(), k.clone())).is_some()
+                            || (untenanted
+                                && st.pending.remove(&(Bytes::new(), k.clone())).is_some())
+                    })
                     .collect();
             }
         }
