@@ -239,11 +239,14 @@ fn failover(signal: i32, slowest_failure_s: f64) {
         0.0
     );
     assert_eq!(metric_value(&m, "moongate_upstream_leader_present"), 1.0);
-    // The first leader, its loss (the key expired), the new leader.
-    assert_eq!(
-        metric_value(&m, "moongate_upstream_leader_changes_total"),
-        3.0,
-        "{m}"
+    // The first leader and the new one, and usually the leaderless moment between
+    // them (the old key expired): a watch that catches the expiry and the new key in
+    // one round sees no gap (2 changes on a busy machine). The leader in force is
+    // asserted above.
+    let changes = metric_value(&m, "moongate_upstream_leader_changes_total");
+    assert!(
+        (2.0..=3.0).contains(&changes),
+        "{changes} leader changes\n{m}"
     );
     // No leaked connection: the two clients closed, nothing is left open.
     wait_no_connections(&mg, &logs);

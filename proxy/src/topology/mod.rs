@@ -70,6 +70,8 @@ pub struct Peer {
     pub assign: Option<Uuid>,
     /// The Mooncake client id its calls carried, once one did.
     client: Mutex<Option<Uuid>>,
+    /// `client` is set: most calls carry the id, and the lock is skipped once known.
+    client_known: AtomicBool,
     owner: AtomicBool,
     connections: AtomicU32,
     served: [(AtomicU64, AtomicU64); SERVED_LABELS.len()],
@@ -95,6 +97,7 @@ impl Peer {
             key,
             assign,
             client: Mutex::new(None),
+            client_known: AtomicBool::new(false),
             owner: AtomicBool::new(false),
             connections: AtomicU32::new(0),
             served: Default::default(),
@@ -118,13 +121,14 @@ impl Peer {
     /// Remembers the client id a call carried (the first one is kept: a process runs one
     /// Mooncake client; an owner's dummies' calls carry the owner's).
     pub fn saw_client(&self, id: Uuid) {
-        if id == Uuid::default() {
+        if id == Uuid::default() || self.client_known.load(Ordering::Relaxed) {
             return;
         }
         let mut c = lock(&self.client);
         if c.is_none() {
             *c = Some(id);
         }
+        self.client_known.store(true, Ordering::Relaxed);
     }
 
     /// Keys and bytes served per tier since it first connected.
