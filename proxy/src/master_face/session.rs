@@ -53,16 +53,19 @@ pub struct Entry {
     /// changes nothing for this call).
     pub ticket: Ticket,
     pub fixup: Option<Fixup>,
-    /// Keys of a lookup whose answer the arm's plugin steers (`on-lookup`).
+    /// The keys of a lookup (or of an existence check sent as one), moved out of the
+    /// decoded request: what the arm's plugin steers and what the answer served.
     pub lookup_keys: Option<Vec<Bytes>>,
+    /// Their tenant.
+    pub lookup_tenant: Bytes,
+    /// The arm's plugin steers the answer (`on-lookup`).
+    pub steer: bool,
     /// Upstream calls this request went out as (1 unless a batch was split).
     pub parts: usize,
     /// The put bytes this call holds in the node-wide in-flight count until it ends.
     pub in_flight: Option<InFlightBytes>,
     /// What the answer tells the eviction table (eviction on).
     pub tracked: Option<Tracked>,
-    /// A lookup's tenant and keys: what its answer served the reader.
-    pub read: Option<(Bytes, Vec<Bytes>)>,
     /// An existence check sent as the replica lookup of its keys (for the arm's
     /// plugin to steer): the client's method, whose answer it gets.
     pub exist: Option<Method>,
@@ -377,12 +380,12 @@ fn on_request(
         let arm = ticket.arm();
         arm.metrics.requests[req.method().index()].requests.inc();
         let steer = policy.steers_lookups(arm);
-        let (lookup_keys, as_lookup) = match calls::call(&req) {
-            calls::Call::Lookup(l) if steer => (Some(l.keys().to_vec()), None),
-            calls::Call::Exist(e) if steer && shared.cfg.steer_exists => {
-                (Some(e.keys().to_vec()), calls::exist::as_lookup(&req))
+        let (is_lookup, as_lookup) = match calls::call(&req) {
+            calls::Call::Lookup(_) => (true, None),
+            calls::Call::Exist(_) if steer && shared.cfg.steer_exists => {
+                (false, calls::exist::as_lookup(&req))
             }
-            _ => (None, None),
+            _ => (false, None),
         };
         let parts = match &as_lookup {
             Some(lookup) => {
@@ -403,8 +406,16 @@ fn on_request(
             }
             None => forward(shared, out, &got, &req, false, &ticket),
         };
-        let mut e = entry(shared, ticket, None, lookup_keys, parts, &req);
-        e.exist = as_lookup.map(|_| req.method());
+        let mut e = entry(shared, ticket, None, parts, &req);
+        e.exist = as_lookup.as_ref().map(|_| req.method());
+        if is_lookup || as_lookup.is_some() {
+            // The decoded request is done with: its keys move, uncloned.
+            if let Some((tenant, keys)) = lookup_keys(req) {
+                e.lookup_keys = Some(keys);
+                e.lookup_tenant = tenant;
+                e.steer = steer;
+            }
+        }
         return Next::Forwarded(e);
     };
     let am = &ticket.arm().metrics.requests[req.method().index()];
@@ -412,7 +423,7 @@ fn on_request(
     match action {
         PutAction::Forward => {
             let parts = forward(shared, out, &got, &req, false, &ticket);
-            Next::Forwarded(entry(shared, ticket, None, None, parts, &req))
+            Next::Forwarded(entry(shared, ticket, None, parts, &req))
         }
         PutAction::Rewrite { request, fixup } => {
             if let Some(f) = &fixup {
@@ -422,7 +433,7 @@ fn on_request(
             // Tracked from what went upstream: the table records the master's answer
             // to it, before denied keys are merged back (moongate's denials are not
             // memory pressure).
-            Next::Forwarded(entry(shared, ticket, fixup, None, parts, &request))
+            Next::Forwarded(entry(shared, ticket, fixup, parts, &request))
         }
         PutAction::Answer(resp) => {
             let all = calls::put::Put::of(&req).map_or(0, |p| p.keys().len());
@@ -476,22 +487,28 @@ fn entry(
     shared: &Shared,
     ticket: Ticket,
     fixup: Option<Fixup>,
-    lookup_keys: Option<Vec<Bytes>>,
     parts: usize,
     sent: &Request,
 ) -> Entry {
     Entry {
         ticket,
         fixup,
-        lookup_keys,
+        lookup_keys: None,
+        lookup_tenant: Bytes::new(),
+        steer: false,
         parts,
         in_flight: put_bytes(sent, shared),
         tracked: shared.eviction.as_ref().and_then(|_| Tracked::of(sent)),
-        read: match calls::call(sent) {
-            calls::Call::Lookup(l) => Some((l.tenant().clone(), l.keys().to_vec())),
-            _ => None,
-        },
         exist: None,
+    }
+}
+
+/// The tenant and keys of a lookup or existence check, moved out of it.
+fn lookup_keys(req: Request) -> Option<(Bytes, Vec<Bytes>)> {
+    match req {
+        Request::GetReplicaList(a) | Request::ExistKey(a) => Some((a.tenant_id, vec![a.key])),
+        Request::BatchGetReplicaList(a) | Request::BatchExistKey(a) => Some((a.tenant_id, a.keys)),
+        _ => None,
     }
 }
 
@@ -720,7 +737,7 @@ impl<'a> Answering<'a> {
             resp = f.apply(resp);
         }
         let mut steered = false;
-        if let Some(e) = entry
+        if let Some(e) = entry.filter(|e| e.steer)
             && let Some(keys) = e.lookup_keys.as_deref()
         {
             steered = self
@@ -740,10 +757,10 @@ impl<'a> Answering<'a> {
         if let Some(e) = entry {
             // What the reader will read, after steering; an owner's look at keys it is
             // about to offload is its own work, not a read or a hit.
-            let role = match (&e.read, calls::lookup::results(&resp)) {
-                (Some((tenant, keys)), Some(answers)) => self.shared.topology.lookup(
+            let role = match (&e.lookup_keys, calls::lookup::results(&resp)) {
+                (Some(keys), Some(answers)) if e.exist.is_none() => self.shared.topology.lookup(
                     self.peer,
-                    tenant,
+                    &e.lookup_tenant,
                     keys,
                     answers,
                     &e.ticket.arm().metrics,
