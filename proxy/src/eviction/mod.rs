@@ -513,14 +513,19 @@ impl Eviction {
             }
         }
         tracing::debug!(need, removed = removed.len(), "eviction round");
+        self.end_round(gone, &removed);
+        Ok(())
+    }
+
+    /// The end of a round: announce what went, and the table forgets it.
+    fn end_round(&self, gone: Option<Changes>, forgotten: &[(Bytes, Bytes)]) {
         if let (Some(c), Some(ev)) = (gone, &self.events) {
             c.send(ev);
         }
-        for (tenant, key) in &removed {
+        for (tenant, key) in forgotten {
             self.table.forget(tenant, std::iter::once(key));
         }
         self.metrics.table_keys.set(self.table.len() as i64);
-        Ok(())
     }
 
     /// With an SSD tier offloading: drops only the victims' memory replicas
@@ -626,14 +631,8 @@ impl Eviction {
                 }
             }
         }
-        if let (Some(c), Some(ev)) = (memory_gone, &self.events) {
-            c.send(ev);
-        }
         // The table holds what uses memory: a key left only on an SSD leaves it.
-        for (tenant, key) in &forgotten {
-            self.table.forget(tenant, std::iter::once(key));
-        }
-        self.metrics.table_keys.set(self.table.len() as i64);
+        self.end_round(memory_gone, &forgotten);
         Ok(())
     }
 
