@@ -26,7 +26,8 @@ pub struct PolicyConfig {
     /// ErrorCode of fail-closed denials; -200 (NO_AVAILABLE_HANDLE) is what vLLM treats
     /// as backpressure.
     pub fail_closed_code: i32,
-    /// Deadline of one hook call.
+    /// Deadline of one hook call: a call is stopped between this and a quarter of it
+    /// more (the epoch ticks a quarter of it).
     pub call_timeout_ms: u64,
     /// Linear memory one plugin instance may use.
     pub memory_limit_bytes: u64,

@@ -25,6 +25,7 @@ use wasmtime::{
     Trap,
 };
 
+use super::epoch::EpochClock;
 use super::metrics::PluginMetricsSink;
 
 wasmtime::component::bindgen!({
@@ -33,9 +34,6 @@ wasmtime::component::bindgen!({
 });
 
 pub use moongate::policy::types as wit;
-
-/// How often the epoch advances; call deadlines are whole ticks.
-const EPOCH_TICK: Duration = Duration::from_millis(1);
 
 /// The least time instantiation, `configure` and the load-time conformance calls get.
 /// They run once per load, off the request path, and a busy machine can delay a few
@@ -224,14 +222,9 @@ pub struct PolicyEngine {
     engine: Engine,
     limits: HostLimits,
     sink: Arc<PluginMetricsSink>,
-    stop_ticker: Arc<AtomicBool>,
+    /// Stops calls past their deadline (dropped with the engine: its thread ends).
+    epoch: EpochClock,
     clock: Clock,
-}
-
-impl Drop for PolicyEngine {
-    fn drop(&mut self) {
-        self.stop_ticker.store(true, Ordering::Relaxed);
-    }
 }
 
 impl PolicyEngine {
@@ -257,26 +250,13 @@ impl PolicyEngine {
         pool.max_memory_size(limits.memory_bytes);
         cfg.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
         let engine = Engine::new(&cfg).map_err(|e| LoadError::Compile(e.to_string()))?;
-        let stop = Arc::new(AtomicBool::new(false));
-        {
-            let engine = engine.clone();
-            let stop = stop.clone();
-            // The epoch clock: a looping plugin is stopped within a tick of its deadline.
-            std::thread::Builder::new()
-                .name("moongate-epoch".into())
-                .spawn(move || {
-                    while !stop.load(Ordering::Relaxed) {
-                        std::thread::sleep(EPOCH_TICK);
-                        engine.increment_epoch();
-                    }
-                })
-                .map_err(|e| LoadError::Compile(format!("epoch thread: {e}")))?;
-        }
+        let epoch = EpochClock::start(engine.clone(), limits.call_timeout)
+            .map_err(|e| LoadError::Compile(format!("epoch thread: {e}")))?;
         Ok(Arc::new(PolicyEngine {
             engine,
             limits,
             sink,
-            stop_ticker: stop,
+            epoch,
             clock,
         }))
     }
@@ -447,6 +427,7 @@ impl Plugin {
     /// updates are dropped, for the pre-flight instance).
     fn instantiate_now(&self, muted: bool) -> Result<Interest, LoadError> {
         let mut store = self.new_store(muted);
+        let _running = self.engine.epoch.enter();
         store.set_epoch_deadline(self.setup_ticks());
         let instance = self
             .pre
@@ -476,12 +457,13 @@ impl Plugin {
         if self.preflight.load(Ordering::Relaxed) {
             return self.setup_ticks();
         }
-        (self.engine.limits.call_timeout.as_millis() as u64 / EPOCH_TICK.as_millis() as u64).max(1)
+        self.engine.epoch.ticks_for(self.engine.limits.call_timeout)
     }
 
     fn setup_ticks(&self) -> u64 {
-        let t = self.engine.limits.call_timeout.max(SETUP_DEADLINE);
-        (t.as_millis() as u64 / EPOCH_TICK.as_millis() as u64).max(1)
+        self.engine
+            .epoch
+            .ticks_for(self.engine.limits.call_timeout.max(SETUP_DEADLINE))
     }
 
     /// Runs `f` on the live instance under a fresh deadline. On any failure the instance
@@ -508,6 +490,7 @@ impl Plugin {
         let live = slot
             .as_mut()
             .ok_or_else(|| CallError::Unavailable("no instance".into()))?;
+        let _running = self.engine.epoch.enter();
         live.store.set_epoch_deadline(self.deadline_ticks());
         match f(live) {
             Ok(r) => Ok(r),

@@ -4,6 +4,8 @@
 //! - [`Policy`] (here): what a policy is to the rest of moongate: the hooks of the WIT
 //!   contract as plain calls. The wasm plugin ([`host::Plugin`]) implements it; tests
 //!   implement it with fakes, so nothing above this layer needs wasm to be tested.
+//! - [`epoch`]: the thread that advances the engine's epoch (call deadlines), at rest
+//!   while no plugin runs.
 //! - [`host`]: the wasmtime host (compile once, one instance per plugin generation,
 //!   deadline and memory cap per call, fail classification).
 //! - [`view`]: a decoded call as the plugin sees it, and the plugin's answer as an
@@ -24,6 +26,7 @@ pub mod active;
 pub mod catalog;
 pub mod config;
 pub mod decision;
+pub mod epoch;
 pub mod experiment;
 pub mod host;
 pub mod metrics;
