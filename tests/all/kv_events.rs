@@ -12,7 +12,7 @@ use serde_json::{Value, json};
 use crate::support::*;
 
 /// Both endpoints moongate logged, e.g. `tcp://127.0.0.1:40123`.
-fn endpoints(mg: &Moongate) -> (String, String) {
+pub(crate) fn endpoints(mg: &Moongate) -> (String, String) {
     wait_for("events bound", Duration::from_secs(10), &[&mg.proc], || {
         mg.proc.log_text().contains("KV events publishing")
     });
@@ -28,7 +28,7 @@ fn endpoints(mg: &Moongate) -> (String, String) {
 }
 
 /// Waits until the publisher has handled every queued change.
-fn wait_published(mg: &Moongate) {
+pub(crate) fn wait_published(mg: &Moongate) {
     wait_for(
         "events published",
         Duration::from_secs(10),

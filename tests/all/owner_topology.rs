@@ -14,7 +14,10 @@
 //!   every key it freed memory from reads back from the SSD;
 //! - ranks: each requester-only rank is its own process in `GET /ranks`, wholly in one
 //!   experiment arm, and the arms' request counts are the sums of their ranks';
-//! - a disk budget acts at the existence check: every key it reports present loads.
+//! - a disk budget acts at the existence check: every key it reports present loads;
+//! - KV events follow the tiers: a router's subscriber sees each key stored in memory,
+//!   stored on the SSD when the owner's offload lands, and removed from memory (only)
+//!   when moongate clears that copy or finds the master evicted it.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -193,6 +196,17 @@ impl Topology {
         );
     }
 
+    /// A KV-events subscriber as routers write them, on moongate's endpoints.
+    fn subscriber(&self) -> Background {
+        let (endpoint, replay) = crate::kv_events::endpoints(&self.mg);
+        let dir = tempdir();
+        let mut cmd = Command::new(python());
+        cmd.arg(repo_root().join("tests/py/kv_events_sub.py"))
+            .args(["--endpoint", &endpoint, "--replay", &replay, "--out"])
+            .arg(dir.path().join("out.json"));
+        Background::spawn("subscriber", cmd, dir, &[&self.mg.proc])
+    }
+
     fn ranks(&self) -> serde_json::Value {
         let (st, body) = http_get(&self.mg.admin, "/ranks").unwrap();
         assert_eq!(st, 200, "{body}");
@@ -227,11 +241,96 @@ const TWO_ARMS: &str = "[experiment]\nassign = \"client\"\n\
      arms = [ { name = \"a\", plugin = \"default\", weight = 50 },\n\
               { name = \"b\", plugin = \"default\", weight = 50 } ]\n";
 
+const EVENTS: &str = "[events]\nenabled = true\nendpoint = \"tcp://127.0.0.1:0\"\n\
+     replay_endpoint = \"tcp://127.0.0.1:0\"\n";
+
 #[test]
 fn served_tiers_offload_an_ssd_eviction_keeps_and_ranks_in_arms() {
-    let t = Topology::start(TWO_ARMS);
-    let reader = served_offload_and_eviction(&t);
+    let t = Topology::start(&format!("{TWO_ARMS}{EVENTS}"));
+    let sub = t.subscriber();
+    let (reader, read) = served_offload_and_eviction(&t);
+    tier_events(&t, sub, &read);
     ranks_and_a_dummy(&t, reader);
+}
+
+/// The events a router's subscriber (vLLM's declared structures) received, against
+/// what moongate counted and the reader saw (`read`): every key stored in memory once
+/// (its put), stored on the SSD once per offload that landed, removed from memory once:
+/// each copy moongate cleared (keys on the SSD), each key the master evicted with no SSD
+/// copy (the reader's missing keys); no key removed from the SSD.
+fn tier_events(t: &Topology, mut sub: Background, read: &serde_json::Value) {
+    crate::kv_events::wait_published(&t.mg);
+    let m = t.mg.metrics();
+    let batches = metric_value(&m, "moongate_events_batches_total");
+    sub.step(&format!("finish {batches}"));
+    let got: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&sub.out).unwrap()).unwrap();
+    let mut hashes: std::collections::BTreeMap<(String, String), Vec<u64>> = Default::default();
+    for e in got["batches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|b| b["events"].as_array().unwrap())
+    {
+        let kind = (e["type"].to_string(), e["medium"].to_string());
+        let list = hashes.entry(kind).or_default();
+        list.extend(
+            e["hashes"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|h| h.as_u64()),
+        );
+    }
+    let of = |ty: &str, medium: &str| {
+        let mut v = hashes
+            .get(&(format!("\"{ty}\""), format!("\"{medium}\"")))
+            .cloned()
+            .unwrap_or_default();
+        v.sort_unstable();
+        v
+    };
+    let counts: Vec<_> = hashes.iter().map(|(k, v)| (k, v.len())).collect();
+    assert_eq!(
+        of("BlockStored", "MEMORY"),
+        (0..KEYS as u64).collect::<Vec<_>>(),
+        "each key's put, once: {counts:?}"
+    );
+    let on_disk = of("BlockStored", "LOCAL_DISK");
+    assert_eq!(
+        on_disk.len() as f64,
+        metric_value(&m, "moongate_offload_keys_total"),
+        "one LOCAL_DISK store per offloaded key: {counts:?}"
+    );
+    assert!(on_disk.windows(2).all(|w| w[0] < w[1]), "{on_disk:?}");
+    let cleared = metric_value(
+        &m,
+        "moongate_eviction_keys_total{result=\"memory_cleared\"}",
+    );
+    let removed = of("BlockRemoved", "MEMORY");
+    assert!(
+        removed.windows(2).all(|w| w[0] < w[1]),
+        "once per key: {removed:?}"
+    );
+    let (from_disk_keys, gone): (Vec<u64>, Vec<u64>) = removed
+        .iter()
+        .partition(|h| on_disk.binary_search(h).is_ok());
+    assert_eq!(
+        from_disk_keys.len() as f64,
+        cleared,
+        "memory copies moongate cleared: {counts:?}"
+    );
+    assert_eq!(
+        gone.len() as f64,
+        read["missing"].as_f64().unwrap(),
+        "keys the master evicted (no SSD copy): {gone:?} {read}"
+    );
+    assert!(
+        hashes
+            .keys()
+            .all(|(ty, medium)| ty != "\"BlockRemoved\"" || medium == "\"MEMORY\""),
+        "no SSD copy removed: {counts:?}"
+    );
 }
 
 /// The same on every older release with offload (0.3.11.post1, 0.3.12.post1: their
@@ -240,14 +339,14 @@ fn served_tiers_offload_an_ssd_eviction_keeps_and_ranks_in_arms() {
 fn served_tiers_offload_and_an_ssd_eviction_keeps_on_older_releases() {
     for name in ["0.3.11.post1", "0.3.12.post1"] {
         let t = Topology::start_on(Some(Release::older(name)), TWO_ARMS);
-        let reader = served_offload_and_eviction(&t);
+        let (reader, _) = served_offload_and_eviction(&t);
         let _ = reader.finish();
     }
 }
 
 /// Writes, reads with vLLM's tier log, and checks served tiers, offload and eviction;
-/// returns the reader (a requester-only rank) for more.
-fn served_offload_and_eviction(t: &Topology) -> Background {
+/// returns the reader (a requester-only rank) for more, and what its read found.
+fn served_offload_and_eviction(t: &Topology) -> (Background, serde_json::Value) {
     t.write();
 
     // vLLM's load with its tier log on: per batch, a replica lookup, then the reads.
@@ -312,7 +411,7 @@ fn served_offload_and_eviction(t: &Topology) -> Background {
          {failed} offloads failed"
     );
 
-    reader
+    (reader, r)
 }
 
 /// Ranks in arms (the reader and more requester-only ranks), and a dummy of the owner.

@@ -184,7 +184,8 @@ def main():
     p.add_argument("--metadata", default="")
     p.add_argument("--owner", default="")
     p.add_argument("--out", required=True)
-    p.add_argument("--prefix", default="ot")
+    # `PREFIX/blk/N`: the default policy names such keys as blocks for KV events.
+    p.add_argument("--prefix", default="ot/blk")
     p.add_argument("--keys", type=int, default=200)
     p.add_argument("--first", type=int, default=0)
     p.add_argument("--size", type=int, default=1 << 20)
