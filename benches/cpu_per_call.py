@@ -55,11 +55,16 @@ def role_client(a):
     print("ready", flush=True)
     sys.stdin.readline()
     n = a.calls
+    only = a.only
     for i in range(n):
-        s.is_exist(keys[i % 64])
-        s.batch_is_exist(keys)
-        s.get_replica_desc(keys[i % 64])
-        assert s.put(f"cpu/{a.tag}/p{i}", b"x" * 4096) == 0
+        if only in ("", "is_exist"):
+            s.is_exist(keys[i % 64])
+        if only in ("", "batch_is_exist"):
+            s.batch_is_exist(keys)
+        if only in ("", "get_replica_desc"):
+            s.get_replica_desc(keys[i % 64])
+        if only in ("", "put"):
+            assert s.put(f"cpu/{a.tag}/p{i}", b"x" * 4096) == 0
         if a.misses:
             s.is_exist(f"cpu/{a.tag}/absent{i}")
     print("done", flush=True)
@@ -67,7 +72,7 @@ def role_client(a):
     s.close()
 
 
-def measure(binary, label, rpc, metadata, calls, work, extra_config="", misses=False):
+def measure(binary, label, rpc, metadata, calls, work, extra_config="", misses=False, only=""):
     listen, admin = free_port(), free_port()
     out = os.path.join(work, f"callgrind.{label}")
     # The pooling allocator reserves address space per plugin instance slot; valgrind
@@ -87,7 +92,7 @@ def measure(binary, label, rpc, metadata, calls, work, extra_config="", misses=F
         client = subprocess.Popen(
             [sys.executable, __file__, "--role", "client", "--master", f"127.0.0.1:{listen}",
              "--metadata", metadata, "--calls", str(calls), "--tag", label]
-            + (["--misses"] if misses else []),
+            + (["--misses"] if misses else []) + (["--only", only] if only else []),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             stderr=open(os.path.join(work, f"client-{label}.log"), "w"))
         assert client.stdout.readline().strip() == "ready"
@@ -136,6 +141,10 @@ def main():
                         "baseline is this build with this config (a config A/B)")
     p.add_argument("--misses", action="store_true",
                    help="one ExistKey of an absent key per round as well")
+    p.add_argument("--only", default="", choices=["", "is_exist", "batch_is_exist",
+                                                   "get_replica_desc", "put"],
+                   help="run one operation per round instead of the mix (a put is two "
+                        "calls: PutStart, PutEnd), to price one call type")
     p.add_argument("--max-per-call", type=float, default=0,
                    help="fail (exit 1) when this build's instructions per call exceed it")
     a = p.parse_args()
@@ -156,15 +165,18 @@ def main():
                          else a.extra_config))
         for label, binary, extra in runs:
             results[label] = measure(binary, label, rpc, metadata, a.calls, work, extra,
-                                     a.misses)
+                                     a.misses, a.only)
             print(f"{label} done", file=sys.stderr, flush=True)
     finally:
         stop_all([master])
     # Each round: ExistKey, BatchExistKey(64), GetReplicaList, PutStart, PutEnd (and an
     # ExistKey that misses).
-    calls = a.calls * (6 if a.misses else 5)
+    per_round = {"": 5, "put": 2}.get(a.only, 1) + (1 if a.misses else 0)
+    calls = a.calls * per_round
+    what = {"": "ExistKey, BatchExistKey x64, GetReplicaList, PutStart, PutEnd",
+            "put": "PutStart, PutEnd"}.get(a.only, a.only)
     print(f"\ninstructions moongate executed while {calls} master-face calls went through "
-          f"({a.calls} rounds of ExistKey, BatchExistKey x64, GetReplicaList, PutStart, PutEnd)")
+          f"({a.calls} rounds of {what})")
     print(f"{'build':<10} {'instructions':>14} {'per call':>10}")
     for label, total in results.items():
         print(f"{label:<10} {total:>14} {total / calls:>10.0f}")

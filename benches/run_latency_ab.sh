@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Builds moongate, the bare relay and the paired-latency tool in release mode and runs
+# benches/latency_ab.py: the master face's added latency over a bare relay, call by call.
+# Not part of CI (release builds take minutes; CI counts instructions instead). Extra args
+# go to the script, e.g. `--baseline /tmp/moongate-old --calls 4000 --repeat 3`.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+bash scripts/bootstrap.sh
+cargo build --release --locked --bin moongate --example bare_relay --example latency_ab
+py=${MOONGATE_PYTHON:-$root/.venv/bin/python}
+exec "$py" benches/latency_ab.py --moongate target/release/moongate \
+    --relay target/release/examples/bare_relay --tool target/release/examples/latency_ab "$@"
