@@ -30,6 +30,8 @@ pub struct MasterFaceConfig {
     /// Time allowed to open the upstream connection for a new client connection.
     pub connect_timeout_ms: u64,
     /// Close a connection after this long without a byte in either direction; 0 = never.
+    /// Checked every quarter of it (the request path sets a flag, reads no clock), so an
+    /// idle connection closes within 1.25 x this.
     pub idle_timeout_ms: u64,
     /// Close a client connection (and its upstream one) when a call forwarded to the
     /// master has waited this long for its answer; 0 = never. Default 10 s: the master

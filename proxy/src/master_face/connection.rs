@@ -14,7 +14,7 @@
 //! Both halves read whatever is available and forward all complete frames in one write,
 //! so pipelined requests stay pipelined.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -73,20 +73,19 @@ enum End {
     Draining,
 }
 
-/// Milliseconds since the connection started at which a byte last moved.
+/// Whether a byte moved since the idle watch last looked: a flag set per read, so the
+/// request path reads no clock for it.
+#[derive(Default)]
 struct Activity {
-    start: Instant,
-    last_ms: AtomicU64,
+    moved: AtomicBool,
 }
 
 impl Activity {
     fn touch(&self) {
-        self.last_ms
-            .store(self.start.elapsed().as_millis() as u64, Ordering::Relaxed);
+        self.moved.store(true, Ordering::Relaxed);
     }
-    fn idle_for(&self) -> Duration {
-        let now = self.start.elapsed().as_millis() as u64;
-        Duration::from_millis(now.saturating_sub(self.last_ms.load(Ordering::Relaxed)))
+    fn take(&self) -> bool {
+        self.moved.swap(false, Ordering::Relaxed)
     }
 }
 
@@ -169,41 +168,62 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
     let who = identify(&client, peer, &shared).await;
     let (cr, cw) = client.into_split();
     let (ur, uw) = upstream.into_split();
-    let shell = Shell {
+    let shell = Arc::new(Shell {
         session: Mutex::new(Session::new(shared.clone(), who.0.clone())),
         room: Notify::new(),
         local: Notify::new(),
-    };
-    let activity = Activity {
-        start: Instant::now(),
-        last_ms: AtomicU64::new(0),
-    };
+    });
+    let activity = Arc::new(Activity::default());
     let client_done = CancellationToken::new();
+
+    // The watches run in their own task: they wake on their timers, not on every
+    // chunk of traffic (polled beside the halves, they cost a timer and a watch check
+    // per wake-up of the connection).
+    let (watch_tx, watch_rx) = tokio::sync::oneshot::channel();
+    let watches = {
+        let (shell, activity) = (shell.clone(), activity.clone());
+        let (idle_limit, answer_limit) = (cfg.idle_timeout(), cfg.answer_timeout());
+        let addr = addr.clone();
+        tokio::spawn(async move {
+            let end = tokio::select! {
+                e = idle_watch(&activity, idle_limit) => e,
+                e = answer_watch(&shell, answer_limit) => e,
+                // A new leader: no new call may go to the old one. The client reconnects
+                // through moongate and reaches the new leader (and remounts, as it would
+                // directly).
+                e = async {
+                    loop {
+                        leader.changed().await;
+                        if leader.addr().as_deref() != Some(addr.as_str()) {
+                            return End::LeaderChanged;
+                        }
+                    }
+                } => e,
+            };
+            let _ = watch_tx.send(end);
+        })
+    };
+    let _stop_watches = AbortOnDrop(watches);
+    let watched = async {
+        match watch_rx.await {
+            Ok(e) => e,
+            // The task ended without a word (it cannot, short of a panic): keep serving.
+            Err(_) => std::future::pending().await,
+        }
+    };
 
     let c2s = async {
         let _done = client_done.clone().drop_guard();
         client_to_master(cr, uw, &shell, &shared, &activity).await
     };
     let s2c = master_to_client(ur, cw, &shell, &shared, &activity, &client_done);
-    let idle = idle_watch(&activity, cfg.idle_timeout());
-    let silent = answer_watch(&shell, cfg.answer_timeout());
-    // A new leader: no new call may go to the old one. The client reconnects through
-    // moongate and reaches the new leader (and remounts, as it would directly).
-    let moved = async {
-        loop {
-            leader.changed().await;
-            if leader.addr().as_deref() != Some(addr.as_str()) {
-                return End::LeaderChanged;
-            }
-        }
-    };
-    tokio::pin!(c2s, s2c, idle, silent, moved);
+    tokio::pin!(c2s, s2c, watched);
 
     let end = tokio::select! {
         e = &mut c2s => match e {
             // Shutdown: answers of forwarded calls still reach the client; the server
             // bounds the whole drain by the grace period.
-            End::Draining => tokio::select! { e = &mut s2c => e, e = &mut idle => e },
+            End::Draining => tokio::select! { e = &mut s2c => e, e = &mut watched => e },
             // Like the master, answer what came before the bad frame, then close.
             End::ClientFrame(err) => {
                 let _ = tokio::time::timeout(ANSWER_BEFORE_CLOSE, &mut s2c).await;
@@ -212,9 +232,7 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
             e => e,
         },
         e = &mut s2c => e,
-        e = &mut idle => e,
-        e = &mut silent => e,
-        e = &mut moved => e,
+        e = &mut watched => e,
     };
     shared.metrics.upstream_connections_open.dec();
     shared.metrics.closed(end.reason());
@@ -282,16 +300,33 @@ async fn answer_watch(shell: &Shell, limit: Option<Duration>) -> End {
     }
 }
 
+/// Ends the connection once no byte moved for `limit`: looks every quarter of it, so
+/// an idle connection closes between `limit` and 1.25 x `limit`.
 async fn idle_watch(activity: &Activity, limit: Option<Duration>) -> End {
     let Some(limit) = limit else {
         return std::future::pending().await;
     };
+    let tick = (limit / 4).max(Duration::from_millis(1));
+    let mut quiet = Duration::ZERO;
     loop {
-        let idle = activity.idle_for();
-        if idle >= limit {
-            return End::Idle(idle);
+        tokio::time::sleep(tick).await;
+        if activity.take() {
+            quiet = Duration::ZERO;
+        } else {
+            quiet += tick;
+            if quiet >= limit {
+                return End::Idle(quiet);
+            }
         }
-        tokio::time::sleep(limit - idle).await;
+    }
+}
+
+/// Aborts a task when dropped (the connection's watches end with it).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
@@ -304,10 +339,13 @@ async fn client_to_master(
 ) -> End {
     let cfg = &shared.cfg;
     let mut buf = BytesMut::with_capacity(READ_CHUNK);
+    // Made once: a fresh future per read would register and unregister a waiter each time.
+    let shutdown = shared.shutdown.cancelled();
+    tokio::pin!(shutdown);
     loop {
         let n = tokio::select! {
             biased;
-            _ = shared.shutdown.cancelled() => return End::Draining,
+            _ = &mut shutdown => return End::Draining,
             r = cr.read_buf(&mut buf) => match r {
                 Ok(0) => return End::ClientClosed,
                 Ok(n) => n,
@@ -387,6 +425,10 @@ async fn master_to_client(
     let cfg = &shared.cfg;
     let mut buf = BytesMut::with_capacity(READ_CHUNK);
     let mut client_gone = false;
+    // Made once, re-armed only after they fire (see `client_to_master`).
+    let gone = client_done.cancelled();
+    let local = shell.local.notified();
+    tokio::pin!(gone, local);
     loop {
         let (out, pending) = {
             let mut s = shell.lock();
@@ -400,11 +442,14 @@ async fn master_to_client(
             return End::Drained;
         }
         tokio::select! {
-            _ = client_done.cancelled(), if !client_gone => {
+            _ = &mut gone, if !client_gone => {
                 client_gone = true;
                 continue;
             }
-            _ = shell.local.notified() => continue,
+            _ = &mut local => {
+                local.set(shell.local.notified());
+                continue;
+            }
             r = ur.read_buf(&mut buf) => match r {
                 Ok(0) => {
                     let pending = shell.lock().in_flight();
@@ -458,6 +503,7 @@ mod tests {
     use crate::policy::Policy;
     use crate::policy::fake::Fake;
     use crate::policy::registry::Registry;
+    use std::sync::atomic::AtomicU64;
     use tokio::net::TcpListener;
 
     fn exist(seq: u32) -> BytesMut {
