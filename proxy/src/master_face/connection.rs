@@ -216,7 +216,20 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
         let _done = client_done.clone().drop_guard();
         client_to_master(cr, uw, &shell, &shared, &activity).await
     };
-    let s2c = master_to_client(ur, cw, &shell, &shared, &activity, &client_done);
+    // The master half is its own task: an answer wakes only it, a request only the
+    // client half (one task polled both halves and their futures on every wake-up).
+    let s2c = AbortOnDrop(tokio::spawn({
+        let (shell, shared, activity) = (shell.clone(), shared.clone(), activity.clone());
+        let client_done = client_done.clone();
+        async move { master_to_client(ur, cw, &shell, &shared, &activity, &client_done).await }
+    }));
+    let s2c = async {
+        let mut s2c = s2c;
+        match (&mut s2c.0).await {
+            Ok(e) => e,
+            Err(e) => End::UpstreamIo(std::io::Error::other(format!("master half ended: {e}"))),
+        }
+    };
     tokio::pin!(c2s, s2c, watched);
 
     let end = tokio::select! {
@@ -321,10 +334,10 @@ async fn idle_watch(activity: &Activity, limit: Option<Duration>) -> End {
     }
 }
 
-/// Aborts a task when dropped (the connection's watches end with it).
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
+/// Aborts a task when dropped (the connection's watches and master half end with it).
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
 
-impl Drop for AbortOnDrop {
+impl<T> Drop for AbortOnDrop<T> {
     fn drop(&mut self) {
         self.0.abort();
     }
