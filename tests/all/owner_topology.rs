@@ -258,38 +258,9 @@ fn served_tiers_offload_an_ssd_eviction_keeps_and_ranks_in_arms() {
 /// (its put), stored on the SSD once per offload that landed, removed from memory once:
 /// each copy moongate cleared (keys on the SSD), each key the master evicted with no SSD
 /// copy (the reader's missing keys); no key removed from the SSD.
-fn tier_events(t: &Topology, mut sub: Background, read: &serde_json::Value) {
-    crate::kv_events::wait_published(&t.mg);
-    let m = t.mg.metrics();
-    let batches = metric_value(&m, "moongate_events_batches_total");
-    sub.step(&format!("finish {batches}"));
-    let got: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&sub.out).unwrap()).unwrap();
-    let mut hashes: std::collections::BTreeMap<(String, String), Vec<u64>> = Default::default();
-    for e in got["batches"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|b| b["events"].as_array().unwrap())
-    {
-        let kind = (e["type"].to_string(), e["medium"].to_string());
-        let list = hashes.entry(kind).or_default();
-        list.extend(
-            e["hashes"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|h| h.as_u64()),
-        );
-    }
-    let of = |ty: &str, medium: &str| {
-        let mut v = hashes
-            .get(&(format!("\"{ty}\""), format!("\"{medium}\"")))
-            .cloned()
-            .unwrap_or_default();
-        v.sort_unstable();
-        v
-    };
+fn tier_events(t: &Topology, sub: Background, read: &serde_json::Value) {
+    let (m, hashes) = received(t, sub);
+    let of = |ty: &str, medium: &str| of(&hashes, ty, medium);
     let counts: Vec<_> = hashes.iter().map(|(k, v)| (k, v.len())).collect();
     assert_eq!(
         of("BlockStored", "MEMORY"),
@@ -412,6 +383,108 @@ fn served_offload_and_eviction(t: &Topology) -> (Background, serde_json::Value) 
     );
 
     (reader, r)
+}
+
+/// Hashes of the events a subscriber received, by (type, medium) as JSON strings, and
+/// moongate's metrics once every change was published.
+type Received = std::collections::BTreeMap<(String, String), Vec<u64>>;
+
+fn received(t: &Topology, mut sub: Background) -> (String, Received) {
+    crate::kv_events::wait_published(&t.mg);
+    let m = t.mg.metrics();
+    let batches = metric_value(&m, "moongate_events_batches_total");
+    sub.step(&format!("finish {batches}"));
+    let got: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&sub.out).unwrap()).unwrap();
+    let mut hashes = Received::new();
+    for e in got["batches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|b| b["events"].as_array().unwrap())
+    {
+        let kind = (e["type"].to_string(), e["medium"].to_string());
+        let list = hashes.entry(kind).or_default();
+        list.extend(
+            e["hashes"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|h| h.as_u64()),
+        );
+    }
+    (m, hashes)
+}
+
+/// The hashes of one type and medium, sorted.
+fn of(hashes: &Received, ty: &str, medium: &str) -> Vec<u64> {
+    let mut v = hashes
+        .get(&(format!("\"{ty}\""), format!("\"{medium}\"")))
+        .cloned()
+        .unwrap_or_default();
+    v.sort_unstable();
+    v
+}
+
+/// A plugin with `evict-tiered` (WIT 0.1.2) chooses per victim: the lru plugin with
+/// `whole_key_after_ms = 0` drops the whole key of every victim, so moongate removes keys,
+/// SSD copies included, and clears no memory copy alone; the events say both media went,
+/// and the keys removed read as missing, the others byte for byte.
+#[test]
+fn a_tiered_plugin_may_drop_the_whole_key_ssd_copy_included() {
+    let t = Topology::start(&format!(
+        "[policy]\nactive = \"lru\"\n[[policy.plugins]]\nname = \"lru\"\npath = \"{}\"\n\
+         config = '{{\"whole_key_after_ms\": 0}}'\n{EVENTS}",
+        plugin_path("lru").display()
+    ));
+    let sub = t.subscriber();
+    t.write();
+    wait_for(
+        "a whole key removed",
+        Duration::from_secs(60),
+        &t.logs(),
+        || {
+            t.mg.metric("moongate_eviction_keys_total{result=\"removed\"}") > 0.0
+        },
+    );
+    let mut reader = t.reader();
+    let r = ask(&mut reader, &format!("read 0 {KEYS} 16"));
+    let _ = reader.finish();
+    let (m, hashes) = received(&t, sub);
+    let removed = metric_value(&m, "moongate_eviction_keys_total{result=\"removed\"}");
+    let not_found = metric_value(&m, "moongate_eviction_keys_total{result=\"not_found\"}");
+    assert_eq!(
+        metric_value(
+            &m,
+            "moongate_eviction_keys_total{result=\"memory_cleared\"}"
+        ),
+        0.0,
+        "no victim kept its SSD copy"
+    );
+    assert_eq!(r["corrupt"], 0, "{r}");
+    assert!(
+        r["missing"].as_f64().unwrap() >= removed,
+        "every key removed is gone: {r}, {removed} removed"
+    );
+    assert_eq!(
+        r["exact"].as_f64().unwrap() + r["missing"].as_f64().unwrap(),
+        KEYS as f64,
+        "{r}"
+    );
+    let counts: Vec<_> = hashes.iter().map(|(k, v)| (k, v.len())).collect();
+    let disk_gone = of(&hashes, "BlockRemoved", "LOCAL_DISK");
+    assert_eq!(
+        disk_gone.len() as f64,
+        removed + not_found,
+        "an SSD copy announced gone per key removed: {counts:?}"
+    );
+    let memory_gone = of(&hashes, "BlockRemoved", "MEMORY");
+    assert!(
+        disk_gone
+            .iter()
+            .all(|h| memory_gone.binary_search(h).is_ok()),
+        "a key removed loses its memory copy too: {counts:?}"
+    );
 }
 
 /// Ranks in arms (the reader and more requester-only ranks), and a dummy of the owner.

@@ -402,6 +402,58 @@ fn a_plugin_built_for_wit_0_1_0_still_loads() {
     assert_eq!(got, [(1, None), (2, Some(1))]);
 }
 
+/// The contract grew again (`evict-tiered`, WIT 0.1.2): a component built for 0.1.1
+/// (`proxy/tests/fixtures/plugins`) loads and names blocks, has no tiered eviction (its
+/// victims lose their memory copies only); the lru plugin built today chooses per tier
+/// from its config: cold victims on an SSD lose the whole key.
+#[test]
+fn a_plugin_built_for_wit_0_1_1_still_loads_and_tiers_are_chosen_today() {
+    let e = engine();
+    let old = std::fs::read(
+        crate::support::repo_root().join("proxy/tests/fixtures/plugins/lru-wit-0.1.1.wasm"),
+    )
+    .unwrap();
+    let p = e.load("lru-0.1.1", &old, b"", None).unwrap();
+    let keys = wit::PackedKeys {
+        bytes: b"a/blk/1a/blk/2".to_vec(),
+        ends: vec![7, 14],
+    };
+    let call = wit::TieredEvictCall {
+        call: wit::EvictCall {
+            keys: keys.clone(),
+            sizes: vec![10, 10],
+            tiers: vec![wit::Tier::Memory, wit::Tier::Memory],
+            age_ms: vec![5, 500],
+            hits: vec![0, 0],
+            bytes_needed: 20,
+        },
+        on_disk: vec![true, true],
+    };
+    assert!(p.block_keys(&keys).unwrap().is_some(), "0.1.1 names blocks");
+    assert!(p.evict_tiered(&call).unwrap().is_none());
+    assert_eq!(p.evict(&call.call).unwrap(), [1, 0]);
+
+    let scopes = |config: &str| -> Vec<(u32, bool)> {
+        let new = load(&e, "lru", config).unwrap();
+        new.evict_tiered(&call)
+            .unwrap()
+            .expect("built for 0.1.2")
+            .iter()
+            .map(|v| (v.index, v.scope == wit::EvictScope::All))
+            .collect()
+    };
+    assert_eq!(scopes(""), [(1, false), (0, false)], "memory copies only");
+    assert_eq!(
+        scopes(r#"{"whole_key_after_ms": 100}"#),
+        [(1, true), (0, false)],
+        "the cold victim loses its SSD copy too"
+    );
+    assert!(
+        load(&e, "lru", r#"{"whole_key_after": 1}"#).is_err(),
+        "an unknown config key is refused"
+    );
+}
+
 /// CPU time this thread has used (CLOCK_THREAD_CPUTIME_ID): unlike the wall clock, it
 /// does not grow while other work holds the machine's cores.
 fn thread_cpu() -> Duration {

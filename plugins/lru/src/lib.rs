@@ -2,20 +2,42 @@
 //! bytes needed are covered; lookups offer memory replicas before other tiers. Puts are
 //! admitted unchanged, after counting keys and bytes into plugin metrics: the example of
 //! a plugin that registers its own metrics, and the guest the host benchmarks use.
+//!
+//! With an SSD tier (the owner topology), victims lose their memory copy and keep the one
+//! on the SSD; config (JSON, optional) `{"whole_key_after_ms": N}` drops the whole key,
+//! the SSD copy too, of a victim not read for N ms: cold keys give their SSD room back.
 
 use moongate_policy_sdk::*;
+use serde::Deserialize;
 
 struct Lru {
     keys: u32,
     bytes: u32,
+    /// Victims this cold (ms since last read) lose their SSD copy too.
+    whole_key_after_ms: Option<u64>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct Config {
+    whole_key_after_ms: Option<u64>,
 }
 
 impl Policy for Lru {
-    fn new(_config: &[u8]) -> Result<(Self, Interest), String> {
+    fn new(config: &[u8]) -> Result<(Self, Interest), String> {
+        let cfg: Config = if config.is_empty() {
+            Config::default()
+        } else {
+            serde_json::from_slice(config).map_err(|e| format!("lru config: {e}"))?
+        };
         let keys = host::register_counter("put_keys", "keys seen in puts")?;
         let bytes = host::register_counter("put_bytes", "value bytes seen in puts")?;
         Ok((
-            Lru { keys, bytes },
+            Lru {
+                keys,
+                bytes,
+                whole_key_after_ms: cfg.whole_key_after_ms,
+            },
             Interest::PUT | Interest::LOOKUP | Interest::EVICT | Interest::OBSERVE,
         ))
     }
@@ -61,6 +83,26 @@ impl Policy for Lru {
         }
         victims
     }
+
+    fn evict_tiered(&mut self, call: TieredEvictCall) -> Vec<Victim> {
+        let TieredEvictCall { call, on_disk } = call;
+        let ages = call.age_ms.clone();
+        let after = self.whole_key_after_ms;
+        let cold =
+            |i: usize| after.is_some_and(|after| on_disk.get(i) == Some(&true) && ages[i] >= after);
+        let victims = self.evict(call);
+        victims
+            .into_iter()
+            .map(|index| Victim {
+                index,
+                scope: if cold(index as usize) {
+                    EvictScope::All
+                } else {
+                    EvictScope::Memory
+                },
+            })
+            .collect()
+    }
 }
 
 export_policy!(Lru);
@@ -70,7 +112,41 @@ mod tests {
     use super::*;
 
     fn lru() -> Lru {
-        Lru { keys: 0, bytes: 0 }
+        Lru {
+            keys: 0,
+            bytes: 0,
+            whole_key_after_ms: None,
+        }
+    }
+
+    #[test]
+    fn cold_victims_on_an_ssd_lose_the_whole_key_others_their_memory_copy() {
+        let call = || TieredEvictCall {
+            call: EvictCall {
+                keys: PackedKeys::from_keys(&["a", "b", "c"]),
+                sizes: vec![10, 10, 10],
+                tiers: vec![Tier::Memory; 3],
+                age_ms: vec![500, 90, 800],
+                hits: vec![0; 3],
+                bytes_needed: 30,
+            },
+            on_disk: vec![true, true, false],
+        };
+        let scopes = |mut p: Lru| {
+            let mut v: Vec<(u32, bool)> = p
+                .evict_tiered(call())
+                .into_iter()
+                .map(|v| (v.index, matches!(v.scope, EvictScope::All)))
+                .collect();
+            v.sort();
+            v
+        };
+        // Default: memory copies only.
+        assert_eq!(scopes(lru()), [(0, false), (1, false), (2, false)]);
+        // Cold (>= 100 ms) and on the SSD: the whole key; `c` has no SSD copy to drop.
+        let mut p = lru();
+        p.whole_key_after_ms = Some(100);
+        assert_eq!(scopes(p), [(0, true), (1, false), (2, false)]);
     }
 
     #[test]

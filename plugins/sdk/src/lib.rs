@@ -25,7 +25,7 @@
 pub mod bindings {
     wit_bindgen::generate!({
         path: "../../wit",
-        world: "policy-with-blocks",
+        world: "policy-with-tiers",
         pub_export_macro: true,
         default_bindings_module: "moongate_policy_sdk::bindings",
     });
@@ -33,8 +33,9 @@ pub mod bindings {
 
 pub use bindings::moongate::policy::host;
 pub use bindings::moongate::policy::types::{
-    Admission, BlockRef, BudgetState, EvictCall, Interest, LookupCall, Observation, PackedKeys,
-    PutCall, PutDecision, PutKind, ReplicateConfig, SoftPinAction, SplitCall, Tier,
+    Admission, BlockRef, BudgetState, EvictCall, EvictScope, Interest, LookupCall, Observation,
+    PackedKeys, PutCall, PutDecision, PutKind, ReplicateConfig, SoftPinAction, SplitCall, Tier,
+    TieredEvictCall, Victim,
 };
 
 /// A policy. One value lives per plugin instance; moongate calls the hooks named in the
@@ -61,6 +62,20 @@ pub trait Policy: Sized + 'static {
     /// Eviction victims (indexes into the candidates). Default: none.
     fn evict(&mut self, _call: EvictCall) -> Vec<u32> {
         Vec::new()
+    }
+
+    /// Eviction victims with an SSD tier (the owner topology): per victim, whether only
+    /// its memory copy goes (the SSD copy keeps serving reads) or the whole key.
+    /// `call.on_disk[i]` says whether candidate `i` has a copy on an SSD. Default: the
+    /// victims [`Policy::evict`] picks, memory copies only.
+    fn evict_tiered(&mut self, call: TieredEvictCall) -> Vec<Victim> {
+        self.evict(call.call)
+            .into_iter()
+            .map(|index| Victim {
+                index,
+                scope: EvictScope::Memory,
+            })
+            .collect()
     }
 
     /// Outcome and latency of a call. Default: ignored.
@@ -244,6 +259,9 @@ macro_rules! export_policy {
                 }
                 fn block_keys(keys: $crate::PackedKeys) -> Vec<Option<$crate::BlockRef>> {
                     with(|p| p.block_keys(keys))
+                }
+                fn evict_tiered(call: $crate::TieredEvictCall) -> Vec<$crate::Victim> {
+                    with(|p| p.evict_tiered(call))
                 }
             }
             $crate::bindings::export!(Export with_types_in $crate::bindings);

@@ -432,7 +432,7 @@ impl Eviction {
         // OBJECT_HAS_LEASE), so a probe would block the removal it prepares. A victim
         // that is already gone answers OBJECT_NOT_FOUND and is forgotten.
         let set = policy.current();
-        let mut victims = self.choose(cands, need, policy);
+        let mut victims = self.choose(cands, need, policy, topo.is_some());
         if enforce {
             top_up(
                 &mut victims,
@@ -450,10 +450,34 @@ impl Eviction {
         if victims.is_empty() {
             return Ok(());
         }
-        let chosen: Vec<(Bytes, Entry)> = victims.into_iter().map(|i| cands[i].clone()).collect();
-        if let Some(topo) = topo {
-            return self.clear_memory(c, &chosen, &set, topo).await;
+        let Some(topo) = topo else {
+            let chosen: Vec<(Bytes, Entry)> =
+                victims.into_iter().map(|(i, _)| cands[i].clone()).collect();
+            return self.remove(c, &chosen, &set).await;
+        };
+        // With an SSD tier: the memory copy goes unless the plugin said the whole key.
+        let (whole, memory): (Vec<_>, Vec<_>) = victims
+            .into_iter()
+            .partition(|(_, scope)| *scope == wit::EvictScope::All);
+        let pick = |v: Vec<(usize, wit::EvictScope)>| -> Vec<(Bytes, Entry)> {
+            v.into_iter().map(|(i, _)| cands[i].clone()).collect()
+        };
+        if !whole.is_empty() {
+            self.remove(c, &pick(whole), &set).await?;
         }
+        if !memory.is_empty() {
+            self.clear_memory(c, &pick(memory), &set, topo).await?;
+        }
+        Ok(())
+    }
+
+    /// Removes the victims' keys (`Remove`, not forced): every copy goes, an SSD's too.
+    async fn remove(
+        &self,
+        c: &mut Conn,
+        chosen: &[(Bytes, Entry)],
+        set: &ActiveSet,
+    ) -> Result<(), crate::upstream::CallError> {
         let reqs: Vec<Request> = chosen
             .iter()
             .map(|(k, e)| {
@@ -466,6 +490,13 @@ impl Eviction {
             .collect();
         let mut removed = Vec::new();
         let mut gone = self.events.as_ref().map(|_| Changes::new(What::Removed));
+        // A key on an SSD loses both copies: one event per medium.
+        let announce = |c: &mut Changes, k: &Bytes, e: &Entry| {
+            c.push(e.arm, Some(e.tier), k);
+            if e.on_disk && e.tier != Tier::LocalDisk {
+                c.push(e.arm, Some(Tier::LocalDisk), k);
+            }
+        };
         for (chunk, entries) in reqs.chunks(CHUNK).zip(chosen.chunks(CHUNK)) {
             let answers = c
                 .call_all(chunk, self.call_timeout())
@@ -491,7 +522,7 @@ impl Eviction {
                         }
                         removed.push((e.tenant.clone(), k.clone()));
                         if let Some(c) = &mut gone {
-                            c.push(e.arm, Some(e.tier), k);
+                            announce(c, k, e);
                         }
                         Victim::Removed
                     }
@@ -500,7 +531,7 @@ impl Eviction {
                         // Already gone (the master evicted it): gone all the same.
                         removed.push((e.tenant.clone(), k.clone()));
                         if let Some(c) = &mut gone {
-                            c.push(e.arm, Some(e.tier), k);
+                            announce(c, k, e);
                         }
                         Victim::NotFound
                     }
@@ -512,7 +543,7 @@ impl Eviction {
                 self.metrics.victim(result);
             }
         }
-        tracing::debug!(need, removed = removed.len(), "eviction round");
+        tracing::debug!(removed = removed.len(), "eviction round");
         self.end_round(gone, &removed);
         Ok(())
     }
@@ -637,7 +668,13 @@ impl Eviction {
     }
 
     /// Victims (indexes into `cands`) covering `need` bytes, chosen by each arm's plugin.
-    fn choose(&self, cands: &[(Bytes, Entry)], need: u64, policy: &Registry) -> Vec<usize> {
+    fn choose(
+        &self,
+        cands: &[(Bytes, Entry)],
+        need: u64,
+        policy: &Registry,
+        tiered: bool,
+    ) -> Vec<(usize, wit::EvictScope)> {
         victims(
             policy,
             &policy.current(),
@@ -645,6 +682,7 @@ impl Eviction {
             need,
             self.now_ms(),
             self.cfg.max_removals_per_interval,
+            tiered,
         )
     }
 }
@@ -652,7 +690,10 @@ impl Eviction {
 /// Victims (indexes into `cands`, least recently used first) covering `need` bytes:
 /// each arm's plugin chooses among the keys its arm put, for its share of the bytes, at
 /// most `cap` in all. The live evictor and the simulator (`crate::sim`) both choose
-/// through here, so a plugin sees the same calls in both.
+/// through here, so a plugin sees the same calls in both. `tiered`: copies may sit on an
+/// owner's SSD (`Entry::on_disk`), and a plugin with `evict-tiered` says per victim
+/// whether its memory copy goes or the whole key; otherwise every victim's scope is
+/// `Memory` (on a key with no other copy, the same as the whole key).
 pub fn victims<K: AsRef<[u8]>>(
     policy: &Registry,
     set: &ActiveSet,
@@ -660,7 +701,8 @@ pub fn victims<K: AsRef<[u8]>>(
     need: u64,
     now: u64,
     cap: usize,
-) -> Vec<usize> {
+    tiered: bool,
+) -> Vec<(usize, wit::EvictScope)> {
     let arms = set.arms.len().max(1);
     let by_arm: Vec<Vec<usize>> = if arms == 1 {
         vec![(0..cands.len()).collect()]
@@ -702,18 +744,25 @@ pub fn victims<K: AsRef<[u8]>>(
             hits: idx.iter().map(|&i| cands[i].1.hits).collect(),
             bytes_needed: share,
         };
+        let on_disk: Option<Vec<bool>> =
+            tiered.then(|| idx.iter().map(|&i| cands[i].1.on_disk).collect());
         let picked = set
             .arms
             .get(a)
-            .and_then(|arm| policy.evict_victims(arm, &call))
-            .unwrap_or_else(|| lru(&call.sizes, share));
+            .and_then(|arm| policy.evict_victims(arm, &call, on_disk.as_deref()))
+            .unwrap_or_else(|| {
+                lru(&call.sizes, share)
+                    .into_iter()
+                    .map(|i| (i, wit::EvictScope::Memory))
+                    .collect()
+            });
         let mut seen = vec![false; idx.len()];
-        for p in picked {
+        for (p, scope) in picked {
             if victims.len() >= cap {
                 break;
             }
             if p < idx.len() && !std::mem::replace(&mut seen[p], true) {
-                victims.push(idx[p]);
+                victims.push((idx[p], scope));
             }
         }
     }
@@ -721,11 +770,16 @@ pub fn victims<K: AsRef<[u8]>>(
 }
 
 /// Adds least recently used candidates not already chosen until `victims` cover `need`
-/// bytes (or `cap` victims).
-fn top_up(victims: &mut Vec<usize>, cands: &[(Bytes, Entry)], need: u64, cap: usize) {
+/// bytes (or `cap` victims); they lose their memory copy.
+fn top_up(
+    victims: &mut Vec<(usize, wit::EvictScope)>,
+    cands: &[(Bytes, Entry)],
+    need: u64,
+    cap: usize,
+) {
     let mut chosen = vec![false; cands.len()];
     let mut freed = 0u64;
-    for &v in victims.iter() {
+    for &(v, _) in victims.iter() {
         chosen[v] = true;
         freed = freed.saturating_add(cands[v].1.size);
     }
@@ -734,7 +788,7 @@ fn top_up(victims: &mut Vec<usize>, cands: &[(Bytes, Entry)], need: u64, cap: us
             break;
         }
         if !chosen[i] {
-            victims.push(i);
+            victims.push((i, wit::EvictScope::Memory));
             freed = freed.saturating_add(e.size);
         }
     }
@@ -826,19 +880,22 @@ mod tests {
             tries: 0,
         };
         let cands: Vec<(Bytes, Entry)> = (0..4).map(|_| (Bytes::new(), e(10))).collect();
-        let mut v = vec![2];
+        let m = |v: &[usize]| -> Vec<(usize, wit::EvictScope)> {
+            v.iter().map(|&i| (i, wit::EvictScope::Memory)).collect()
+        };
+        let mut v = m(&[2]);
         top_up(&mut v, &cands, 25, 100);
         assert_eq!(
             v,
-            [2, 0, 1],
+            m(&[2, 0, 1]),
             "the plugin's pick stays; the oldest others fill in"
         );
-        let mut v = vec![3, 2, 1];
+        let mut v = m(&[3, 2, 1]);
         top_up(&mut v, &cands, 25, 100);
-        assert_eq!(v, [3, 2, 1], "already covered");
+        assert_eq!(v, m(&[3, 2, 1]), "already covered");
         let mut v = vec![];
         top_up(&mut v, &cands, 1000, 2);
-        assert_eq!(v, [0, 1], "at most cap");
+        assert_eq!(v, m(&[0, 1]), "at most cap");
     }
 
     #[test]

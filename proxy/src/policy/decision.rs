@@ -241,18 +241,46 @@ impl Registry {
     /// Asks the arm's plugin for eviction victims among `call`'s candidates. `None` when
     /// the plugin has no `evict` hook or the call failed (either fail mode): the evictor
     /// then falls back to least recently used first.
-    pub fn evict_victims(&self, arm: &Arm, call: &wit::EvictCall) -> Option<Vec<usize>> {
+    pub fn evict_victims(
+        &self,
+        arm: &Arm,
+        call: &wit::EvictCall,
+        on_disk: Option<&[bool]>,
+    ) -> Option<Vec<(usize, wit::EvictScope)>> {
         if !arm.plugin.interest().contains(Interest::EVICT) {
             return None;
         }
         let started = Instant::now();
-        let result = arm.plugin.evict(call);
+        // With copies on an SSD, a plugin that has `evict-tiered` chooses per tier; any
+        // other loses victims' memory copies only.
+        let tiered = match on_disk {
+            Some(on_disk) => arm
+                .plugin
+                .evict_tiered(&wit::TieredEvictCall {
+                    call: call.clone(),
+                    on_disk: on_disk.to_vec(),
+                })
+                .transpose(),
+            None => None,
+        };
+        let result = match tiered {
+            Some(r) => r.map(|v| {
+                v.into_iter()
+                    .map(|v| (v.index as usize, v.scope))
+                    .collect::<Vec<_>>()
+            }),
+            None => arm.plugin.evict(call).map(|v| {
+                v.into_iter()
+                    .map(|i| (i as usize, wit::EvictScope::Memory))
+                    .collect()
+            }),
+        };
         arm.metrics
             .evict_latency
             .observe(started.elapsed().as_secs_f64());
         arm.metrics.evict_calls[result_index(&result)].inc();
         match result {
-            Ok(v) => Some(v.into_iter().map(|i| i as usize).collect()),
+            Ok(v) => Some(v),
             Err(e) => {
                 self.warn_failed(arm, "evict (least recently used victims instead)", &e);
                 None

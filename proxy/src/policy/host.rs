@@ -284,7 +284,9 @@ impl PolicyEngine {
         let mut linker: Linker<HostState> = Linker::new(&self.engine);
         Policy::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)
             .map_err(|e| LoadError::Link(format!("{e:#}")))?;
-        add_host_0_1_0(&mut linker).map_err(|e| LoadError::Link(format!("{e:#}")))?;
+        for older in ["0.1.0", "0.1.1"] {
+            add_host_as(&mut linker, older).map_err(|e| LoadError::Link(format!("{e:#}")))?;
+        }
         linker
             .define_unknown_imports_as_traps(&component)
             .map_err(|e| LoadError::Link(format!("{e:#}")))?;
@@ -292,10 +294,13 @@ impl PolicyEngine {
             .instantiate_pre(&component)
             .map_err(|e| LoadError::Link(format!("{e:#}")))?;
         let pre = PolicyPre::new(pre).map_err(|e| LoadError::Link(format!("{e:#}")))?;
-        // Optional since 0.1.1: looked up by name so that 0.1.0 components still load.
+        // Optional since 0.1.1 and 0.1.2: looked up by name so that older components
+        // still load.
         let block_keys = component.get_export_index(None, "block-keys");
+        let evict_tiered = component.get_export_index(None, "evict-tiered");
         let plugin = Arc::new(Plugin {
             block_keys,
+            evict_tiered,
             name: name.to_string(),
             sha256: sha,
             config: config.to_vec(),
@@ -318,13 +323,13 @@ impl PolicyEngine {
     }
 }
 
-/// The `host` interface once more under its 0.1.0 name, for components built before the
-/// contract grew to 0.1.1 (the interface itself did not change). wasmtime would match
-/// 0.1.0 to 0.1.1 by semver, but the trap stubs for unknown (WASI) imports are defined
+/// The `host` interface once more under an older version's name, for components built
+/// before the contract grew (the interface itself did not change). wasmtime would match
+/// 0.1.0 to 0.1.2 by semver, but the trap stubs for unknown (WASI) imports are defined
 /// by exact name first and would shadow that match.
-fn add_host_0_1_0(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
+fn add_host_as(linker: &mut Linker<HostState>, version: &str) -> wasmtime::Result<()> {
     use moongate::policy::host::{Host, Level};
-    let mut i = linker.instance("moongate:policy/host@0.1.0")?;
+    let mut i = linker.instance(&format!("moongate:policy/host@{version}"))?;
     i.func_wrap("log", |mut s, (level, message): (Level, String)| {
         Host::log(s.data_mut(), level, message);
         Ok(())
@@ -353,6 +358,8 @@ fn hex(b: &[u8]) -> String {
 
 /// The `block-keys` export's signature.
 type BlockKeysFn = TypedFunc<(wit::PackedKeys,), (Vec<Option<wit::BlockRef>>,)>;
+/// The `evict-tiered` export's signature.
+type EvictTieredFn = TypedFunc<(wit::TieredEvictCall,), (Vec<wit::Victim>,)>;
 
 struct Live {
     store: Store<HostState>,
@@ -360,6 +367,8 @@ struct Live {
     instance: Instance,
     /// Looked up on the first `block-keys` call of this instance.
     block_keys: Option<BlockKeysFn>,
+    /// Looked up on the first `evict-tiered` call of this instance.
+    evict_tiered: Option<EvictTieredFn>,
 }
 
 /// One loaded plugin generation: its compiled form and its single live instance.
@@ -374,6 +383,8 @@ pub struct Plugin {
     pre: PolicyPre<HostState>,
     /// The optional `block-keys` export (WIT 0.1.1), when the component has it.
     block_keys: Option<ComponentExportIndex>,
+    /// The optional `evict-tiered` export (WIT 0.1.2), when the component has it.
+    evict_tiered: Option<ComponentExportIndex>,
     interest: Mutex<Interest>,
     slot: Mutex<Option<Live>>,
     /// The load-time conformance calls run: they get the setup deadline.
@@ -449,6 +460,7 @@ impl Plugin {
             bindings,
             instance,
             block_keys: None,
+            evict_tiered: None,
         });
         Ok(interest)
     }
@@ -588,6 +600,35 @@ impl Plugin {
         Ok(Some(d))
     }
 
+    /// Victims chosen per tier (`evict-tiered`), or `None` when the component has no such
+    /// export (built for WIT 0.1.0 or 0.1.1).
+    pub fn evict_tiered(
+        &self,
+        call: &wit::TieredEvictCall,
+    ) -> Result<Option<Vec<wit::Victim>>, CallError> {
+        let Some(index) = self.evict_tiered else {
+            return Ok(None);
+        };
+        let d = self.with_live(|live| {
+            let f = match live.evict_tiered {
+                Some(f) => f,
+                None => {
+                    let f: EvictTieredFn = live.instance.get_typed_func(&mut live.store, index)?;
+                    live.evict_tiered = Some(f);
+                    f
+                }
+            };
+            // By value: the candidates are copied once per eviction round, off the
+            // request path.
+            let (out,) = f.call(&mut live.store, (call.clone(),))?;
+            Ok(out)
+        })?;
+        if d.iter().any(|v| v.index as usize >= call.on_disk.len()) {
+            return Err(CallError::Invalid("victim index out of range".into()));
+        }
+        Ok(Some(d))
+    }
+
     /// Conformance: one call of each hook the plugin asked for, on small synthetic input.
     fn conformance(&self) -> Result<(), LoadError> {
         let interest = self.interest();
@@ -650,6 +691,17 @@ impl Plugin {
                 hits: vec![1, 0],
                 bytes_needed: 4096,
             };
+            if self.evict_tiered.is_some() {
+                let call = wit::TieredEvictCall {
+                    call: call.clone(),
+                    on_disk: vec![true, false],
+                };
+                self.evict_tiered(&call)
+                    .map_err(|error| LoadError::Conformance {
+                        call: "evict-tiered",
+                        error,
+                    })?;
+            }
             self.evict(&call).map_err(|error| LoadError::Conformance {
                 call: "evict",
                 error,
@@ -689,6 +741,12 @@ impl super::Policy for Plugin {
         keys: &wit::PackedKeys,
     ) -> Result<Option<Vec<Option<wit::BlockRef>>>, CallError> {
         Plugin::block_keys(self, keys)
+    }
+    fn evict_tiered(
+        &self,
+        call: &wit::TieredEvictCall,
+    ) -> Result<Option<Vec<wit::Victim>>, CallError> {
+        Plugin::evict_tiered(self, call)
     }
 }
 

@@ -71,4 +71,13 @@ pub trait Policy: Send + Sync + std::fmt::Debug {
     ) -> Result<Option<Vec<Option<wit::BlockRef>>>, CallError> {
         Ok(None)
     }
+    /// Victims chosen per tier (`evict-tiered`, WIT 0.1.2), called instead of `evict` in
+    /// the owner topology with an SSD tier. `Ok(None)`: the policy has no such hook, so
+    /// its victims lose their memory copy only.
+    fn evict_tiered(
+        &self,
+        _call: &wit::TieredEvictCall,
+    ) -> Result<Option<Vec<wit::Victim>>, CallError> {
+        Ok(None)
+    }
 }

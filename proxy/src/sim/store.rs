@@ -266,9 +266,9 @@ impl<'a> Store<'a> {
             })
             .collect();
         let set = reg.current();
-        crate::eviction::victims(reg, &set, &cands, need, now_ms, cap)
+        crate::eviction::victims(reg, &set, &cands, need, now_ms, cap, false)
             .into_iter()
-            .map(|v| blocks[v])
+            .map(|(v, _)| blocks[v])
             .collect()
     }
 
