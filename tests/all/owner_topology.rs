@@ -249,6 +249,10 @@ fn served_tiers_offload_an_ssd_eviction_keeps_and_ranks_in_arms() {
     let t = Topology::start(&format!("{TWO_ARMS}{EVENTS}"));
     let sub = t.subscriber();
     let (reader, read) = served_offload_and_eviction(&t);
+    // SSD usage as the master counts it (pool-wide), read with its memory usage.
+    wait_for("SSD usage read", Duration::from_secs(20), &t.logs(), || {
+        t.mg.metric("moongate_master_ssd_allocated_bytes") >= SIZE as f64
+    });
     tier_events(&t, sub, &read);
     ranks_and_a_dummy(&t, reader);
 }

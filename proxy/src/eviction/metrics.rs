@@ -64,6 +64,8 @@ pub struct EvictionMetrics {
     pub table_keys: Gauge,
     /// Master memory usage (allocated / capacity) in parts per million at the last read.
     pub usage_ppm: Gauge,
+    /// Bytes on owners' SSDs, as the master counts them (pool-wide).
+    pub ssd_bytes: Gauge,
     /// Rounds that ended (all their removals answered, or cut short): what "the round is
     /// over" means to a dashboard or a test.
     pub rounds_ended: Counter,
@@ -194,6 +196,13 @@ impl EvictionMetrics {
             "Master memory allocated / capacity, parts per million, at the last read",
             usage_ppm.clone(),
         );
+        let ssd_bytes = Gauge::default();
+        registry.register(
+            "moongate_master_ssd_allocated_bytes",
+            "Bytes on owners' SSDs as the master counts them \
+             (master_allocated_file_size_bytes, pool-wide), at the last read",
+            ssd_bytes.clone(),
+        );
         let rounds_ended = Counter::default();
         registry.register(
             "moongate_eviction_rounds_ended",
@@ -241,6 +250,7 @@ impl EvictionMetrics {
             errors,
             table_keys,
             usage_ppm,
+            ssd_bytes,
         }
     }
 }

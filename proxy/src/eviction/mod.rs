@@ -284,6 +284,9 @@ impl Eviction {
                             tracing::info!("master metrics readable again");
                             usage_failing = false;
                         }
+                        if let Some(b) = u.ssd_bytes {
+                            self.metrics.ssd_bytes.set(b as i64);
+                        }
                         if u.capacity_bytes > 0 {
                             capacity = Some((u.capacity_bytes, u.allocated_bytes));
                             let ratio = u.allocated_bytes as f64 / u.capacity_bytes as f64;

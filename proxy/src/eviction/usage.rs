@@ -12,6 +12,9 @@ use crate::upstream::http::{HttpError, HttpUrl, http_get};
 pub struct Usage {
     pub allocated_bytes: u64,
     pub capacity_bytes: u64,
+    /// Bytes the master counts on owners' SSDs (`master_allocated_file_size_bytes`,
+    /// pool-wide: the master does not split it by owner); `None` on a page without it.
+    pub ssd_bytes: Option<u64>,
 }
 
 #[derive(Debug, Error)]
@@ -24,7 +27,8 @@ pub enum UsageError {
     Missing(&'static str),
 }
 
-/// Reads `master_allocated_bytes` and `master_total_capacity_bytes`.
+/// Reads `master_allocated_bytes`, `master_total_capacity_bytes` and, where the master
+/// has it, `master_allocated_file_size_bytes`.
 pub async fn master_usage(url: &HttpUrl, timeout: Duration) -> Result<Usage, UsageError> {
     let (status, body) = http_get(&url.authority, &url.path, timeout).await?;
     if !(200..300).contains(&status) {
@@ -33,7 +37,7 @@ pub async fn master_usage(url: &HttpUrl, timeout: Duration) -> Result<Usage, Usa
     parse_usage(&String::from_utf8_lossy(&body))
 }
 
-/// Finds the two samples in a Prometheus text page.
+/// Finds the samples in a Prometheus text page.
 pub fn parse_usage(text: &str) -> Result<Usage, UsageError> {
     let sample = |name: &'static str| {
         text.lines()
@@ -43,11 +47,12 @@ pub fn parse_usage(text: &str) -> Result<Usage, UsageError> {
                 (n == name).then(|| v.trim().parse::<f64>().ok()).flatten()
             })
             .map(|v| v as u64)
-            .ok_or(UsageError::Missing(name))
     };
+    let need = |name: &'static str| sample(name).ok_or(UsageError::Missing(name));
     Ok(Usage {
-        allocated_bytes: sample("master_allocated_bytes")?,
-        capacity_bytes: sample("master_total_capacity_bytes")?,
+        allocated_bytes: need("master_allocated_bytes")?,
+        capacity_bytes: need("master_total_capacity_bytes")?,
+        ssd_bytes: sample("master_allocated_file_size_bytes"),
     })
 }
 
@@ -62,9 +67,12 @@ mod tests {
             parse_usage(page).unwrap(),
             Usage {
                 allocated_bytes: 1 << 20,
-                capacity_bytes: 4 << 20
+                capacity_bytes: 4 << 20,
+                ssd_bytes: None,
             }
         );
+        let with_ssd = format!("{page}master_allocated_file_size_bytes 186646528\n");
+        assert_eq!(parse_usage(&with_ssd).unwrap().ssd_bytes, Some(186_646_528));
         assert!(matches!(
             parse_usage("master_allocated_bytes 1\n"),
             Err(UsageError::Missing("master_total_capacity_bytes"))
