@@ -13,6 +13,10 @@
 //!
 //! Both halves read whatever is available and forward all complete frames in one write,
 //! so pipelined requests stay pipelined.
+//!
+//! Three tasks per connection, so a wake-up polls only what woke: the client half (in the
+//! connection's own task), the master half, and the watches (idle, unanswered calls, a
+//! new master leader), which wake on their timers alone.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
