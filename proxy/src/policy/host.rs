@@ -356,6 +356,8 @@ fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
+/// An export of one argument and one result.
+type OneArgFn<A, R> = TypedFunc<(A,), (R,)>;
 /// The `block-keys` export's signature.
 type BlockKeysFn = TypedFunc<(wit::PackedKeys,), (Vec<Option<wit::BlockRef>>,)>;
 /// The `evict-tiered` export's signature.
@@ -567,29 +569,47 @@ impl Plugin {
         self.with_instance(|b, s| b.call_observe(s, event))
     }
 
+    /// Calls an optional export (found by name at load, its typed function kept on the
+    /// live instance from the first call); `None` when the component has no such export.
+    /// Arguments go by value: they are copied once per call, and these calls are off the
+    /// request path (the events publisher, eviction rounds).
+    fn call_optional<A, R>(
+        &self,
+        index: Option<ComponentExportIndex>,
+        cached: fn(&mut Live) -> &mut Option<OneArgFn<A, R>>,
+        arg: A,
+    ) -> Result<Option<R>, CallError>
+    where
+        (A,): wasmtime::component::ComponentNamedList + wasmtime::component::Lower + Send + Sync,
+        (R,): wasmtime::component::ComponentNamedList + wasmtime::component::Lift + Send + Sync,
+    {
+        let Some(index) = index else {
+            return Ok(None);
+        };
+        self.with_live(|live| {
+            let f = match *cached(live) {
+                Some(f) => f,
+                None => {
+                    let f = live.instance.get_typed_func(&mut live.store, index)?;
+                    *cached(live) = Some(f);
+                    f
+                }
+            };
+            let (out,) = f.call(&mut live.store, (arg,))?;
+            Ok(Some(out))
+        })
+    }
+
     /// The block of each key (`block-keys`), or `None` when the component has no such
     /// export (built for WIT 0.1.0).
     pub fn block_keys(
         &self,
         keys: &wit::PackedKeys,
     ) -> Result<Option<Vec<Option<wit::BlockRef>>>, CallError> {
-        let Some(index) = self.block_keys else {
+        let Some(d) = self.call_optional(self.block_keys, |l| &mut l.block_keys, keys.clone())?
+        else {
             return Ok(None);
         };
-        let d = self.with_live(|live| {
-            let f = match live.block_keys {
-                Some(f) => f,
-                None => {
-                    let f: BlockKeysFn = live.instance.get_typed_func(&mut live.store, index)?;
-                    live.block_keys = Some(f);
-                    f
-                }
-            };
-            // The call takes its argument by value; keys are copied once per call, off
-            // the request path (the events publisher calls this).
-            let (out,) = f.call(&mut live.store, (keys.clone(),))?;
-            Ok(out)
-        })?;
         if d.len() != keys.ends.len() {
             return Err(CallError::Invalid(format!(
                 "{} blocks for {} keys",
@@ -606,23 +626,11 @@ impl Plugin {
         &self,
         call: &wit::TieredEvictCall,
     ) -> Result<Option<Vec<wit::Victim>>, CallError> {
-        let Some(index) = self.evict_tiered else {
+        let Some(d) =
+            self.call_optional(self.evict_tiered, |l| &mut l.evict_tiered, call.clone())?
+        else {
             return Ok(None);
         };
-        let d = self.with_live(|live| {
-            let f = match live.evict_tiered {
-                Some(f) => f,
-                None => {
-                    let f: EvictTieredFn = live.instance.get_typed_func(&mut live.store, index)?;
-                    live.evict_tiered = Some(f);
-                    f
-                }
-            };
-            // By value: the candidates are copied once per eviction round, off the
-            // request path.
-            let (out,) = f.call(&mut live.store, (call.clone(),))?;
-            Ok(out)
-        })?;
         if d.iter().any(|v| v.index as usize >= call.on_disk.len()) {
             return Err(CallError::Invalid("victim index out of range".into()));
         }
