@@ -150,12 +150,15 @@ fn a_fleet_moves_from_a_to_b_by_digest_in_stages() {
         )
         .unwrap()
     };
+    // On it means loaded from it and active: the catalog names the new source when the
+    // load ends, and the swap that activates it follows (a moment later on a busy
+    // machine: seen as "loaded").
     let wait_on = |i: usize, reference: &str| {
         wait_for(
             "node on its annotated plugin",
             Duration::from_secs(15),
             &[&nodes[i].1.proc, &reg.proc],
-            || on(&nodes[i].1) == reference,
+            || on(&nodes[i].1) == reference && plugin(&nodes[i].1, "policy")["state"] == "active",
         )
     };
     for (_, mg) in &nodes {
