@@ -49,6 +49,17 @@ echo "== the image's commands, as USER 65532:65532"
 as_user=()
 if [ "$(id -u)" -eq 0 ]; then
   as_user=(setpriv --reuid=65532 --regid=65532 --clear-groups --)
+  # A checkout under a private directory (`mktemp -d` is 0700) hides the staged files
+  # from uid 65532 though they are readable in the image: copy them to a fresh
+  # world-readable directory and run them there.
+  if ! "${as_user[@]}" test -r "$stage/etc/moongate/moongate.toml"; then
+    outside=$(mktemp -d)
+    chmod 0755 "$outside"
+    trap 'rm -rf "$outside"' EXIT
+    cp -a "$stage/." "$outside/"
+    stage=$outside
+    echo "(the checkout is private to its owner: running the staged files from $stage)"
+  fi
 else
   echo "(not root: cannot switch to uid 65532; running as $(id -u))"
 fi
