@@ -31,6 +31,7 @@ pub struct Config {
     pub eviction: EvictionConfig,
     pub events: crate::events::EventsConfig,
     pub kv: KvConfig,
+    pub fleet: crate::fleet::FleetConfig,
     /// An experiment to start with (instead of `policy.active`).
     pub experiment: Option<crate::policy::experiment::ExperimentSpec>,
 }
@@ -141,6 +142,11 @@ impl Config {
         self.kv.validate(&mut errs);
         self.eviction.validate(&mut errs);
         self.events.validate(&mut errs);
+        let upstream_etcd = match self.master_face.upstream_spec() {
+            Ok(crate::upstream::UpstreamSpec::Etcd { endpoints, .. }) => Some(endpoints),
+            _ => None,
+        };
+        self.fleet.validate(&mut errs, upstream_etcd.as_deref());
         self.policy.validate(
             &mut errs,
             self.experiment

@@ -34,6 +34,7 @@ pub mod codec;
 pub mod config;
 pub mod events;
 pub mod eviction;
+pub mod fleet;
 pub mod kv;
 pub mod master_face;
 pub mod metrics;

@@ -29,6 +29,8 @@ pub struct Metrics {
     pub upstream: Arc<crate::upstream::LeaderMetrics>,
     /// Peers, owners' offloads and SSDs.
     pub topology: Arc<crate::topology::metrics::TopologyMetrics>,
+    /// Fleet membership through etcd.
+    pub fleet: Arc<crate::fleet::metrics::FleetMetrics>,
 }
 
 impl Metrics {
@@ -45,7 +47,9 @@ impl Metrics {
         let topology = Arc::new(crate::topology::metrics::TopologyMetrics::register(
             &mut registry,
         ));
+        let fleet = Arc::new(crate::fleet::metrics::FleetMetrics::register(&mut registry));
         Metrics {
+            fleet,
             topology,
             upstream,
             registry,

@@ -133,7 +133,38 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
         }
         ev
     });
+    let fleet = if cfg.fleet.enabled {
+        let upstream_etcd = match cfg.master_face.upstream_spec() {
+            Ok(crate::upstream::UpstreamSpec::Etcd { endpoints, .. }) => Some(endpoints),
+            _ => None,
+        };
+        // Validated with the config: enabled means an etcd is known.
+        let endpoints = cfg
+            .fleet
+            .endpoints(upstream_etcd.as_deref())
+            .unwrap_or_default();
+        let fleet = crate::fleet::Fleet::new(cfg.fleet.clone(), metrics.fleet.clone());
+        if let Some(ev) = &eviction {
+            ev.set_fleet(fleet.clone());
+        }
+        let admin_addr = admin_listener
+            .local_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_default();
+        let snapshot = fleet_snapshot(policy.clone(), eviction.clone(), admin_addr);
+        tracing::info!(member = %fleet.me, cluster = %cfg.fleet.cluster, ?endpoints, "fleet on");
+        tokio::spawn(crate::fleet::membership::run(
+            fleet.clone(),
+            endpoints,
+            snapshot,
+            shutdown.clone(),
+        ));
+        Some(fleet)
+    } else {
+        None
+    };
     let state = Arc::new(AdminState {
+        fleet,
         metrics: metrics.clone(),
         ready: AtomicBool::new(false),
         policy: policy.clone(),
@@ -230,4 +261,36 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
     }
     let _ = admin_task.await;
     Ok(())
+}
+
+/// What this member publishes to its fleet: its key table's bytes per arm (when it keeps
+/// one) and each arm's lookups and hits through it.
+fn fleet_snapshot(
+    policy: Arc<crate::policy::registry::Registry>,
+    eviction: Option<Arc<crate::eviction::Eviction>>,
+    admin: String,
+) -> crate::fleet::membership::Snapshot {
+    Arc::new(move || {
+        let set = policy.current();
+        let names: Vec<String> = set.arms.iter().map(|a| a.name.clone()).collect();
+        let mut rec = match &eviction {
+            Some(e) => e.fleet_record(&names),
+            None => crate::fleet::Record {
+                arms: names
+                    .iter()
+                    .map(|n| crate::fleet::ArmRecord {
+                        name: n.clone(),
+                        ..Default::default()
+                    })
+                    .collect(),
+                ..Default::default()
+            },
+        };
+        rec.admin = admin.clone();
+        for (arm, r) in set.arms.iter().zip(rec.arms.iter_mut()) {
+            r.hits = arm.metrics.lookups[0].get();
+            r.misses = arm.metrics.lookups[1].get();
+        }
+        rec
+    })
 }

@@ -10,65 +10,6 @@ use serde_json::Value;
 
 use crate::support::*;
 
-struct Etcd {
-    proc: Proc,
-    endpoint: String,
-    cmd: Vec<String>,
-    dir: tempfile::TempDir,
-}
-
-impl Etcd {
-    fn start() -> Etcd {
-        let dir = tempdir();
-        let (client, peer) = (free_port(), free_port());
-        let endpoint = format!("127.0.0.1:{client}");
-        let cmd = vec![
-            "--name".to_string(),
-            "t".into(),
-            "--data-dir".into(),
-            dir.path().join("data").to_str().unwrap().into(),
-            "--listen-client-urls".into(),
-            format!("http://{endpoint}"),
-            "--advertise-client-urls".into(),
-            format!("http://{endpoint}"),
-            "--listen-peer-urls".into(),
-            format!("http://127.0.0.1:{peer}"),
-            "--initial-advertise-peer-urls".into(),
-            format!("http://127.0.0.1:{peer}"),
-            "--initial-cluster".into(),
-            format!("t=http://127.0.0.1:{peer}"),
-        ];
-        let proc = Etcd::spawn(&cmd, &dir, &endpoint, "etcd.log");
-        Etcd {
-            proc,
-            endpoint,
-            cmd,
-            dir,
-        }
-    }
-
-    fn spawn(args: &[String], dir: &tempfile::TempDir, endpoint: &str, log: &str) -> Proc {
-        let mut cmd = Command::new("etcd");
-        cmd.args(args);
-        let proc = Proc::spawn("etcd", cmd, dir.path().join(log));
-        wait_for("etcd healthy", Duration::from_secs(30), &[&proc], || {
-            http_get(endpoint, "/health").is_some_and(|(s, b)| s == 200 && b.contains("true"))
-        });
-        proc
-    }
-
-    /// Crashes etcd (SIGKILL), as a lost etcd node would.
-    fn kill(&mut self) {
-        self.proc.signal(libc::SIGKILL);
-        assert!(self.proc.wait_exit(Duration::from_secs(10)).is_some());
-    }
-
-    /// Starts it again on the same ports and data.
-    fn restart(&mut self) {
-        self.proc = Etcd::spawn(&self.cmd, &self.dir, &self.endpoint, "etcd-restarted.log");
-    }
-}
-
 struct HaMaster {
     proc: Proc,
     rpc: String,

@@ -32,6 +32,7 @@ mod deploy;
 mod eviction_live;
 mod fault_relay;
 mod faults;
+mod fleet;
 mod ha;
 mod kv_bounds;
 mod kv_events;

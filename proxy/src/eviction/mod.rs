@@ -68,6 +68,12 @@ pub struct Eviction {
     /// The master face's owners: with an SSD tier offloading, victims lose only their
     /// memory replica (set when the evictor starts).
     topology: std::sync::OnceLock<Arc<crate::topology::Topology>>,
+    /// The fleet (`[fleet]` on): this moongate frees only its portion of what the pool
+    /// or an arm must free, the other members the rest.
+    fleet: std::sync::OnceLock<Arc<crate::fleet::Fleet>>,
+    /// A usage round started and the pool is not yet down to the low watermark
+    /// (published to the fleet).
+    draining: std::sync::atomic::AtomicBool,
 }
 
 impl Eviction {
@@ -89,7 +95,36 @@ impl Eviction {
             usage_url,
             events,
             topology: std::sync::OnceLock::new(),
+            fleet: std::sync::OnceLock::new(),
+            draining: Default::default(),
         })
+    }
+
+    /// Joins the evictor to a fleet: from now on it frees its portion of each need.
+    pub fn set_fleet(&self, fleet: Arc<crate::fleet::Fleet>) {
+        let _ = self.fleet.set(fleet);
+    }
+
+    /// What this member publishes to the fleet: its table's bytes and keys per arm, what
+    /// it evicted. (Lookups and hits per arm are the policy's; the caller adds them.)
+    pub fn fleet_record(&self, arm_names: &[String]) -> crate::fleet::Record {
+        let bytes = self.table.arm_bytes();
+        crate::fleet::Record {
+            keys: self.table.len() as u64,
+            bytes: bytes.iter().sum(),
+            evicted_bytes: self.metrics.removed_bytes.get(),
+            draining: self.draining.load(Ordering::Relaxed),
+            arms: arm_names
+                .iter()
+                .enumerate()
+                .map(|(i, n)| crate::fleet::ArmRecord {
+                    name: n.clone(),
+                    bytes: bytes.get(i).copied().unwrap_or(0),
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        }
     }
 
     fn now_ms(&self) -> u64 {
@@ -291,10 +326,32 @@ impl Eviction {
                             capacity = Some((u.capacity_bytes, u.allocated_bytes));
                             let ratio = u.allocated_bytes as f64 / u.capacity_bytes as f64;
                             self.metrics.usage_ppm.set((ratio * 1e6) as i64);
-                            if ratio >= self.cfg.high_watermark {
-                                let target =
-                                    (self.cfg.low_watermark * u.capacity_bytes as f64) as u64;
-                                usage_need = u.allocated_bytes.saturating_sub(target);
+                            let target = (self.cfg.low_watermark * u.capacity_bytes as f64) as u64;
+                            let excess = u.allocated_bytes.saturating_sub(target);
+                            let fleet = self.fleet.get();
+                            // In a fleet each member frees only its portion, and the
+                            // others' portions land when they read the usage: once a
+                            // member started a round, every member keeps freeing its
+                            // portion of what is left until the pool is down to the low
+                            // watermark (alone, one round frees all of it, as before).
+                            let joined = fleet.is_some_and(|f| {
+                                self.draining.load(Ordering::Relaxed)
+                                    || f.view().others_draining(&f.me)
+                            });
+                            if ratio >= self.cfg.high_watermark || (joined && excess > 0) {
+                                usage_need = excess;
+                            }
+                            self.draining
+                                .store(fleet.is_some() && usage_need > 0, Ordering::Relaxed);
+                            if let Some(f) = fleet.filter(|_| usage_need > 0) {
+                                let mine = self.table.arm_bytes().iter().sum();
+                                usage_need = f.portion(mine, excess);
+                                tracing::debug!(
+                                    excess,
+                                    mine,
+                                    portion = usage_need,
+                                    "fleet: this member's portion of the excess"
+                                );
                             }
                         }
                     }
@@ -367,8 +424,23 @@ impl Eviction {
 
     /// By-weight shares: the bytes each arm over the high watermark of its share must
     /// free to come down to the low one. Publishes every arm's bytes and share.
+    /// In a fleet an arm's bytes are every member's, and this member frees its portion
+    /// of the arm's excess (its bytes of the arm over the fleet's).
     fn arm_needs(&self, set: &ActiveSet, capacity: u64, allocated: u64) -> Vec<(usize, u64)> {
-        let bytes = arm_usage(&self.table.arm_bytes(), allocated);
+        let mine = self.table.arm_bytes();
+        let mine_of = |i: usize| mine.get(i).copied().unwrap_or(0);
+        let fleet_raw: Vec<u64> = match self.fleet.get() {
+            Some(f) => {
+                let view = f.view();
+                set.arms
+                    .iter()
+                    .enumerate()
+                    .map(|(i, a)| view.arm_bytes(&f.me, &a.name, mine_of(i)))
+                    .collect()
+            }
+            None => (0..set.arms.len()).map(mine_of).collect(),
+        };
+        let bytes = arm_usage(&fleet_raw, allocated);
         let total: u64 = set.arms.iter().map(|a| a.weight()).sum::<u64>().max(1);
         let mut out = Vec::new();
         for (i, arm) in set.arms.iter().enumerate() {
@@ -378,7 +450,9 @@ impl Eviction {
             self.metrics.arm_bytes(&arm.name, used, share);
             if used as f64 >= self.cfg.high_watermark * share as f64 {
                 let target = (self.cfg.low_watermark * share as f64) as u64;
-                out.push((i, used.saturating_sub(target)));
+                let excess = used.saturating_sub(target);
+                let raw = fleet_raw.get(i).copied().unwrap_or(0);
+                out.push((i, crate::fleet::share_of(excess, mine_of(i), raw)));
             }
         }
         out.retain(|(_, n)| *n > 0);

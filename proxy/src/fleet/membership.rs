@@ -1,0 +1,165 @@
+//! Fleet membership through etcd: hold a lease, publish this member's record under it,
+//! watch the others. The only file of the fleet that talks to etcd.
+//!
+//! Per member and interval: one lease renewal, and one write only when the record
+//! changed. Every write reaches every watching member, so a fleet of N members whose
+//! records all change each interval delivers N writes and N x N watch events per
+//! interval (`docs/operations.md`, "Running a fleet").
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use etcd_client::{Client, ConnectOptions, GetOptions, KeyValue, PutOptions, WatchOptions};
+use tokio_util::sync::CancellationToken;
+
+use super::{Fleet, Record, View};
+
+/// Makes this member's record when it is due for publishing.
+pub type Snapshot = Arc<dyn Fn() -> Record + Send + Sync>;
+
+/// Keeps this member in the fleet until shutdown, then leaves it (revokes the lease, so
+/// the others see it go at once rather than when the lease runs out). Reconnects after
+/// any etcd failure, keeping the last view meanwhile.
+pub async fn run(
+    fleet: Arc<Fleet>,
+    endpoints: Vec<String>,
+    snapshot: Snapshot,
+    shutdown: CancellationToken,
+) {
+    let opts = ConnectOptions::new()
+        .with_connect_timeout(Duration::from_secs(5))
+        .with_timeout(Duration::from_secs(5));
+    loop {
+        let r = session(&fleet, &endpoints, &opts, &snapshot, &shutdown).await;
+        match r {
+            Ok(()) => return,
+            Err(e) => {
+                fleet.metrics.etcd_errors.inc();
+                tracing::warn!(endpoints = ?endpoints, error = %e,
+                    "fleet: etcd unreachable or lease lost; keeping the last view, retrying in 1 s");
+            }
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+    }
+}
+
+/// One connection's worth of membership: returns `Ok` at shutdown.
+async fn session(
+    fleet: &Fleet,
+    endpoints: &[String],
+    opts: &ConnectOptions,
+    snapshot: &Snapshot,
+    shutdown: &CancellationToken,
+) -> Result<(), etcd_client::Error> {
+    let mut client = Client::connect(endpoints, Some(opts.clone())).await?;
+    let prefix = fleet.prefix();
+    let key = format!("{prefix}{}", fleet.me);
+    let ttl = fleet.cfg.lease_ttl_s as i64;
+    let lease = client.lease_grant(ttl, None).await?.id();
+    let (mut keeper, mut acks) = client.lease_keep_alive(lease).await?;
+    // The watch before the read: no change can fall between them.
+    let mut events = client
+        .watch(prefix.as_str(), Some(WatchOptions::new().with_prefix()))
+        .await?;
+    let mut last = None;
+    publish(&mut client, fleet, &key, lease, snapshot, &mut last).await?;
+    let all = client
+        .get(prefix.as_str(), Some(GetOptions::new().with_prefix()))
+        .await?;
+    let mut view = View::default();
+    for kv in all.kvs() {
+        apply(&mut view, &prefix, kv);
+    }
+    fleet.set_view(view.clone());
+    tracing::info!(member = %fleet.me, members = view.members.len(), cluster = %fleet.cfg.cluster,
+        "fleet: joined");
+    let mut tick = tokio::time::interval(Duration::from_millis(fleet.cfg.interval_ms));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => {
+                // Leave at once; if etcd does not answer, the lease ends it anyway.
+                let _ = tokio::time::timeout(Duration::from_secs(1), client.lease_revoke(lease)).await;
+                return Ok(());
+            }
+            _ = tick.tick() => {
+                keeper.keep_alive().await?;
+                publish(&mut client, fleet, &key, lease, snapshot, &mut last).await?;
+            }
+            m = acks.message() => match m? {
+                Some(a) if a.ttl() > 0 => {}
+                // The lease ran out (etcd unreachable for longer than it): our key is
+                // gone; start again with a new lease.
+                _ => return Err(etcd_client::Error::LeaseKeepAliveError("lease expired".into())),
+            },
+            m = events.message() => match m? {
+                Some(w) => {
+                    let mut changed = false;
+                    for ev in w.events() {
+                        if let Some(kv) = ev.kv() {
+                            changed |= apply(&mut view, &prefix, kv);
+                        }
+                    }
+                    if changed {
+                        fleet.set_view(view.clone());
+                    }
+                    if !view.members.contains_key(&fleet.me) {
+                        // Our own key went (deleted by hand, or the lease lapsed).
+                        last = None;
+                    }
+                }
+                None => return Err(etcd_client::Error::WatchError("watch ended".into())),
+            },
+        }
+    }
+}
+
+/// Writes this member's record when it differs from the last one written.
+async fn publish(
+    client: &mut Client,
+    fleet: &Fleet,
+    key: &str,
+    lease: i64,
+    snapshot: &Snapshot,
+    last: &mut Option<Vec<u8>>,
+) -> Result<(), etcd_client::Error> {
+    let mut rec = snapshot();
+    rec.member = fleet.me.clone();
+    let body = serde_json::to_vec(&rec).unwrap_or_default();
+    if last.as_deref() == Some(&body[..]) {
+        return Ok(());
+    }
+    client
+        .put(key, body.clone(), Some(PutOptions::new().with_lease(lease)))
+        .await?;
+    fleet.metrics.writes.inc();
+    *last = Some(body);
+    Ok(())
+}
+
+/// Applies one key's new state to the view: a record (put), or its absence (a delete
+/// carries no value; records are never empty). Whether the view changed. A record that
+/// does not parse is skipped with a warning: one bad member must not blind the others.
+fn apply(view: &mut View, prefix: &str, kv: &KeyValue) -> bool {
+    let Some(member) = kv
+        .key_str()
+        .ok()
+        .and_then(|k| k.strip_prefix(prefix))
+        .map(str::to_string)
+    else {
+        return false;
+    };
+    if kv.value().is_empty() {
+        return view.members.remove(&member).is_some();
+    }
+    match serde_json::from_slice::<Record>(kv.value()) {
+        Ok(r) => view.members.insert(member, r.clone()).as_ref() != Some(&r),
+        Err(e) => {
+            tracing::warn!(%member, error = %e, "fleet: a member's record does not parse; ignored");
+            false
+        }
+    }
+}

@@ -1,0 +1,282 @@
+//! The fleet: the moongates in front of one Mooncake pool (one per inference rank) know
+//! each other, so that what each decides alone adds up to what the pool needs.
+//!
+//! Each member holds a lease-backed key `/moongate/fleet/CLUSTER/members/MEMBER` in
+//! etcd whose value is its [`Record`] (JSON): its key table's bytes and keys, per arm,
+//! and its lookups and hits per arm. It watches the prefix, so it holds every other
+//! member's last record ([`View`]); a member that dies disappears with its lease.
+//!
+//! What the view is for:
+//! - **Eviction frees the excess once.** Every member reads the same pool-wide usage
+//!   from the master; alone, each would free the whole excess. In a fleet each frees
+//!   its portion: the excess times its bytes over the fleet's bytes ([`View::portion`]).
+//! - **Shares hold pool-wide.** An arm's usage is what all members hold for it
+//!   ([`View::arm_bytes`]); each member frees its portion of the arm's excess.
+//! - **One answer per experiment.** `GET /fleet` adds up the arms' lookups and hits
+//!   across members ([`View::arms`]).
+//!
+//! Nothing here knows sockets or the master: [`membership`] moves records through etcd,
+//! the evictor asks the view for portions.
+
+pub mod config;
+pub mod membership;
+pub mod metrics;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use serde::{Deserialize, Serialize};
+
+pub use config::FleetConfig;
+
+/// What one member publishes, every `interval_ms` when it changed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Record {
+    /// The member's name (`fleet.member`).
+    pub member: String,
+    /// Its admin endpoint (`host:port`), for operators.
+    pub admin: String,
+    /// Keys and bytes in its key table: what it put and can evict.
+    pub keys: u64,
+    pub bytes: u64,
+    /// Bytes its evictor removed or cleared since it started.
+    pub evicted_bytes: u64,
+    /// Its evictor is bringing the pool down to the low watermark: the others join in,
+    /// each with its portion, even if they never saw the pool above the high one.
+    pub draining: bool,
+    /// Per experiment arm (by name; every member runs the same arms).
+    pub arms: Vec<ArmRecord>,
+}
+
+/// One arm's part of a member's record.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ArmRecord {
+    pub name: String,
+    /// Bytes of the keys this member put for the arm.
+    pub bytes: u64,
+    /// Keys the arm's existence checks found, and did not find, through this member.
+    pub hits: u64,
+    pub misses: u64,
+}
+
+/// Every member's last record, this member's included (as last published).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct View {
+    pub members: BTreeMap<String, Record>,
+}
+
+impl View {
+    /// This member's portion of `need` bytes the whole fleet must free: `need` times
+    /// `mine` (its bytes now) over the fleet's bytes (the others' as last published,
+    /// plus `mine`). All of `need` when it is alone or nobody else holds bytes.
+    pub fn portion(&self, me: &str, mine: u64, need: u64) -> u64 {
+        let others: u64 = self
+            .members
+            .iter()
+            .filter(|(m, _)| m.as_str() != me)
+            .map(|(_, r)| r.bytes)
+            .sum();
+        share_of(need, mine, mine.saturating_add(others))
+    }
+
+    /// Whether another member is bringing the pool down to the low watermark.
+    pub fn others_draining(&self, me: &str) -> bool {
+        self.members
+            .iter()
+            .any(|(m, r)| m.as_str() != me && r.draining)
+    }
+
+    /// The fleet's bytes for arm `arm`: the others' as last published, plus `mine`.
+    pub fn arm_bytes(&self, me: &str, arm: &str, mine: u64) -> u64 {
+        self.members
+            .iter()
+            .filter(|(m, _)| m.as_str() != me)
+            .flat_map(|(_, r)| r.arms.iter().filter(|a| a.name == arm))
+            .map(|a| a.bytes)
+            .fold(mine, u64::saturating_add)
+    }
+
+    /// Every arm's totals across members, in the order first seen.
+    pub fn arms(&self) -> Vec<ArmRecord> {
+        let mut out: Vec<ArmRecord> = Vec::new();
+        for a in self.members.values().flat_map(|r| r.arms.iter()) {
+            match out.iter_mut().find(|o| o.name == a.name) {
+                Some(o) => {
+                    o.bytes = o.bytes.saturating_add(a.bytes);
+                    o.hits = o.hits.saturating_add(a.hits);
+                    o.misses = o.misses.saturating_add(a.misses);
+                }
+                None => out.push(a.clone()),
+            }
+        }
+        out
+    }
+}
+
+/// `need * part / whole`, all of `need` when `whole` is 0, never more than `need`.
+pub fn share_of(need: u64, part: u64, whole: u64) -> u64 {
+    if whole == 0 {
+        return need;
+    }
+    (u128::from(need) * u128::from(part.min(whole)) / u128::from(whole)) as u64
+}
+
+/// A two-proportion comparison of hit rates (normal approximation, 95 %): `b` against
+/// the control `a`. `None` while either side has no lookups.
+pub fn compare(a: &ArmRecord, b: &ArmRecord) -> Option<Difference> {
+    let (na, nb) = ((a.hits + a.misses) as f64, (b.hits + b.misses) as f64);
+    if na == 0.0 || nb == 0.0 {
+        return None;
+    }
+    let (pa, pb) = (a.hits as f64 / na, b.hits as f64 / nb);
+    let se = (pa * (1.0 - pa) / na + pb * (1.0 - pb) / nb).sqrt();
+    let diff = pb - pa;
+    let half = 1.96 * se;
+    Some(Difference {
+        diff,
+        low: diff - half,
+        high: diff + half,
+        significant: se > 0.0 && (diff - half > 0.0 || diff + half < 0.0),
+    })
+}
+
+/// The difference of an arm's hit rate from the control's, with its 95 % interval.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Difference {
+    pub diff: f64,
+    pub low: f64,
+    pub high: f64,
+    /// The interval excludes 0.
+    pub significant: bool,
+}
+
+/// This member's place in the fleet: its name, the key prefix, and the view its
+/// membership task keeps.
+pub struct Fleet {
+    pub cfg: FleetConfig,
+    /// This member's name.
+    pub me: String,
+    view: ArcSwap<View>,
+    pub metrics: Arc<metrics::FleetMetrics>,
+}
+
+impl Fleet {
+    pub fn new(cfg: FleetConfig, metrics: Arc<metrics::FleetMetrics>) -> Arc<Fleet> {
+        let me = if cfg.member.is_empty() {
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|h| h.trim().to_string())
+                .unwrap_or_default();
+            let host = if host.is_empty() { "host".into() } else { host };
+            format!("{host}-{}", std::process::id())
+        } else {
+            cfg.member.clone()
+        };
+        Arc::new(Fleet {
+            cfg,
+            me,
+            view: ArcSwap::from_pointee(View::default()),
+            metrics,
+        })
+    }
+
+    /// Where the members' keys live.
+    pub fn prefix(&self) -> String {
+        format!("/moongate/fleet/{}/members/", self.cfg.cluster)
+    }
+
+    /// The members as last seen.
+    pub fn view(&self) -> Arc<View> {
+        self.view.load_full()
+    }
+
+    fn set_view(&self, v: View) {
+        self.metrics.members.set(v.members.len() as i64);
+        self.view.store(Arc::new(v));
+    }
+
+    /// This member's portion of `need` bytes the fleet must free (see [`View::portion`]).
+    pub fn portion(&self, mine: u64, need: u64) -> u64 {
+        self.view().portion(&self.me, mine, need)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(m: &str, bytes: u64, arms: &[(&str, u64, u64, u64)]) -> (String, Record) {
+        (
+            m.into(),
+            Record {
+                member: m.into(),
+                bytes,
+                arms: arms
+                    .iter()
+                    .map(|&(n, b, h, mi)| ArmRecord {
+                        name: n.into(),
+                        bytes: b,
+                        hits: h,
+                        misses: mi,
+                    })
+                    .collect(),
+                ..Default::default()
+            },
+        )
+    }
+
+    #[test]
+    fn portions_of_the_excess_add_up_to_it_once() {
+        let v = View {
+            members: [rec("a", 100, &[]), rec("b", 300, &[]), rec("c", 600, &[])]
+                .into_iter()
+                .collect(),
+        };
+        let need = 1_000;
+        let sum: u64 = [("a", 100), ("b", 300), ("c", 600)]
+            .iter()
+            .map(|&(m, b)| v.portion(m, b, need))
+            .sum();
+        assert_eq!(sum, need);
+        // Alone, or among members that hold nothing: all of it.
+        assert_eq!(View::default().portion("a", 5, need), need);
+        assert_eq!(v.portion("z", 0, 0), 0);
+        // Never more than the need, even when this member's bytes moved on.
+        assert!(v.portion("a", u64::MAX, need) <= need);
+    }
+
+    #[test]
+    fn arm_totals_and_their_difference() {
+        let v = View {
+            members: [
+                rec("a", 0, &[("lru", 10, 40, 60), ("new", 5, 50, 50)]),
+                rec("b", 0, &[("lru", 20, 40, 60), ("new", 7, 70, 30)]),
+            ]
+            .into_iter()
+            .collect(),
+        };
+        assert_eq!(v.arm_bytes("a", "lru", 11), 31);
+        let arms = v.arms();
+        assert_eq!(arms.len(), 2);
+        assert_eq!((arms[0].hits, arms[0].misses), (80, 120));
+        assert_eq!((arms[1].hits, arms[1].misses), (120, 80));
+        let d = compare(&arms[0], &arms[1]).unwrap();
+        assert!((d.diff - 0.2).abs() < 1e-9, "{d:?}");
+        assert!(d.significant && d.low > 0.0, "{d:?}");
+        // A handful of lookups proves nothing.
+        let few = ArmRecord {
+            hits: 3,
+            misses: 2,
+            ..Default::default()
+        };
+        let other = ArmRecord {
+            hits: 2,
+            misses: 3,
+            ..Default::default()
+        };
+        assert!(!compare(&few, &other).unwrap().significant);
+        assert!(compare(&ArmRecord::default(), &few).is_none());
+    }
+}

@@ -1,0 +1,200 @@
+//! A fleet of moongates on one pool, through a real etcd (Debian's etcd-server): members
+//! see each other and lose a dead one with its lease; their evictors free the pool's
+//! excess once between them, each from its own keys.
+
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::support::*;
+
+fn fleet_config(upstream: &str, etcd: &str, cluster: &str, member: &str, extra: &str) -> String {
+    format!(
+        "[master_face]\nupstream = \"{upstream}\"\n{extra}\n\
+         [fleet]\nenabled = true\netcd = \"{etcd}\"\ncluster = \"{cluster}\"\n\
+         member = \"{member}\"\ninterval_ms = 200\nlease_ttl_s = 2\n"
+    )
+}
+
+fn fleet(mg: &Moongate) -> Value {
+    match http_get(&mg.admin, "/fleet") {
+        Some((200, b)) => serde_json::from_str(&b).unwrap(),
+        other => panic!("GET /fleet: {other:?}\n{}", mg.proc.log_text()),
+    }
+}
+
+fn members(mg: &Moongate) -> Vec<String> {
+    fleet(mg)["members"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|m| m["member"].as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn members_see_each_other_and_a_dead_one_leaves_with_its_lease() {
+    let etcd = Etcd::start();
+    let master = Master::start();
+    let start = |cluster: &str, m: &str| {
+        Moongate::start_config(&fleet_config(&master.rpc, &etcd.endpoint, cluster, m, ""))
+    };
+    let mut mgs: Vec<Moongate> = (0..3).map(|i| start("t", &format!("m{i}"))).collect();
+    let other = start("other", "x");
+    fn logs<'a>(mgs: &'a [Moongate], etcd: &'a Etcd) -> Vec<&'a Proc> {
+        let mut l: Vec<&Proc> = mgs.iter().map(|m| &m.proc).collect();
+        l.push(&etcd.proc);
+        l
+    }
+    let all = ["m0", "m1", "m2"];
+    wait_for(
+        "every member sees the three",
+        Duration::from_secs(20),
+        &logs(&mgs, &etcd),
+        || mgs.iter().all(|m| members(m) == all) && members(&other) == ["x"],
+    );
+    assert_eq!(mgs[0].metric("moongate_fleet_members"), 3.0);
+    let rec = &fleet(&mgs[1])["members"][0];
+    assert_eq!(
+        rec["admin"],
+        mgs[0].admin.as_str(),
+        "a record names its admin endpoint"
+    );
+
+    // A crash: the key goes with its lease (2 s).
+    mgs[2].proc.signal(libc::SIGKILL);
+    let killed = Instant::now();
+    wait_for(
+        "the killed member leaves every view",
+        Duration::from_secs(15),
+        &logs(&mgs[..2], &etcd),
+        || mgs[..2].iter().all(|m| members(m) == ["m0", "m1"]),
+    );
+    let gone_after = killed.elapsed();
+    // A clean stop revokes the lease: the others see it go without waiting for it.
+    let mut stopped = mgs.remove(1);
+    stopped.proc.signal(libc::SIGTERM);
+    let _ = stopped.proc.wait_exit(Duration::from_secs(20));
+    wait_for(
+        "the stopped member leaves",
+        Duration::from_secs(15),
+        &logs(&mgs[..1], &etcd),
+        || members(&mgs[0]) == ["m0"],
+    );
+    assert_eq!(mgs[0].metric("moongate_fleet_members"), 1.0);
+    assert_eq!(mgs[0].metric("moongate_fleet_etcd_errors_total"), 0.0);
+    eprintln!("a killed member left the views {gone_after:?} after SIGKILL (lease 2 s)");
+}
+
+/// Two members, each beside a client that put through it; together over the high
+/// watermark. Each frees its portion of the excess (its bytes over the fleet's), so
+/// both remove keys and together they remove what the watermark asked for, once.
+#[test]
+fn a_fleet_frees_the_pools_excess_once_each_member_its_portion() {
+    const KIB64: u64 = 64 << 10;
+    let etcd = Etcd::start();
+    let master = Master::start();
+    let eviction = format!(
+        "[eviction]\nenabled = true\nmaster_metrics_url = \"{}\"\n\
+         high_watermark = 0.3\nlow_watermark = 0.15\ninterval_ms = 200\n",
+        master.metrics_url
+    );
+    let a = Moongate::start_config(&fleet_config(
+        &master.rpc,
+        &etcd.endpoint,
+        "t",
+        "a",
+        &eviction,
+    ));
+    let b = Moongate::start_config(&fleet_config(
+        &master.rpc,
+        &etcd.endpoint,
+        "t",
+        "b",
+        &eviction,
+    ));
+    a.wait_ready(&master);
+    b.wait_ready(&master);
+    let logs = [&master.proc, &a.proc, &b.proc, &etcd.proc];
+    wait_for("both members", Duration::from_secs(20), &logs, || {
+        members(&a).len() == 2 && members(&b).len() == 2
+    });
+    // A: 8 chains (4 MiB) into its 16 MiB segment (0.25: under the watermark alone).
+    // B mounts 16 MiB more and puts 12 chains (6 MiB): 10 MiB of 32, 0.31.
+    let ca = Background::start_args(
+        "chains",
+        &a.listen,
+        &master.metadata,
+        &["--count", "8", "--prefix", "a/"],
+        &logs,
+    );
+    let cb = Background::start_args(
+        "chains",
+        &b.listen,
+        &master.metadata,
+        &["--count", "12", "--prefix", "b/"],
+        &logs,
+    );
+    let total = 20 * 8 * KIB64;
+    let capacity = 32u64 << 20;
+    let low = (0.15 * capacity as f64) as u64;
+    let asked = total - low;
+    let allocated =
+        || sample_of(&master.metrics(), "master_allocated_bytes").unwrap_or(f64::MAX) as u64;
+    wait_for(
+        "the pool down to the low watermark",
+        Duration::from_secs(30),
+        &logs,
+        || allocated() <= low + 2 * KIB64,
+    );
+    // Every round that started has ended (its removals answered).
+    let settled = |m: &Moongate| {
+        let started = m.metric("moongate_eviction_rounds_total{trigger=\"usage\"}")
+            + m.metric("moongate_eviction_rounds_total{trigger=\"denials\"}");
+        m.metric("moongate_eviction_rounds_ended_total") >= started
+    };
+    wait_for("rounds end", Duration::from_secs(20), &logs, || {
+        settled(&a) && settled(&b)
+    });
+    let removed_a = a.metric("moongate_eviction_removed_bytes_total") as u64;
+    let removed_b = b.metric("moongate_eviction_removed_bytes_total") as u64;
+    let removed = removed_a + removed_b;
+    let detail = format!(
+        "asked {asked} B (10 MiB down to 0.15 of 32 MiB); removed {removed} B \
+         (a {removed_a}, b {removed_b}); pool now {} B",
+        allocated()
+    );
+    eprintln!("{detail}");
+    assert!(
+        removed.abs_diff(asked) * 10 <= asked,
+        "the fleet removed the excess once, within 10 %: {detail}"
+    );
+    assert!(
+        removed_a > 0 && removed_b > 0,
+        "each member freed its portion from its own keys: {detail}"
+    );
+    // What was removed is gone and nothing else (the master evicted nothing itself):
+    // the pool holds exactly the bytes not removed. (Checked before the clients close:
+    // a closing client unmounts its segment, and the replicas in it go with it.)
+    assert_eq!(allocated(), total - removed, "{detail}");
+    assert_eq!(
+        sample_of(&master.metrics(), "master_evicted_key_count"),
+        Some(0.0),
+        "{detail}"
+    );
+    for c in [ca, cb] {
+        let r = c.finish();
+        let puts = &r
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|o| o[0] == "puts")
+            .unwrap()[1];
+        assert!(
+            puts.as_array().unwrap().iter().all(|v| *v == 0),
+            "every put landed: {puts}"
+        );
+    }
+}
