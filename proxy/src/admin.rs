@@ -477,40 +477,16 @@ pub async fn serve(listener: TcpListener, state: Arc<AdminState>, shutdown: Canc
 }
 
 /// `GET /fleet`: the members this moongate sees, each arm's lookups and hits added up
-/// across them, and each arm's hit rate against the control's with a 95 % interval
-/// (two-proportion normal approximation: `significant` when it excludes 0).
+/// across them, and each arm against the control ([`crate::fleet::report`]).
 fn fleet_view(state: &AdminState) -> serde_json::Value {
     let Some(fleet) = &state.fleet else {
         return serde_json::json!({ "enabled": false });
     };
-    let view = fleet.view();
-    let arms = view.arms();
     let set = state.policy.current();
     let control = set.arms.get(set.control).map(|a| a.name.as_str());
-    let base = arms.iter().find(|a| Some(a.name.as_str()) == control);
-    let arms_json: Vec<_> = arms
-        .iter()
-        .map(|a| {
-            let n = a.hits + a.misses;
-            let vs = base
-                .filter(|b| b.name != a.name)
-                .and_then(|b| crate::fleet::compare(b, a));
-            serde_json::json!({
-                "name": a.name,
-                "bytes": a.bytes,
-                "hits": a.hits,
-                "misses": a.misses,
-                "hit_rate": if n > 0 { Some(a.hits as f64 / n as f64) } else { None },
-                "vs_control": vs,
-            })
-        })
-        .collect();
-    serde_json::json!({
-        "enabled": true,
-        "cluster": fleet.cfg.cluster,
-        "me": fleet.me,
-        "members": view.members.values().collect::<Vec<_>>(),
-        "control": control,
-        "arms": arms_json,
-    })
+    let mut v = crate::fleet::report(&fleet.view(), control);
+    v["enabled"] = true.into();
+    v["cluster"] = fleet.cfg.cluster.clone().into();
+    v["me"] = fleet.me.clone().into();
+    v
 }

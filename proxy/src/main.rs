@@ -48,6 +48,11 @@ enum Command {
     /// Evaluate policies offline over a request trace: prefix hit rates of each plugin
     /// next to native LRU and Belady's optimum, at each capacity (docs/policy-science.md).
     Sim(SimArgs),
+    /// Look at a fleet of moongates (`[fleet]`) from etcd.
+    Fleet {
+        #[command(subcommand)]
+        action: FleetCommand,
+    },
     /// Move plugin components to and from OCI registries (the CNCF Wasm artifact
     /// layout), with their minisign signatures.
     Plugin {
@@ -83,6 +88,96 @@ enum PluginCommand {
         #[command(flatten)]
         registry: RegistryArgs,
     },
+}
+
+#[derive(Subcommand)]
+enum FleetCommand {
+    /// The members of a cluster, each arm's lookups and hits added up across them, and
+    /// each arm's hit rate against the control's with a 95 % interval (two-proportion
+    /// normal approximation), read once from etcd.
+    Status {
+        /// etcd endpoints, `HOST:PORT[;HOST:PORT...]`.
+        #[arg(long)]
+        etcd: String,
+        /// The fleet's cluster (`fleet.cluster`).
+        #[arg(long, default_value = "default")]
+        cluster: String,
+        /// The control arm (default: the one the members name).
+        #[arg(long)]
+        control: Option<String>,
+        /// Print the JSON `GET /fleet` gives instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn fleet(action: FleetCommand) -> Result<String, String> {
+    let FleetCommand::Status {
+        etcd,
+        cluster,
+        control,
+        json,
+    } = action;
+    let endpoints: Vec<String> = etcd
+        .split(';')
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect();
+    if endpoints.is_empty() {
+        return Err("--etcd: no endpoint".into());
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    let view = rt
+        .block_on(moongate::fleet::membership::read(&endpoints, &cluster))
+        .map_err(|e| format!("etcd {etcd}: {e}"))?;
+    let mut r = moongate::fleet::report(&view, control.as_deref());
+    r["cluster"] = cluster.clone().into();
+    if json {
+        return Ok(r.to_string());
+    }
+    let mut out = format!("cluster {cluster}: {} members\n", view.members.len());
+    out += "member                           keys        bytes  evicted_bytes  draining  admin\n";
+    for m in view.members.values() {
+        out += &format!(
+            "{:<28} {:>8} {:>12} {:>14}  {:<8}  {}\n",
+            m.member, m.keys, m.bytes, m.evicted_bytes, m.draining, m.admin
+        );
+    }
+    out += "arm                  hits     misses  hit_rate  vs control (95 %)\n";
+    for a in r["arms"].as_array().into_iter().flatten() {
+        let rate = a["hit_rate"]
+            .as_f64()
+            .map_or("-".to_string(), |v| format!("{v:.4}"));
+        let vs = match a["vs_control"].as_object() {
+            Some(d) => format!(
+                "{:+.4} [{:+.4}, {:+.4}] {}",
+                d["diff"].as_f64().unwrap_or(0.0),
+                d["low"].as_f64().unwrap_or(0.0),
+                d["high"].as_f64().unwrap_or(0.0),
+                if d["significant"].as_bool() == Some(true) {
+                    "significant"
+                } else {
+                    "not yet significant"
+                }
+            ),
+            None if Some(a["name"].as_str().unwrap_or("")) == r["control"].as_str() => {
+                "(control)".into()
+            }
+            None => "-".into(),
+        };
+        out += &format!(
+            "{:<16} {:>8} {:>10}  {:>8}  {}\n",
+            a["name"].as_str().unwrap_or(""),
+            a["hits"],
+            a["misses"],
+            rate,
+            vs
+        );
+    }
+    Ok(out.trim_end().to_string())
 }
 
 /// How to reach a registry (the `policy.*` keys of the same names, for the CLI).
@@ -358,6 +453,16 @@ fn main() -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("moongate sim: {e}");
+                ExitCode::from(2)
+            }
+        },
+        Command::Fleet { action } => match fleet(action) {
+            Ok(text) => {
+                println!("{text}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("moongate fleet: {e}");
                 ExitCode::from(2)
             }
         },

@@ -287,6 +287,11 @@ fn fleet_snapshot(
             },
         };
         rec.admin = admin.clone();
+        rec.control = set
+            .arms
+            .get(set.control)
+            .map(|a| a.name.clone())
+            .unwrap_or_default();
         for (arm, r) in set.arms.iter().zip(rec.arms.iter_mut()) {
             r.hits = arm.metrics.lookups[0].get();
             r.misses = arm.metrics.lookups[1].get();

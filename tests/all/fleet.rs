@@ -56,6 +56,36 @@ fn members_see_each_other_and_a_dead_one_leaves_with_its_lease() {
         || mgs.iter().all(|m| members(m) == all) && members(&other) == ["x"],
     );
     assert_eq!(mgs[0].metric("moongate_fleet_members"), 3.0);
+    // The same from etcd alone, as an operator sees it.
+    let status = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_moongate"))
+            .args(["fleet", "status"])
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = status(&["--etcd", &etcd.endpoint, "--cluster", "t"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("cluster t: 3 members"), "{text}");
+    assert!(
+        all.iter().all(|m| text.contains(m)) && !text.contains(" x "),
+        "{text}"
+    );
+    let out = status(&["--etcd", &etcd.endpoint, "--cluster", "t", "--json"]);
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["members"].as_array().map(Vec::len), Some(3), "{v}");
+    assert_eq!(
+        v["control"], "default",
+        "the members name their control arm: {v}"
+    );
+    let out = status(&["--etcd", ""]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--etcd: no endpoint"));
     let rec = &fleet(&mgs[1])["members"][0];
     assert_eq!(
         rec["admin"],

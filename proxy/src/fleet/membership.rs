@@ -163,3 +163,21 @@ fn apply(view: &mut View, prefix: &str, kv: &KeyValue) -> bool {
         }
     }
 }
+
+/// The fleet as etcd holds it now, read once (`moongate fleet status`): every member's
+/// record under `cluster`.
+pub async fn read(endpoints: &[String], cluster: &str) -> Result<View, etcd_client::Error> {
+    let opts = ConnectOptions::new()
+        .with_connect_timeout(Duration::from_secs(5))
+        .with_timeout(Duration::from_secs(5));
+    let mut client = Client::connect(endpoints, Some(opts)).await?;
+    let prefix = super::members_prefix(cluster);
+    let all = client
+        .get(prefix.as_str(), Some(GetOptions::new().with_prefix()))
+        .await?;
+    let mut view = View::default();
+    for kv in all.kvs() {
+        apply(&mut view, &prefix, kv);
+    }
+    Ok(view)
+}

@@ -46,6 +46,8 @@ pub struct Record {
     /// Its evictor is bringing the pool down to the low watermark: the others join in,
     /// each with its portion, even if they never saw the pool above the high one.
     pub draining: bool,
+    /// The experiment's control arm on this member (the only arm without one).
+    pub control: String,
     /// Per experiment arm (by name; every member runs the same arms).
     pub arms: Vec<ArmRecord>,
 }
@@ -116,6 +118,47 @@ impl View {
     }
 }
 
+/// Where the members of `cluster` keep their records in etcd.
+pub fn members_prefix(cluster: &str) -> String {
+    format!("/moongate/fleet/{cluster}/members/")
+}
+
+/// The fleet as `GET /fleet` and `moongate fleet status` show it: the members, the arms
+/// added up across them with their hit rates, and each arm against `control` (the
+/// control arm's name; by default the one the members name).
+pub fn report(view: &View, control: Option<&str>) -> serde_json::Value {
+    let arms = view.arms();
+    let control = control.map(str::to_string).or_else(|| {
+        view.members
+            .values()
+            .map(|r| r.control.clone())
+            .find(|c| !c.is_empty())
+    });
+    let base = arms.iter().find(|a| Some(&a.name) == control.as_ref());
+    let arms_json: Vec<_> = arms
+        .iter()
+        .map(|a| {
+            let n = a.hits + a.misses;
+            let vs = base
+                .filter(|b| b.name != a.name)
+                .and_then(|b| compare(b, a));
+            serde_json::json!({
+                "name": a.name,
+                "bytes": a.bytes,
+                "hits": a.hits,
+                "misses": a.misses,
+                "hit_rate": if n > 0 { Some(a.hits as f64 / n as f64) } else { None },
+                "vs_control": vs,
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "members": view.members.values().collect::<Vec<_>>(),
+        "control": control,
+        "arms": arms_json,
+    })
+}
+
 /// `need * part / whole`, all of `need` when `whole` is 0, never more than `need`.
 pub fn share_of(need: u64, part: u64, whole: u64) -> u64 {
     if whole == 0 {
@@ -184,7 +227,7 @@ impl Fleet {
 
     /// Where the members' keys live.
     pub fn prefix(&self) -> String {
-        format!("/moongate/fleet/{}/members/", self.cfg.cluster)
+        members_prefix(&self.cfg.cluster)
     }
 
     /// The members as last seen.
