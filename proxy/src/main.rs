@@ -302,12 +302,27 @@ struct SimArgs {
     /// Live rules: the master's read lease (--default_kv_lease_ttl), ms; 0 = none.
     #[arg(long, default_value_t = 5000)]
     lease_ms: u64,
+    /// Also model a fleet of this many sidecars on one pool (each evicting its own
+    /// blocks by LRU within an equal quota, seeing only the accesses routed to it):
+    /// adds `lru xN ROUTE` rows next to the single LRU. Plugins still run as one
+    /// evictor.
+    #[arg(long, default_value_t = 1)]
+    ranks: usize,
+    /// How the fleet's requests reach ranks: `random`, or `sticky` (by the first block).
+    #[arg(long, value_enum, default_value_t = RouteArg::Random)]
+    route: RouteArg,
     /// Write the report as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
     /// Draw the miss-ratio curves here (SVG).
     #[arg(long)]
     plot: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum RouteArg {
+    Random,
+    Sticky,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -359,9 +374,14 @@ fn sim(a: SimArgs) -> Result<(), String> {
         high,
         low,
         lease_ms,
+        ranks,
+        route,
         json,
         plot,
     } = a;
+    if ranks == 0 || ranks > 4096 {
+        return Err("--ranks must be in 1..=4096".into());
+    }
     let live = moongate::sim::Live {
         speed,
         high,
@@ -404,6 +424,11 @@ fn sim(a: SimArgs) -> Result<(), String> {
             }
         },
         max_candidates: max_candidates.max(1),
+        ranks,
+        route: match route {
+            RouteArg::Random => sim::baseline::Route::Random,
+            RouteArg::Sticky => sim::baseline::Route::Sticky,
+        },
     };
     let report = sim::run(&t, &spec).map_err(|e| e.to_string())?;
     print!("{}", sim::report::table(&report));

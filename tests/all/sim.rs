@@ -89,7 +89,8 @@ fn sim_refuses_bad_input_with_a_clear_error() {
     std::fs::write(&bad_trace, "{\"hash_ids\": [1]}\nnot json\n").unwrap();
     let junk = dir.path().join("junk.wasm");
     std::fs::write(&junk, b"\0asm not a component").unwrap();
-    let cases: [(&std::path::Path, &[&str], &str); 4] = [
+    let cases: [(&std::path::Path, &[&str], &str); 5] = [
+        (&trace, &["--capacity", "5%", "--ranks", "0"], "--ranks"),
         (&trace, &["--capacity", "5 percent"], "--capacity"),
         (&bad_trace, &["--capacity", "5%"], "line 2"),
         (
@@ -117,4 +118,66 @@ fn sim_refuses_bad_input_with_a_clear_error() {
             "{args:?} should mention {says:?}: {err}"
         );
     }
+}
+
+/// The fleet model on the whole shipped trace: eight sidecars each evicting its own
+/// blocks within an equal quota, seeing only their own accesses, hit less than one LRU
+/// over the same capacity (the cost of partial views, measured offline). One rank is
+/// exactly the single LRU.
+#[test]
+fn sim_models_a_fleet_of_partial_views() {
+    let dir = tempdir();
+    let trace = repo_root().join("benches/traces/mooncake_fast25_synthetic.jsonl");
+    let run = |ranks: &str| -> Value {
+        let json = dir.path().join(format!("f{ranks}.json"));
+        let out = moongate()
+            .args(["sim", "--trace"])
+            .arg(&trace)
+            .args([
+                "--capacity",
+                "5%,10%",
+                "--ranks",
+                ranks,
+                "--route",
+                "random",
+                "--json",
+            ])
+            .arg(&json)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap()
+    };
+    let rate = |r: &Value, policy: &str, i: usize| -> f64 {
+        r["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|x| x["policy"] == policy)
+            .nth(i)
+            .unwrap_or_else(|| panic!("no {policy} row {i}: {r}"))["hit_rate"]
+            .as_f64()
+            .unwrap()
+    };
+    let fleet = run("8");
+    for i in 0..2 {
+        let (one, eight) = (rate(&fleet, "lru", i), rate(&fleet, "lru x8 random", i));
+        assert!(
+            eight < one - 0.01,
+            "capacity {i}: 8 partial views {eight:.4} vs one LRU {one:.4}"
+        );
+    }
+    let single = run("1");
+    assert!(
+        single["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|x| !x["policy"].as_str().unwrap().starts_with("lru x")),
+        "one rank adds no fleet row"
+    );
 }

@@ -82,6 +82,103 @@ pub fn lru(trace: &Trace, cap: usize) -> Counts {
     c
 }
 
+/// How a fleet's router sends requests to ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// Any rank, uniformly (a load balancer that knows nothing of the cache).
+    Random,
+    /// The rank its first block hashes to: requests sharing a prefix meet on one rank
+    /// (a cache-aware or session-sticky router).
+    Sticky,
+}
+
+/// splitmix64: a fixed, seedable spread of request numbers and block ids over ranks.
+fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// LRU as a fleet of `ranks` sidecars runs it today, each in front of one rank: a block
+/// belongs to the rank that stored it; each rank evicts its own blocks, least recently
+/// used first, within an equal quota of `cap` (what the fleet's proportional portions
+/// come to when ranks store alike); a rank sees only the accesses routed to it, so a
+/// block read through other ranks ages on its owner's list. Lookups find a block
+/// wherever it is (one pool). With `ranks = 1` this is [`lru`].
+pub fn lru_fleet(trace: &Trace, cap: usize, ranks: usize, route: Route) -> Counts {
+    let ranks = ranks.max(1);
+    let n = trace.distinct();
+    let (mut prev, mut next) = (vec![NONE; n], vec![NONE; n]);
+    let mut owner = vec![NONE; n];
+    let (mut head, mut tail, mut len) = (vec![NONE; ranks], vec![NONE; ranks], vec![0usize; ranks]);
+    let quota: Vec<usize> = (0..ranks)
+        .map(|i| cap / ranks + usize::from(i < cap % ranks))
+        .collect();
+    let mut c = Counts::default();
+    for (i, r) in trace.requests.iter().enumerate() {
+        let blocks = trace.blocks_of(r);
+        c.lookups += blocks.len() as u64;
+        c.hits += prefix_hits(blocks, |b| owner[b as usize] != NONE);
+        let Some(&first) = blocks.first() else {
+            continue;
+        };
+        let k = match route {
+            Route::Random => mix(i as u64),
+            Route::Sticky => mix(u64::from(first) ^ 0x5bd1_e995),
+        } as usize
+            % ranks;
+        for &b in blocks {
+            let bu = b as usize;
+            match owner[bu] {
+                o if o == k as u32 => {
+                    if tail[k] == b {
+                        continue;
+                    }
+                    let (p, nx) = (prev[bu], next[bu]);
+                    if p != NONE {
+                        next[p as usize] = nx;
+                    } else {
+                        head[k] = nx;
+                    }
+                    prev[nx as usize] = p;
+                }
+                // Another rank's block: this rank's evictor never hears of the access.
+                o if o != NONE => continue,
+                _ => {
+                    if quota[k] == 0 {
+                        continue;
+                    }
+                    owner[bu] = k as u32;
+                    len[k] += 1;
+                    c.stored += 1;
+                }
+            }
+            prev[bu] = tail[k];
+            next[bu] = NONE;
+            if tail[k] != NONE {
+                next[tail[k] as usize] = b;
+            } else {
+                head[k] = b;
+            }
+            tail[k] = b;
+            if len[k] > quota[k] {
+                let h = head[k] as usize;
+                head[k] = next[h];
+                if head[k] != NONE {
+                    prev[head[k] as usize] = NONE;
+                } else {
+                    tail[k] = NONE;
+                }
+                owner[h] = NONE;
+                len[k] -= 1;
+                c.evicted += 1;
+            }
+        }
+    }
+    c
+}
+
 /// Belady's rule over `cap` blocks.
 pub fn opt(trace: &Trace, cap: usize) -> Counts {
     let refs = trace.blocks.len();
@@ -149,6 +246,26 @@ mod tests {
         let all = lru(&t, 10);
         assert_eq!(all.hits, 3, "1 in [1,3], then all of [2,1]");
         assert_eq!(lru(&t, 0).hits, 0);
+    }
+
+    #[test]
+    fn a_fleet_of_one_is_lru_and_a_partial_view_ages_shared_blocks() {
+        let t = trace(&[&[1, 2], &[1, 3], &[2, 1], &[4, 5, 6], &[1, 2, 7]]);
+        for cap in [0, 1, 2, 3, 10] {
+            for route in [Route::Random, Route::Sticky] {
+                assert_eq!(lru_fleet(&t, cap, 1, route), lru(&t, cap), "cap {cap}");
+            }
+        }
+        // Two ranks, sticky on the first block: [1,..] requests meet on one rank, so a
+        // fleet with room for everything hits as one cache does.
+        assert_eq!(lru_fleet(&t, 10, 2, Route::Sticky).hits, lru(&t, 10).hits);
+        // A block read through another rank ages on its owner's list: [9] is put by
+        // one rank and read by the other; the owner's own puts push it out.
+        let t = trace(&[&[9], &[9], &[1], &[9], &[2], &[9]]);
+        let one = lru(&t, 2).hits;
+        let two = lru_fleet(&t, 4, 2, Route::Random).hits;
+        assert_eq!(one, 3, "one LRU of 2 keeps [9] hot");
+        assert!(two <= one, "two ranks of 2 each: {two}");
     }
 
     #[test]

@@ -152,6 +152,10 @@ pub struct Spec {
     pub plugins: Vec<PluginSource>,
     pub rules: Rules,
     pub max_candidates: usize,
+    /// Above 1: also the fleet baseline, `lru` run by this many sidecars
+    /// ([`baseline::lru_fleet`]).
+    pub ranks: usize,
+    pub route: baseline::Route,
 }
 
 #[derive(Debug, Error)]
@@ -213,6 +217,19 @@ pub fn run(trace: &Trace, spec: &Spec) -> Result<Report, SimError> {
         let t = Instant::now();
         let c = baseline::opt(trace, blocks as usize);
         results.push(row("opt", blocks, c, t));
+        if spec.ranks > 1 {
+            let t = Instant::now();
+            let c = baseline::lru_fleet(trace, blocks as usize, spec.ranks, spec.route);
+            let label = format!(
+                "lru x{} {}",
+                spec.ranks,
+                match spec.route {
+                    baseline::Route::Random => "random",
+                    baseline::Route::Sticky => "sticky",
+                }
+            );
+            results.push(row(&label, blocks, c, t));
+        }
     }
     let clock = Arc::new(AtomicU64::new(0));
     let metrics = crate::metrics::Metrics::new();
