@@ -88,3 +88,20 @@ def spawn_owner(script, master, metadata, work):
         owner.kill()
         raise SystemExit(f"owner failed; see {work}/owner.log")
     return owner
+
+
+def start_etcd(work, procs):
+    """Starts Debian's etcd-server on free loopback ports (data and log under `work`),
+    appends it to `procs`, waits for /health and returns its `host:port`."""
+    import subprocess
+    cport, pport = free_port(), free_port()
+    etcd = f"127.0.0.1:{cport}"
+    procs.append(subprocess.Popen(
+        ["etcd", "--name", "b", "--data-dir", f"{work}/etcd",
+         "--listen-client-urls", f"http://{etcd}", "--advertise-client-urls", f"http://{etcd}",
+         "--listen-peer-urls", f"http://127.0.0.1:{pport}",
+         "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}",
+         "--initial-cluster", f"b=http://127.0.0.1:{pport}"],
+        stdout=open(f"{work}/etcd.log", "w"), stderr=subprocess.STDOUT))
+    wait_http(f"http://{etcd}/health")
+    return etcd

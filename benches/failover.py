@@ -26,7 +26,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import free_port, stop_all, wait_http  # noqa: E402
+from benchlib import free_port, start_etcd, stop_all, wait_http  # noqa: E402
 
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
@@ -106,16 +106,7 @@ def main():
 
     res = {"direct": [], "moongate": []}
     try:
-        cport, pport = free_port(), free_port()
-        etcd = f"127.0.0.1:{cport}"
-        procs.append(subprocess.Popen(
-            ["etcd", "--name", "b", "--data-dir", f"{work}/etcd",
-             "--listen-client-urls", f"http://{etcd}", "--advertise-client-urls", f"http://{etcd}",
-             "--listen-peer-urls", f"http://127.0.0.1:{pport}",
-             "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}",
-             "--initial-cluster", f"b=http://127.0.0.1:{pport}"],
-            stdout=open(f"{work}/etcd.log", "w"), stderr=subprocess.STDOUT))
-        wait_http(f"http://{etcd}/health")
+        etcd = start_etcd(work, procs)
         mdport = free_port()
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "mooncake.http_metadata_server", "--host", "127.0.0.1",

@@ -22,7 +22,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import free_port, master_cmd, stop_all, wait_http  # noqa: E402
+from benchlib import free_port, master_cmd, start_etcd, stop_all, wait_http  # noqa: E402
 
 
 def get(url):
@@ -57,16 +57,7 @@ def main():
     work = tempfile.mkdtemp(prefix="moongate-fleet-")
     procs = []
     try:
-        client, peer = free_port(), free_port()
-        etcd = f"127.0.0.1:{client}"
-        procs.append(subprocess.Popen(
-            ["etcd", "--name", "b", "--data-dir", f"{work}/etcd",
-             "--listen-client-urls", f"http://{etcd}", "--advertise-client-urls", f"http://{etcd}",
-             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-cluster", f"b=http://127.0.0.1:{peer}"],
-            stdout=open(f"{work}/etcd.log", "w"), stderr=subprocess.STDOUT))
-        wait_http(f"http://{etcd}/health")
+        etcd = start_etcd(work, procs)
         rpc, http = free_port(), free_port()
         procs.append(subprocess.Popen(master_cmd(rpc, http), stdout=open(f"{work}/master.log", "w"),
                                       stderr=subprocess.STDOUT))

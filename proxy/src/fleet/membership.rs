@@ -66,13 +66,7 @@ async fn session(
         .await?;
     let mut last = None;
     publish(&mut client, fleet, &key, lease, snapshot, &mut last).await?;
-    let all = client
-        .get(prefix.as_str(), Some(GetOptions::new().with_prefix()))
-        .await?;
-    let mut view = View::default();
-    for kv in all.kvs() {
-        apply(&mut view, &prefix, kv);
-    }
+    let mut view = read_all(&mut client, &prefix).await?;
     fleet.set_view(view.clone());
     tracing::info!(member = %fleet.me, members = view.members.len(), cluster = %fleet.cfg.cluster,
         "fleet: joined");
@@ -171,13 +165,17 @@ pub async fn read(endpoints: &[String], cluster: &str) -> Result<View, etcd_clie
         .with_connect_timeout(Duration::from_secs(5))
         .with_timeout(Duration::from_secs(5));
     let mut client = Client::connect(endpoints, Some(opts)).await?;
-    let prefix = super::members_prefix(cluster);
+    read_all(&mut client, &super::members_prefix(cluster)).await
+}
+
+/// Every record under `prefix`, as a view.
+async fn read_all(client: &mut Client, prefix: &str) -> Result<View, etcd_client::Error> {
     let all = client
-        .get(prefix.as_str(), Some(GetOptions::new().with_prefix()))
+        .get(prefix, Some(GetOptions::new().with_prefix()))
         .await?;
     let mut view = View::default();
     for kv in all.kvs() {
-        apply(&mut view, &prefix, kv);
+        apply(&mut view, prefix, kv);
     }
     Ok(view)
 }
