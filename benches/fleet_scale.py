@@ -2,8 +2,9 @@
 """What a fleet costs: N moongates (`[fleet]` on, one worker thread each) against one
 mooncake_master and one etcd (Debian's etcd-server), all on this machine.
 
-Measures, for an idle fleet over --seconds: etcd writes per second (etcd's own
-`etcd_mvcc_put_total`), lease renewals per second, and moongate CPU per member (from
+Measures, for an idle fleet over --seconds: etcd writes per second (etcd's own put
+counter: an idle member's record does not change, so it writes nothing), lease renewals
+per second, and moongate CPU per member (from
 /proc); then the time for a membership change to reach every member: one member
 SIGKILLed (its lease must run out) and one new member started (its first write).
 
@@ -108,12 +109,16 @@ def main():
         m1 = get(f"http://{etcd}/metrics")
         c1 = {i: cpu_s(pr.pid) for i, (pr, _) in members.items()}
         e1 = cpu_s(etcd_pid)
-        puts = sample(m1, "etcd_mvcc_put_total") - sample(m0, "etcd_mvcc_put_total")
-        renew = (sample(m1, "grpc_server_handled_total")
-                 - sample(m0, "grpc_server_handled_total"))
+        # etcd 3.4 (Debian's) names them etcd_debugging_*; later ones etcd_mvcc_*.
+        def count(m, names):
+            return sum(sample(m, n) for n in names)
+        put_names = ["etcd_mvcc_put_total", "etcd_debugging_mvcc_put_total"]
+        renew_names = ["etcd_debugging_lease_renewed_total"]
+        puts = count(m1, put_names) - count(m0, put_names)
+        renew = count(m1, renew_names) - count(m0, renew_names)
         cpu = sorted((c1[i] - c0[i]) / a.seconds * 1000 for i in c0)
         print(f"idle fleet over {a.seconds:.0f} s: etcd puts {puts / a.seconds:.2f}/s, "
-              f"etcd gRPC calls handled {renew / a.seconds:.1f}/s, etcd CPU "
+              f"lease renewals {renew / a.seconds:.1f}/s, etcd CPU "
               f"{(e1 - e0) / a.seconds * 1000:.1f} ms/s; moongate CPU per member: median "
               f"{cpu[len(cpu) // 2]:.2f} ms/s, max {cpu[-1]:.2f} ms/s", flush=True)
 
