@@ -142,11 +142,8 @@ impl Config {
         self.kv.validate(&mut errs);
         self.eviction.validate(&mut errs);
         self.events.validate(&mut errs);
-        let upstream_etcd = match self.master_face.upstream_spec() {
-            Ok(crate::upstream::UpstreamSpec::Etcd { endpoints, .. }) => Some(endpoints),
-            _ => None,
-        };
-        self.fleet.validate(&mut errs, upstream_etcd.as_deref());
+        self.fleet
+            .validate(&mut errs, self.master_face.upstream_etcd().as_deref());
         self.policy.validate(
             &mut errs,
             self.experiment

@@ -118,11 +118,7 @@ fn fleet(action: FleetCommand) -> Result<String, String> {
         control,
         json,
     } = action;
-    let endpoints: Vec<String> = etcd
-        .split(';')
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty())
-        .collect();
+    let endpoints = moongate::fleet::config::parse_endpoints(&etcd);
     if endpoints.is_empty() {
         return Err("--etcd: no endpoint".into());
     }

@@ -134,14 +134,10 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
         ev
     });
     let fleet = if cfg.fleet.enabled {
-        let upstream_etcd = match cfg.master_face.upstream_spec() {
-            Ok(crate::upstream::UpstreamSpec::Etcd { endpoints, .. }) => Some(endpoints),
-            _ => None,
-        };
         // Validated with the config: enabled means an etcd is known.
         let endpoints = cfg
             .fleet
-            .endpoints(upstream_etcd.as_deref())
+            .endpoints(cfg.master_face.upstream_etcd().as_deref())
             .unwrap_or_default();
         let fleet = crate::fleet::Fleet::new(cfg.fleet.clone(), metrics.fleet.clone());
         if let Some(ev) = &eviction {
@@ -272,30 +268,11 @@ fn fleet_snapshot(
 ) -> crate::fleet::membership::Snapshot {
     Arc::new(move || {
         let set = policy.current();
-        let names: Vec<String> = set.arms.iter().map(|a| a.name.clone()).collect();
         let mut rec = match &eviction {
-            Some(e) => e.fleet_record(&names),
-            None => crate::fleet::Record {
-                arms: names
-                    .iter()
-                    .map(|n| crate::fleet::ArmRecord {
-                        name: n.clone(),
-                        ..Default::default()
-                    })
-                    .collect(),
-                ..Default::default()
-            },
+            Some(e) => e.fleet_record(&set),
+            None => crate::fleet::Record::of_arms(&set, &[]),
         };
         rec.admin = admin.clone();
-        rec.control = set
-            .arms
-            .get(set.control)
-            .map(|a| a.name.clone())
-            .unwrap_or_default();
-        for (arm, r) in set.arms.iter().zip(rec.arms.iter_mut()) {
-            r.hits = arm.metrics.lookups[0].get();
-            r.misses = arm.metrics.lookups[1].get();
-        }
         rec
     })
 }

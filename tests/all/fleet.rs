@@ -131,20 +131,16 @@ fn a_fleet_frees_the_pools_excess_once_each_member_its_portion() {
          high_watermark = 0.3\nlow_watermark = 0.15\ninterval_ms = 200\n",
         master.metrics_url
     );
-    let a = Moongate::start_config(&fleet_config(
-        &master.rpc,
-        &etcd.endpoint,
-        "t",
-        "a",
-        &eviction,
-    ));
-    let b = Moongate::start_config(&fleet_config(
-        &master.rpc,
-        &etcd.endpoint,
-        "t",
-        "b",
-        &eviction,
-    ));
+    let member = |m: &str| {
+        Moongate::start_config(&fleet_config(
+            &master.rpc,
+            &etcd.endpoint,
+            "t",
+            m,
+            &eviction,
+        ))
+    };
+    let (a, b) = (member("a"), member("b"));
     a.wait_ready(&master);
     b.wait_ready(&master);
     let logs = [&master.proc, &a.proc, &b.proc, &etcd.proc];
@@ -153,20 +149,11 @@ fn a_fleet_frees_the_pools_excess_once_each_member_its_portion() {
     });
     // A: 8 chains (4 MiB) into its 16 MiB segment (0.25: under the watermark alone).
     // B mounts 16 MiB more and puts 12 chains (6 MiB): 10 MiB of 32, 0.31.
-    let ca = Background::start_args(
-        "chains",
-        &a.listen,
-        &master.metadata,
-        &["--count", "8", "--prefix", "a/"],
-        &logs,
-    );
-    let cb = Background::start_args(
-        "chains",
-        &b.listen,
-        &master.metadata,
-        &["--count", "12", "--prefix", "b/"],
-        &logs,
-    );
+    let chains = |mg: &Moongate, count: &str, prefix: &str| {
+        let args = ["--count", count, "--prefix", prefix];
+        Background::start_args("chains", &mg.listen, &master.metadata, &args, &logs)
+    };
+    let (ca, cb) = (chains(&a, "8", "a/"), chains(&b, "12", "b/"));
     let total = 20 * 8 * KIB64;
     let capacity = 32u64 << 20;
     let low = (0.15 * capacity as f64) as u64;
@@ -216,12 +203,7 @@ fn a_fleet_frees_the_pools_excess_once_each_member_its_portion() {
     );
     for c in [ca, cb] {
         let r = c.finish();
-        let puts = &r
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|o| o[0] == "puts")
-            .unwrap()[1];
+        let puts = result(&r, "puts");
         assert!(
             puts.as_array().unwrap().iter().all(|v| *v == 0),
             "every put landed: {puts}"

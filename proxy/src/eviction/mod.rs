@@ -105,25 +105,14 @@ impl Eviction {
         let _ = self.fleet.set(fleet);
     }
 
-    /// What this member publishes to the fleet: its table's bytes and keys per arm, what
-    /// it evicted. (Lookups and hits per arm are the policy's; the caller adds them.)
-    pub fn fleet_record(&self, arm_names: &[String]) -> crate::fleet::Record {
-        let bytes = self.table.arm_bytes();
+    /// What this member adds to its fleet record: keys and bytes per arm of its table,
+    /// bytes it evicted, whether it is draining the pool.
+    pub fn fleet_record(&self, set: &ActiveSet) -> crate::fleet::Record {
         crate::fleet::Record {
             keys: self.table.len() as u64,
-            bytes: bytes.iter().sum(),
             evicted_bytes: self.metrics.removed_bytes.get(),
             draining: self.draining.load(Ordering::Relaxed),
-            arms: arm_names
-                .iter()
-                .enumerate()
-                .map(|(i, n)| crate::fleet::ArmRecord {
-                    name: n.clone(),
-                    bytes: bytes.get(i).copied().unwrap_or(0),
-                    ..Default::default()
-                })
-                .collect(),
-            ..Default::default()
+            ..crate::fleet::Record::of_arms(set, &self.table.arm_bytes())
         }
     }
 

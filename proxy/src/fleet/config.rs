@@ -42,17 +42,19 @@ impl Default for FleetConfig {
     }
 }
 
+/// `HOST:PORT[;HOST:PORT...]` as a list (blanks dropped).
+pub fn parse_endpoints(s: &str) -> Vec<String> {
+    s.split(';')
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
 impl FleetConfig {
     /// The etcd endpoints to use: this section's, else the upstream's (`None`: neither).
     pub fn endpoints(&self, upstream_etcd: Option<&[String]>) -> Option<Vec<String>> {
         if !self.etcd.is_empty() {
-            return Some(
-                self.etcd
-                    .split(';')
-                    .map(|s| s.trim().to_string())
-                    .filter(|s| !s.is_empty())
-                    .collect(),
-            );
+            return Some(parse_endpoints(&self.etcd));
         }
         upstream_etcd.map(|e| e.to_vec())
     }

@@ -70,6 +70,34 @@ pub struct View {
     pub members: BTreeMap<String, Record>,
 }
 
+impl Record {
+    /// A member's record as far as the policy knows it: each arm of `set` with its
+    /// lookups and hits so far (the arms' own counters) and `arm_bytes` (by arm index;
+    /// empty without a key table), and the control arm. The caller adds the rest.
+    pub fn of_arms(set: &crate::policy::active::ActiveSet, arm_bytes: &[u64]) -> Record {
+        Record {
+            control: set
+                .arms
+                .get(set.control)
+                .map(|a| a.name.clone())
+                .unwrap_or_default(),
+            bytes: arm_bytes.iter().sum(),
+            arms: set
+                .arms
+                .iter()
+                .enumerate()
+                .map(|(i, a)| ArmRecord {
+                    name: a.name.clone(),
+                    bytes: arm_bytes.get(i).copied().unwrap_or(0),
+                    hits: a.metrics.lookups[0].get(),
+                    misses: a.metrics.lookups[1].get(),
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+}
+
 impl View {
     /// This member's portion of `need` bytes the whole fleet must free: `need` times
     /// `mine` (its bytes now) over the fleet's bytes (the others' as last published,

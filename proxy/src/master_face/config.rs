@@ -115,6 +115,14 @@ impl MasterFaceConfig {
             self.connect_timeout_ms,
         );
     }
+    /// The etcd endpoints `upstream` names, when it is `etcd://...`.
+    pub fn upstream_etcd(&self) -> Option<Vec<String>> {
+        match self.upstream_spec() {
+            Ok(crate::upstream::UpstreamSpec::Etcd { endpoints, .. }) => Some(endpoints),
+            _ => None,
+        }
+    }
+
     /// How `upstream` names the master.
     pub fn upstream_spec(&self) -> Result<crate::upstream::UpstreamSpec, String> {
         crate::upstream::UpstreamSpec::parse(&self.upstream, &self.ha_cluster_id)
