@@ -1,12 +1,45 @@
 """Helpers the benchmark drivers share: free loopback ports, readiness waits,
-percentiles, the mooncake_master command line, and stopping what a driver started."""
+percentiles, the mooncake_master command line, stopping what a driver started, and
+scratch directories that do not outlive a clean run."""
 import os
+import shutil
 import socket
 import subprocess
+import sys
+import tempfile
 import time
 import urllib.request
 
 MiB = 1 << 20
+
+
+_scratch = []
+
+
+def work_dir(prefix):
+    """A scratch directory for this run's logs and data (an etcd's WAL alone is 62 MB):
+    `run` removes it when the run succeeds and keeps it, named, when it fails.
+    MOONGATE_KEEP_WORK=1 keeps it always."""
+    work = tempfile.mkdtemp(prefix=prefix)
+    _scratch.append(work)
+    return work
+
+
+def run(main):
+    """Run a driver's main: exit with its code, removing its scratch directories if it
+    succeeded (returned 0 or None) and naming them if it did not."""
+    try:
+        rc = main()
+    except BaseException:
+        for w in _scratch:
+            print(f"(kept {w})", file=sys.stderr)
+        raise
+    for w in _scratch:
+        if rc or os.environ.get("MOONGATE_KEEP_WORK") == "1":
+            print(f"(kept {w})", file=sys.stderr)
+        else:
+            shutil.rmtree(w, ignore_errors=True)
+    sys.exit(rc or 0)
 
 
 def free_port():

@@ -29,10 +29,9 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import free_port, master_cmd, stop_all, wait_http  # noqa: E402
+from benchlib import free_port, master_cmd, run, stop_all, wait_http, work_dir  # noqa: E402
 
 MiB = 1 << 20
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
@@ -151,7 +150,7 @@ def main():
     if a.role == "client":
         return role_client(a)
 
-    work = tempfile.mkdtemp(prefix="moongate-cpu-")
+    work = work_dir("moongate-cpu-")
     rpc, http = free_port(), free_port()
     metadata = f"http://127.0.0.1:{http}/metadata"
     master = subprocess.Popen(master_cmd(rpc, http), stdout=open(f"{work}/master.log", "w"),
@@ -182,7 +181,6 @@ def main():
         print(f"{label:<10} {total:>14} {total / calls:>10.0f}")
     if results.get("baseline"):
         print(f"this / baseline: {results['this'] / results['baseline']:.3f}")
-    print(f"(work dir {work})")
     if a.max_per_call:
         per_call = results["this"] / calls
         if not results["this"]:
@@ -198,4 +196,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

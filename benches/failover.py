@@ -21,12 +21,11 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import free_port, start_etcd, stop_all, wait_http  # noqa: E402
+from benchlib import free_port, run, start_etcd, stop_all, wait_http, work_dir  # noqa: E402
 
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
@@ -75,7 +74,7 @@ def main():
         return role_putter(a)
     import mooncake
     master_bin = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
-    work = tempfile.mkdtemp(prefix="moongate-failover-")
+    work = work_dir("moongate-failover-")
     procs = []
     masters = {}
 
@@ -182,4 +181,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -18,12 +18,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import free_port, master_cmd, start_etcd, stop_all, wait_http  # noqa: E402
+from benchlib import free_port, master_cmd, run, start_etcd, stop_all, wait_http, work_dir  # noqa: E402
 
 
 def get(url):
@@ -55,7 +54,7 @@ def main():
     a = p.parse_args()
     if not shutil.which("etcd"):
         raise SystemExit("needs Debian's etcd-server (scripts/bootstrap.sh installs it)")
-    work = tempfile.mkdtemp(prefix="moongate-fleet-")
+    work = work_dir("moongate-fleet-")
     procs = []
     try:
         etcd = start_etcd(work, procs)
@@ -141,4 +140,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -16,12 +16,11 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import free_port, master_cmd, pct, run_owner, spawn_owner, stop_all, wait_http  # noqa: E402,E501
+from benchlib import free_port, master_cmd, pct, run, run_owner, spawn_owner, stop_all, wait_http, work_dir  # noqa: E402,E501
 
 MiB = 1 << 20
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
@@ -110,7 +109,7 @@ def main():
         return role_owner(a)
     if a.role == "reader":
         return role_reader(a)
-    work = tempfile.mkdtemp(prefix="moongate-kv-")
+    work = work_dir("moongate-kv-")
     rpc, http, kv, admin = (free_port() for _ in range(4))
     metadata = f"http://127.0.0.1:{http}/metadata"
     procs = []
@@ -172,4 +171,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

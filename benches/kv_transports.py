@@ -14,13 +14,12 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import free_port, master_cmd, stop_all, wait_http  # noqa: E402
+from benchlib import free_port, master_cmd, run, stop_all, wait_http, work_dir  # noqa: E402
 
 
 def reads(admin, transport):
@@ -55,7 +54,7 @@ def main():
     p.add_argument("--kv-bench", default="target/release/examples/kv_bench")
     p.add_argument("--json")
     a = p.parse_args()
-    work = tempfile.mkdtemp(prefix="moongate-transports-")
+    work = work_dir("moongate-transports-")
     rpc, http = free_port(), free_port()
     metadata = f"http://127.0.0.1:{http}/metadata"
     procs = []
@@ -115,4 +114,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

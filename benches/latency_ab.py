@@ -23,10 +23,9 @@ import argparse
 import os
 import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import free_port, master_cmd, run_owner, stop_all, wait_http  # noqa: E402
+from benchlib import free_port, master_cmd, run, run_owner, stop_all, wait_http, work_dir  # noqa: E402
 
 MiB = 1 << 20
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
@@ -53,7 +52,7 @@ def main():
         return run_owner(a.master, a.metadata, 64 * MiB,
                          put={f"{PREFIX}/{i}": b"v" * 64 for i in range(KEYS)})
 
-    work = tempfile.mkdtemp(prefix="moongate-ab-")
+    work = work_dir("moongate-ab-")
     rpc, http, listen, admin, relay, b_listen, b_admin = (free_port() for _ in range(7))
     metadata = f"http://127.0.0.1:{http}/metadata"
     procs = []
@@ -98,4 +97,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run(main)
