@@ -319,6 +319,9 @@ async fn route(
             ),
         };
     }
+    if method == Method::POST && path == "/fleet/records" {
+        return fleet_records(&state, req, loopback).await;
+    }
     let mutating = matches!(
         (method.as_str(), path.as_str()),
         ("POST", "/plugins") | ("POST", "/plugins/rollback") | ("PUT", "/experiments")
@@ -473,6 +476,59 @@ pub async fn serve(listener: TcpListener, state: Arc<AdminState>, shutdown: Canc
                 tracing::debug!(error = %e, "admin connection ended with an error");
             }
         });
+    }
+}
+
+/// A batch of access records is at most this big (a member sends what it gathered for
+/// this one over `fleet.records_flush_ms`, at most `fleet.records_max_pending_bytes`
+/// plus one record).
+const MAX_RECORDS_BODY: usize = 64 << 20;
+
+/// `POST /fleet/records`: access records from another member for keys homed here
+/// ([`crate::fleet::records`]). Members authenticate like the changing endpoints. A
+/// batch that does not decode is refused whole with the reason; nothing of it applies.
+async fn fleet_records(
+    state: &AdminState,
+    req: Request<Incoming>,
+    loopback: bool,
+) -> Response<Full<Bytes>> {
+    if !authorized(state, &req, loopback) {
+        return error(
+            StatusCode::UNAUTHORIZED,
+            "access records need `Authorization: Bearer <admin.token>` (or a loopback admin address when no token is set)",
+        );
+    }
+    let (Some(fleet), Some(ev)) = (&state.fleet, &state.eviction) else {
+        return error(
+            StatusCode::NOT_FOUND,
+            "this moongate takes no access records: it needs [fleet] and a key table ([eviction] or [events] on)",
+        );
+    };
+    let body = match Limited::new(req.into_body(), MAX_RECORDS_BODY)
+        .collect()
+        .await
+    {
+        Ok(b) => b.to_bytes(),
+        Err(e) => {
+            return error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("body unreadable or over {MAX_RECORDS_BODY} bytes: {e}"),
+            );
+        }
+    };
+    let n = body.len() as u64;
+    match crate::fleet::records::decode(body) {
+        Ok(recs) => {
+            fleet.metrics.records_received_bytes.inc_by(n);
+            let set = state.policy.current();
+            ev.accept(recs, |i| {
+                set.arms
+                    .get(i)
+                    .map_or_else(|| format!("arm{i}"), |a| a.name.clone())
+            });
+            text(StatusCode::OK, "ok\n")
+        }
+        Err(e) => error(StatusCode::BAD_REQUEST, format!("access records: {e}")),
     }
 }
 

@@ -133,21 +133,40 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
         }
         ev
     });
+    let mut records_task = None;
     let fleet = if cfg.fleet.enabled {
         // Validated with the config: enabled means an etcd is known.
         let endpoints = cfg
             .fleet
             .endpoints(cfg.master_face.upstream_etcd().as_deref())
             .unwrap_or_default();
-        let fleet = crate::fleet::Fleet::new(cfg.fleet.clone(), metrics.fleet.clone());
+        let fleet = crate::fleet::Fleet::new(
+            cfg.fleet.clone(),
+            metrics.fleet.clone(),
+            cfg.admin.token.clone(),
+        );
         if let Some(ev) = &eviction {
             ev.set_fleet(fleet.clone());
         }
+        // Access records need a key table to be home to keys; without one this member
+        // neither sends nor takes them.
+        let records = match (&fleet.records, &eviction) {
+            (Some(f), Some(ev)) => {
+                let ev = ev.clone();
+                let hand_over = Box::new({
+                    let f = f.clone();
+                    move |homes: &crate::fleet::forward::Homes| ev.hand_over(&f, homes)
+                });
+                records_task = Some(tokio::spawn(f.clone().run(hand_over, shutdown.clone())));
+                true
+            }
+            _ => false,
+        };
         let admin_addr = admin_listener
             .local_addr()
             .map(|a| a.to_string())
             .unwrap_or_default();
-        let snapshot = fleet_snapshot(policy.clone(), eviction.clone(), admin_addr);
+        let snapshot = fleet_snapshot(policy.clone(), eviction.clone(), admin_addr, records);
         tracing::info!(member = %fleet.me, cluster = %cfg.fleet.cluster, ?endpoints, "fleet on");
         tokio::spawn(crate::fleet::membership::run(
             fleet.clone(),
@@ -241,6 +260,14 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
     } else {
         tracing::info!("all connections drained");
     }
+    // A leaving member's last batches hand its entries to their next homes.
+    if let Some(t) = records_task
+        && tokio::time::timeout(Duration::from_secs(5), t)
+            .await
+            .is_err()
+    {
+        tracing::warn!("the fleet's last access records were not sent within 5 s");
+    }
     events_stop.cancel();
     if let Some(t) = events_thread {
         let joined = tokio::task::spawn_blocking(move || t.join());
@@ -265,6 +292,7 @@ fn fleet_snapshot(
     policy: Arc<crate::policy::registry::Registry>,
     eviction: Option<Arc<crate::eviction::Eviction>>,
     admin: String,
+    records: bool,
 ) -> crate::fleet::membership::Snapshot {
     Arc::new(move || {
         let set = policy.current();
@@ -273,6 +301,7 @@ fn fleet_snapshot(
             None => crate::fleet::Record::of_arms(&set, &[]),
         };
         rec.admin = admin.clone();
+        rec.records = records;
         rec
     })
 }

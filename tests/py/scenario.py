@@ -35,6 +35,11 @@ Roles:
           which can only land in moongate's segment.
   events  three phases of puts, removals, a RemoveAll and a 10 MiB batch put, each
           ended by "READY <n>" and a line on stdin (the KV-events test).
+  steps   mount --segment-mib of memory, print "READY <endpoint>", then do what each
+          stdin line says and answer "READY <json>": `put PREFIX N SIZE` (one put per
+          key; the return codes that were not 0), `get PREFIX N SIZE` (byte-exact
+          reads; the indices that failed), `exist PREFIX N` (batch_is_exist; the
+          indices missing); any shorter line closes.
   place   put each of --count keys (--prefix) one call at a time (so a per-key policy
           decides each), then report every put's return code and where each replica
           landed (segment endpoint, from batch_get_replica_desc).
@@ -435,6 +440,30 @@ def hold(run):
     run.finish()
 
 
+def steps(run):
+    s = run.s
+    run.setup(run.args.segment_mib * MiB)
+    print(f"READY {run.me}", flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if len(cmd) < 3:  # "close", or the harness's end-of-input line
+            break
+        keys = [f"{cmd[1]}{i}" for i in range(int(cmd[2]))]
+        if cmd[0] == "put":
+            size = int(cmd[3])
+            bad = [rc for rc in (s.put(k, value(k, size)) for k in keys) if rc != 0]
+        elif cmd[0] == "get":
+            size = int(cmd[3])
+            bad = [i for i, k in enumerate(keys) if s.get(k) != value(k, size)]
+        elif cmd[0] == "exist":
+            bad = [i for i, e in enumerate(s.batch_is_exist(keys)) if e != 1]
+        else:
+            raise SystemExit(f"steps: unknown command {line!r}")
+        print("READY " + json.dumps({"bad": bad}), flush=True)
+    run.rec("close", s.close())
+    run.finish()
+
+
 def place(run):
     s = run.s
     a = run.args
@@ -499,7 +528,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--role", required=True,
                    choices=["owner", "reader", "idle", "loop", "demo", "hold", "place", "disk", "steer", "bulk", "chains", "kvpeer", "guest",
-                            "diskget", "failover", "misses", "events"])
+                            "diskget", "failover", "misses", "events", "steps"])
     p.add_argument("--master", required=True)
     p.add_argument("--metadata", required=True)
     p.add_argument("--out", required=True)
@@ -507,6 +536,7 @@ def main():
     p.add_argument("--idle", type=float, default=20.0)
     p.add_argument("--prefix", default="k/")
     p.add_argument("--count", type=int, default=10)
+    p.add_argument("--segment-mib", type=int, default=16, help="steps: memory to mount")
     p.add_argument("--pause-ms", type=float, default=0.0,
                    help="loop: pause between iterations (a neighbour, not a load test)")
     a = p.parse_args()
@@ -514,7 +544,7 @@ def main():
     {"owner": owner, "reader": reader, "idle": idle, "loop": loop, "demo": demo,
      "hold": hold, "place": place, "disk": disk, "steer": steer, "bulk": bulk, "chains": chains, "kvpeer": kvpeer, "guest": guest,
      "diskget": diskget, "failover": failover, "misses": misses,
-     "events": events}[a.role](run)
+     "events": events, "steps": steps}[a.role](run)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,8 @@ pub use crate::calls::{Track, Tracked};
 use crate::codec::message::{RemoveArgs, Request, Response};
 use crate::codec::types::ErrorCode;
 use crate::events::{Change, Changes, Events, What};
+use crate::fleet::forward::Homes;
+use crate::fleet::records::{self, Record};
 use crate::policy::active::ActiveSet;
 use crate::policy::host::wit;
 use crate::policy::registry::Registry;
@@ -122,75 +124,223 @@ impl Eviction {
 
     /// Updates the table from a successful answer to a tracked request (`arm`: the arm
     /// that served the call). What the answer means is the method family's business
-    /// ([`crate::calls`]); the table only applies it.
+    /// ([`crate::calls`]); the table only applies it. In a fleet with access records,
+    /// what concerns keys homed at another member goes there instead
+    /// ([`crate::fleet::records`]).
     pub fn record(&self, t: &Tracked, resp: &Response, arm: usize, arm_name: &str) {
         let now = self.now_ms();
-        let arm8 = arm.min(u8::MAX as usize) as u8;
+        let routes = self.routes();
         for seen in t.seen(resp) {
-            match seen {
-                Seen::Stored(keys) => {
-                    for (k, _, _) in &keys {
-                        self.history.clear(&t.tenant, k);
+            match &routes {
+                Some((f, homes)) => {
+                    let arm8 = arm.min(u8::MAX as usize) as u8;
+                    let rec = |what| Record {
+                        tenant: t.tenant.clone(),
+                        client: t.client,
+                        arm: arm8,
+                        what,
+                    };
+                    if matches!(seen, Seen::Cleared) {
+                        f.broadcast(homes, &rec(records::What::Seen(Seen::Cleared)));
                     }
-                    self.table.put(&t.tenant, &keys, arm, now)
-                }
-                Seen::Denied(bytes) => {
-                    self.denied_bytes.fetch_add(bytes, Ordering::Relaxed);
-                }
-                Seen::Placed(keys) => self.table.placed(&t.tenant, &keys, t.client),
-                Seen::Completed(keys) => match &self.events {
-                    Some(ev) => {
-                        let mut c = Changes::new(What::Stored);
-                        self.table.complete(&t.tenant, keys.iter(), |k, e| {
-                            c.push(e.arm, Some(e.tier), k)
-                        });
-                        c.send(ev);
+                    let (mine, theirs) = records::split(seen, |k| homes.other(&t.tenant, k));
+                    for (h, s) in theirs {
+                        f.queue(homes, h, &rec(records::What::Seen(s)));
                     }
-                    None => self.table.complete(&t.tenant, keys.iter(), |_, _| {}),
-                },
-                Seen::Found(keys) => {
-                    self.table
-                        .hit(&t.tenant, keys.iter().map(|(k, tier)| (k, *tier)), now)
-                }
-                Seen::Missed(keys) => self.missed(&t.tenant, &keys, arm_name, now),
-                Seen::Removed(keys) => {
-                    match &self.events {
-                        Some(ev) => {
-                            let mut c = Changes::new(What::Removed);
-                            for k in &keys {
-                                let e = self.table.take(&t.tenant, k);
-                                c.push(e.as_ref().map_or(arm8, |e| e.arm), e.map(|e| e.tier), k);
-                            }
-                            c.send(ev);
-                        }
-                        None => self.table.forget(&t.tenant, keys.iter()),
+                    if let Some(s) = mine {
+                        self.apply(&t.tenant, t.client, s, arm, arm_name, now);
                     }
-                    self.history
-                        .note(&t.tenant, keys.iter(), Why::removed_by_client, arm8, now);
                 }
-                Seen::Cleared => {
-                    let gone = self.table.clear(&t.tenant);
-                    if let Some(ev) = &self.events {
-                        ev.send(Change {
-                            what: What::Cleared,
-                            arm: arm8,
-                            tier: None,
-                            keys: Vec::new(),
-                        });
-                    }
-                    self.history
-                        .note(&t.tenant, gone.iter(), Why::removed_by_client, arm8, now);
-                }
+                None => self.apply(&t.tenant, t.client, seen, arm, arm_name, now),
             }
         }
         self.metrics.table_keys.set(self.table.len() as i64);
     }
 
-    /// Keys an owner wrote to its SSD: the table marks them (eviction then keeps that
-    /// copy), and KV events announce the new medium.
-    pub fn offloaded(&self, items: &[crate::calls::offload::Item]) {
-        let keys = items.iter().map(|i| (&i.tenant, &i.key));
+    /// The forwarder and its ring, when access records travel (a fleet with
+    /// `fleet.records` on and another member on the ring).
+    fn routes(&self) -> Option<(&crate::fleet::forward::Forwarder, Arc<Homes>)> {
+        let f = self.fleet.get()?.records.as_deref()?;
+        let homes = f.homes();
+        homes.shared().then_some((f, homes))
+    }
+
+    /// Takes access records other members sent for keys homed here (`POST
+    /// /fleet/records`): as if this member's master face had seen them. `arm_name`
+    /// names an arm by index (for miss reasons).
+    pub fn accept(&self, recs: Vec<Record>, arm_name: impl Fn(usize) -> String) {
         let now = self.now_ms();
+        for r in recs {
+            match r.what {
+                records::What::Seen(s) => {
+                    let arm = usize::from(r.arm);
+                    self.apply(&r.tenant, r.client, s, arm, &arm_name(arm), now);
+                }
+                records::What::Offloaded(keys) => {
+                    self.mark_on_disk(keys.iter().map(|k| (&r.tenant, k)), now)
+                }
+                records::What::Adopt(items) => self.table.adopt(&r.tenant, &items, now),
+            }
+        }
+        self.metrics.table_keys.set(self.table.len() as i64);
+    }
+
+    /// Sends the entries whose home is now another member there (the ring changed, or
+    /// this member is leaving): in records of at most 1,024 entries, ages and leases as
+    /// durations.
+    pub fn hand_over(&self, f: &crate::fleet::forward::Forwarder, homes: &Homes) {
+        const PER_RECORD: usize = 1024;
+        let now = self.now_ms();
+        let moved = self.table.drain_where(|t, k| homes.other(t, k).is_some());
+        if moved.is_empty() {
+            return;
+        }
+        let n = moved.len();
+        let mut groups: std::collections::HashMap<(usize, Bytes), Vec<records::Adopted>> =
+            std::collections::HashMap::new();
+        for (tenant, key, e, segment) in moved {
+            let Some(h) = homes.other(&tenant, &key) else {
+                continue;
+            };
+            groups
+                .entry((h, tenant))
+                .or_default()
+                .push(records::Adopted {
+                    key,
+                    client: e.client,
+                    arm: e.arm,
+                    size: e.size,
+                    tier: e.tier,
+                    age_ms: now.saturating_sub(e.last_ms),
+                    hits: e.hits,
+                    lease_left_ms: e.leased_until_ms.saturating_sub(now),
+                    complete: e.complete,
+                    on_disk: e.on_disk,
+                    segment,
+                    tries: e.tries,
+                });
+        }
+        for ((h, tenant), items) in groups {
+            for chunk in items.chunks(PER_RECORD) {
+                let r = Record {
+                    tenant: tenant.clone(),
+                    client: Default::default(),
+                    arm: 0,
+                    what: records::What::Adopt(chunk.to_vec()),
+                };
+                f.queue(homes, h, &r);
+            }
+        }
+        if let Some(fleet) = self.fleet.get() {
+            fleet.metrics.handed_over.inc_by(n as u64);
+        }
+        self.metrics.table_keys.set(self.table.len() as i64);
+        tracing::info!(
+            entries = n,
+            "fleet: key-table entries handed to their new homes"
+        );
+    }
+
+    /// Applies one thing seen about keys homed here.
+    fn apply(
+        &self,
+        tenant: &Bytes,
+        client: crate::codec::types::Uuid,
+        seen: Seen,
+        arm: usize,
+        arm_name: &str,
+        now: u64,
+    ) {
+        let arm8 = arm.min(u8::MAX as usize) as u8;
+        match seen {
+            Seen::Stored(keys) => {
+                for (k, _, _) in &keys {
+                    self.history.clear(tenant, k);
+                }
+                self.table.put(tenant, &keys, arm, now)
+            }
+            Seen::Denied(bytes) => {
+                self.denied_bytes.fetch_add(bytes, Ordering::Relaxed);
+            }
+            Seen::Placed(keys) => self.table.placed(tenant, &keys, client),
+            Seen::Completed(keys) => match &self.events {
+                Some(ev) => {
+                    let mut c = Changes::new(What::Stored);
+                    self.table
+                        .complete(tenant, keys.iter(), |k, e| c.push(e.arm, Some(e.tier), k));
+                    c.send(ev);
+                }
+                None => self.table.complete(tenant, keys.iter(), |_, _| {}),
+            },
+            Seen::Found(keys) => {
+                self.table
+                    .hit(tenant, keys.iter().map(|(k, tier)| (k, *tier)), now)
+            }
+            Seen::Missed(keys) => self.missed(tenant, &keys, arm_name, now),
+            Seen::Removed(keys) => {
+                match &self.events {
+                    Some(ev) => {
+                        let mut c = Changes::new(What::Removed);
+                        for k in &keys {
+                            let e = self.table.take(tenant, k);
+                            c.push(e.as_ref().map_or(arm8, |e| e.arm), e.map(|e| e.tier), k);
+                        }
+                        c.send(ev);
+                    }
+                    None => self.table.forget(tenant, keys.iter()),
+                }
+                self.history
+                    .note(tenant, keys.iter(), Why::removed_by_client, arm8, now);
+            }
+            Seen::Cleared => {
+                let gone = self.table.clear(tenant);
+                if let Some(ev) = &self.events {
+                    ev.send(Change {
+                        what: What::Cleared,
+                        arm: arm8,
+                        tier: None,
+                        keys: Vec::new(),
+                    });
+                }
+                self.history
+                    .note(tenant, gone.iter(), Why::removed_by_client, arm8, now);
+            }
+        }
+    }
+
+    /// Keys an owner wrote to its SSD: the table marks them (eviction then keeps that
+    /// copy), and KV events announce the new medium. Keys homed at another member go
+    /// there.
+    pub fn offloaded(&self, items: &[crate::calls::offload::Item]) {
+        let now = self.now_ms();
+        let Some((f, homes)) = self.routes() else {
+            return self.mark_on_disk(items.iter().map(|i| (&i.tenant, &i.key)), now);
+        };
+        let mut theirs: std::collections::HashMap<(usize, Bytes), Vec<Bytes>> =
+            std::collections::HashMap::new();
+        let mut mine = Vec::new();
+        for i in items {
+            match homes.other(&i.tenant, &i.key) {
+                Some(h) => theirs
+                    .entry((h, i.tenant.clone()))
+                    .or_default()
+                    .push(i.key.clone()),
+                None => mine.push(i),
+            }
+        }
+        for ((h, tenant), keys) in theirs {
+            let r = Record {
+                tenant,
+                client: Default::default(),
+                arm: 0,
+                what: records::What::Offloaded(keys),
+            };
+            f.queue(&homes, h, &r);
+        }
+        self.mark_on_disk(mine.into_iter().map(|i| (&i.tenant, &i.key)), now);
+    }
+
+    fn mark_on_disk<'a>(&self, keys: impl Iterator<Item = (&'a Bytes, &'a Bytes)>, now: u64) {
         match &self.events {
             Some(ev) => {
                 let mut c = Changes::new(What::Stored);

@@ -351,6 +351,81 @@ impl KeyTable {
     }
 }
 
+impl KeyTable {
+    /// Takes out every entry `moved(tenant, key)` picks (their home changed), each with
+    /// its memory segment's endpoint (empty when unknown).
+    pub fn drain_where(
+        &self,
+        mut moved: impl FnMut(&Bytes, &Bytes) -> bool,
+    ) -> Vec<(Bytes, Bytes, Entry, Bytes)> {
+        let mut t = self.lock();
+        let t = &mut *t;
+        let mut out = Vec::new();
+        t.map.retain(|(tenant, key), e| {
+            if moved(tenant, key) {
+                let seg = t
+                    .segments
+                    .get(usize::from(e.segment))
+                    .cloned()
+                    .unwrap_or_default();
+                out.push((tenant.clone(), key.clone(), e.clone(), seg));
+                false
+            } else {
+                true
+            }
+        });
+        if !out.is_empty() {
+            t.recount();
+        }
+        out
+    }
+
+    /// Takes entries another member handed over (this member is their home now), aged
+    /// and leased as the sender knew them, on this table's clock (`now_ms`). A key held
+    /// already keeps the more recent of the two.
+    pub fn adopt(&self, tenant: &Bytes, items: &[crate::fleet::records::Adopted], now_ms: u64) {
+        let tenant = Bytes::copy_from_slice(tenant);
+        let mut t = self.lock();
+        for a in items {
+            let seg = if a.segment.is_empty() {
+                NO_SEGMENT
+            } else {
+                match t.segments.iter().position(|s| *s == a.segment) {
+                    Some(i) => i as u16,
+                    None if t.segments.len() < MAX_SEGMENTS => {
+                        t.segments.push(Bytes::copy_from_slice(&a.segment));
+                        (t.segments.len() - 1) as u16
+                    }
+                    None => NO_SEGMENT,
+                }
+            };
+            let e = Entry {
+                tenant: tenant.clone(),
+                size: a.size,
+                tier: a.tier,
+                last_ms: now_ms.saturating_sub(a.age_ms),
+                hits: a.hits,
+                leased_until_ms: now_ms.saturating_add(a.lease_left_ms),
+                arm: a.arm,
+                complete: a.complete,
+                on_disk: a.on_disk,
+                client: a.client,
+                segment: seg,
+                tries: a.tries,
+            };
+            let k = (tenant.clone(), Bytes::copy_from_slice(&a.key));
+            match t.map.get(&k) {
+                Some(old) if old.last_ms >= e.last_ms => {}
+                _ => t.insert(k, e),
+            }
+        }
+        if t.map.len() > self.max_keys {
+            forget_oldest(&mut t.map, self.max_keys);
+            t.recount();
+        }
+    }
+}
+
 /// Drops the least recently used ~1/64 of the table below `max` in one pass, so the
 /// O(n) scan is paid once per many inserts.
 fn forget_oldest<S>(t: &mut HashMap<Owned, Entry, S>, max: usize) {
@@ -379,6 +454,74 @@ mod tests {
 
     fn k(s: &str) -> Bytes {
         Bytes::copy_from_slice(s.as_bytes())
+    }
+
+    #[test]
+    fn entries_handed_over_arrive_as_they_left() {
+        let (from, to) = (KeyTable::new(100, 1000), KeyTable::new(100, 1000));
+        let d = k("default");
+        from.put(
+            &d,
+            &[(k("a"), 10, Tier::Memory), (k("b"), 20, Tier::Memory)],
+            1,
+            100,
+        );
+        from.placed(
+            &d,
+            &[(k("a"), k("10.0.0.1:1"))],
+            Uuid {
+                first: 5,
+                second: 6,
+            },
+        );
+        from.complete(&d, [k("a")].iter(), |_, _| {});
+        from.hit(&d, [(&k("a"), None)].into_iter(), 400);
+        let moved = from.drain_where(|_, key| &key[..] == b"a");
+        assert_eq!(
+            (moved.len(), from.len(), from.arm_bytes()),
+            (1, 1, vec![0, 20])
+        );
+        let (tenant, key, e, seg) = &moved[0];
+        assert_eq!(
+            (&tenant[..], &key[..], &seg[..]),
+            (&b"default"[..], &b"a"[..], &b"10.0.0.1:1"[..])
+        );
+        // Sent at 500 on the sender's clock (age 100, lease left 900); taken at 10,000.
+        let a = crate::fleet::records::Adopted {
+            key: key.clone(),
+            client: e.client,
+            arm: e.arm,
+            size: e.size,
+            tier: e.tier,
+            age_ms: 500 - e.last_ms,
+            hits: e.hits,
+            lease_left_ms: e.leased_until_ms - 500,
+            complete: e.complete,
+            on_disk: e.on_disk,
+            segment: seg.clone(),
+            tries: e.tries,
+        };
+        to.adopt(&d, &[a], 10_000);
+        let got = to.get(&d, &k("a")).unwrap();
+        assert_eq!(
+            (
+                got.last_ms,
+                got.leased_until_ms,
+                got.hits,
+                got.arm,
+                got.complete
+            ),
+            (9_900, 10_900, 1, 1, true)
+        );
+        assert_eq!(
+            got.client,
+            Uuid {
+                first: 5,
+                second: 6
+            }
+        );
+        assert_eq!(to.segment(got.segment).as_deref(), Some(&b"10.0.0.1:1"[..]));
+        assert_eq!(to.arm_bytes(), vec![0, 10]);
     }
 
     #[test]

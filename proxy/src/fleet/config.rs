@@ -27,6 +27,22 @@ pub struct FleetConfig {
     /// This member's name in the fleet. Empty: `HOSTNAME-PID` (unique per process on a
     /// host, stable for its life).
     pub member: String,
+    /// Access records: every key has one home member (consistent hashing over the
+    /// members), whose key table holds it; what the other members see of it (puts,
+    /// lookups, removals) travels there in batches, so its evictor ranks keys by the
+    /// whole fleet's accesses. Needs the members' admin endpoints reachable from each
+    /// other (with `admin.token` set alike on every member when they are not on
+    /// loopback). Off: each member keeps and evicts the keys put through it, by the
+    /// accesses it saw itself.
+    pub records: bool,
+    /// How often a member sends what it gathered for each other member (one HTTP POST
+    /// per member with records, on a kept connection): the delay before a home sees an
+    /// access.
+    pub records_flush_ms: u64,
+    /// Bytes of records waiting for one member at most (about 30 B per key seen); past
+    /// it records are dropped and counted (`moongate_fleet_records_dropped_total`): a
+    /// slow or dead member must not grow another's memory.
+    pub records_max_pending_bytes: u64,
 }
 
 impl Default for FleetConfig {
@@ -38,6 +54,9 @@ impl Default for FleetConfig {
             interval_ms: 1_000,
             lease_ttl_s: 5,
             member: String::new(),
+            records: true,
+            records_flush_ms: 20,
+            records_max_pending_bytes: 4 << 20,
         }
     }
 }
@@ -66,6 +85,12 @@ impl FleetConfig {
             return;
         }
         positive(errs, "fleet.interval_ms", self.interval_ms);
+        positive(errs, "fleet.records_flush_ms", self.records_flush_ms);
+        positive(
+            errs,
+            "fleet.records_max_pending_bytes",
+            self.records_max_pending_bytes,
+        );
         if self.lease_ttl_s * 1000 < 2 * self.interval_ms.max(500) {
             errs.push(format!(
                 "fleet.lease_ttl_s: {} s must be at least twice fleet.interval_ms ({} ms), \

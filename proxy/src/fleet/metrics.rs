@@ -1,8 +1,13 @@
-//! The fleet's metrics: members seen, what this member wrote to etcd, and etcd trouble.
+//! The fleet's metrics: members seen, what this member wrote to etcd, etcd trouble, and
+//! the access records it sent to and took from other members.
 
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
+
+/// Why records meant for another member were dropped, in label order.
+pub const DROP_REASONS: [&str; 2] = ["overflow", "unsent"];
 
 pub struct FleetMetrics {
     /// Members in this member's view, itself included (0 while `[fleet]` is off or
@@ -12,14 +17,27 @@ pub struct FleetMetrics {
     pub writes: Counter,
     /// etcd calls that failed, or watches and leases that broke; each is retried.
     pub etcd_errors: Counter,
+    /// Bytes of access records sent to other members, and taken from them.
+    pub records_sent_bytes: Counter,
+    pub records_received_bytes: Counter,
+    /// Batches of access records dropped: a member's pending bytes past
+    /// `fleet.records_max_pending_bytes` (overflow), or a POST that failed (unsent).
+    pub records_dropped: [Counter; 2],
+    /// Key-table entries handed to their new home when the membership changed.
+    pub handed_over: Counter,
 }
 
 impl FleetMetrics {
     pub fn register(r: &mut Registry) -> FleetMetrics {
+        let dropped = Family::<[(&'static str, &'static str); 1], Counter>::default();
         let m = FleetMetrics {
             members: Gauge::default(),
             writes: Counter::default(),
             etcd_errors: Counter::default(),
+            records_sent_bytes: Counter::default(),
+            records_received_bytes: Counter::default(),
+            records_dropped: DROP_REASONS.map(|r| dropped.get_or_create(&[("reason", r)]).clone()),
+            handed_over: Counter::default(),
         };
         r.register(
             "moongate_fleet_members",
@@ -35,6 +53,27 @@ impl FleetMetrics {
             "moongate_fleet_etcd_errors",
             "Failed etcd calls, broken watches and lost leases of the fleet membership",
             m.etcd_errors.clone(),
+        );
+        r.register(
+            "moongate_fleet_records_sent_bytes",
+            "Bytes of access records sent to the members that are the keys' homes",
+            m.records_sent_bytes.clone(),
+        );
+        r.register(
+            "moongate_fleet_records_received_bytes",
+            "Bytes of access records taken from other members for keys homed here",
+            m.records_received_bytes.clone(),
+        );
+        r.register(
+            "moongate_fleet_records_dropped",
+            "Batches of access records dropped, by reason (overflow: past \
+             fleet.records_max_pending_bytes; unsent: the POST failed)",
+            dropped,
+        );
+        r.register(
+            "moongate_fleet_handed_over",
+            "Key-table entries handed to their new home member on a change of membership",
+            m.handed_over.clone(),
         );
         m
     }

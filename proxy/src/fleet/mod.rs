@@ -19,8 +19,10 @@
 //! the evictor asks the view for portions.
 
 pub mod config;
+pub mod forward;
 pub mod membership;
 pub mod metrics;
+pub mod records;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -36,8 +38,11 @@ pub use config::FleetConfig;
 pub struct Record {
     /// The member's name (`fleet.member`).
     pub member: String,
-    /// Its admin endpoint (`host:port`), for operators.
+    /// Its admin endpoint (`host:port`): for operators, and where the other members
+    /// send it the access records of the keys it is home to.
     pub admin: String,
+    /// It takes access records (`fleet.records`): it is on the ring of homes.
+    pub records: bool,
     /// Keys and bytes in its key table: what it put and can evict.
     pub keys: u64,
     pub bytes: u64,
@@ -232,10 +237,13 @@ pub struct Fleet {
     pub me: String,
     view: ArcSwap<View>,
     pub metrics: Arc<metrics::FleetMetrics>,
+    /// Access records to and from the keys' homes (`fleet.records`).
+    pub records: Option<Arc<forward::Forwarder>>,
 }
 
 impl Fleet {
-    pub fn new(cfg: FleetConfig, metrics: Arc<metrics::FleetMetrics>) -> Arc<Fleet> {
+    /// `token`: the admin token, which access records carry to the other members.
+    pub fn new(cfg: FleetConfig, metrics: Arc<metrics::FleetMetrics>, token: String) -> Arc<Fleet> {
         let me = if cfg.member.is_empty() {
             let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
                 .map(|h| h.trim().to_string())
@@ -245,11 +253,20 @@ impl Fleet {
         } else {
             cfg.member.clone()
         };
+        let records = cfg.records.then(|| {
+            Arc::new(forward::Forwarder::new(
+                &cfg,
+                me.clone(),
+                token,
+                metrics.clone(),
+            ))
+        });
         Arc::new(Fleet {
             cfg,
             me,
             view: ArcSwap::from_pointee(View::default()),
             metrics,
+            records,
         })
     }
 
@@ -265,6 +282,9 @@ impl Fleet {
 
     fn set_view(&self, v: View) {
         self.metrics.members.set(v.members.len() as i64);
+        if let Some(f) = &self.records {
+            f.set_view(&v);
+        }
         self.view.store(Arc::new(v));
     }
 

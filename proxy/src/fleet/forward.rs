@@ -1,0 +1,300 @@
+//! Moves access records to the keys' home members: what this member gathered for each
+//! other member goes out every `fleet.records_flush_ms` as one `POST /fleet/records` to
+//! that member's admin endpoint, on a kept HTTP/1.1 connection. The only file of the
+//! fleet that talks to other members; what records mean is [`super::records`]' and the
+//! evictor's business.
+//!
+//! Records are hints: a batch a member cannot take (it died, it is slow, its pending
+//! bytes are full) is dropped and counted, never retried, and never blocks a request.
+//! The master's own eviction stays the backstop for whatever a lost record leaves
+//! unmanaged.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use bytes::{Bytes, BytesMut};
+use http_body_util::Full;
+use hyper::client::conn::http1::SendRequest;
+use tokio_util::sync::CancellationToken;
+
+use super::metrics::FleetMetrics;
+use super::records::{self, Record, Ring};
+use super::{FleetConfig, View};
+
+/// How long one POST may take before the batch counts as unsent.
+const POST_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The members that take records, and which of them this one is.
+#[derive(Debug, Default)]
+pub struct Homes {
+    pub ring: Ring,
+    /// This member's index on the ring (`None`: not on it yet; it keeps every key).
+    me: Option<usize>,
+    /// Each member's admin endpoint (by ring index).
+    admin: Vec<String>,
+    /// Bumped on every change of the ring.
+    pub generation: u64,
+}
+
+impl Homes {
+    /// The ring index of `(tenant, key)`'s home when that is another member; `None`
+    /// when it is this one (or the ring has no other member).
+    #[inline]
+    pub fn other(&self, tenant: &[u8], key: &[u8]) -> Option<usize> {
+        let me = self.me?;
+        self.ring.home(tenant, key).filter(|&h| h != me)
+    }
+
+    /// Whether records travel at all (another member takes them).
+    pub fn shared(&self) -> bool {
+        self.me.is_some() && self.ring.members.len() > 1
+    }
+
+    /// The ring without this member: where its entries go when it leaves.
+    pub fn without_me(&self) -> Homes {
+        let keep: Vec<usize> = (0..self.ring.members.len())
+            .filter(|&i| Some(i) != self.me)
+            .collect();
+        let names: Vec<String> = keep.iter().map(|&i| self.ring.members[i].clone()).collect();
+        let ring = Ring::new(names);
+        let admin = ring
+            .members
+            .iter()
+            .map(|m| {
+                let i = self.ring.members.iter().position(|n| n == m).unwrap_or(0);
+                self.admin.get(i).cloned().unwrap_or_default()
+            })
+            .collect();
+        Homes {
+            ring,
+            // Every key is another member's now; index past the end is never a home.
+            me: Some(usize::MAX),
+            admin,
+            generation: self.generation + 1,
+        }
+    }
+}
+
+/// Gathers records per member and sends them.
+pub struct Forwarder {
+    me: String,
+    flush: Duration,
+    max_pending: usize,
+    /// `admin.token`, sent as a bearer token (members share their admin settings).
+    token: String,
+    homes: ArcSwap<Homes>,
+    pending: Mutex<HashMap<String, BytesMut>>,
+    metrics: Arc<FleetMetrics>,
+}
+
+impl Forwarder {
+    pub fn new(cfg: &FleetConfig, me: String, token: String, metrics: Arc<FleetMetrics>) -> Self {
+        Forwarder {
+            me,
+            flush: Duration::from_millis(cfg.records_flush_ms.max(1)),
+            max_pending: cfg.records_max_pending_bytes as usize,
+            token,
+            homes: ArcSwap::from_pointee(Homes::default()),
+            pending: Mutex::new(HashMap::new()),
+            metrics,
+        }
+    }
+
+    /// The ring now (one load per answer, not per key).
+    pub fn homes(&self) -> Arc<Homes> {
+        self.homes.load_full()
+    }
+
+    /// Rebuilds the ring from a new view: the members that take records and name an
+    /// admin endpoint, and this one.
+    pub fn set_view(&self, view: &View) {
+        let mut admin_of: HashMap<String, String> = view
+            .members
+            .iter()
+            .filter(|(m, r)| r.records && !r.admin.is_empty() && m.as_str() != self.me)
+            .map(|(m, r)| (m.clone(), r.admin.clone()))
+            .collect();
+        let mut names: Vec<String> = admin_of.keys().cloned().collect();
+        names.push(self.me.clone());
+        let old = self.homes.load();
+        let ring = Ring::new(names);
+        if ring.members == old.ring.members {
+            return;
+        }
+        let me = ring.members.iter().position(|m| *m == self.me);
+        let admin = ring
+            .members
+            .iter()
+            .map(|m| admin_of.remove(m).unwrap_or_default())
+            .collect();
+        tracing::info!(members = ring.members.len(), "fleet: record ring changed");
+        self.homes.store(Arc::new(Homes {
+            ring,
+            me,
+            admin,
+            generation: old.generation + 1,
+        }));
+    }
+
+    /// Adds a record for the member at ring index `home` of `homes`. Dropped (and
+    /// counted) when that member's pending bytes are full, or when it cannot be encoded.
+    pub fn queue(&self, homes: &Homes, home: usize, r: &Record) {
+        let Some(name) = homes.ring.members.get(home) else {
+            return;
+        };
+        let mut p = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        let buf = match p.get_mut(name) {
+            Some(b) => b,
+            None => p.entry(name.clone()).or_insert_with(records::batch),
+        };
+        if buf.len() >= self.max_pending {
+            self.metrics.records_dropped[0].inc();
+            return;
+        }
+        if records::encode(buf, r).is_err() {
+            self.metrics.records_dropped[0].inc();
+        }
+    }
+
+    /// Adds a record for every other member (a tenant's RemoveAll names no key).
+    pub fn broadcast(&self, homes: &Homes, r: &Record) {
+        for i in 0..homes.ring.members.len() {
+            if Some(i) != homes.me {
+                self.queue(homes, i, r);
+            }
+        }
+    }
+
+    fn take_pending(&self) -> Vec<(String, Bytes)> {
+        let mut p = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        p.iter_mut()
+            .filter(|(_, b)| !records::is_empty(b))
+            .map(|(m, b)| {
+                let body = std::mem::replace(b, records::batch()).freeze();
+                (m.clone(), body)
+            })
+            .collect()
+    }
+
+    /// Sends what is pending every `flush` until shutdown. `handover` runs first after
+    /// each change of the ring (to queue the entries whose home moved), and once more at
+    /// shutdown with a ring without this member, whose batches then go out before it
+    /// returns.
+    pub async fn run(
+        self: Arc<Self>,
+        handover: Box<dyn Fn(&Homes) + Send + Sync>,
+        shutdown: CancellationToken,
+    ) {
+        let mut conns: HashMap<String, SendRequest<Full<Bytes>>> = HashMap::new();
+        let mut tick = tokio::time::interval(self.flush);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut seen = 0;
+        loop {
+            let stopping = tokio::select! {
+                _ = shutdown.cancelled() => true,
+                _ = tick.tick() => false,
+            };
+            let mut homes = self.homes();
+            if stopping && homes.shared() {
+                homes = Arc::new(homes.without_me());
+                handover(&homes);
+            } else if homes.generation != seen {
+                seen = homes.generation;
+                if homes.shared() {
+                    handover(&homes);
+                }
+            }
+            let batches = self.take_pending();
+            if !batches.is_empty() {
+                let sends = batches.into_iter().map(|(member, body)| {
+                    let addr = homes
+                        .ring
+                        .members
+                        .iter()
+                        .position(|m| *m == member)
+                        .and_then(|i| homes.admin.get(i).cloned())
+                        .unwrap_or_default();
+                    let conn = conns.remove(&member);
+                    let token = self.token.clone();
+                    async move {
+                        let n = body.len() as u64;
+                        let r = tokio::time::timeout(POST_TIMEOUT, post(conn, &addr, &token, body))
+                            .await
+                            .unwrap_or_else(|_| Err(format!("no answer within {POST_TIMEOUT:?}")));
+                        (member, addr, n, r)
+                    }
+                });
+                for (member, addr, n, r) in futures_util::future::join_all(sends).await {
+                    match r {
+                        Ok(c) => {
+                            self.metrics.records_sent_bytes.inc_by(n);
+                            conns.insert(member, c);
+                        }
+                        Err(e) => {
+                            self.metrics.records_dropped[1].inc();
+                            tracing::debug!(%member, %addr, error = %e, "fleet: records not sent");
+                        }
+                    }
+                }
+            }
+            if stopping {
+                return;
+            }
+        }
+    }
+}
+
+/// One batch to one member, on `conn` when it is still open (a new connection
+/// otherwise); returns the connection for the next batch.
+async fn post(
+    conn: Option<SendRequest<Full<Bytes>>>,
+    addr: &str,
+    token: &str,
+    body: Bytes,
+) -> Result<SendRequest<Full<Bytes>>, String> {
+    if addr.is_empty() {
+        return Err("the member names no admin endpoint".into());
+    }
+    let open = match conn {
+        Some(mut c) => c.ready().await.is_ok().then_some(c),
+        None => None,
+    };
+    let mut send = match open {
+        Some(c) => c,
+        None => {
+            let s = tokio::net::TcpStream::connect(addr)
+                .await
+                .map_err(|e| format!("connect: {e}"))?;
+            let _ = s.set_nodelay(true);
+            let (send, driver) =
+                hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(s))
+                    .await
+                    .map_err(|e| e.to_string())?;
+            tokio::spawn(async move {
+                let _ = driver.await;
+            });
+            send
+        }
+    };
+    let mut b = hyper::Request::builder()
+        .method(hyper::Method::POST)
+        .uri("/fleet/records")
+        .header(hyper::header::HOST, addr)
+        .header(hyper::header::CONTENT_TYPE, "application/octet-stream");
+    if !token.is_empty() {
+        b = b.header(hyper::header::AUTHORIZATION, format!("Bearer {token}"));
+    }
+    let req = b.body(Full::new(body)).map_err(|e| e.to_string())?;
+    let resp = send.send_request(req).await.map_err(|e| e.to_string())?;
+    let status = resp.status();
+    // The answer is short; read it so the connection can carry the next batch.
+    let _ =
+        http_body_util::BodyExt::collect(http_body_util::Limited::new(resp.into_body(), 64 << 10))
+            .await;
+    if !status.is_success() {
+        return Err(format!("answered HTTP {status}"));
+    }
+    Ok(send)
+}
