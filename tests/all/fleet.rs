@@ -166,17 +166,21 @@ fn a_fleet_frees_the_pools_excess_once_each_member_its_portion() {
         &logs,
         || allocated() <= low + 2 * KIB64,
     );
-    // Every round that started has ended (its removals answered).
-    let settled = |m: &Moongate| {
-        let started = m.metric("moongate_eviction_rounds_total{trigger=\"usage\"}")
-            + m.metric("moongate_eviction_rounds_total{trigger=\"denials\"}");
-        m.metric("moongate_eviction_rounds_ended_total") >= started
-    };
-    wait_for("rounds end", Duration::from_secs(20), &logs, || {
-        settled(&a) && settled(&b)
-    });
-    let removed_a = a.metric("moongate_eviction_removed_bytes_total") as u64;
-    let removed_b = b.metric("moongate_eviction_removed_bytes_total") as u64;
+    // What was removed is gone and nothing else (the master evicted nothing itself):
+    // once the last removal is answered and counted, the pool holds exactly the bytes
+    // not removed. (Checked before the clients close: a closing client unmounts its
+    // segment, and the replicas in it go with it.)
+    let removed_by = |m: &Moongate| m.metric("moongate_eviction_removed_bytes_total") as u64;
+    let (mut removed_a, mut removed_b) = (0, 0);
+    wait_for(
+        "the pool to hold exactly what was not removed",
+        Duration::from_secs(20),
+        &logs,
+        || {
+            (removed_a, removed_b) = (removed_by(&a), removed_by(&b));
+            allocated() == total - removed_a - removed_b
+        },
+    );
     let removed = removed_a + removed_b;
     let detail = format!(
         "asked {asked} B (10 MiB down to 0.15 of 32 MiB); removed {removed} B \
@@ -192,10 +196,6 @@ fn a_fleet_frees_the_pools_excess_once_each_member_its_portion() {
         removed_a > 0 && removed_b > 0,
         "each member freed its portion from its own keys: {detail}"
     );
-    // What was removed is gone and nothing else (the master evicted nothing itself):
-    // the pool holds exactly the bytes not removed. (Checked before the clients close:
-    // a closing client unmounts its segment, and the replicas in it go with it.)
-    assert_eq!(allocated(), total - removed, "{detail}");
     assert_eq!(
         sample_of(&master.metrics(), "master_evicted_key_count"),
         Some(0.0),
@@ -214,9 +214,10 @@ fn a_fleet_frees_the_pools_excess_once_each_member_its_portion() {
 /// What survives when keys put through one member are read through another: with
 /// access records the reads reach each key's home, so the fleet's evictors rank keys
 /// by every member's accesses; without them the member that put the keys sees them
-/// cold and removes them first. Returns the hot keys missing after eviction and the
-/// bytes the members removed.
-fn hot_keys_after_eviction(records: bool) -> (Vec<u64>, u64) {
+/// cold and removes them first. Returns the hot keys missing after eviction, the bytes
+/// the members removed, and the misses of evicted keys through the reader's member
+/// with those the fleet explained as evicted by moongate.
+fn hot_keys_after_eviction(records: bool) -> (Vec<u64>, u64, usize, f64) {
     const KIB256: u64 = 256 << 10;
     let etcd = Etcd::start();
     let master = Master::start_with(MasterOpts {
@@ -289,6 +290,25 @@ fn hot_keys_after_eviction(records: bool) -> (Vec<u64>, u64) {
         }
     }
     let missing = bad(reader.step("exist hot/ 16"));
+    // Misses of evicted keys through the member that never put them: explained by the
+    // keys' homes (with records) or unknown to it (without).
+    let why = "moongate_lookup_misses_total{reason=\"evicted_by_moongate\",arm=\"default\"}";
+    let gone = bad(reader.step("exist fill/ 48")).len() + missing.len();
+    let explained = || {
+        [&a, &b]
+            .iter()
+            .map(|m| sample_of(&m.metrics(), why).unwrap_or(0.0))
+            .sum::<f64>()
+    };
+    if records {
+        wait_for(
+            "the misses explained",
+            Duration::from_secs(10),
+            &logs,
+            || explained() >= gone as f64,
+        );
+    }
+    let explained = explained();
     eprintln!(
         "records {records}: removed {removed} B (a {} B, b {} B); hot keys missing: {missing:?}",
         a.metric("moongate_eviction_removed_bytes_total"),
@@ -306,17 +326,17 @@ fn hot_keys_after_eviction(records: bool) -> (Vec<u64>, u64) {
                 .map(|m| m.metric("moongate_eviction_table_keys"))
                 .sum()
         };
-        // Settled: the last round's removals answered, the tables hold the pool.
+        // The tables hold exactly the pool's keys, before, during and after.
+        let whole = |ms: &[&Moongate]| keys(ms) as u64 * KIB256 == allocated();
         wait_for(
             "the tables hold the pool",
             Duration::from_secs(20),
             &logs,
-            || keys(&[&a, &b]) as u64 * KIB256 == allocated(),
+            || whole(&[&a, &b]),
         );
-        let before = keys(&[&a, &b]);
         let mut c = member("c");
         wait_for("c holds its keys", Duration::from_secs(20), &logs, || {
-            c.metric("moongate_eviction_table_keys") > 0.0 && keys(&[&a, &b, &c]) == before
+            c.metric("moongate_eviction_table_keys") > 0.0 && whole(&[&a, &b, &c])
         });
         assert!(
             a.metric("moongate_fleet_handed_over_total")
@@ -326,7 +346,7 @@ fn hot_keys_after_eviction(records: bool) -> (Vec<u64>, u64) {
         c.proc.signal(libc::SIGTERM);
         let _ = c.proc.wait_exit(Duration::from_secs(20));
         wait_for("c's keys back", Duration::from_secs(20), &logs, || {
-            keys(&[&a, &b]) == before
+            whole(&[&a, &b])
         });
         for m in [&a, &b] {
             assert_eq!(
@@ -341,13 +361,17 @@ fn hot_keys_after_eviction(records: bool) -> (Vec<u64>, u64) {
     for role in [writer, reader] {
         assert_eq!(role.finish()[1][1], 0, "closed cleanly");
     }
-    (missing, removed)
+    (missing, removed, gone, explained)
 }
 
 #[test]
 fn with_access_records_keys_read_through_another_member_stay_hot() {
-    let (missing, removed) = hot_keys_after_eviction(true);
+    let (missing, removed, gone, explained) = hot_keys_after_eviction(true);
     assert!(removed > 0, "the fleet evicted");
+    assert_eq!(
+        explained, gone as f64,
+        "every miss of an evicted key was explained as evicted by moongate, fleet-wide"
+    );
     assert_eq!(
         missing,
         Vec::<u64>::new(),
@@ -355,7 +379,11 @@ fn with_access_records_keys_read_through_another_member_stay_hot() {
     );
     // The contrast: the same run without records loses hot keys, so the test above
     // shows what records do, not luck.
-    let (missing, removed) = hot_keys_after_eviction(false);
+    let (missing, removed, gone, explained) = hot_keys_after_eviction(false);
+    assert!(
+        gone > 0 && explained == 0.0,
+        "without records the reader's member cannot explain its misses"
+    );
     assert!(
         !missing.is_empty(),
         "without records the member that put the hot keys saw them cold and removed \
