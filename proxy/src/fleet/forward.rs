@@ -167,7 +167,8 @@ impl Forwarder {
         }
     }
 
-    fn take_pending(&self) -> Vec<(String, Bytes)> {
+    /// Takes every member's pending batch (the sender does, once per flush).
+    pub fn take_pending(&self) -> Vec<(String, Bytes)> {
         let mut p = self.pending.lock().unwrap_or_else(|p| p.into_inner());
         p.iter_mut()
             .filter(|(_, b)| !records::is_empty(b))

@@ -4,7 +4,7 @@
 //! recency.
 //!
 //! - [`Ring`]: which member is a key's home: consistent hashing of `(tenant, key)` over
-//!   the members that take records (64 points each, FNV-1a: any member, any release,
+//!   the members that take records (64 points each, XXH3-64: any member, any release,
 //!   computes the same home). A join or a leave moves about 1/N of the keys.
 //! - [`Record`] and [`encode`]/[`decode`]: one batch of records, as it travels in the
 //!   body of `POST /fleet/records` (a compact binary form, below).
@@ -23,7 +23,7 @@ use thiserror::Error;
 
 use crate::calls::Seen;
 use crate::codec::types::{Tier, Uuid};
-use crate::policy::fnv1a;
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 const MAGIC: &[u8; 4] = b"MGR1";
 /// Ring points per member: enough for an even spread of keys over a few members
@@ -380,7 +380,7 @@ impl Ring {
                 buf.extend_from_slice(m.as_bytes());
                 buf.push(b'#');
                 buf.extend_from_slice(&p.to_le_bytes());
-                points.push((mix(fnv1a(&buf)), i as u32));
+                points.push((xxh3_64(&buf), i as u32));
             }
         }
         points.sort_unstable();
@@ -392,29 +392,12 @@ impl Ring {
         if self.points.is_empty() {
             return None;
         }
-        let h = mix(key_hash(tenant, key));
+        // The tenant's hash seeds the key's: ("ab", "c") and ("a", "bc") differ.
+        let h = xxh3_64_with_seed(key, xxh3_64(tenant));
         let i = self.points.partition_point(|&(p, _)| p < h);
         let (_, m) = self.points[if i == self.points.len() { 0 } else { i }];
         Some(m as usize)
     }
-}
-
-/// FNV-1a of `tenant`, a zero byte, `key`, without building the concatenation.
-fn key_hash(tenant: &[u8], key: &[u8]) -> u64 {
-    const PRIME: u64 = 0x0000_0100_0000_01b3;
-    // The zero byte between them: ("ab", "c") and ("a", "bc") differ.
-    let mut h = fnv1a(tenant).wrapping_mul(PRIME);
-    for &b in key {
-        h = (h ^ u64::from(b)).wrapping_mul(PRIME);
-    }
-    h
-}
-
-/// FNV's low bits spread poorly over a ring: a finalizer (splitmix64's) evens them.
-fn mix(mut x: u64) -> u64 {
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
 }
 
 /// Splits `seen` by the home of each key: what stays here (`home(key) == None`) and
