@@ -70,7 +70,7 @@ fn records(c: &mut Criterion) {
         b.iter(|| {
             // The sender takes the batches every flush (20 ms): here every 64 answers.
             n += 1;
-            if n % 64 == 0 {
+            if n.is_multiple_of(64) {
                 drop(f.take_pending());
             }
             let homes = f.homes();
