@@ -170,6 +170,13 @@ fn sim_models_a_fleet_of_partial_views() {
             eight < one - 0.01,
             "capacity {i}: 8 partial views {eight:.4} vs one LRU {one:.4}"
         );
+        // With access records each block's home hears every access: closer to one LRU
+        // (the simulator is deterministic: no margin for noise is needed).
+        let homes = rate(&fleet, "lru x8 random records", i);
+        assert!(
+            homes > eight && homes <= one,
+            "capacity {i}: with records {homes:.4}, partial views {eight:.4}, one LRU {one:.4}"
+        );
     }
     let single = run("1");
     assert!(

@@ -106,7 +106,11 @@ fn mix(mut x: u64) -> u64 {
 /// come to when ranks store alike); a rank sees only the accesses routed to it, so a
 /// block read through other ranks ages on its owner's list. Lookups find a block
 /// wherever it is (one pool). With `ranks = 1` this is [`lru`].
-pub fn lru_fleet(trace: &Trace, cap: usize, ranks: usize, route: Route) -> Counts {
+///
+/// With `homes` (the fleet's access records, `fleet.records`): a block belongs to the
+/// rank its hash picks, whichever rank stored it, and every access reaches that rank's
+/// list, so each evictor ranks its blocks by the whole fleet's accesses.
+pub fn lru_fleet(trace: &Trace, cap: usize, ranks: usize, route: Route, homes: bool) -> Counts {
     let ranks = ranks.max(1);
     let n = trace.distinct();
     let (mut prev, mut next) = (vec![NONE; n], vec![NONE; n]);
@@ -123,13 +127,18 @@ pub fn lru_fleet(trace: &Trace, cap: usize, ranks: usize, route: Route) -> Count
         let Some(&first) = blocks.first() else {
             continue;
         };
-        let k = match route {
+        let routed = match route {
             Route::Random => mix(i as u64),
             Route::Sticky => mix(u64::from(first) ^ 0x5bd1_e995),
         } as usize
             % ranks;
         for &b in blocks {
             let bu = b as usize;
+            let k = if homes {
+                mix(u64::from(b) ^ 0x2545_f491_4f6c_dd1d) as usize % ranks
+            } else {
+                routed
+            };
             match owner[bu] {
                 o if o == k as u32 => {
                     if tail[k] == b {
@@ -253,19 +262,31 @@ mod tests {
         let t = trace(&[&[1, 2], &[1, 3], &[2, 1], &[4, 5, 6], &[1, 2, 7]]);
         for cap in [0, 1, 2, 3, 10] {
             for route in [Route::Random, Route::Sticky] {
-                assert_eq!(lru_fleet(&t, cap, 1, route), lru(&t, cap), "cap {cap}");
+                for homes in [false, true] {
+                    assert_eq!(
+                        lru_fleet(&t, cap, 1, route, homes),
+                        lru(&t, cap),
+                        "cap {cap}"
+                    );
+                }
             }
         }
         // Two ranks, sticky on the first block: [1,..] requests meet on one rank, so a
         // fleet with room for everything hits as one cache does.
-        assert_eq!(lru_fleet(&t, 10, 2, Route::Sticky).hits, lru(&t, 10).hits);
+        assert_eq!(
+            lru_fleet(&t, 10, 2, Route::Sticky, false).hits,
+            lru(&t, 10).hits
+        );
         // A block read through another rank ages on its owner's list: [9] is put by
         // one rank and read by the other; the owner's own puts push it out.
         let t = trace(&[&[9], &[9], &[1], &[9], &[2], &[9]]);
         let one = lru(&t, 2).hits;
-        let two = lru_fleet(&t, 4, 2, Route::Random).hits;
+        let two = lru_fleet(&t, 4, 2, Route::Random, false).hits;
         assert_eq!(one, 3, "one LRU of 2 keeps [9] hot");
         assert!(two <= one, "two ranks of 2 each: {two}");
+        // With homes every read of [9] reaches its home's list, wherever it was routed:
+        // room for two per rank keeps it as one LRU of two does.
+        assert_eq!(lru_fleet(&t, 4, 2, Route::Random, true).hits, one);
     }
 
     #[test]

@@ -152,7 +152,8 @@ pub struct Spec {
     pub plugins: Vec<PluginSource>,
     pub rules: Rules,
     pub max_candidates: usize,
-    /// Above 1: also the fleet baseline, `lru` run by this many sidecars
+    /// Above 1: also the fleet baselines, `lru` run by this many sidecars, each with
+    /// only its own accesses and with the fleet's access records
     /// ([`baseline::lru_fleet`]).
     pub ranks: usize,
     pub route: baseline::Route,
@@ -218,17 +219,20 @@ pub fn run(trace: &Trace, spec: &Spec) -> Result<Report, SimError> {
         let c = baseline::opt(trace, blocks as usize);
         results.push(row("opt", blocks, c, t));
         if spec.ranks > 1 {
-            let t = Instant::now();
-            let c = baseline::lru_fleet(trace, blocks as usize, spec.ranks, spec.route);
-            let label = format!(
-                "lru x{} {}",
-                spec.ranks,
-                match spec.route {
-                    baseline::Route::Random => "random",
-                    baseline::Route::Sticky => "sticky",
-                }
-            );
-            results.push(row(&label, blocks, c, t));
+            let route = match spec.route {
+                baseline::Route::Random => "random",
+                baseline::Route::Sticky => "sticky",
+            };
+            for homes in [false, true] {
+                let t = Instant::now();
+                let c = baseline::lru_fleet(trace, blocks as usize, spec.ranks, spec.route, homes);
+                let label = format!(
+                    "lru x{} {route}{}",
+                    spec.ranks,
+                    if homes { " records" } else { "" }
+                );
+                results.push(row(&label, blocks, c, t));
+            }
         }
     }
     let clock = Arc::new(AtomicU64::new(0));
