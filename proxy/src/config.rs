@@ -144,6 +144,25 @@ impl Config {
         self.events.validate(&mut errs);
         self.fleet
             .validate(&mut errs, self.master_face.upstream_etcd().as_deref());
+        // Records refused for want of a token would leave the keys homed elsewhere in no
+        // member's table: say so at start instead.
+        let admin_on_loopback = self
+            .admin
+            .listen
+            .parse::<std::net::SocketAddr>()
+            .is_ok_and(|a| a.ip().is_loopback());
+        if self.fleet.enabled
+            && self.fleet.records
+            && self.admin.token.is_empty()
+            && !admin_on_loopback
+        {
+            errs.push(format!(
+                "fleet.records: the admin endpoint ({}) is not on loopback, so the members' \
+                 access records need admin.token (the same on every member); or set \
+                 fleet.records = false",
+                self.admin.listen
+            ));
+        }
         self.policy.validate(
             &mut errs,
             self.experiment
@@ -177,6 +196,24 @@ mod tests {
     fn reference_file_states_the_defaults() {
         let text = include_str!("../../config/reference.toml");
         assert_eq!(Config::parse(text).unwrap(), Config::default());
+    }
+
+    #[test]
+    fn fleet_records_off_loopback_need_a_token() {
+        let fleet = "[fleet]\nenabled = true\netcd = \"127.0.0.1:2379\"\n";
+        let open = format!("{fleet}[admin]\nlisten = \"0.0.0.0:9150\"\n");
+        let e = Config::parse(&open).unwrap_err().to_string();
+        assert!(
+            e.contains("fleet.records") && e.contains("admin.token"),
+            "{e}"
+        );
+        for ok in [
+            format!("{open}token = \"s3cret\"\n"),
+            format!("{fleet}records = false\n[admin]\nlisten = \"0.0.0.0:9150\"\n"),
+            fleet.to_string(),
+        ] {
+            Config::parse(&ok).unwrap();
+        }
     }
 
     #[test]
