@@ -34,6 +34,44 @@ fn members(mg: &Moongate) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// Member `name` of cluster "t", with `extra` before its `[fleet]` section and
+/// `fleet_extra` inside it.
+fn member(master: &Master, etcd: &Etcd, name: &str, extra: &str, fleet_extra: &str) -> Moongate {
+    let cfg = fleet_config(&master.rpc, &etcd.endpoint, "t", name, extra);
+    Moongate::start_config(&format!("{cfg}{fleet_extra}"))
+}
+
+/// Members "a" and "b" with `extra`, ready and seeing each other.
+fn pair(master: &Master, etcd: &Etcd, extra: &str) -> (Moongate, Moongate) {
+    let m = |n: &str| member(master, etcd, n, extra, "");
+    pair_of(master, etcd, m("a"), m("b"))
+}
+
+fn pair_of(master: &Master, etcd: &Etcd, a: Moongate, b: Moongate) -> (Moongate, Moongate) {
+    a.wait_ready(master);
+    b.wait_ready(master);
+    let logs = [&master.proc, &a.proc, &b.proc, &etcd.proc];
+    wait_for("both members", Duration::from_secs(20), &logs, || {
+        members(&a).len() == 2 && members(&b).len() == 2
+    });
+    (a, b)
+}
+
+/// The master's allocated bytes (the pool's usage).
+fn allocated(master: &Master) -> u64 {
+    sample_of(&master.metrics(), "master_allocated_bytes").unwrap_or(f64::MAX) as u64
+}
+
+/// Waits for the fleet's evictors to bring the pool down to `bytes` or below.
+fn down_to(master: &Master, bytes: u64, logs: &[&Proc]) {
+    wait_for(
+        "the pool down to the low watermark",
+        Duration::from_secs(30),
+        logs,
+        || allocated(master) <= bytes,
+    );
+}
+
 #[test]
 fn members_see_each_other_and_a_dead_one_leaves_with_its_lease() {
     let etcd = Etcd::start();
@@ -131,22 +169,8 @@ fn a_fleet_frees_the_pools_excess_once_each_member_its_portion() {
          high_watermark = 0.3\nlow_watermark = 0.15\ninterval_ms = 200\n",
         master.metrics_url
     );
-    let member = |m: &str| {
-        Moongate::start_config(&fleet_config(
-            &master.rpc,
-            &etcd.endpoint,
-            "t",
-            m,
-            &eviction,
-        ))
-    };
-    let (a, b) = (member("a"), member("b"));
-    a.wait_ready(&master);
-    b.wait_ready(&master);
+    let (a, b) = pair(&master, &etcd, &eviction);
     let logs = [&master.proc, &a.proc, &b.proc, &etcd.proc];
-    wait_for("both members", Duration::from_secs(20), &logs, || {
-        members(&a).len() == 2 && members(&b).len() == 2
-    });
     // A: 8 chains (4 MiB) into its 16 MiB segment (0.25: under the watermark alone).
     // B mounts 16 MiB more and puts 12 chains (6 MiB): 10 MiB of 32, 0.31.
     let chains = |mg: &Moongate, count: &str, prefix: &str| {
@@ -158,14 +182,8 @@ fn a_fleet_frees_the_pools_excess_once_each_member_its_portion() {
     let capacity = 32u64 << 20;
     let low = (0.15 * capacity as f64) as u64;
     let asked = total - low;
-    let allocated =
-        || sample_of(&master.metrics(), "master_allocated_bytes").unwrap_or(f64::MAX) as u64;
-    wait_for(
-        "the pool down to the low watermark",
-        Duration::from_secs(30),
-        &logs,
-        || allocated() <= low + 2 * KIB64,
-    );
+    let allocated = || allocated(&master);
+    down_to(&master, low + 2 * KIB64, &logs);
     // What was removed is gone and nothing else (the master evicted nothing itself):
     // once the last removal is answered and counted, the pool holds exactly the bytes
     // not removed. (Checked before the clients close: a closing client unmounts its
@@ -229,17 +247,10 @@ fn hot_keys_after_eviction(records: bool) -> (Vec<u64>, u64, usize, f64) {
          high_watermark = 0.6\nlow_watermark = 0.5\ninterval_ms = 200\nlease_ms = 500\n",
         master.metrics_url
     );
-    let member = |m: &str| {
-        let cfg = fleet_config(&master.rpc, &etcd.endpoint, "t", m, &eviction);
-        Moongate::start_config(&format!("{cfg}records = {records}\n"))
-    };
-    let (a, b) = (member("a"), member("b"));
-    a.wait_ready(&master);
-    b.wait_ready(&master);
+    let fleet_extra = format!("records = {records}\n");
+    let member = |m: &str| member(&master, &etcd, m, &eviction, &fleet_extra);
+    let (a, b) = pair_of(&master, &etcd, member("a"), member("b"));
     let logs = [&master.proc, &a.proc, &b.proc, &etcd.proc];
-    wait_for("both members", Duration::from_secs(20), &logs, || {
-        members(&a).len() == 2 && members(&b).len() == 2
-    });
     // The writer's 32 MiB is the pool; the reader mounts nothing.
     let steps = |mg: &Moongate, mib: &str| {
         let args = ["--segment-mib", mib];
@@ -266,14 +277,8 @@ fn hot_keys_after_eviction(records: bool) -> (Vec<u64>, u64, usize, f64) {
     assert_eq!(bad(writer.step("put new/ 16 262144")), Vec::<u64>::new());
     let capacity = 32u64 << 20;
     let low = (0.5 * capacity as f64) as u64;
-    let allocated =
-        || sample_of(&master.metrics(), "master_allocated_bytes").unwrap_or(f64::MAX) as u64;
-    wait_for(
-        "the pool down to the low watermark",
-        Duration::from_secs(30),
-        &logs,
-        || allocated() <= low + KIB256,
-    );
+    let allocated = || allocated(&master);
+    down_to(&master, low + KIB256, &logs);
     let removed = a.metric("moongate_eviction_removed_bytes_total") as u64
         + b.metric("moongate_eviction_removed_bytes_total") as u64;
     if records {

@@ -140,6 +140,11 @@ fn put_str(out: &mut BytesMut, s: &[u8]) -> Result<(), RecordError> {
     Ok(())
 }
 
+fn put_uuid(out: &mut BytesMut, u: Uuid) {
+    out.put_u64_le(u.first);
+    out.put_u64_le(u.second);
+}
+
 /// Appends one record to a batch. A tenant or key over 65,535 bytes (Mooncake's own
 /// keys are far shorter) is refused, and nothing of the record is written.
 pub fn encode(out: &mut BytesMut, r: &Record) -> Result<(), RecordError> {
@@ -169,8 +174,7 @@ fn encode_inner(out: &mut BytesMut, r: &Record) -> Result<(), RecordError> {
     };
     out.put_u8(kind);
     put_str(out, &r.tenant)?;
-    out.put_u64_le(r.client.first);
-    out.put_u64_le(r.client.second);
+    put_uuid(out, r.client);
     out.put_u8(r.arm);
     out.put_u32_le(count as u32);
     match &r.what {
@@ -203,8 +207,7 @@ fn encode_inner(out: &mut BytesMut, r: &Record) -> Result<(), RecordError> {
         What::Adopt(v) => {
             for a in v {
                 put_str(out, &a.key)?;
-                out.put_u64_le(a.client.first);
-                out.put_u64_le(a.client.second);
+                put_uuid(out, a.client);
                 out.put_u8(a.arm);
                 out.put_u64_le(a.size);
                 out.put_u8(tier_code(a.tier));
@@ -245,6 +248,12 @@ impl Reader {
     fn u64(&mut self) -> Result<u64, RecordError> {
         self.need(8)?;
         Ok(self.b.get_u64_le())
+    }
+    fn uuid(&mut self) -> Result<Uuid, RecordError> {
+        Ok(Uuid {
+            first: self.u64()?,
+            second: self.u64()?,
+        })
     }
     fn str(&mut self) -> Result<Bytes, RecordError> {
         self.need(2)?;
@@ -287,10 +296,7 @@ pub fn decode(body: Bytes) -> Result<Vec<Record>, RecordError> {
             return Err(RecordError::Kind(r.i, kind));
         }
         let tenant = r.str()?;
-        let client = Uuid {
-            first: r.u64()?,
-            second: r.u64()?,
-        };
+        let client = r.uuid()?;
         let arm = r.u8()?;
         let n = r.u32()?;
         if n > MAX_ITEMS {
@@ -317,10 +323,7 @@ pub fn decode(body: Bytes) -> Result<Vec<Record>, RecordError> {
             K_OFFLOADED => What::Offloaded(r.items(n, Reader::str)?),
             K_ADOPT => What::Adopt(r.items(n, |r| {
                 let key = r.str()?;
-                let client = Uuid {
-                    first: r.u64()?,
-                    second: r.u64()?,
-                };
+                let client = r.uuid()?;
                 let arm = r.u8()?;
                 let size = r.u64()?;
                 let tier = r.tier()?;
