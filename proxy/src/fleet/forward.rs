@@ -120,15 +120,16 @@ impl Forwarder {
         names.push(self.me.clone());
         let old = self.homes.load();
         let ring = Ring::new(names);
-        if ring.members == old.ring.members {
-            return;
-        }
-        let me = ring.members.iter().position(|m| *m == self.me);
-        let admin = ring
+        let admin: Vec<String> = ring
             .members
             .iter()
             .map(|m| admin_of.remove(m).unwrap_or_default())
             .collect();
+        // A member that restarted under its name may listen elsewhere now.
+        if ring.members == old.ring.members && admin == old.admin {
+            return;
+        }
+        let me = ring.members.iter().position(|m| *m == self.me);
         tracing::info!(members = ring.members.len(), "fleet: record ring changed");
         self.homes.store(Arc::new(Homes {
             ring,
@@ -298,4 +299,57 @@ async fn post(
         return Err(format!("answered HTTP {status}"));
     }
     Ok(send)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(members: &[(&str, bool, &str)]) -> View {
+        let mut v = View::default();
+        for (m, records, admin) in members {
+            v.members.insert(
+                m.to_string(),
+                super::super::Record {
+                    member: m.to_string(),
+                    records: *records,
+                    admin: admin.to_string(),
+                    ..Default::default()
+                },
+            );
+        }
+        v
+    }
+
+    #[test]
+    fn the_ring_holds_the_members_that_take_records_and_follows_their_addresses() {
+        let metrics = Arc::new(FleetMetrics::register(
+            &mut prometheus_client::registry::Registry::default(),
+        ));
+        let f = Forwarder::new(&FleetConfig::default(), "a".into(), String::new(), metrics);
+        assert!(!f.homes().shared(), "alone until the view says otherwise");
+        f.set_view(&view(&[
+            ("a", true, "h:1"),
+            ("b", true, "h:2"),
+            ("c", false, "h:3"),
+        ]));
+        let h = f.homes();
+        assert_eq!(h.ring.members, ["a", "b"], "c takes no records");
+        assert!(h.shared());
+        let g = h.generation;
+        // The same view again changes nothing; b listening elsewhere does.
+        f.set_view(&view(&[("a", true, "h:1"), ("b", true, "h:2")]));
+        assert_eq!(f.homes().generation, g);
+        f.set_view(&view(&[("a", true, "h:1"), ("b", true, "h:9")]));
+        assert_eq!(f.homes().generation, g + 1);
+        // Leaving: every key's home is another member.
+        let gone = f.homes().without_me();
+        assert!((0..100).all(|i| gone.other(b"t", format!("k{i}").as_bytes()) == Some(0)));
+        // About half of the keys are homed at b.
+        let homes = f.homes();
+        let theirs = (0..100)
+            .filter(|i| homes.other(b"t", format!("k{i}").as_bytes()).is_some())
+            .count();
+        assert!((20..=80).contains(&theirs), "{theirs} of 100 homed at b");
+    }
 }
