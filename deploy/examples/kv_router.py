@@ -15,7 +15,10 @@ best first.
   {"best": "rank0", "ranks": [{"rank": "rank0", "prefix_blocks": 3, "media": ["MEMORY"]}, ...]}
 
 Needs pyzmq and msgspec. The structures are vLLM's (vllm/distributed/kv_events.py), so
-the same index can also read vLLM's own GPU/CPU events.
+the same index can also read vLLM's own GPU/CPU events: `--encoding map` (default) is
+vLLM's current encoding and moongate's default (`[events] encoding`), `--encoding array`
+the one before. A hash in a query is an integer, or hex for digests published as bytes
+(`[events] block_hash = "bytes"`).
 """
 import argparse
 import json
@@ -30,36 +33,59 @@ from msgspec.msgpack import Decoder
 ExternalBlockHash = Union[bytes, int]
 
 
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: Optional[int] = None
+def structures(encoding):
+    """vLLM's event structures for one of its encodings: "map" (vllm/distributed/kv_events.py
+    today: tagged maps, group_idx and the other later fields) or "array" (the positional
+    layout vLLM used before). Returns the batch type to decode with and the event types."""
+    array_like = encoding == "array"
 
+    class EventBatch(msgspec.Struct, array_like=array_like, omit_defaults=True, gc=False):
+        ts: float
+        events: list[Any]
+        data_parallel_rank: Optional[int] = None
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
+    class KVCacheEvent(msgspec.Struct, array_like=array_like, omit_defaults=True, gc=False,
+                       tag=True):
+        pass
 
+    if array_like:
+        class BlockStored(KVCacheEvent):
+            block_hashes: list[ExternalBlockHash]
+            parent_block_hash: Optional[ExternalBlockHash]
+            token_ids: list[int]
+            block_size: int
+            lora_id: Optional[int]
+            medium: Optional[str]
 
-class BlockStored(KVCacheEvent):
-    block_hashes: list[ExternalBlockHash]
-    parent_block_hash: Optional[ExternalBlockHash]
-    token_ids: list[int]
-    block_size: int
-    lora_id: Optional[int]
-    medium: Optional[str]
+        class BlockRemoved(KVCacheEvent):
+            block_hashes: list[ExternalBlockHash]
+            medium: Optional[str]
+    else:
+        class BlockStored(KVCacheEvent):
+            block_hashes: list[ExternalBlockHash]
+            parent_block_hash: Optional[ExternalBlockHash]
+            token_ids: list[int]
+            block_size: int
+            lora_id: Optional[int]
+            medium: Optional[str]
+            lora_name: Optional[str]
+            extra_keys: Optional[list[Optional[tuple[Any, ...]]]] = None
+            group_idx: Optional[int] = None
+            kv_cache_spec_kind: Optional[str] = None
+            kv_cache_spec_sliding_window: Optional[int] = None
 
+        class BlockRemoved(KVCacheEvent):
+            block_hashes: list[ExternalBlockHash]
+            medium: Optional[str]
+            group_idx: Optional[int] = None
 
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[ExternalBlockHash]
-    medium: Optional[str]
+    class AllBlocksCleared(KVCacheEvent):
+        pass
 
+    class KVEventBatch(EventBatch):
+        events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
 
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
+    return KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared
 
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -86,17 +112,18 @@ def replay(ctx, endpoint, start, timeout_ms=5000):
 class Index:
     """block hash -> {rank: set of media}, updated from events, read by queries."""
 
-    def __init__(self):
+    def __init__(self, encoding):
         self.lock = threading.Lock()
         self.blocks = {}
+        self.batch, self.stored, self.removed, _ = structures(encoding)
 
     def apply(self, rank, batch):
         with self.lock:
             for e in batch.events:
-                if isinstance(e, BlockStored):
+                if isinstance(e, self.stored):
                     for h in e.block_hashes:
                         self.blocks.setdefault(h, {}).setdefault(rank, set()).add(e.medium)
-                elif isinstance(e, BlockRemoved):
+                elif isinstance(e, self.removed):
                     for h in e.block_hashes:
                         ranks = self.blocks.get(h, {})
                         media = ranks.get(rank, set())
@@ -113,6 +140,7 @@ class Index:
                             del self.blocks[h]
 
     def query(self, hashes, ranks):
+        hashes = [bytes.fromhex(h) if isinstance(h, str) else h for h in hashes]
         out = []
         with self.lock:
             for r in ranks:
@@ -129,7 +157,7 @@ class Index:
 
 
 def follow(ctx, rank, pub, replay_endpoint, index, caught_up):
-    decoder = Decoder(type=KVEventBatch)
+    decoder = Decoder(type=index.batch)
     sub = ctx.socket(zmq.SUB)
     sub.connect(pub)
     sub.setsockopt_string(zmq.SUBSCRIBE, "")
@@ -162,9 +190,11 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rank", action="append", required=True,
                    help="NAME=PUB_ENDPOINT,REPLAY_ENDPOINT (one per moongate)")
+    p.add_argument("--encoding", choices=["map", "array"], default="map",
+                   help="the publishers' [events] encoding (vLLM's map or array layout)")
     a = p.parse_args()
     ctx = zmq.Context()
-    index = Index()
+    index = Index(a.encoding)
     names = []
     caught_up = threading.Semaphore(0)
     for spec in a.rank:

@@ -1,7 +1,10 @@
-//! KV events end to end: the real master, moongate with `[events]` on and the lru
-//! plugin (the SDK's default `block-keys` names the replay's `PREFIX/blk/HASH` keys), a real
-//! client's scripted workload, and a subscriber written as routers write them (pyzmq,
-//! msgspec with vLLM's declared structures) that misses a phase and replays it.
+//! KV events end to end: the real master, moongate with `[events]` on, a real client's
+//! scripted workload, and a subscriber written as routers write them (pyzmq, msgspec with
+//! vLLM's declared structures for the encoding under test):
+//! - vLLM's earlier array encoding, the lru plugin (the SDK's default names the replay's
+//!   `PREFIX/blk/HASH` keys), a subscriber that misses a phase and replays it;
+//! - vLLM's current map encoding (the default), the embedded default policy and keys as
+//!   vLLM's MooncakeStoreConnector names them.
 
 use std::collections::BTreeSet;
 use std::process::Command;
@@ -49,7 +52,7 @@ fn every_event_of_a_real_workload_reaches_a_vllm_subscriber_and_gaps_replay() {
          [eviction]\nenabled = true\nmaster_metrics_url = \"{}\"\n\
          high_watermark = 0.5\nlow_watermark = 0.3\ninterval_ms = 100\n\
          [events]\nenabled = true\nendpoint = \"tcp://127.0.0.1:0\"\n\
-         replay_endpoint = \"tcp://127.0.0.1:0\"\n\
+         replay_endpoint = \"tcp://127.0.0.1:0\"\nencoding = \"array\"\n\
          [policy]\nactive = \"p\"\n\
          [[policy.plugins]]\nname = \"p\"\npath = \"{}\"\n",
         master.rpc,
@@ -59,12 +62,7 @@ fn every_event_of_a_real_workload_reaches_a_vllm_subscriber_and_gaps_replay() {
     mg.wait_ready(&master);
     let (endpoint, replay) = endpoints(&mg);
 
-    let dir = tempdir();
-    let mut cmd = Command::new(python());
-    cmd.arg(repo_root().join("tests/py/kv_events_sub.py"))
-        .args(["--endpoint", &endpoint, "--replay", &replay, "--out"])
-        .arg(dir.path().join("out.json"));
-    let mut sub = Background::spawn("subscriber", cmd, dir, &[&mg.proc]);
+    let mut sub = subscriber(&endpoint, &replay, "array", &mg);
 
     let logs = [&master.proc, &mg.proc];
     let mut work = Background::start("events", &mg.listen, &master.metadata, &logs);
@@ -182,7 +180,8 @@ fn every_event_of_a_real_workload_reaches_a_vllm_subscriber_and_gaps_replay() {
     let found: Vec<u64> = found.into_iter().collect();
     let all: Vec<u64> = (1000..1040).collect();
     let leading = all.iter().take_while(|h| found.contains(h)).count();
-    let answers = router_answers(&endpoint, &replay, &[&found, &all], &logs);
+    let queries = [json!(found), json!(all)];
+    let answers = router_answers(&endpoint, &replay, "array", &queries, &logs);
     assert_eq!(answers[0]["best"], "r0", "{answers:?}");
     assert_eq!(
         answers[0]["ranks"][0]["prefix_blocks"],
@@ -200,18 +199,103 @@ fn every_event_of_a_real_workload_reaches_a_vllm_subscriber_and_gaps_replay() {
     );
 }
 
-/// Runs `deploy/examples/kv_router.py` against one moongate (rank `r0`) and asks it one
-/// query per list of block hashes; returns its answers.
-fn router_answers(endpoint: &str, replay: &str, queries: &[&[u64]], logs: &[&Proc]) -> Vec<Value> {
+/// `tests/py/kv_events_sub.py` on moongate's endpoints, decoding `encoding`.
+fn subscriber(endpoint: &str, replay: &str, encoding: &str, mg: &Moongate) -> Background {
+    let dir = tempdir();
+    let mut cmd = Command::new(python());
+    cmd.arg(repo_root().join("tests/py/kv_events_sub.py"))
+        .args(["--endpoint", endpoint, "--replay", replay])
+        .args(["--encoding", encoding, "--out"])
+        .arg(dir.path().join("out.json"));
+    Background::spawn("subscriber", cmd, dir, &[&mg.proc])
+}
+
+/// Every event the subscriber received, in order.
+fn received(sub: &mut Background, mg: &Moongate) -> (Value, Vec<Value>) {
+    wait_published(mg);
+    let batches = mg.metric("moongate_events_batches_total");
+    sub.step(&format!("finish {batches}"));
+    let got: Value = serde_json::from_str(&std::fs::read_to_string(&sub.out).unwrap()).unwrap();
+    let events = got["batches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|b| b["events"].as_array().unwrap().clone())
+        .collect();
+    (got, events)
+}
+
+/// With the defaults (vLLM's map encoding, digests as vLLM's ints) and the embedded
+/// default policy, keys named as vLLM's MooncakeStoreConnector names them publish what
+/// vLLM's own events would say of those blocks: the chunk hash's low 64 bits, chained in
+/// call order, with the key's `group_idx`; a subscriber on vLLM's current declared
+/// structures reads them and the router example matches a prefix by them.
+#[test]
+fn vllm_connector_keys_publish_vllm_blocks_in_the_map_encoding() {
+    let master = Master::start();
+    let mg = Moongate::start_config(&format!(
+        "[master_face]\nupstream = \"{}\"\n\
+         [events]\nenabled = true\nendpoint = \"tcp://127.0.0.1:0\"\n\
+         replay_endpoint = \"tcp://127.0.0.1:0\"\n",
+        master.rpc
+    ));
+    mg.wait_ready(&master);
+    let (endpoint, replay) = endpoints(&mg);
+    let mut sub = subscriber(&endpoint, &replay, "map", &mg);
+    let logs = [&master.proc, &mg.proc];
+    let work = Background::start("vllmkeys", &mg.listen, &master.metadata, &logs);
+    let (got, events) = received(&mut sub, &mg);
+    let r = work.finish();
+    assert_eq!(*result(&r, "put0"), 0, "{r}");
+    assert_eq!(*result(&r, "put1"), 0, "{r}");
+    // vLLM's int form of a digest: its last 8 bytes, big-endian.
+    let ints = |group: &str| -> Vec<u64> {
+        result(&r, "hashes")[group]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|h| u64::from_str_radix(&h.as_str().unwrap()[48..], 16).unwrap())
+            .collect()
+    };
+    let (g0, g1) = (ints("0"), ints("1"));
+    let stored = |hashes: &[u64], group: u32| {
+        json!({"type": "BlockStored", "hashes": hashes, "parent": null, "block_size": 16,
+               "medium": "MEMORY", "group": group})
+    };
+    assert_eq!(
+        events,
+        [
+            stored(&g0, 0),
+            stored(&g1, 1),
+            json!({"type": "BlockRemoved", "hashes": [g0[3]], "medium": "MEMORY", "group": 0}),
+        ],
+        "{got}\n{r}"
+    );
+    // `plain` names no block.
+    assert_eq!(mg.metric("moongate_events_unmapped_keys_total"), 1.0);
+    let answers = router_answers(&endpoint, &replay, "map", &[json!(g0)], &logs);
+    assert_eq!(answers[0]["ranks"][0]["prefix_blocks"], 3, "{answers:?}");
+}
+
+/// Runs `deploy/examples/kv_router.py` against one moongate (rank `r0`, events in
+/// `encoding`) and asks it one query per list of block hashes; returns its answers.
+fn router_answers(
+    endpoint: &str,
+    replay: &str,
+    encoding: &str,
+    queries: &[Value],
+    logs: &[&Proc],
+) -> Vec<Value> {
     let dir = tempdir();
     let mut cmd = Command::new(python());
     cmd.arg(repo_root().join("deploy/examples/kv_router.py"))
-        .args(["--rank", &format!("r0={endpoint},{replay}")]);
+        .args(["--rank", &format!("r0={endpoint},{replay}")])
+        .args(["--encoding", encoding]);
     let mut router = Background::spawn("router", cmd, dir, logs);
     queries
         .iter()
         .map(|q| {
-            let line = router.ask(&json!(q).to_string(), Duration::from_secs(30));
+            let line = router.ask(&q.to_string(), Duration::from_secs(30));
             serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"))
         })
         .collect()

@@ -454,6 +454,58 @@ fn a_plugin_built_for_wit_0_1_1_still_loads_and_tiers_are_chosen_today() {
     );
 }
 
+/// The contract grew a third time (`block-refs`, WIT 0.1.3: hashes of any width and the
+/// KV-cache group): a component built for 0.1.2 loads and names its `blk` keys as 64-bit
+/// blocks through `block-keys`, and no vLLM connector key; the default policy built today
+/// names vLLM MooncakeStoreConnector keys by their chunk hash's bytes and group, each
+/// chained to the chunk before it in the call.
+#[test]
+fn a_plugin_built_for_wit_0_1_2_still_loads_and_the_default_names_vllm_keys() {
+    let e = engine();
+    let old = std::fs::read(
+        crate::support::repo_root().join("proxy/tests/fixtures/plugins/lru-wit-0.1.2.wasm"),
+    )
+    .unwrap();
+    let p = e.load("lru-0.1.2", &old, b"", None).unwrap();
+    let (h1, h2) = ("ab".repeat(32), "cd".repeat(32));
+    let vllm = |g: u32, h: &str| format!("m@tp_rank:0@pcp0@dcp0@pp_rank:0@group:{g}@{h}");
+    let keys = moongate::policy::pack_keys(
+        [vllm(0, &h1), vllm(0, &h2), vllm(1, &h2), "a/blk/9".into()].iter(),
+    );
+    // Per key: its hash, parent and group, hashes as decimal ints or hex digests.
+    type Named = Option<(String, Option<String>, Option<u32>)>;
+    let named = |p: &Plugin| -> Vec<Named> {
+        let show = |h: &wit::BlockHash| match h {
+            wit::BlockHash::Int(v) => v.to_string(),
+            wit::BlockHash::Digest(d) => d.iter().map(|b| format!("{b:02x}")).collect(),
+        };
+        p.blocks(&keys)
+            .unwrap()
+            .expect("names blocks")
+            .iter()
+            .map(|b| {
+                b.as_ref()
+                    .map(|b| (show(&b.hash), b.parent.as_ref().map(show), b.group))
+            })
+            .collect()
+    };
+    assert_eq!(
+        named(&p),
+        [None, None, None, Some(("9".into(), None, None))],
+        "0.1.2 names blk keys only"
+    );
+    let default = load(&e, "default", "").unwrap();
+    assert_eq!(
+        named(&default),
+        [
+            Some((h1.clone(), None, Some(0))),
+            Some((h2.clone(), Some(h1), Some(0))),
+            Some((h2, None, Some(1))),
+            Some(("9".into(), None, None)),
+        ]
+    );
+}
+
 /// CPU time this thread has used (CLOCK_THREAD_CPUTIME_ID): unlike the wall clock, it
 /// does not grow while other work holds the machine's cores.
 fn thread_cpu() -> Duration {

@@ -23,16 +23,28 @@ from msgspec.msgpack import Decoder
 # The structures as vllm/distributed/kv_events.py declares them, from the router
 # example (the code a router would run; this test proves it reads moongate's events).
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../deploy/examples"))
-from kv_router import BlockRemoved, BlockStored, KVEventBatch, replay  # noqa: E402
+from kv_router import replay, structures  # noqa: E402
 
 
-def as_json(e):
-    if isinstance(e, BlockStored):
-        return {"type": "BlockStored", "hashes": e.block_hashes, "parent": e.parent_block_hash,
-                "block_size": e.block_size, "medium": e.medium}
-    if isinstance(e, BlockRemoved):
-        return {"type": "BlockRemoved", "hashes": e.block_hashes, "medium": e.medium}
-    return {"type": "AllBlocksCleared"}
+def hash_json(h):
+    """Digests published as bytes become hex; ints stay ints."""
+    return h.hex() if isinstance(h, bytes) else h
+
+
+def as_json(e, stored, removed):
+    group = getattr(e, "group_idx", None)
+    if isinstance(e, stored):
+        out = {"type": "BlockStored", "hashes": [hash_json(h) for h in e.block_hashes],
+               "parent": None if e.parent_block_hash is None else hash_json(e.parent_block_hash),
+               "block_size": e.block_size, "medium": e.medium}
+    elif isinstance(e, removed):
+        out = {"type": "BlockRemoved", "hashes": [hash_json(h) for h in e.block_hashes],
+               "medium": e.medium}
+    else:
+        return {"type": "AllBlocksCleared"}
+    if group is not None:
+        out["group"] = group
+    return out
 
 
 def main():
@@ -41,8 +53,10 @@ def main():
     p.add_argument("--replay", required=True)
     p.add_argument("--topic", default="")
     p.add_argument("--out", required=True)
+    p.add_argument("--encoding", choices=["map", "array"], default="map")
     a = p.parse_args()
-    decoder = Decoder(type=KVEventBatch)
+    batch, stored, removed, _ = structures(a.encoding)
+    decoder = Decoder(type=batch)
     ctx = zmq.Context()
     got = {}
     replayed = []
@@ -101,7 +115,7 @@ def main():
                 if missing:
                     catch_up(missing[0])
             out = {
-                "batches": [{"seq": s, "ts": got[s].ts, "events": [as_json(e) for e in got[s].events]}
+                "batches": [{"seq": s, "ts": got[s].ts, "events": [as_json(e, stored, removed) for e in got[s].events]}
                             for s in sorted(got)],
                 "replayed": sorted(replayed),
                 "gaps": gaps,

@@ -524,11 +524,40 @@ def events(run):
     run.finish()
 
 
+def vllmkeys(run):
+    """Keys as vLLM's MooncakeStoreConnector names them (`PoolKey`): one request's four
+    chunks of KV-cache group 0 in one batch put and two of group 1 in another, chunk
+    hashes chained as vLLM chains block hashes; a plain key; then the last chunk of group
+    0 removed. Ends with "READY 1" and waits for a line on stdin."""
+    s = run.s
+    run.setup(16 * MiB)
+    prefix = "Qwen/Qwen3-8B@tp_rank:0@pcp0@dcp0@pp_rank:0"
+
+    def chain(seed, n):
+        out, h = [], b""
+        for i in range(n):
+            h = hashlib.sha256(h + f"{seed}/{i}".encode()).digest()
+            out.append(h.hex())
+        return out
+
+    groups = {0: chain("request", 4), 1: chain("request-window", 2)}
+    keys = {g: [f"{prefix}@group:{g}@{h}" for h in hs] for g, hs in groups.items()}
+    run.rec("hashes", {str(g): hs for g, hs in groups.items()})
+    for g, ks in keys.items():
+        run.rec(f"put{g}", s.put_batch(ks, [value(k, 64 << 10) for k in ks]))
+    run.rec("put_plain", s.put("plain", value("plain", 4096)))
+    run.rec("remove", s.remove(keys[0][3]))
+    print("READY 1", flush=True)
+    sys.stdin.readline()
+    run.rec("close", s.close())
+    run.finish()
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--role", required=True,
                    choices=["owner", "reader", "idle", "loop", "demo", "hold", "place", "disk", "steer", "bulk", "chains", "kvpeer", "guest",
-                            "diskget", "failover", "misses", "events", "steps"])
+                            "diskget", "failover", "misses", "events", "steps", "vllmkeys"])
     p.add_argument("--master", required=True)
     p.add_argument("--metadata", required=True)
     p.add_argument("--out", required=True)
@@ -544,7 +573,7 @@ def main():
     {"owner": owner, "reader": reader, "idle": idle, "loop": loop, "demo": demo,
      "hold": hold, "place": place, "disk": disk, "steer": steer, "bulk": bulk, "chains": chains, "kvpeer": kvpeer, "guest": guest,
      "diskget": diskget, "failover": failover, "misses": misses,
-     "events": events, "steps": steps}[a.role](run)
+     "events": events, "steps": steps, "vllmkeys": vllmkeys}[a.role](run)
 
 
 if __name__ == "__main__":

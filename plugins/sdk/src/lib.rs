@@ -25,7 +25,7 @@
 pub mod bindings {
     wit_bindgen::generate!({
         path: "../../wit",
-        world: "policy-with-tiers",
+        world: "policy-with-digests",
         pub_export_macro: true,
         default_bindings_module: "moongate_policy_sdk::bindings",
     });
@@ -33,9 +33,9 @@ pub mod bindings {
 
 pub use bindings::moongate::policy::host;
 pub use bindings::moongate::policy::types::{
-    Admission, BlockRef, BudgetState, EvictCall, EvictScope, Interest, LookupCall, Observation,
-    PackedKeys, PutCall, PutDecision, PutKind, ReplicateConfig, SoftPinAction, SplitCall, Tier,
-    TieredEvictCall, Victim,
+    Admission, Block, BlockHash, BlockRef, BudgetState, EvictCall, EvictScope, Interest,
+    LookupCall, Observation, PackedKeys, PutCall, PutDecision, PutKind, ReplicateConfig,
+    SoftPinAction, SplitCall, Tier, TieredEvictCall, Victim,
 };
 
 /// A policy. One value lives per plugin instance; moongate calls the hooks named in the
@@ -88,6 +88,110 @@ pub trait Policy: Sized + 'static {
     fn block_keys(&mut self, keys: PackedKeys) -> Vec<Option<BlockRef>> {
         blocks_of_blk_keys(&keys)
     }
+
+    /// The block each key names with hashes of any width and the KV-cache group (WIT
+    /// 0.1.3; moongate calls this instead of [`Policy::block_keys`] when a plugin has
+    /// it). Default: vLLM MooncakeStoreConnector keys as [`blocks_of_keys`] names them,
+    /// every other key as [`Policy::block_keys`] does (so a plugin that overrides only
+    /// `block_keys` keeps naming its keys).
+    fn block_refs(&mut self, keys: PackedKeys) -> Vec<Option<Block>> {
+        let narrow = self.block_keys(keys.clone());
+        blocks_with(&keys, narrow)
+    }
+}
+
+/// Blocks of the keys moongate knows how to name, in one call's order:
+/// - vLLM's MooncakeStoreConnector keys,
+///   `[CACHE_PREFIX@]MODEL@tp_rank:T@pcpP@dcpD@pp_rank:R@group:G@CHUNK_HASH_HEX`
+///   (vLLM's `PoolKey`): the hash is the chunk hash's bytes (a digest: vLLM's block hash
+///   of the chunk's last block), the group is `G`;
+/// - `PREFIX/blk/HASH` keys (HASH a decimal `u64`, moongate's trace replay): the hash
+///   is the number, no group.
+///
+/// A key's parent is the key before it in the same call when that one names a block of
+/// the same prefix (everything but the hash): connectors store a request's chunks in
+/// prefix order. Other keys name no block.
+pub fn blocks_of_keys(keys: &PackedKeys) -> Vec<Option<Block>> {
+    blocks_with(keys, blocks_of_blk_keys(keys))
+}
+
+/// vLLM connector keys named by [`split_vllm_key`] (each chained to the connector key
+/// before it in the call when both share a prefix), every other key as `narrow` names it.
+fn blocks_with(keys: &PackedKeys, narrow: Vec<Option<BlockRef>>) -> Vec<Option<Block>> {
+    let mut narrow = narrow.into_iter();
+    let mut out: Vec<Option<Block>> = Vec::with_capacity(keys.len());
+    let mut prev: Option<(&[u8], Vec<u8>)> = None;
+    for key in keys.iter() {
+        let other = narrow.next().flatten();
+        let Some((prefix, digest, group)) = split_vllm_key(key) else {
+            prev = None;
+            out.push(other.map(|b| Block {
+                hash: BlockHash::Int(b.hash),
+                parent: b.parent.map(BlockHash::Int),
+                group: None,
+            }));
+            continue;
+        };
+        let parent = prev
+            .take()
+            .filter(|(p, _)| *p == prefix)
+            .map(|(_, d)| BlockHash::Digest(d));
+        out.push(Some(Block {
+            hash: BlockHash::Digest(digest.clone()),
+            parent,
+            group: Some(group),
+        }));
+        prev = Some((prefix, digest));
+    }
+    out
+}
+
+/// A vLLM MooncakeStoreConnector key into (its prefix, the chunk hash's bytes, the
+/// group), or `None` when it is not one. Read from the right, so a model name or cache
+/// prefix may hold `@`.
+pub fn split_vllm_key(key: &[u8]) -> Option<(&[u8], Vec<u8>, u32)> {
+    let (prefix, hex) = rsplit_at(key)?;
+    let digest = unhex(hex)?;
+    let (rest, group) = rsplit_at(prefix)?;
+    let group = number_after(group, b"group:")?;
+    let (rest, pp) = rsplit_at(rest)?;
+    number_after(pp, b"pp_rank:")?;
+    let (rest, dcp) = rsplit_at(rest)?;
+    number_after(dcp, b"dcp")?;
+    let (rest, pcp) = rsplit_at(rest)?;
+    number_after(pcp, b"pcp")?;
+    let (model, tp) = rsplit_at(rest)?;
+    number_after(tp, b"tp_rank:")?;
+    if model.is_empty() {
+        return None;
+    }
+    Some((prefix, digest, group))
+}
+
+/// `A@B` into (A, B) at the last `@`.
+fn rsplit_at(s: &[u8]) -> Option<(&[u8], &[u8])> {
+    let at = s.iter().rposition(|&c| c == b'@')?;
+    Some((&s[..at], &s[at + 1..]))
+}
+
+/// The decimal number after `label` in `field` (the whole rest).
+fn number_after(field: &[u8], label: &[u8]) -> Option<u32> {
+    let digits = field.strip_prefix(label)?;
+    if digits.is_empty() || digits.len() > 9 || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    std::str::from_utf8(digits).ok()?.parse().ok()
+}
+
+/// Lowercase or uppercase hex of 1 to 64 bytes into bytes.
+fn unhex(hex: &[u8]) -> Option<Vec<u8>> {
+    if hex.is_empty() || !hex.len().is_multiple_of(2) || hex.len() > 128 {
+        return None;
+    }
+    let nibble = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+    hex.chunks(2)
+        .map(|p| Some((nibble(p[0])? << 4) | nibble(p[1])?))
+        .collect()
 }
 
 /// Blocks of keys named `PREFIX/blk/HASH` (HASH a decimal `u64`), the format of
@@ -263,6 +367,9 @@ macro_rules! export_policy {
                 fn evict_tiered(call: $crate::TieredEvictCall) -> Vec<$crate::Victim> {
                     with(|p| p.evict_tiered(call))
                 }
+                fn block_refs(keys: $crate::PackedKeys) -> Vec<Option<$crate::Block>> {
+                    with(|p| p.block_refs(keys))
+                }
             }
             $crate::bindings::export!(Export with_types_in $crate::bindings);
         }
@@ -329,5 +436,60 @@ mod tests {
             d.admissions[..],
             [Admission::Deny(-200), Admission::Deny(-200)]
         ));
+    }
+
+    /// A block's hash, parent (as bytes) and group.
+    type Named = (Vec<u8>, Option<Vec<u8>>, Option<u32>);
+
+    fn digest_of(b: &Option<Block>) -> Option<Named> {
+        let b = b.as_ref()?;
+        let bytes = |h: &BlockHash| match h {
+            BlockHash::Digest(d) => d.clone(),
+            BlockHash::Int(v) => v.to_be_bytes().to_vec(),
+        };
+        Some((bytes(&b.hash), b.parent.as_ref().map(bytes), b.group))
+    }
+
+    #[test]
+    fn vllm_connector_keys_are_digest_blocks_with_their_group() {
+        let h1 = "0a".repeat(32);
+        let h2 = "FF".repeat(32);
+        let h3 = "01".repeat(32);
+        let k = PackedKeys::from_keys(&[
+            format!("Qwen/Qwen3-8B@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{h1}"),
+            format!("Qwen/Qwen3-8B@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{h2}"),
+            // Another group of the same request: its own chain.
+            format!("Qwen/Qwen3-8B@tp_rank:0@pcp0@dcp0@pp_rank:0@group:1@{h3}"),
+            // A cache prefix, and a model name with an '@' in it.
+            format!("team-a@m@v2@tp_rank:3@pcp1@dcp2@pp_rank:4@group:7@{h1}"),
+            // Not connector keys: odd hex, no group, non-decimal rank, empty model.
+            format!("m@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{}", &h1[1..]),
+            format!("m@tp_rank:0@pcp0@dcp0@pp_rank:0@{h1}"),
+            format!("m@tp_rank:x@pcp0@dcp0@pp_rank:0@group:0@{h1}"),
+            format!("@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{h1}"),
+            "a/blk/5".to_string(),
+            "a/blk/6".to_string(),
+        ]);
+        let b: Vec<_> = blocks_of_keys(&k).iter().map(digest_of).collect();
+        let (d1, d2, d3) = (vec![0x0a; 32], vec![0xff; 32], vec![0x01; 32]);
+        assert_eq!(b[0], Some((d1.clone(), None, Some(0))));
+        assert_eq!(b[1], Some((d2.clone(), Some(d1.clone()), Some(0))));
+        assert_eq!(b[2], Some((d3, None, Some(1))));
+        assert_eq!(b[3], Some((d1, None, Some(7))));
+        assert_eq!(b[4..8], [None, None, None, None]);
+        assert_eq!(
+            b[8..],
+            [
+                Some((5u64.to_be_bytes().to_vec(), None, None)),
+                Some((
+                    6u64.to_be_bytes().to_vec(),
+                    Some(5u64.to_be_bytes().to_vec()),
+                    None
+                )),
+            ]
+        );
+        let (prefix, _, group) = split_vllm_key(k.get(3)).unwrap();
+        assert_eq!(prefix, b"team-a@m@v2@tp_rank:3@pcp1@dcp2@pp_rank:4@group:7");
+        assert_eq!(group, 7);
     }
 }

@@ -2,6 +2,7 @@
 
 use serde::Deserialize;
 
+use super::wire::Encoding;
 use crate::validate::positive;
 
 /// KV events: the pool's block stores and removals as seen through this moongate,
@@ -34,6 +35,28 @@ pub struct EventsConfig {
     /// tokens; set it to the connector's block size (vLLM's default is 16) so a router
     /// can size prefixes.
     pub block_tokens: u64,
+    /// vLLM's encoding of the batches: `"map"` (tagged maps with `group_idx`, vLLM's
+    /// current one) or `"array"` (positional arrays, what vLLM published before and
+    /// routers built then parse). Default `"map"`: what vLLM publishes today, so one
+    /// router reads vLLM's GPU events and the pool's alike.
+    pub encoding: Encoding,
+    /// How a block named by a digest (vLLM's chunk hashes, 32 bytes) is published:
+    /// `"int"`, its low 64 bits as an unsigned integer, as vLLM does by default
+    /// (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`), or `"bytes"`, the digest itself, as vLLM
+    /// does with that variable at 0. Match the engines' setting so the pool's hashes equal
+    /// their GPU events' hashes. Blocks named by 64-bit numbers are always integers.
+    pub block_hash: BlockHashForm,
+}
+
+/// How a digest-named block's hash is published (`events.block_hash`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BlockHashForm {
+    /// The digest's low 64 bits, big-endian, as an unsigned integer (vLLM's int form).
+    #[default]
+    Int,
+    /// The digest's bytes.
+    Bytes,
 }
 
 impl Default for EventsConfig {
@@ -47,6 +70,8 @@ impl Default for EventsConfig {
             replay_batches: 10_000,
             max_batch_events: 1_000,
             block_tokens: 16,
+            encoding: Encoding::Map,
+            block_hash: BlockHashForm::Int,
         }
     }
 }

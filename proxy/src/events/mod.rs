@@ -28,10 +28,10 @@ use tokio_util::sync::CancellationToken;
 use crate::codec::types::Tier;
 use crate::policy::registry::Registry;
 use crate::policy::wit;
-pub use config::EventsConfig;
+pub use config::{BlockHashForm, EventsConfig};
 use metrics::{EventsMetrics, Stage};
 use publisher::Publisher;
-use wire::Event;
+use wire::{Event, Hash};
 
 /// What happened to the keys of a [`Change`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -201,7 +201,7 @@ pub async fn run(
             }
             n = rx.recv_many(&mut changes, max) => n,
         };
-        let events = to_events(&changes, &policy, &metrics);
+        let events = to_events(&changes, &policy, cfg.block_hash, &metrics);
         let handled = changes.len() as u64;
         changes.clear();
         for chunk in events.chunks(max) {
@@ -209,7 +209,7 @@ pub async fn run(
             let ts = SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0.0, |d| d.as_secs_f64());
-            wire::encode_batch(ts, chunk, cfg.block_tokens, &mut payload);
+            wire::encode_batch(ts, chunk, cfg.block_tokens, cfg.encoding, &mut payload);
             match publisher.publish(Bytes::copy_from_slice(&payload)).await {
                 Ok(()) => {
                     metrics.batches.inc();
@@ -231,7 +231,12 @@ pub async fn run(
 }
 
 /// Events of `changes`, in order: the keys named as blocks by their arm's policy.
-fn to_events(changes: &[Change], policy: &Registry, metrics: &EventsMetrics) -> Vec<Event> {
+fn to_events(
+    changes: &[Change],
+    policy: &Registry,
+    form: BlockHashForm,
+    metrics: &EventsMetrics,
+) -> Vec<Event> {
     let set = policy.current();
     let mut out = Vec::new();
     for c in changes {
@@ -243,7 +248,7 @@ fn to_events(changes: &[Change], policy: &Registry, metrics: &EventsMetrics) -> 
             continue;
         };
         let keys = crate::policy::pack_keys(c.keys.iter());
-        let blocks = match arm.plugin.block_keys(&keys) {
+        let blocks = match arm.plugin.blocks(&keys) {
             Ok(Some(b)) => b,
             Ok(None) => {
                 metrics.unmapped.inc_by(c.keys.len() as u64);
@@ -252,63 +257,107 @@ fn to_events(changes: &[Change], policy: &Registry, metrics: &EventsMetrics) -> 
             Err(e) => {
                 metrics.error(Stage::Hook);
                 metrics.unmapped.inc_by(c.keys.len() as u64);
-                tracing::debug!(plugin = arm.plugin.name(), error = %e, "events: block-keys failed");
+                tracing::debug!(plugin = arm.plugin.name(), error = %e, "events: block-refs failed");
                 continue;
             }
         };
         let medium = c.tier.map(medium);
         let unmapped = blocks.iter().filter(|b| b.is_none()).count();
         metrics.unmapped.inc_by(unmapped as u64);
+        let blocks: Vec<Option<Block>> = blocks
+            .iter()
+            .map(|b| b.as_ref().map(|b| Block::of(b, form)))
+            .collect();
         match c.what {
             What::Stored => chains(&blocks, medium, &mut out),
-            _ => {
-                let hashes: Vec<u64> = blocks.iter().flatten().map(|b| b.hash).collect();
-                if !hashes.is_empty() {
-                    out.push(Event::Removed { hashes, medium });
-                }
-            }
+            _ => removals(&blocks, medium, &mut out),
         }
     }
     out
 }
 
-/// `BlockStored` events for blocks in call order: one event per run of blocks where each
-/// block's parent is the block before it.
-fn chains(blocks: &[Option<wit::BlockRef>], medium: Option<&'static str>, out: &mut Vec<Event>) {
-    let mut run: Option<(Vec<u64>, Option<u64>)> = None;
+/// A block as published: its hashes in their wire form.
+#[derive(Debug, Clone, PartialEq)]
+struct Block {
+    hash: Hash,
+    parent: Option<Hash>,
+    group: Option<u32>,
+}
+
+impl Block {
+    fn of(b: &wit::Block, form: BlockHashForm) -> Block {
+        Block {
+            hash: wire_hash(&b.hash, form),
+            parent: b.parent.as_ref().map(|p| wire_hash(p, form)),
+            group: b.group,
+        }
+    }
+}
+
+/// A plugin's hash in the form `events.block_hash` asks for: a digest as its bytes, or as
+/// vLLM turns it into an int (`int.from_bytes(digest, "big") & (2**64 - 1)`: the last
+/// eight bytes).
+fn wire_hash(h: &wit::BlockHash, form: BlockHashForm) -> Hash {
+    match (h, form) {
+        (wit::BlockHash::Int(v), _) => Hash::Int(*v),
+        (wit::BlockHash::Digest(d), BlockHashForm::Bytes) => Hash::Bytes(d.clone()),
+        (wit::BlockHash::Digest(d), BlockHashForm::Int) => {
+            let tail = &d[d.len().saturating_sub(8)..];
+            Hash::Int(tail.iter().fold(0u64, |v, b| (v << 8) | u64::from(*b)))
+        }
+    }
+}
+
+/// `BlockStored` events for blocks in call order: one event per run of blocks of one
+/// group where each block's parent is the block before it.
+fn chains(blocks: &[Option<Block>], medium: Option<&'static str>, out: &mut Vec<Event>) {
+    let mut run: Option<(Vec<Hash>, Option<Hash>, Option<u32>)> = None;
+    let flush = |run: &mut Option<(Vec<Hash>, Option<Hash>, Option<u32>)>, out: &mut Vec<Event>| {
+        if let Some((hashes, parent, group)) = run.take() {
+            out.push(Event::Stored {
+                hashes,
+                parent,
+                medium,
+                group,
+            });
+        }
+    };
     for b in blocks {
         let Some(b) = b else {
-            if let Some((hashes, parent)) = run.take() {
-                out.push(Event::Stored {
-                    hashes,
-                    parent,
-                    medium,
-                });
-            }
+            flush(&mut run, out);
             continue;
         };
         match &mut run {
-            Some((hashes, _)) if hashes.last().copied() == b.parent && b.parent.is_some() => {
-                hashes.push(b.hash)
+            Some((hashes, _, group))
+                if *group == b.group
+                    && b.parent.is_some()
+                    && hashes.last() == b.parent.as_ref() =>
+            {
+                hashes.push(b.hash.clone())
             }
             _ => {
-                if let Some((hashes, parent)) = run.take() {
-                    out.push(Event::Stored {
-                        hashes,
-                        parent,
-                        medium,
-                    });
-                }
-                run = Some((vec![b.hash], b.parent));
+                flush(&mut run, out);
+                run = Some((vec![b.hash.clone()], b.parent.clone(), b.group));
             }
         }
     }
-    if let Some((hashes, parent)) = run {
-        out.push(Event::Stored {
-            hashes,
-            parent,
-            medium,
-        });
+    flush(&mut run, out);
+}
+
+/// `BlockRemoved` events of one change: one per run of blocks of one group.
+fn removals(blocks: &[Option<Block>], medium: Option<&'static str>, out: &mut Vec<Event>) {
+    let first = out.len();
+    for b in blocks.iter().flatten() {
+        match out[first..].last_mut() {
+            Some(Event::Removed { hashes, group, .. }) if *group == b.group => {
+                hashes.push(b.hash.clone())
+            }
+            _ => out.push(Event::Removed {
+                hashes: vec![b.hash.clone()],
+                medium,
+                group: b.group,
+            }),
+        }
     }
 }
 
@@ -316,12 +365,27 @@ fn chains(blocks: &[Option<wit::BlockRef>], medium: Option<&'static str>, out: &
 mod tests {
     use super::*;
 
-    fn b(hash: u64, parent: Option<u64>) -> Option<wit::BlockRef> {
-        Some(wit::BlockRef { hash, parent })
+    fn b(hash: u64, parent: Option<u64>) -> Option<Block> {
+        g(hash, parent, None)
+    }
+
+    fn g(hash: u64, parent: Option<u64>, group: Option<u32>) -> Option<Block> {
+        Some(Block {
+            hash: Hash::Int(hash),
+            parent: parent.map(Hash::Int),
+            group,
+        })
+    }
+
+    fn int(h: &Hash) -> u64 {
+        match h {
+            Hash::Int(v) => *v,
+            Hash::Bytes(b) => panic!("{b:?}"),
+        }
     }
 
     #[test]
-    fn stored_blocks_become_one_event_per_chain() {
+    fn stored_blocks_become_one_event_per_chain_and_group() {
         let mut out = Vec::new();
         chains(
             &[
@@ -331,25 +395,78 @@ mod tests {
                 b(9, Some(7)),
                 None,
                 b(10, Some(9)),
+                g(11, Some(10), Some(1)),
+                g(12, Some(11), Some(1)),
             ],
             Some("MEMORY"),
             &mut out,
         );
-        let got: Vec<(Vec<u64>, Option<u64>)> = out
+        let got: Vec<(Vec<u64>, Option<u64>, Option<u32>)> = out
             .into_iter()
             .map(|e| match e {
-                Event::Stored { hashes, parent, .. } => (hashes, parent),
+                Event::Stored {
+                    hashes,
+                    parent,
+                    group,
+                    ..
+                } => (
+                    hashes.iter().map(int).collect(),
+                    parent.as_ref().map(int),
+                    group,
+                ),
                 other => panic!("{other:?}"),
             })
             .collect();
         assert_eq!(
             got,
             [
-                (vec![1, 2, 3], None),
-                (vec![9], Some(7)),
-                (vec![10], Some(9)),
+                (vec![1, 2, 3], None, None),
+                (vec![9], Some(7), None),
+                (vec![10], Some(9), None),
+                (vec![11, 12], Some(10), Some(1)),
             ]
         );
+    }
+
+    #[test]
+    fn removals_group_by_group_within_one_change() {
+        let mut out = vec![Event::Removed {
+            hashes: vec![Hash::Int(0)],
+            medium: None,
+            group: None,
+        }];
+        removals(
+            &[b(1, None), None, b(2, Some(1)), g(3, None, Some(2))],
+            None,
+            &mut out,
+        );
+        let got: Vec<(Vec<u64>, Option<u32>)> = out
+            .iter()
+            .map(|e| match e {
+                Event::Removed { hashes, group, .. } => (hashes.iter().map(int).collect(), *group),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [(vec![0], None), (vec![1, 2], None), (vec![3], Some(2))]
+        );
+    }
+
+    #[test]
+    fn digests_publish_as_vllm_ints_or_as_bytes() {
+        let digest: Vec<u8> = (1..=32).collect();
+        let h = wit::BlockHash::Digest(digest.clone());
+        // int.from_bytes(bytes(range(1, 33)), "big") & (2**64 - 1)
+        assert_eq!(
+            wire_hash(&h, BlockHashForm::Int),
+            Hash::Int(0x191a_1b1c_1d1e_1f20)
+        );
+        assert_eq!(wire_hash(&h, BlockHashForm::Bytes), Hash::Bytes(digest));
+        let short = wit::BlockHash::Digest(vec![1, 2]);
+        assert_eq!(wire_hash(&short, BlockHashForm::Int), Hash::Int(0x102));
+        let n = wit::BlockHash::Int(7);
+        assert_eq!(wire_hash(&n, BlockHashForm::Bytes), Hash::Int(7));
     }
 
     #[test]

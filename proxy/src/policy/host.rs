@@ -284,7 +284,7 @@ impl PolicyEngine {
         let mut linker: Linker<HostState> = Linker::new(&self.engine);
         Policy::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)
             .map_err(|e| LoadError::Link(format!("{e:#}")))?;
-        for older in ["0.1.0", "0.1.1"] {
+        for older in ["0.1.0", "0.1.1", "0.1.2"] {
             add_host_as(&mut linker, older).map_err(|e| LoadError::Link(format!("{e:#}")))?;
         }
         linker
@@ -294,12 +294,14 @@ impl PolicyEngine {
             .instantiate_pre(&component)
             .map_err(|e| LoadError::Link(format!("{e:#}")))?;
         let pre = PolicyPre::new(pre).map_err(|e| LoadError::Link(format!("{e:#}")))?;
-        // Optional since 0.1.1 and 0.1.2: looked up by name so that older components
-        // still load.
+        // Optional since 0.1.1, 0.1.2 and 0.1.3: looked up by name so that older
+        // components still load.
         let block_keys = component.get_export_index(None, "block-keys");
         let evict_tiered = component.get_export_index(None, "evict-tiered");
+        let block_refs = component.get_export_index(None, "block-refs");
         let plugin = Arc::new(Plugin {
             block_keys,
+            block_refs,
             evict_tiered,
             name: name.to_string(),
             sha256: sha,
@@ -325,7 +327,7 @@ impl PolicyEngine {
 
 /// The `host` interface once more under an older version's name, for components built
 /// before the contract grew (the interface itself did not change). wasmtime would match
-/// 0.1.0 to 0.1.2 by semver, but the trap stubs for unknown (WASI) imports are defined
+/// 0.1.0 to 0.1.3 by semver, but the trap stubs for unknown (WASI) imports are defined
 /// by exact name first and would shadow that match.
 fn add_host_as(linker: &mut Linker<HostState>, version: &str) -> wasmtime::Result<()> {
     use moongate::policy::host::{Host, Level};
@@ -352,6 +354,33 @@ fn add_host_as(linker: &mut Linker<HostState>, version: &str) -> wasmtime::Resul
     Ok(())
 }
 
+/// The widest block digest a plugin may name: sha512's 64 bytes. A longer one is a
+/// plugin bug, and a router would have to store it per block.
+const MAX_DIGEST: usize = 64;
+
+fn digest_len(h: &wit::BlockHash) -> usize {
+    match h {
+        wit::BlockHash::Int(_) => 8,
+        wit::BlockHash::Digest(d) => d.len(),
+    }
+}
+
+fn hash_ok(h: &wit::BlockHash) -> bool {
+    (1..=MAX_DIGEST).contains(&digest_len(h))
+}
+
+/// A per-key answer with exactly one entry per key, or why not.
+fn one_per_key<T>(d: Vec<T>, keys: &wit::PackedKeys) -> Result<Option<Vec<T>>, CallError> {
+    if d.len() != keys.ends.len() {
+        return Err(CallError::Invalid(format!(
+            "{} blocks for {} keys",
+            d.len(),
+            keys.ends.len()
+        )));
+    }
+    Ok(Some(d))
+}
+
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
@@ -360,6 +389,8 @@ fn hex(b: &[u8]) -> String {
 type OneArgFn<A, R> = TypedFunc<(A,), (R,)>;
 /// The `block-keys` export's signature.
 type BlockKeysFn = TypedFunc<(wit::PackedKeys,), (Vec<Option<wit::BlockRef>>,)>;
+/// The `block-refs` export's signature.
+type BlockRefsFn = TypedFunc<(wit::PackedKeys,), (Vec<Option<wit::Block>>,)>;
 /// The `evict-tiered` export's signature.
 type EvictTieredFn = TypedFunc<(wit::TieredEvictCall,), (Vec<wit::Victim>,)>;
 
@@ -369,6 +400,8 @@ struct Live {
     instance: Instance,
     /// Looked up on the first `block-keys` call of this instance.
     block_keys: Option<BlockKeysFn>,
+    /// Looked up on the first `block-refs` call of this instance.
+    block_refs: Option<BlockRefsFn>,
     /// Looked up on the first `evict-tiered` call of this instance.
     evict_tiered: Option<EvictTieredFn>,
 }
@@ -385,6 +418,8 @@ pub struct Plugin {
     pre: PolicyPre<HostState>,
     /// The optional `block-keys` export (WIT 0.1.1), when the component has it.
     block_keys: Option<ComponentExportIndex>,
+    /// The optional `block-refs` export (WIT 0.1.3), when the component has it.
+    block_refs: Option<ComponentExportIndex>,
     /// The optional `evict-tiered` export (WIT 0.1.2), when the component has it.
     evict_tiered: Option<ComponentExportIndex>,
     interest: Mutex<Interest>,
@@ -462,6 +497,7 @@ impl Plugin {
             bindings,
             instance,
             block_keys: None,
+            block_refs: None,
             evict_tiered: None,
         });
         Ok(interest)
@@ -610,14 +646,44 @@ impl Plugin {
         else {
             return Ok(None);
         };
-        if d.len() != keys.ends.len() {
-            return Err(CallError::Invalid(format!(
-                "{} blocks for {} keys",
-                d.len(),
-                keys.ends.len()
-            )));
+        one_per_key(d, keys)
+    }
+
+    /// The block of each key: by `block-refs` (WIT 0.1.3) when the component has it, else
+    /// by `block-keys` (64-bit hashes, no group), else `None` (built for WIT 0.1.0).
+    pub fn blocks(
+        &self,
+        keys: &wit::PackedKeys,
+    ) -> Result<Option<Vec<Option<wit::Block>>>, CallError> {
+        if self.block_refs.is_some() {
+            let Some(d) =
+                self.call_optional(self.block_refs, |l| &mut l.block_refs, keys.clone())?
+            else {
+                return Ok(None);
+            };
+            if let Some(b) = d.iter().flatten().find(|b| !hash_ok(&b.hash)) {
+                return Err(CallError::Invalid(format!(
+                    "a block hash of {} bytes (1 to {MAX_DIGEST} allowed)",
+                    digest_len(&b.hash)
+                )));
+            }
+            return one_per_key(d, keys);
         }
-        Ok(Some(d))
+        let Some(narrow) = self.block_keys(keys)? else {
+            return Ok(None);
+        };
+        Ok(Some(
+            narrow
+                .into_iter()
+                .map(|b| {
+                    b.map(|b| wit::Block {
+                        hash: wit::BlockHash::Int(b.hash),
+                        parent: b.parent.map(wit::BlockHash::Int),
+                        group: None,
+                    })
+                })
+                .collect(),
+        ))
     }
 
     /// Victims chosen per tier (`evict-tiered`), or `None` when the component has no such
@@ -683,12 +749,11 @@ impl Plugin {
                 error,
             })?;
         }
-        if self.block_keys.is_some() {
-            self.block_keys(&keys)
-                .map_err(|error| LoadError::Conformance {
-                    call: "block-keys",
-                    error,
-                })?;
+        if self.block_keys.is_some() || self.block_refs.is_some() {
+            self.blocks(&keys).map_err(|error| LoadError::Conformance {
+                call: "block-refs",
+                error,
+            })?;
         }
         if interest.contains(Interest::EVICT) {
             let call = wit::EvictCall {
@@ -744,11 +809,8 @@ impl super::Policy for Plugin {
     fn observe(&self, event: &wit::Observation) -> Result<(), CallError> {
         Plugin::observe(self, event)
     }
-    fn block_keys(
-        &self,
-        keys: &wit::PackedKeys,
-    ) -> Result<Option<Vec<Option<wit::BlockRef>>>, CallError> {
-        Plugin::block_keys(self, keys)
+    fn blocks(&self, keys: &wit::PackedKeys) -> Result<Option<Vec<Option<wit::Block>>>, CallError> {
+        Plugin::blocks(self, keys)
     }
     fn evict_tiered(
         &self,

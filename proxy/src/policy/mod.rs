@@ -63,12 +63,12 @@ pub trait Policy: Send + Sync + std::fmt::Debug {
     fn split(&self, call: &wit::SplitCall) -> Result<Vec<u32>, CallError>;
     fn evict(&self, call: &wit::EvictCall) -> Result<Vec<u32>, CallError>;
     fn observe(&self, event: &wit::Observation) -> Result<(), CallError>;
-    /// The block each key names, for KV events (`block-keys`, WIT 0.1.1). `Ok(None)`: the
-    /// policy has no such hook, so its keys publish nothing.
-    fn block_keys(
+    /// The block each key names, for KV events (`block-refs`, WIT 0.1.3, or `block-keys`,
+    /// WIT 0.1.1). `Ok(None)`: the policy has neither hook, so its keys publish nothing.
+    fn blocks(
         &self,
         _keys: &wit::PackedKeys,
-    ) -> Result<Option<Vec<Option<wit::BlockRef>>>, CallError> {
+    ) -> Result<Option<Vec<Option<wit::Block>>>, CallError> {
         Ok(None)
     }
     /// Victims chosen per tier (`evict-tiered`, WIT 0.1.2), called instead of `evict` in
