@@ -51,11 +51,12 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
     let metrics = Arc::new(Metrics::new());
     // Compiling plugins takes tens of milliseconds each: off the async runtime.
     let policy = {
-        let (p, e, m) = (
+        let (mut p, e, m) = (
             cfg.policy.clone(),
             cfg.experiment.clone(),
             metrics.policy.clone(),
         );
+        p.member = cfg.fleet.member.clone();
         let fetched = crate::policy_feed::pull_configured(&p).await?;
         tokio::task::spawn_blocking(move || Registry::new_with(p, e, m, fetched))
             .await

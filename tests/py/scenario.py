@@ -553,11 +553,62 @@ def vllmkeys(run):
     run.finish()
 
 
+def fleetfill(run):
+    """One client per moongate of a fleet (`--masters`, comma-separated), all in this
+    process (a Mooncake client per thread of work would cost a process each), each
+    mounting `--segment-mib`. Commands on stdin, each answered with a READY line:
+      put PREFIX BYTES SIZE [I,J,...|all [FIRST]]
+                              fresh keys PREFIX<FIRST>, PREFIX<FIRST+1>, ... (FIRST 0 by
+                              default) of SIZE bytes through the clients in turn (or
+                              clients I, J, ... only) until BYTES are written
+                              ({"puts": n, "bad": [rc, ...]})
+      exist PREFIX N          how many of PREFIX0..PREFIX(N-1) exist ({"found": n})
+      close                   close every client and exit"""
+    a = run.args
+    stores = []
+    for m in a.masters.split(","):
+        s = MooncakeDistributedStore()
+        rc = s.setup("127.0.0.1", a.metadata, a.segment_mib * MiB, 16 * MiB, "tcp", "", m)
+        run.rec("setup", rc)
+        if rc != 0:
+            run.finish()
+            raise SystemExit(f"setup through {m} failed: {rc}")
+        stores.append(s)
+    print(f"READY {len(stores)}", flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if len(cmd) == 3 and cmd[0] == "exist":
+            keys = [f"{cmd[1]}{i}" for i in range(int(cmd[2]))]
+            found = sum(1 for e in stores[0].batch_is_exist(keys) if e == 1)
+            print("READY " + json.dumps({"found": found}), flush=True)
+            continue
+        if len(cmd) not in (4, 5, 6) or cmd[0] != "put":
+            break
+        prefix, total, size = cmd[1], int(cmd[2]), int(cmd[3])
+        through = stores
+        if len(cmd) >= 5 and cmd[4] != "all":
+            through = [stores[int(i)] for i in cmd[4].split(",")]
+        first = int(cmd[5]) if len(cmd) == 6 else 0
+        bad, n = [], 0
+        while n * size < total:
+            s = through[n % len(through)]
+            k = f"{prefix}{first + n}"
+            rc = s.put(k, value(k, size))
+            if rc != 0:
+                bad.append(rc)
+            n += 1
+        print("READY " + json.dumps({"puts": n, "bad": bad}), flush=True)
+    for s in stores:
+        run.rec("close", s.close())
+    run.finish()
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--role", required=True,
                    choices=["owner", "reader", "idle", "loop", "demo", "hold", "place", "disk", "steer", "bulk", "chains", "kvpeer", "guest",
-                            "diskget", "failover", "misses", "events", "steps", "vllmkeys"])
+                            "diskget", "failover", "misses", "events", "steps", "vllmkeys",
+                            "fleetfill"])
     p.add_argument("--master", required=True)
     p.add_argument("--metadata", required=True)
     p.add_argument("--out", required=True)
@@ -565,7 +616,9 @@ def main():
     p.add_argument("--idle", type=float, default=20.0)
     p.add_argument("--prefix", default="k/")
     p.add_argument("--count", type=int, default=10)
-    p.add_argument("--segment-mib", type=int, default=16, help="steps: memory to mount")
+    p.add_argument("--segment-mib", type=int, default=16,
+                   help="steps, fleetfill: memory to mount (per client)")
+    p.add_argument("--masters", default="", help="fleetfill: one client per address")
     p.add_argument("--pause-ms", type=float, default=0.0,
                    help="loop: pause between iterations (a neighbour, not a load test)")
     a = p.parse_args()
@@ -573,7 +626,8 @@ def main():
     {"owner": owner, "reader": reader, "idle": idle, "loop": loop, "demo": demo,
      "hold": hold, "place": place, "disk": disk, "steer": steer, "bulk": bulk, "chains": chains, "kvpeer": kvpeer, "guest": guest,
      "diskget": diskget, "failover": failover, "misses": misses,
-     "events": events, "steps": steps, "vllmkeys": vllmkeys}[a.role](run)
+     "events": events, "steps": steps, "vllmkeys": vllmkeys,
+     "fleetfill": fleetfill}[a.role](run)
 
 
 if __name__ == "__main__":

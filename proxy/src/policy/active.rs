@@ -83,6 +83,8 @@ pub struct ActiveSet {
     pub control: usize,
     pub assign: Assign,
     pub experiment: Option<ExperimentSpec>,
+    /// [`super::experiment::fnv1a`] of this sidecar's name (`assign = "member"`).
+    pub member: u64,
     pub(super) activated: Instant,
     /// Plugin-failure calls seen since activation (automatic rollback).
     pub(super) probation: Mutex<Window>,
@@ -102,6 +104,7 @@ impl ActiveSet {
             control,
             assign,
             experiment,
+            member: 0,
             activated: now,
             probation: Mutex::new(Window::new(now)),
         }
@@ -112,7 +115,7 @@ impl ActiveSet {
         if self.arms.len() == 1 {
             return 0;
         }
-        let h = assignment_hash(self.assign, client, key);
+        let h = assignment_hash(self.assign, client, key, self.member);
         let i = arm_for_hash(h, self.arms.iter().map(|a| a.weight));
         if self.arms[i].is_stopped() {
             self.control

@@ -50,6 +50,10 @@ pub struct PolicyConfig {
     /// Docker-style credentials (`config.json` with `auths`). Empty:
     /// `$DOCKER_CONFIG/config.json`, else `~/.docker/config.json`, when present.
     pub registry_auth_file: String,
+    /// This sidecar's name for `[experiment] assign = "member"`: not a key of `[policy]`
+    /// but `fleet.member`, copied here at start.
+    #[serde(skip)]
+    pub member: String,
     /// Largest plugin component accepted: registry pulls check the manifest before
     /// downloading; uploads are cut off.
     pub max_plugin_bytes: u64,
@@ -106,6 +110,7 @@ impl Default for PolicyConfig {
             trusted_keys: Vec::new(),
             insecure_registries: Vec::new(),
             registry_auth_file: String::new(),
+            member: String::new(),
             max_plugin_bytes: 32 << 20,
             pull_timeout_ms: 30_000,
         }

@@ -17,6 +17,10 @@ pub enum Assign {
     Client,
     /// By a hash of the (first) key.
     Key,
+    /// By this sidecar's name (`fleet.member`): every call through one moongate goes to
+    /// one arm. With one moongate per rank that is one arm per rank, also for
+    /// requester-only ranks, whose calls carry no client id to assign by.
+    Member,
 }
 
 /// Stops an arm whose calls go wrong.
@@ -164,12 +168,15 @@ pub fn arm_for_hash(h: u64, weights: impl Iterator<Item = u64> + Clone) -> usize
 }
 
 /// The hash a call is assigned by.
+/// `member`: [`fnv1a`] of this sidecar's name, for [`Assign::Member`].
 pub fn assignment_hash(
     assign: Assign,
     client: &crate::codec::types::Uuid,
     key: Option<&bytes::Bytes>,
+    member: u64,
 ) -> u64 {
     match assign {
+        Assign::Member => member,
         Assign::Client => {
             let mut b = [0u8; 16];
             b[..8].copy_from_slice(&client.first.to_le_bytes());

@@ -326,15 +326,19 @@ impl Registry {
             return self.activate(keep.as_deref().unwrap_or("default"));
         }
         let control = spec.check().map_err(RegistryError::BadExperiment)?;
+        if spec.assign == Assign::Member && self.cfg.member.is_empty() {
+            return Err(RegistryError::BadExperiment(
+                "assign = \"member\" needs fleet.member: this sidecar's stable name".into(),
+            ));
+        }
         let arms = spec
             .arms
             .iter()
             .map(|a| Ok(self.arm(&a.name, self.plugin(&a.plugin)?, u64::from(a.weight))))
             .collect::<Result<Vec<_>, RegistryError>>()?;
-        let generation = self.active.swap_in(
-            ActiveSet::new(arms, control, spec.assign, Some(spec)),
-            &self.metrics,
-        );
+        let mut set = ActiveSet::new(arms, control, spec.assign, Some(spec));
+        set.member = super::experiment::fnv1a(self.cfg.member.as_bytes());
+        let generation = self.active.swap_in(set, &self.metrics);
         tracing::info!(generation, "experiment started");
         Ok(generation)
     }
@@ -518,5 +522,49 @@ mod tests {
         .unwrap();
         let cur = r.current();
         assert_eq!((cur.arms.len(), cur.arms[0].plugin.name()), (1, "b"));
+    }
+
+    #[test]
+    fn arms_by_member_need_a_member_name_and_follow_it() {
+        use crate::codec::types::Uuid;
+        use crate::policy::experiment::{ArmSpec, ExperimentSpec, arm_for_hash, fnv1a};
+        let spec = || ExperimentSpec {
+            assign: Assign::Member,
+            control: None,
+            arms: ["a", "b"]
+                .iter()
+                .map(|n| ArmSpec {
+                    name: (*n).into(),
+                    plugin: (*n).into(),
+                    weight: 1,
+                })
+                .collect(),
+            guardrail: Default::default(),
+            capacity: Default::default(),
+        };
+        let r = registry();
+        let err = r.set_experiment(spec()).unwrap_err().to_string();
+        assert!(err.contains("fleet.member"), "{err}");
+        for member in ["rank0", "rank1", "rank2", "rank3"] {
+            let r = Registry::with_policies(
+                PolicyConfig {
+                    member: member.into(),
+                    ..PolicyConfig::default()
+                },
+                None,
+                Metrics::new().policy.clone(),
+                vec![Arc::new(Fake::new("a")), Arc::new(Fake::new("b"))],
+            )
+            .unwrap();
+            r.set_experiment(spec()).unwrap();
+            let want = arm_for_hash(fnv1a(member.as_bytes()), [1u64, 1].into_iter());
+            let set = r.current();
+            // Every client and key of this sidecar lands in its member's arm.
+            for (first, key) in [(1, "x"), (2, "y"), (u64::MAX, "z")] {
+                let client = Uuid { first, second: 0 };
+                let key = bytes::Bytes::from_static(key.as_bytes());
+                assert_eq!(set.pick(&client, Some(&key)), want, "{member}");
+            }
+        }
     }
 }
