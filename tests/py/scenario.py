@@ -563,6 +563,9 @@ def fleetfill(run):
                               clients I, J, ... only) until BYTES are written
                               ({"puts": n, "bad": [rc, ...]})
       exist PREFIX N          how many of PREFIX0..PREFIX(N-1) exist ({"found": n})
+      check PREFIX N SIZE I   reads PREFIX0..PREFIX(N-1) through client I: how many came
+                              back, and how many of those were not what was put
+                              ({"found": n, "wrong": n})
       close                   close every client and exit"""
     a = run.args
     stores = []
@@ -581,6 +584,17 @@ def fleetfill(run):
             keys = [f"{cmd[1]}{i}" for i in range(int(cmd[2]))]
             found = sum(1 for e in stores[0].batch_is_exist(keys) if e == 1)
             print("READY " + json.dumps({"found": found}), flush=True)
+            continue
+        if len(cmd) == 5 and cmd[0] == "check":
+            size, via = int(cmd[3]), stores[int(cmd[4])]
+            found = wrong = 0
+            for i in range(int(cmd[2])):
+                k = f"{cmd[1]}{i}"
+                v = via.get(k)
+                if len(v):
+                    found += 1
+                    wrong += bytes(v) != value(k, size)
+            print("READY " + json.dumps({"found": found, "wrong": wrong}), flush=True)
             continue
         if len(cmd) not in (4, 5, 6) or cmd[0] != "put":
             break
