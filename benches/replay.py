@@ -12,12 +12,15 @@ with one get_batch and check every byte; put the rest with one put_batch.
 Arms: with --admin (moongate's admin address) and an experiment assigned by client,
 the replay starts worker clients one at a time and learns each one's arm from moongate's
 own metrics (the MountSegment it just sent), until every arm has --workers-per-arm
-workers; extra workers are closed. Keys are prefixed with the arm, so the arms are
+workers; extra workers are closed. --master may list several addresses (one moongate
+per rank, comma-separated): without --admin, worker i uses address i modulo the list
+(set --workers-per-arm to the list's length for one rank per moongate). Keys are prefixed with the arm, so the arms are
 separate caches competing for the same memory. --split mirror (default) gives every arm
 the whole trace: identical workloads, so the arms' numbers compare the policies and
 nothing else. --split route sends each request to one arm by its first block (a
 conversation stays in one arm; half the load each). Within an arm, requests go to its
-workers by first block too. Without --admin there is one arm, "all".
+workers by first block too (--route sticky), or each to a random one (--route random,
+seeded: what a router that does not know the caches does). Without --admin there is one arm, "all".
 
 Run through the wrapper `benches/replay` (it picks the project's virtualenv).
 """
@@ -26,6 +29,7 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
+import random
 import re
 import sys
 import threading
@@ -157,7 +161,9 @@ def start_workers(a):
     for attempt in range(a.max_workers):
         before = mounts_by_arm(a.admin) if a.admin else {}
         parent, child = ctx.Pipe()
-        p = ctx.Process(target=worker, args=(child, a.master, a.metadata, a.segment_mib))
+        masters = a.master.split(",")
+        master = masters[attempt % len(masters)]
+        p = ctx.Process(target=worker, args=(child, master, a.metadata, a.segment_mib))
         p.start()
         kind, rc = parent.recv()
         if rc != 0:
@@ -212,18 +218,24 @@ def main():
                    "sampled every 200 ms and its own evictions counted")
     p.add_argument("--split", choices=["mirror", "route"], default="mirror",
                    help="mirror: every arm replays the whole trace; route: one arm per request")
+    p.add_argument("--route", choices=["sticky", "random"], default="sticky",
+                   help="within an arm: a request goes to the worker its first block picks, "
+                        "or to a random one")
     a = p.parse_args()
 
     reqs = load_trace(a.trace, a.limit)
     arms = start_workers(a)
     names = sorted(arms)
     per_worker = {(arm, i): [] for arm in names for i in range(len(arms[arm]))}
+    rng = random.Random(11)
     for ts, ids in reqs:
         first = ids[0] if ids else 0
         targets = names if a.split == "mirror" else [names[first % len(names)]]
         for arm in targets:
             # A conversation stays with one worker: its first block decides.
-            per_worker[(arm, first % len(arms[arm]))].append((ts, ids))
+            n = len(arms[arm])
+            i = rng.randrange(n) if a.route == "random" else first % n
+            per_worker[(arm, i)].append((ts, ids))
     t0 = time.time() + 0.5
     usage, done = [], threading.Event()
     if a.master_metrics:
@@ -250,6 +262,7 @@ def main():
     done.set()
     mtext = metrics(a.admin) if a.admin else ""
     report = {"trace": os.path.basename(a.trace), "requests": len(reqs), "split": a.split,
+              "route": a.route, "masters": len(a.master.split(",")),
               "value_size": a.value_size, "speed": a.speed, "segment_mib": a.segment_mib,
               "wall_s": round(wall, 1), "arms": {}}
     if a.master_metrics:

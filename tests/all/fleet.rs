@@ -745,7 +745,22 @@ fn a_killed_members_portion_moves_to_the_others_and_nothing_is_removed_twice() {
             now == written - removed.0 - removed.1 && now <= capacity * 72 / 100
         },
     );
+    // Then settled: no removal for a second (a member still draining frees the rest).
+    let mut last = (removed, Instant::now());
+    while last.1.elapsed() < Duration::from_secs(1) {
+        std::thread::sleep(Duration::from_millis(100));
+        let now = (removed_by(&live[0]), removed_by(&live[1]));
+        if now != last.0 {
+            last = (now, Instant::now());
+        }
+    }
+    let removed = last.0;
     let total = removed.0 + removed.1;
+    assert_eq!(
+        allocated(&master),
+        written - total,
+        "every removal counted once"
+    );
     let detail = format!(
         "gone from both views {gone_after:?} after SIGKILL (lease 2 s); asked {asked} B, \
          removed {total} B ({} + {})",

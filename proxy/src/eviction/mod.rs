@@ -76,6 +76,10 @@ pub struct Eviction {
     /// A usage round started and the pool is not yet down to the low watermark
     /// (published to the fleet).
     draining: std::sync::atomic::AtomicBool,
+    /// When this member's drain began (wall clock, ms; 0: not draining).
+    drain_started_ms: AtomicU64,
+    /// When this member last read the pool at or below the low watermark (wall clock).
+    low_seen_ms: AtomicU64,
 }
 
 impl Eviction {
@@ -99,6 +103,8 @@ impl Eviction {
             topology: std::sync::OnceLock::new(),
             fleet: std::sync::OnceLock::new(),
             draining: Default::default(),
+            drain_started_ms: AtomicU64::new(0),
+            low_seen_ms: AtomicU64::new(0),
         })
     }
 
@@ -114,6 +120,7 @@ impl Eviction {
             keys: self.table.len() as u64,
             evicted_bytes: self.metrics.removed_bytes.get(),
             draining: self.draining.load(Ordering::Relaxed),
+            drain_started_ms: self.drain_started_ms.load(Ordering::Relaxed),
             ..crate::fleet::Record::of_arms(set, &self.table.arm_bytes())
         }
     }
@@ -473,15 +480,30 @@ impl Eviction {
                             // member started a round, every member keeps freeing its
                             // portion of what is left until the pool is down to the low
                             // watermark (alone, one round frees all of it, as before).
+                            // A drain ends when the pool is down to the low watermark:
+                            // one that began before this member last saw it there is not
+                            // joined (else members that see each other draining keep the
+                            // pool pinned at the low watermark: measured, a live replay's
+                            // hit rate fell 3 points).
+                            let wall = wall_ms();
+                            if excess == 0 {
+                                self.low_seen_ms.store(wall, Ordering::Relaxed);
+                            }
+                            let low_seen = self.low_seen_ms.load(Ordering::Relaxed);
                             let joined = fleet.is_some_and(|f| {
                                 self.draining.load(Ordering::Relaxed)
-                                    || f.view().others_draining(&f.me)
+                                    || f.view().others_draining_since(&f.me, low_seen)
                             });
                             if ratio >= self.cfg.high_watermark || (joined && excess > 0) {
                                 usage_need = excess;
                             }
-                            self.draining
-                                .store(fleet.is_some() && usage_need > 0, Ordering::Relaxed);
+                            let draining = fleet.is_some() && usage_need > 0;
+                            if !draining {
+                                self.drain_started_ms.store(0, Ordering::Relaxed);
+                            } else if !self.draining.load(Ordering::Relaxed) {
+                                self.drain_started_ms.store(wall, Ordering::Relaxed);
+                            }
+                            self.draining.store(draining, Ordering::Relaxed);
                             if let Some(f) = fleet.filter(|_| usage_need > 0) {
                                 let mine = self.table.arm_bytes().iter().sum();
                                 usage_need = f.portion(mine, excess);
@@ -1023,6 +1045,14 @@ fn arm_usage(table_bytes: &[u64], allocated: u64) -> Vec<u64> {
         .iter()
         .map(|&b| (u128::from(b) * u128::from(allocated) / total) as u64)
         .collect()
+}
+
+/// Milliseconds since the Unix epoch: drains are compared across members (hosts with
+/// clocks within an interval of each other, as NTP keeps them).
+fn wall_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// Whether the experiment in force holds each arm to a share of the capacity.

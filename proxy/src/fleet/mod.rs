@@ -51,6 +51,10 @@ pub struct Record {
     /// Its evictor is bringing the pool down to the low watermark: the others join in,
     /// each with its portion, even if they never saw the pool above the high one.
     pub draining: bool,
+    /// When this drain began (milliseconds since the Unix epoch; 0 when not draining or
+    /// from a member before this field). A member that has seen the pool at the low
+    /// watermark since then knows the drain is over and does not join it.
+    pub drain_started_ms: u64,
     /// The experiment's control arm on this member (the only arm without one).
     pub control: String,
     /// Per experiment arm (by name; every member runs the same arms).
@@ -117,11 +121,17 @@ impl View {
         share_of(need, mine, mine.saturating_add(others))
     }
 
-    /// Whether another member is bringing the pool down to the low watermark.
-    pub fn others_draining(&self, me: &str) -> bool {
-        self.members
-            .iter()
-            .any(|(m, r)| m.as_str() != me && r.draining)
+    /// Whether another member is bringing the pool down to the low watermark in a drain
+    /// that began after `low_seen_ms` (when this member last saw the pool at the low
+    /// watermark): a drain that began before is over, whatever the record still says
+    /// (records are up to an interval old). A draining record without a start (a member
+    /// before the field) counts as begun now.
+    pub fn others_draining_since(&self, me: &str, low_seen_ms: u64) -> bool {
+        self.members.iter().any(|(m, r)| {
+            m.as_str() != me
+                && r.draining
+                && (r.drain_started_ms == 0 || r.drain_started_ms > low_seen_ms)
+        })
     }
 
     /// The fleet's bytes for arm `arm`: the others' as last published, plus `mine`.
@@ -369,5 +379,36 @@ mod tests {
         };
         assert!(!compare(&few, &other).unwrap().significant);
         assert!(compare(&ArmRecord::default(), &few).is_none());
+    }
+
+    #[test]
+    fn a_drain_is_joined_only_until_the_pool_was_seen_at_the_low_watermark() {
+        let draining = |m: &str, since: u64| {
+            (
+                m.to_string(),
+                Record {
+                    member: m.into(),
+                    draining: true,
+                    drain_started_ms: since,
+                    ..Default::default()
+                },
+            )
+        };
+        let view = View {
+            members: [draining("a", 1_000)].into_iter().collect(),
+        };
+        assert!(
+            view.others_draining_since("b", 500),
+            "begun after b saw low"
+        );
+        assert!(
+            !view.others_draining_since("b", 1_500),
+            "over: b saw low since"
+        );
+        assert!(!view.others_draining_since("a", 0), "not its own");
+        let old = View {
+            members: [draining("a", 0)].into_iter().collect(),
+        };
+        assert!(old.others_draining_since("b", u64::MAX), "no start: joined");
     }
 }
