@@ -45,7 +45,7 @@ def shape(a, name, work):
             fleet = ""
             if etcd:
                 fleet = (f"[fleet]\nenabled = true\netcd = \"{etcd}\"\ncluster = \"replay\"\n"
-                         f"member = \"m{i}\"\n")
+                         f"member = \"m{i}\"\nrecords = {a.records}\n")
             with open(cfg, "w") as f:
                 f.write(f"[master_face]\nupstream = \"127.0.0.1:{rpc}\"\n"
                         f"[eviction]\nenabled = true\n"
@@ -83,6 +83,8 @@ def main():
     p.add_argument("--limit", type=int, default=0)
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--shapes", default="one,sidecars,fleet")
+    p.add_argument("--records", choices=["true", "false"], default="true",
+                   help="the fleet shape's access records")
     a = p.parse_args()
     if "fleet" in a.shapes and not shutil.which("etcd"):
         raise SystemExit("needs Debian's etcd-server (scripts/bootstrap.sh installs it)")

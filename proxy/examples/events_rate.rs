@@ -34,11 +34,15 @@ fn cpu_seconds() -> f64 {
     (f.get(10).copied().unwrap_or(0) + f.get(11).copied().unwrap_or(0)) as f64 / 100.0
 }
 
-/// Events in one published message: `[ts, [event, ...]]`.
+/// Events in one published message: `{"ts": ts, "events": [event, ...]}` (the default
+/// map encoding).
 fn events_in(payload: &[u8]) -> u64 {
     let mut rd = payload;
-    let _ = rmp::decode::read_array_len(&mut rd);
+    let mut key = [0u8; 8];
+    let _ = rmp::decode::read_map_len(&mut rd);
+    let _ = rmp::decode::read_str(&mut rd, &mut key);
     let _ = rmp::decode::read_f64(&mut rd);
+    let _ = rmp::decode::read_str(&mut rd, &mut key);
     rmp::decode::read_array_len(&mut rd).map_or(0, u64::from)
 }
 
