@@ -74,6 +74,68 @@ fn down_to(master: &Master, bytes: u64, logs: &[&Proc]) {
     );
 }
 
+/// Members named `names` with `extra` before their `[fleet]` sections, ready and each
+/// seeing all of them.
+fn members_ready<S: AsRef<str>>(
+    master: &Master,
+    etcd: &Etcd,
+    names: &[S],
+    extra: &str,
+) -> Vec<Moongate> {
+    let mgs: Vec<Moongate> = names
+        .iter()
+        .map(|n| member(master, etcd, n.as_ref(), extra, ""))
+        .collect();
+    for mg in &mgs {
+        mg.wait_ready(master);
+    }
+    let logs = logs_of(master, Some(etcd), &mgs);
+    wait_for("every member", Duration::from_secs(60), &logs, || {
+        mgs.iter().all(|m| members(m).len() == names.len())
+    });
+    mgs
+}
+
+/// The processes whose logs a failure quotes.
+fn logs_of<'a>(master: &'a Master, etcd: Option<&'a Etcd>, mgs: &'a [Moongate]) -> Vec<&'a Proc> {
+    let mut logs = vec![&master.proc];
+    logs.extend(etcd.map(|e| &e.proc));
+    logs.extend(mgs.iter().map(|m| &m.proc));
+    logs
+}
+
+/// One real client per member (`fleetfill`), each mounting 16 MiB.
+fn fill_writer(master: &Master, mgs: &[Moongate], logs: &[&Proc]) -> Background {
+    let masters: Vec<&str> = mgs.iter().map(|m| m.listen.as_str()).collect();
+    let masters = masters.join(",");
+    let args = ["--masters", masters.as_str(), "--segment-mib", "16"];
+    Background::start_args("fleetfill", &mgs[0].listen, &master.metadata, &args, logs)
+}
+
+/// A `fleetfill` answer.
+fn answer(line: String) -> Value {
+    serde_json::from_str(line.trim_start_matches("READY ")).unwrap()
+}
+
+/// Bytes each of `mgs` removed, once none removed anything for a second (rounds run
+/// every 200 ms in these tests).
+fn settled(mgs: &[Moongate]) -> Vec<u64> {
+    let removed = || -> Vec<u64> {
+        mgs.iter()
+            .map(|m| m.metric("moongate_eviction_removed_bytes_total") as u64)
+            .collect()
+    };
+    let mut last = (removed(), Instant::now());
+    while last.1.elapsed() < Duration::from_secs(1) {
+        std::thread::sleep(Duration::from_millis(100));
+        let r = removed();
+        if r != last.0 {
+            last = (r, Instant::now());
+        }
+    }
+    last.0
+}
+
 #[test]
 fn members_see_each_other_and_a_dead_one_leaves_with_its_lease() {
     let etcd = Etcd::start();
@@ -445,30 +507,24 @@ fn race(n: usize, fleet: bool) -> Race {
          high_watermark = 0.8\nlow_watermark = 0.7\ninterval_ms = 200\n",
         master.metrics_url
     );
-    let mgs: Vec<Moongate> = (0..n)
-        .map(|i| match &etcd {
-            Some(e) => member(&master, e, &format!("m{i}"), &eviction, ""),
-            None => Moongate::start_config(&format!(
-                "[master_face]\nupstream = \"{}\"\n{eviction}",
-                master.rpc
-            )),
-        })
-        .collect();
-    for mg in &mgs {
-        mg.wait_ready(&master);
-    }
-    let mut logs: Vec<&Proc> = vec![&master.proc];
-    logs.extend(mgs.iter().map(|m| &m.proc));
-    if let Some(e) = &etcd {
-        logs.push(&e.proc);
-        wait_for("every member", Duration::from_secs(60), &logs, || {
-            mgs.iter().all(|m| members(m).len() == n)
-        });
-    }
-    let masters: Vec<&str> = mgs.iter().map(|m| m.listen.as_str()).collect();
-    let masters = masters.join(",");
-    let args = ["--masters", masters.as_str(), "--segment-mib", "16"];
-    let mut w = Background::start_args("fleetfill", &mgs[0].listen, &master.metadata, &args, &logs);
+    let mgs: Vec<Moongate> = match &etcd {
+        Some(e) => {
+            let names: Vec<String> = (0..n).map(|i| format!("m{i}")).collect();
+            members_ready(&master, e, &names, &eviction)
+        }
+        None => (0..n)
+            .map(|_| {
+                let mg = Moongate::start_config(&format!(
+                    "[master_face]\nupstream = \"{}\"\n{eviction}",
+                    master.rpc
+                ));
+                mg.wait_ready(&master);
+                mg
+            })
+            .collect(),
+    };
+    let logs = logs_of(&master, etcd.as_ref(), &mgs);
+    let mut w = fill_writer(&master, &mgs, &logs);
     let capacity = SEG * n as u64;
     let stop = Arc::new(AtomicBool::new(false));
     let sampler = {
@@ -489,22 +545,8 @@ fn race(n: usize, fleet: bool) -> Race {
         })
     };
     let written = capacity * 13 / 10;
-    let line = w.step(&format!("put k/ {written} 1048576"));
-    let done: Value = serde_json::from_str(line.trim_start_matches("READY ")).unwrap();
-    let removed_total = || -> u64 {
-        mgs.iter()
-            .map(|m| m.metric("moongate_eviction_removed_bytes_total") as u64)
-            .sum()
-    };
-    // Settled: no removal for a second (the rounds run every 200 ms).
-    let mut last = (removed_total(), Instant::now());
-    while last.1.elapsed() < Duration::from_secs(1) {
-        std::thread::sleep(Duration::from_millis(100));
-        let r = removed_total();
-        if r != last.0 {
-            last = (r, Instant::now());
-        }
-    }
+    let done = answer(w.step(&format!("put k/ {written} 1048576")));
+    let removed: u64 = settled(&mgs).iter().sum();
     stop.store(true, Ordering::Relaxed);
     let samples = sampler.join().unwrap();
     let peak_at = samples
@@ -519,7 +561,7 @@ fn race(n: usize, fleet: bool) -> Race {
         capacity,
         peak: samples.get(peak_at).copied().unwrap_or(u64::MAX),
         lowest_after: samples[peak_at..].iter().copied().min().unwrap_or(0),
-        removed: removed_total(),
+        removed,
         asked: written - low,
         master_evicted: sample_of(&master.metrics(), "master_evicted_key_count").unwrap_or(-1.0),
         bad: done["bad"].clone(),
@@ -593,24 +635,11 @@ fn by_weight_shares_hold_for_the_whole_pool_with_arms_by_member() {
         master.metrics_url,
         plugin_path("lru").display(),
     );
-    let mgs: Vec<Moongate> = ranks
-        .iter()
-        .map(|n| member(&master, &etcd, n, &cfg, ""))
-        .collect();
-    for mg in &mgs {
-        mg.wait_ready(&master);
-    }
-    let mut logs: Vec<&Proc> = vec![&master.proc, &etcd.proc];
-    logs.extend(mgs.iter().map(|m| &m.proc));
-    wait_for("every member", Duration::from_secs(30), &logs, || {
-        mgs.iter().all(|m| members(m).len() == 4)
-    });
-    let masters: Vec<&str> = mgs.iter().map(|m| m.listen.as_str()).collect();
-    let masters = masters.join(",");
-    let args = ["--masters", masters.as_str(), "--segment-mib", "16"];
-    let mut w = Background::start_args("fleetfill", &mgs[0].listen, &master.metadata, &args, &logs);
+    let mgs = members_ready(&master, &etcd, &ranks, &cfg);
+    let logs = logs_of(&master, Some(&etcd), &mgs);
+    let mut w = fill_writer(&master, &mgs, &logs);
     let ok = |line: String| {
-        let v: Value = serde_json::from_str(line.trim_start_matches("READY ")).unwrap();
+        let v = answer(line);
         assert_eq!(v["bad"], serde_json::json!([]), "{v}");
     };
     // The pool is 64 MiB: 32 MiB per arm. b: 16 MiB through its ranks (clients 2, 3).
@@ -629,38 +658,19 @@ fn by_weight_shares_hold_for_the_whole_pool_with_arms_by_member() {
             || allocated(&master) <= high,
         );
     }
-    let removed = || -> u64 {
-        mgs.iter()
-            .map(|m| m.metric("moongate_eviction_removed_bytes_total") as u64)
-            .sum()
-    };
-    let mut last = (removed(), Instant::now());
-    while last.1.elapsed() < Duration::from_secs(1) {
-        std::thread::sleep(Duration::from_millis(100));
-        let r = removed();
-        if r != last.0 {
-            last = (r, Instant::now());
-        }
-    }
+    let removed: u64 = settled(&mgs).iter().sum();
     let mut found = |prefix: &str, n: u64| -> u64 {
-        let v: Value = serde_json::from_str(
-            w.step(&format!("exist {prefix} {n}"))
-                .trim_start_matches("READY "),
-        )
-        .unwrap();
-        v["found"].as_u64().unwrap()
+        answer(w.step(&format!("exist {prefix} {n}")))["found"]
+            .as_u64()
+            .unwrap()
     };
-    eprintln!(
-        "master evicted {:?}",
-        sample_of(&master.metrics(), "master_evicted_key_count")
-    );
     let (a, b) = (found("a/", 64) * MIB, found("b/", 16) * MIB);
     let share = 32 * MIB;
     let detail = format!(
         "members {ranks:?}: arm a holds {} MiB, arm b {} MiB of 32 MiB shares; removed {} MiB",
         a / MIB,
         b / MIB,
-        removed() / MIB
+        removed / MIB
     );
     eprintln!("{detail}");
     assert_eq!(b, 16 * MIB, "arm b lost nothing: {detail}");
@@ -694,24 +704,10 @@ fn a_killed_members_portion_moves_to_the_others_and_nothing_is_removed_twice() {
          high_watermark = 0.8\nlow_watermark = 0.7\ninterval_ms = 200\n",
         master.metrics_url
     );
-    let mgs: Vec<Moongate> = (0..3)
-        .map(|i| member(&master, &etcd, &format!("m{i}"), &eviction, ""))
-        .collect();
-    for mg in &mgs {
-        mg.wait_ready(&master);
-    }
-    let mut logs: Vec<&Proc> = vec![&master.proc, &etcd.proc];
-    logs.extend(mgs.iter().map(|m| &m.proc));
-    wait_for("three members", Duration::from_secs(30), &logs, || {
-        mgs.iter().all(|m| members(m).len() == 3)
-    });
-    let masters: Vec<&str> = mgs.iter().map(|m| m.listen.as_str()).collect();
-    let masters = masters.join(",");
-    let args = ["--masters", masters.as_str(), "--segment-mib", "16"];
-    let mut w = Background::start_args("fleetfill", &mgs[0].listen, &master.metadata, &args, &logs);
-    let step = |w: &mut Background, cmd: &str| -> Value {
-        serde_json::from_str(w.step(cmd).trim_start_matches("READY ")).unwrap()
-    };
+    let mgs = members_ready(&master, &etcd, &["m0", "m1", "m2"], &eviction);
+    let logs = logs_of(&master, Some(&etcd), &mgs);
+    let mut w = fill_writer(&master, &mgs, &logs);
+    let step = |w: &mut Background, cmd: &str| answer(w.step(cmd));
     // 48 MiB pool (three clients' segments). 0.6 of it through all three members.
     let first = step(&mut w, &format!("put k/ {} {KEY} all 0", 29 * MIB));
     assert_eq!(first["bad"], serde_json::json!([]), "{first}");
@@ -745,16 +741,9 @@ fn a_killed_members_portion_moves_to_the_others_and_nothing_is_removed_twice() {
             now == written - removed.0 - removed.1 && now <= capacity * 72 / 100
         },
     );
-    // Then settled: no removal for a second (a member still draining frees the rest).
-    let mut last = (removed, Instant::now());
-    while last.1.elapsed() < Duration::from_secs(1) {
-        std::thread::sleep(Duration::from_millis(100));
-        let now = (removed_by(&live[0]), removed_by(&live[1]));
-        if now != last.0 {
-            last = (now, Instant::now());
-        }
-    }
-    let removed = last.0;
+    // Then settled (a member still draining frees the rest).
+    let last = settled(live);
+    let removed = (last[0], last[1]);
     let total = removed.0 + removed.1;
     assert_eq!(
         allocated(&master),
