@@ -469,8 +469,8 @@ struct Race {
     /// The pool's usage, sampled every 10 ms: its peak, and its lowest after the peak.
     peak: u64,
     lowest_after: u64,
-    /// Bytes the members removed, and what the watermark asked for: everything written
-    /// beyond the low watermark.
+    /// Bytes the members removed, and what the watermarks asked for at most: everything
+    /// written beyond the low watermark.
     removed: u64,
     asked: u64,
     /// The master's own evictions (the backstop): none when the fleet kept up.
@@ -569,8 +569,9 @@ fn race(n: usize, fleet: bool) -> Race {
 }
 
 /// 16 members, each beside a client writing fresh keys past the pool: the fleet frees
-/// what the watermark asks for once (within 10 %) and the pool never falls far below the
-/// low watermark (each member frees its portion). Without `[fleet]` the same run races
+/// what the watermarks ask for once (within 10 %: at least what brings the pool under
+/// the high watermark, at most what brings it to the low one) and the pool never falls
+/// far below the low watermark (each member frees its portion). Without `[fleet]` the same run races
 /// in some runs and not in others (measured in `fleet_race_without_the_fleet`, and
 /// docs/results.md), so the contrast is a measurement, not a check.
 #[test]
@@ -579,8 +580,12 @@ fn sixteen_members_free_the_pools_excess_once() {
     let d = r.describe();
     eprintln!("16 members with [fleet]: {d}");
     assert_eq!(r.bad, serde_json::json!([]), "{d}");
+    // What the watermarks ask, as one evictor reads them: enough to bring the pool
+    // under the high watermark, at most down to the low one (after the last round the
+    // pool may rest anywhere between them). Within 10 % either way.
+    let at_least = r.asked - r.capacity / 10;
     assert!(
-        r.removed.abs_diff(r.asked) * 10 <= r.asked,
+        r.removed * 10 >= at_least * 9 && r.removed * 10 <= r.asked * 11,
         "the fleet removed what was asked, once, within 10 %: {d}"
     );
     assert!(
