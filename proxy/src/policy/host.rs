@@ -661,10 +661,15 @@ impl Plugin {
             else {
                 return Ok(None);
             };
-            if let Some(b) = d.iter().flatten().find(|b| !hash_ok(&b.hash)) {
+            let bad = d
+                .iter()
+                .flatten()
+                .flat_map(|b| std::iter::once(&b.hash).chain(b.parent.as_ref()))
+                .find(|h| !hash_ok(h));
+            if let Some(h) = bad {
                 return Err(CallError::Invalid(format!(
                     "a block hash of {} bytes (1 to {MAX_DIGEST} allowed)",
-                    digest_len(&b.hash)
+                    digest_len(h)
                 )));
             }
             return one_per_key(d, keys);
