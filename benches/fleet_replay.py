@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import free_port, master_cmd, run, start_etcd, stop_all, wait_http, work_dir  # noqa: E402
@@ -38,7 +39,7 @@ def shape(a, name, work):
                                       stderr=subprocess.STDOUT))
         # Bound before any other port is picked: free_port could hand its port out again.
         wait_http(f"http://127.0.0.1:{mport}/metrics", 30)
-        listens = []
+        listens, admins = [], []
         for i in range(1 if name == "one" else RANKS):
             admin, listen = free_port(), free_port()
             cfg = f"{work}/{name}-m{i}.toml"
@@ -55,9 +56,10 @@ def shape(a, name, work):
                 [a.moongate, "run", "--config", cfg, "--listen", f"127.0.0.1:{listen}",
                  "--admin", f"127.0.0.1:{admin}"],
                 stdout=open(f"{work}/{name}-m{i}.log", "w"), stderr=subprocess.STDOUT,
-                env={**os.environ, "RUST_LOG": "warn"}))
+                env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}))
             wait_http(f"http://127.0.0.1:{admin}/ready", 60)
             listens.append(f"127.0.0.1:{listen}")
+            admins.append(admin)
         out = f"{work}/{name}.json"
         cmd = [sys.executable, os.path.join(ROOT, "benches/replay.py"),
                "--trace", os.path.join(ROOT, "benches/traces/mooncake_fast25_synthetic.jsonl"),
@@ -71,6 +73,13 @@ def shape(a, name, work):
                            stderr=subprocess.STDOUT)
         if r.returncode != 0:
             raise SystemExit(f"{name}: the replay failed; see {work}/{name}-replay.log")
+        # What each moongate and the master counted by the end, for reading a gap
+        # afterwards (MOONGATE_KEEP_WORK=1 keeps them).
+        for i, admin in enumerate(admins):
+            with open(f"{work}/{name}-m{i}.metrics", "w") as f:
+                f.write(urllib.request.urlopen(f"http://127.0.0.1:{admin}/metrics").read().decode())
+        with open(f"{work}/master-{name}.metrics", "w") as f:
+            f.write(urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics").read().decode())
         return json.load(open(out))
     finally:
         stop_all(procs)

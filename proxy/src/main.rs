@@ -135,11 +135,12 @@ fn fleet(action: FleetCommand) -> Result<String, String> {
         return Ok(r.to_string());
     }
     let mut out = format!("cluster {cluster}: {} members\n", view.members.len());
-    out += "member                           keys        bytes  evicted_bytes  draining  admin\n";
+    out +=
+        "member                           keys        bytes  evicted_bytes  rounds_called  admin\n";
     for m in view.members.values() {
         out += &format!(
-            "{:<28} {:>8} {:>12} {:>14}  {:<8}  {}\n",
-            m.member, m.keys, m.bytes, m.evicted_bytes, m.draining, m.admin
+            "{:<28} {:>8} {:>12} {:>14}  {:>13}  {}\n",
+            m.member, m.keys, m.bytes, m.evicted_bytes, m.rounds_called, m.admin
         );
     }
     out += "arm                  hits     misses  hit_rate  vs control (95 %)\n";

@@ -119,10 +119,10 @@ fn answer(line: String) -> Value {
 
 /// Bytes each of `mgs` removed, once none removed anything for a second (rounds run
 /// every 200 ms in these tests).
-fn settled(mgs: &[Moongate]) -> Vec<u64> {
+fn settled<M: std::borrow::Borrow<Moongate>>(mgs: &[M]) -> Vec<u64> {
     let removed = || -> Vec<u64> {
         mgs.iter()
-            .map(|m| m.metric("moongate_eviction_removed_bytes_total") as u64)
+            .map(|m| m.borrow().metric("moongate_eviction_removed_bytes_total") as u64)
             .collect()
     };
     let mut last = (removed(), Instant::now());
@@ -221,8 +221,9 @@ fn members_see_each_other_and_a_dead_one_leaves_with_its_lease() {
 }
 
 /// Two members, each beside a client that put through it; together over the high
-/// watermark. Each frees its portion of the excess (its bytes over the fleet's), so
-/// both remove keys and together they remove what the watermark asked for, once.
+/// watermark. The leader (a, first by name) calls the round; each frees its portion of
+/// that excess (its bytes over the fleet's), so both remove keys and together they
+/// remove what the round asked for, once.
 #[test]
 fn a_fleet_frees_the_pools_excess_once_each_member_its_portion() {
     const KIB64: u64 = 64 << 10;
@@ -244,10 +245,11 @@ fn a_fleet_frees_the_pools_excess_once_each_member_its_portion() {
     let (ca, cb) = (chains(&a, "8", "a/"), chains(&b, "12", "b/"));
     let total = 20 * 8 * KIB64;
     let capacity = 32u64 << 20;
-    let low = (0.15 * capacity as f64) as u64;
-    let asked = total - low;
     let allocated = || allocated(&master);
-    down_to(&master, low + 2 * KIB64, &logs);
+    // The round may come while b's client still writes: then the pool rests between
+    // the watermarks afterwards, as with one evictor. What was asked is what the
+    // leader's rounds asked (their excess when it read the usage).
+    let asked = || a.metric("moongate_fleet_round_excess_bytes_total") as u64;
     // What was removed is gone and nothing else (the master evicted nothing itself):
     // once the last removal is answered and counted, the pool holds exactly the bytes
     // not removed. (Checked before the clients close: a closing client unmounts its
@@ -255,18 +257,23 @@ fn a_fleet_frees_the_pools_excess_once_each_member_its_portion() {
     let removed_by = |m: &Moongate| m.metric("moongate_eviction_removed_bytes_total") as u64;
     let (mut removed_a, mut removed_b) = (0, 0);
     wait_for(
-        "the pool to hold exactly what was not removed",
-        Duration::from_secs(20),
+        "a round, and the pool to hold exactly what was not removed, under the watermark",
+        Duration::from_secs(30),
         &logs,
         || {
             (removed_a, removed_b) = (removed_by(&a), removed_by(&b));
-            allocated() == total - removed_a - removed_b
+            let now = allocated();
+            asked() > 0 && now == total - removed_a - removed_b && now * 10 < capacity * 3
         },
     );
+    let last = settled(&[&a, &b]);
+    (removed_a, removed_b) = (last[0], last[1]);
     let removed = removed_a + removed_b;
+    let asked = asked();
     let detail = format!(
-        "asked {asked} B (10 MiB down to 0.15 of 32 MiB); removed {removed} B \
+        "rounds asked {asked} B (10 MiB written; 0.15 of 32 MiB is {} B); removed {removed} B \
          (a {removed_a}, b {removed_b}); pool now {} B",
+        (0.15 * capacity as f64) as u64,
         allocated()
     );
     eprintln!("{detail}");
@@ -277,6 +284,21 @@ fn a_fleet_frees_the_pools_excess_once_each_member_its_portion() {
     assert!(
         removed_a > 0 && removed_b > 0,
         "each member freed its portion from its own keys: {detail}"
+    );
+    // Only the first by name called rounds; b freed its portion on hearing of them.
+    assert_eq!(
+        a.metric("moongate_fleet_rounds_total{role=\"heard\"}"),
+        0.0,
+        "{detail}"
+    );
+    assert_eq!(
+        b.metric("moongate_fleet_rounds_total{role=\"called\"}"),
+        0.0,
+        "{detail}"
+    );
+    assert!(
+        b.metric("moongate_fleet_rounds_total{role=\"heard\"}") > 0.0,
+        "{detail}"
     );
     assert_eq!(
         sample_of(&master.metrics(), "master_evicted_key_count"),
@@ -502,9 +524,12 @@ fn race(n: usize, fleet: bool) -> Race {
     const SEG: u64 = 16 << 20;
     let etcd = fleet.then(Etcd::start);
     let master = Master::start();
+    // 100 ms rounds: the writer fills ~0.1 of the pool in 200 ms, and in a fleet only
+    // the leader reads the usage, so the pool may rise that far past the watermark
+    // before a round, as it would with one evictor.
     let eviction = format!(
         "[eviction]\nenabled = true\nmaster_metrics_url = \"{}\"\n\
-         high_watermark = 0.8\nlow_watermark = 0.7\ninterval_ms = 200\n",
+         high_watermark = 0.8\nlow_watermark = 0.7\ninterval_ms = 100\n",
         master.metrics_url
     );
     let mgs: Vec<Moongate> = match &etcd {
@@ -733,20 +758,22 @@ fn a_killed_members_portion_moves_to_the_others_and_nothing_is_removed_twice() {
     );
     assert_eq!(more["bad"], serde_json::json!([]), "{more}");
     let (written, capacity) = (41 * MIB, 48 * MIB);
-    let asked = written - capacity * 7 / 10;
+    // As one evictor reads the watermarks: at least under the high one, at most down
+    // to the low one.
+    let (least, most) = (written - capacity * 8 / 10, written - capacity * 7 / 10);
     let removed_by = |m: &Moongate| m.metric("moongate_eviction_removed_bytes_total") as u64;
     let mut removed = (0, 0);
     wait_for(
-        "the pool to hold exactly what was not removed, at the low watermark",
+        "the pool to hold exactly what was not removed, under the high watermark",
         Duration::from_secs(20),
         &logs,
         || {
             removed = (removed_by(&live[0]), removed_by(&live[1]));
             let now = allocated(&master);
-            now == written - removed.0 - removed.1 && now <= capacity * 72 / 100
+            now == written - removed.0 - removed.1 && now < capacity * 8 / 10
         },
     );
-    // Then settled (a member still draining frees the rest).
+    // Then settled (a round in flight frees the rest).
     let last = settled(live);
     let removed = (last[0], last[1]);
     let total = removed.0 + removed.1;
@@ -756,7 +783,7 @@ fn a_killed_members_portion_moves_to_the_others_and_nothing_is_removed_twice() {
         "every removal counted once"
     );
     let detail = format!(
-        "gone from both views {gone_after:?} after SIGKILL (lease 2 s); asked {asked} B, \
+        "gone from both views {gone_after:?} after SIGKILL (lease 2 s); asked {least}-{most} B, \
          removed {total} B ({} + {})",
         removed.0, removed.1
     );
@@ -770,7 +797,7 @@ fn a_killed_members_portion_moves_to_the_others_and_nothing_is_removed_twice() {
     // Each removal freed bytes that were there (the pool is exactly what was written
     // less what was removed: no key was counted twice), together what was asked.
     assert!(
-        total.abs_diff(asked) * 10 <= asked,
+        total * 10 >= least * 9 && total * 10 <= most * 11,
         "the two that live freed the excess, within 10 %: {detail}"
     );
     assert!(

@@ -1,10 +1,12 @@
 //! Fleet membership through etcd: hold a lease, publish this member's record under it,
-//! watch the others. The only file of the fleet that talks to etcd.
+//! watch the others; write the pool-wide rounds this member calls as leader, hear the
+//! ones the leader calls. The only file of the fleet that talks to etcd.
 //!
 //! Per member and interval: one lease renewal, and one write only when the record
 //! changed. Every write reaches every watching member, so a fleet of N members whose
 //! records all change each interval delivers N writes and N x N watch events per
-//! interval (`docs/operations.md`, "Running a fleet").
+//! interval (`docs/operations.md`, "Running a fleet"). The leader adds one write per
+//! round it calls (N deliveries).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,7 +14,7 @@ use std::time::Duration;
 use etcd_client::{Client, ConnectOptions, GetOptions, KeyValue, PutOptions, WatchOptions};
 use tokio_util::sync::CancellationToken;
 
-use super::{Fleet, Record, View};
+use super::{Fleet, Record, Round, View};
 
 /// Makes this member's record when it is due for publishing.
 pub type Snapshot = Arc<dyn Fn() -> Record + Send + Sync>;
@@ -57,12 +59,18 @@ async fn session(
     let mut client = Client::connect(endpoints, Some(opts.clone())).await?;
     let prefix = fleet.prefix();
     let key = format!("{prefix}{}", fleet.me);
+    let round_key = super::round_key(&fleet.cfg.cluster);
+    let mut called = fleet.rounds_called_rx();
     let ttl = fleet.cfg.lease_ttl_s as i64;
     let lease = client.lease_grant(ttl, None).await?.id();
     let (mut keeper, mut acks) = client.lease_keep_alive(lease).await?;
-    // The watch before the read: no change can fall between them.
+    // The watch before the read: no change can fall between them. It covers the
+    // cluster, so the leader's rounds arrive with the records.
     let mut events = client
-        .watch(prefix.as_str(), Some(WatchOptions::new().with_prefix()))
+        .watch(
+            super::cluster_prefix(&fleet.cfg.cluster),
+            Some(WatchOptions::new().with_prefix()),
+        )
         .await?;
     let mut last = None;
     publish(&mut client, fleet, &key, lease, snapshot, &mut last).await?;
@@ -83,6 +91,16 @@ async fn session(
                 keeper.keep_alive().await?;
                 publish(&mut client, fleet, &key, lease, snapshot, &mut last).await?;
             }
+            Ok(()) = called.changed() => {
+                let round = called.borrow_and_update().clone();
+                if let Some(r) = round {
+                    let body = serde_json::to_vec(&r).unwrap_or_default();
+                    client
+                        .put(round_key.as_str(), body, Some(PutOptions::new().with_lease(lease)))
+                        .await?;
+                    fleet.metrics.writes.inc();
+                }
+            }
             m = acks.message() => match m? {
                 Some(a) if a.ttl() > 0 => {}
                 // The lease ran out (etcd unreachable for longer than it): our key is
@@ -93,7 +111,10 @@ async fn session(
                 Some(w) => {
                     let mut changed = false;
                     for ev in w.events() {
-                        if let Some(kv) = ev.kv() {
+                        let Some(kv) = ev.kv() else { continue };
+                        if kv.key() == round_key.as_bytes() {
+                            heard(fleet, kv);
+                        } else {
                             changed |= apply(&mut view, &prefix, kv);
                         }
                     }
@@ -132,6 +153,18 @@ async fn publish(
     fleet.metrics.writes.inc();
     *last = Some(body);
     Ok(())
+}
+
+/// A round the leader wrote: to the evictor. Its removal (the leader's lease ended) is
+/// nothing to act on; one that does not parse is skipped with a warning.
+fn heard(fleet: &Fleet, kv: &KeyValue) {
+    if kv.value().is_empty() {
+        return;
+    }
+    match serde_json::from_slice::<Round>(kv.value()) {
+        Ok(r) => fleet.heard(r),
+        Err(e) => tracing::warn!(error = %e, "fleet: the leader's round does not parse; ignored"),
+    }
 }
 
 /// Applies one key's new state to the view: a record (put), or its absence (a delete

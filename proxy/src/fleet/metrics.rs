@@ -1,10 +1,14 @@
-//! The fleet's metrics: members seen, what this member wrote to etcd, etcd trouble, and
-//! the access records it sent to and took from other members.
+//! The fleet's metrics: members seen, what this member wrote to etcd, etcd trouble, the
+//! pool-wide eviction rounds it called or heard, and the access records it sent to and
+//! took from other members.
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
+
+/// A pool-wide round this member called (as leader) or heard of, in label order.
+pub const ROUND_ROLES: [&str; 2] = ["called", "heard"];
 
 /// Why records meant for another member were dropped, in label order.
 pub const DROP_REASONS: [&str; 2] = ["overflow", "unsent"];
@@ -25,12 +29,19 @@ pub struct FleetMetrics {
     pub records_dropped: [Counter; 2],
     /// Key-table entries handed to their new home when the membership changed.
     pub handed_over: Counter,
+    /// Pool-wide eviction rounds, by [`ROUND_ROLES`].
+    pub rounds: [Counter; 2],
+    /// The excess of the rounds this member called: what the fleet was asked to free.
+    pub round_excess_bytes: Counter,
 }
 
 impl FleetMetrics {
     pub fn register(r: &mut Registry) -> FleetMetrics {
         let dropped = Family::<[(&'static str, &'static str); 1], Counter>::default();
+        let rounds = Family::<[(&'static str, &'static str); 1], Counter>::default();
         let m = FleetMetrics {
+            rounds: ROUND_ROLES.map(|r| rounds.get_or_create(&[("role", r)]).clone()),
+            round_excess_bytes: Counter::default(),
             members: Gauge::default(),
             writes: Counter::default(),
             etcd_errors: Counter::default(),
@@ -74,6 +85,17 @@ impl FleetMetrics {
             "moongate_fleet_handed_over",
             "Key-table entries handed to their new home member on a change of membership",
             m.handed_over.clone(),
+        );
+        r.register(
+            "moongate_fleet_rounds",
+            "Pool-wide eviction rounds this member called as the fleet's leader, or heard \
+             of from it",
+            rounds,
+        );
+        r.register(
+            "moongate_fleet_round_excess_bytes",
+            "Bytes the rounds this member called asked the fleet to free",
+            m.round_excess_bytes.clone(),
         );
         m
     }

@@ -7,9 +7,15 @@
 //! member's last record ([`View`]); a member that dies disappears with its lease.
 //!
 //! What the view is for:
-//! - **Eviction frees the excess once.** Every member reads the same pool-wide usage
-//!   from the master; alone, each would free the whole excess. In a fleet each frees
-//!   its portion: the excess times its bytes over the fleet's bytes ([`View::portion`]).
+//! - **Eviction frees the excess once, from the right keys.** One member leads: the
+//!   first by name ([`View::leader`]). Only it decides when the pool is over the high
+//!   watermark, and it calls a pool-wide round ([`Round`], written to etcd beside the
+//!   records); every member frees its portion of that one excess as soon as the round
+//!   reaches it: the excess times its bytes over the fleet's bytes ([`View::portion`]).
+//!   Portions of the same excess taken at the same moment cut every member's
+//!   least-recently-used keys at about the same age; members that each read the
+//!   usage on their own clock cut at ages up to a second apart (measured), leaving
+//!   holes in prefixes that make their tails useless.
 //! - **Shares hold pool-wide.** An arm's usage is what all members hold for it
 //!   ([`View::arm_bytes`]); each member frees its portion of the arm's excess.
 //! - **One answer per experiment.** `GET /fleet` adds up the arms' lookups and hits
@@ -48,13 +54,9 @@ pub struct Record {
     pub bytes: u64,
     /// Bytes its evictor removed or cleared since it started.
     pub evicted_bytes: u64,
-    /// Its evictor is bringing the pool down to the low watermark: the others join in,
-    /// each with its portion, even if they never saw the pool above the high one.
-    pub draining: bool,
-    /// When this drain began (milliseconds since the Unix epoch; 0 when not draining or
-    /// from a member before this field). A member that has seen the pool at the low
-    /// watermark since then knows the drain is over and does not join it.
-    pub drain_started_ms: u64,
+    /// Pool-wide eviction rounds this member called as the fleet's leader, since it
+    /// started.
+    pub rounds_called: u64,
     /// The experiment's control arm on this member (the only arm without one).
     pub control: String,
     /// Per experiment arm (by name; every member runs the same arms).
@@ -71,6 +73,22 @@ pub struct ArmRecord {
     /// Keys the arm's existence checks found, and did not find, through this member.
     pub hits: u64,
     pub misses: u64,
+}
+
+/// A pool-wide eviction round the fleet's leader called: every member frees its portion
+/// of `excess` when it hears of it. Written to etcd under the leader's lease
+/// (`/moongate/fleet/CLUSTER/round`), so it goes with the leader.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Round {
+    /// The leader that called it.
+    pub by: String,
+    /// Its count of rounds called: a member frees once per (`by`, `seq`).
+    pub seq: u64,
+    /// Bytes the pool holds over the low watermark, as the leader read them.
+    pub excess: u64,
+    /// Bytes the pool held then (the master's `master_allocated_bytes`).
+    pub allocated: u64,
 }
 
 /// Every member's last record, this member's included (as last published).
@@ -109,29 +127,31 @@ impl Record {
 
 impl View {
     /// This member's portion of `need` bytes the whole fleet must free: `need` times
-    /// `mine` (its bytes now) over the fleet's bytes (the others' as last published,
-    /// plus `mine`). All of `need` when it is alone or nobody else holds bytes.
-    pub fn portion(&self, me: &str, mine: u64, need: u64) -> u64 {
+    /// `mine` (its bytes now) over the fleet's bytes, the larger of `pool` (the bytes
+    /// the master holds, read with `need`) and the others' as last published plus
+    /// `mine`. Records are up to an interval old: a member that wrote since looks
+    /// smaller than it is, and members acting on one excess at once would each take
+    /// too much (measured: two members freed 1.4 times the excess); the master's
+    /// figure is current. The larger of the two errs towards freeing too little,
+    /// which the next round makes up. All of `need` when it is alone or nobody holds
+    /// bytes.
+    pub fn portion(&self, me: &str, mine: u64, need: u64, pool: u64) -> u64 {
         let others: u64 = self
             .members
             .iter()
             .filter(|(m, _)| m.as_str() != me)
             .map(|(_, r)| r.bytes)
             .sum();
-        share_of(need, mine, mine.saturating_add(others))
+        if others == 0 {
+            return share_of(need, mine, mine);
+        }
+        share_of(need, mine, mine.saturating_add(others).max(pool))
     }
 
-    /// Whether another member is bringing the pool down to the low watermark in a drain
-    /// that began after `low_seen_ms` (when this member last saw the pool at the low
-    /// watermark): a drain that began before is over, whatever the record still says
-    /// (records are up to an interval old). A draining record without a start (a member
-    /// before the field) counts as begun now.
-    pub fn others_draining_since(&self, me: &str, low_seen_ms: u64) -> bool {
-        self.members.iter().any(|(m, r)| {
-            m.as_str() != me
-                && r.draining
-                && (r.drain_started_ms == 0 || r.drain_started_ms > low_seen_ms)
-        })
+    /// The member that calls pool-wide eviction rounds: the first by name. `me` leads
+    /// too when no member before it is known (alone, or before its own record is seen).
+    pub fn leads(&self, me: &str) -> bool {
+        !self.members.keys().any(|m| m.as_str() < me)
     }
 
     /// The fleet's bytes for arm `arm`: the others' as last published, plus `mine`.
@@ -164,6 +184,16 @@ impl View {
 /// Where the members of `cluster` keep their records in etcd.
 pub fn members_prefix(cluster: &str) -> String {
     format!("/moongate/fleet/{cluster}/members/")
+}
+
+/// Everything of `cluster` in etcd: its members' records and its leader's round.
+pub fn cluster_prefix(cluster: &str) -> String {
+    format!("/moongate/fleet/{cluster}/")
+}
+
+/// Where `cluster`'s leader writes the pool-wide round it called last.
+pub fn round_key(cluster: &str) -> String {
+    format!("/moongate/fleet/{cluster}/round")
 }
 
 /// The fleet as `GET /fleet` and `moongate fleet status` show it: the members, the arms
@@ -249,6 +279,12 @@ pub struct Fleet {
     pub metrics: Arc<metrics::FleetMetrics>,
     /// Access records to and from the keys' homes (`fleet.records`).
     pub records: Option<Arc<forward::Forwarder>>,
+    /// The last pool-wide round another member called, as etcd delivered it (to the
+    /// evictor).
+    heard: tokio::sync::watch::Sender<Option<Round>>,
+    /// The last round this member called as leader (to the membership task, which
+    /// writes it to etcd).
+    called: tokio::sync::watch::Sender<Option<Round>>,
 }
 
 impl Fleet {
@@ -277,7 +313,51 @@ impl Fleet {
             view: ArcSwap::from_pointee(View::default()),
             metrics,
             records,
+            heard: tokio::sync::watch::Sender::new(None),
+            called: tokio::sync::watch::Sender::new(None),
         })
+    }
+
+    /// Whether this member calls the pool-wide rounds now (see [`View::leads`]).
+    pub fn leads(&self) -> bool {
+        self.view().leads(&self.me)
+    }
+
+    /// Calls a pool-wide round of `excess` bytes as the leader: the membership task
+    /// writes it to etcd, where every member hears of it.
+    pub fn call_round(&self, excess: u64, allocated: u64) {
+        self.metrics.rounds[0].inc();
+        self.metrics.round_excess_bytes.inc_by(excess);
+        let seq = self.metrics.rounds[0].get();
+        self.called.send_replace(Some(Round {
+            by: self.me.clone(),
+            seq,
+            excess,
+            allocated,
+        }));
+    }
+
+    /// Pool-wide rounds called since start (this member's record).
+    pub fn rounds_called(&self) -> u64 {
+        self.metrics.rounds[0].get()
+    }
+
+    /// The rounds other members call, as they arrive.
+    pub fn rounds_heard(&self) -> tokio::sync::watch::Receiver<Option<Round>> {
+        self.heard.subscribe()
+    }
+
+    /// The rounds this member calls, for the membership task to write.
+    fn rounds_called_rx(&self) -> tokio::sync::watch::Receiver<Option<Round>> {
+        self.called.subscribe()
+    }
+
+    /// A round another member called reached this one.
+    fn heard(&self, r: Round) {
+        if r.by != self.me {
+            self.metrics.rounds[1].inc();
+            self.heard.send_replace(Some(r));
+        }
     }
 
     /// Where the members' keys live.
@@ -299,8 +379,8 @@ impl Fleet {
     }
 
     /// This member's portion of `need` bytes the fleet must free (see [`View::portion`]).
-    pub fn portion(&self, mine: u64, need: u64) -> u64 {
-        self.view().portion(&self.me, mine, need)
+    pub fn portion(&self, mine: u64, need: u64, pool: u64) -> u64 {
+        self.view().portion(&self.me, mine, need, pool)
     }
 }
 
@@ -338,14 +418,22 @@ mod tests {
         let need = 1_000;
         let sum: u64 = [("a", 100), ("b", 300), ("c", 600)]
             .iter()
-            .map(|&(m, b)| v.portion(m, b, need))
+            .map(|&(m, b)| v.portion(m, b, need, 0))
             .sum();
         assert_eq!(sum, need);
         // Alone, or among members that hold nothing: all of it.
-        assert_eq!(View::default().portion("a", 5, need), need);
-        assert_eq!(v.portion("z", 0, 0), 0);
+        assert_eq!(View::default().portion("a", 5, need, 1_000), need);
+        assert_eq!(v.portion("z", 0, 0, 0), 0);
         // Never more than the need, even when this member's bytes moved on.
-        assert!(v.portion("a", u64::MAX, need) <= need);
+        assert!(v.portion("a", u64::MAX, need, 0) <= need);
+        // The others wrote since their records: the master's figure is larger, and
+        // the portions add up to less than the need rather than more.
+        let sum: u64 = [("a", 200), ("b", 600), ("c", 1_200)]
+            .iter()
+            .map(|&(m, b)| v.portion(m, b, need, 2_000))
+            .sum();
+        assert_eq!(sum, need);
+        assert_eq!(v.portion("a", 200, need, 1_000), 1_000 * 200 / 1_100);
     }
 
     #[test]
@@ -382,33 +470,13 @@ mod tests {
     }
 
     #[test]
-    fn a_drain_is_joined_only_until_the_pool_was_seen_at_the_low_watermark() {
-        let draining = |m: &str, since: u64| {
-            (
-                m.to_string(),
-                Record {
-                    member: m.into(),
-                    draining: true,
-                    drain_started_ms: since,
-                    ..Default::default()
-                },
-            )
+    fn the_first_member_by_name_leads() {
+        let v = View {
+            members: [rec("b", 0, &[]), rec("c", 0, &[])].into_iter().collect(),
         };
-        let view = View {
-            members: [draining("a", 1_000)].into_iter().collect(),
-        };
-        assert!(
-            view.others_draining_since("b", 500),
-            "begun after b saw low"
-        );
-        assert!(
-            !view.others_draining_since("b", 1_500),
-            "over: b saw low since"
-        );
-        assert!(!view.others_draining_since("a", 0), "not its own");
-        let old = View {
-            members: [draining("a", 0)].into_iter().collect(),
-        };
-        assert!(old.others_draining_since("b", u64::MAX), "no start: joined");
+        assert!(v.leads("b"));
+        assert!(!v.leads("c"));
+        assert!(v.leads("a"), "before its own record is seen");
+        assert!(View::default().leads("z"), "alone");
     }
 }
