@@ -51,6 +51,23 @@ pub use table::{Entry, KeyTable, Tier};
 
 /// Removals per pipelined burst on moongate's own connection.
 const CHUNK: usize = 1000;
+/// The fewest keys a leader's own cut must take for the fleet to cut at its age: each
+/// member's count of keys older than the cut varies as a sample's does (about 1/sqrt(n)
+/// with n keys: an eighth at 64), and the portions by bytes bound it to a quarter
+/// either way.
+const MIN_CUT_KEYS: usize = 64;
+
+/// Milliseconds from `at_ms` (wall clock, another member's) to now; 0 when that is
+/// negative or over 10 s (clocks too far apart to trust).
+fn since(at_ms: u64) -> u64 {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    match now.checked_sub(at_ms) {
+        Some(d) if d <= 10_000 => d,
+        _ => 0,
+    }
+}
 /// Replica clears that clear nothing before the table forgets a key (offload on).
 const CLEAR_TRIES: u8 = 3;
 
@@ -439,16 +456,20 @@ impl Eviction {
         let _ = self.topology.set(topology);
         let mut conn: Option<(String, Conn)> = None;
         let mut usage_failing = false;
-        let mut tick = tokio::time::interval(Duration::from_millis(self.cfg.interval_ms));
+        let interval = Duration::from_millis(self.cfg.interval_ms);
+        let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut rounds = self.fleet.get().map(|f| f.rounds_heard());
+        // When this member, as leader, last called a round.
+        let mut called_at: Option<tokio::time::Instant> = None;
         loop {
             let heard = tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = tick.tick() => None,
                 r = next_round(&mut rounds) => Some(r),
             };
-            if let Some((excess, pool)) = heard {
+            if let Some(round) = heard {
+                let (excess, pool) = (round.excess, round.allocated);
                 // The leader called a pool-wide round: this member's portion of that
                 // excess, now, as every other member frees its own.
                 let set = policy.current();
@@ -456,7 +477,8 @@ impl Eviction {
                     let mine = self.table.arm_bytes().iter().sum();
                     let need = self.whole_keys(f.portion(mine, excess, pool), mine);
                     tracing::debug!(excess, mine, portion = need, "fleet: the leader's round");
-                    self.pool_round(&mut conn, need, Trigger::Usage, &policy, &upstream)
+                    let cut = (round.age_ms > 0).then(|| round.age_ms + since(round.at_ms));
+                    self.pool_round(&mut conn, need, cut, Trigger::Usage, &policy, &upstream)
                         .await;
                 }
                 continue;
@@ -505,11 +527,19 @@ impl Eviction {
                 // of it and frees its portion at once); alone, all of the excess.
                 match self.fleet.get() {
                     None => need = usage_need,
-                    Some(f) if f.leads() => {
+                    // A round called in the last two intervals may still be under
+                    // way at the other members (delivered through etcd, then their
+                    // removals): the usage read now may not show it yet, and calling
+                    // again would free its excess twice (seen once in five runs of
+                    // 16 members: the pool fell to 0.625).
+                    Some(f)
+                        if f.leads() && called_at.is_none_or(|t| t.elapsed() >= 2 * interval) =>
+                    {
+                        called_at = Some(tokio::time::Instant::now());
                         let pool = capacity.map_or(0, |(_, allocated)| allocated);
-                        f.call_round(usage_need, pool);
                         let mine = self.table.arm_bytes().iter().sum();
                         need = self.whole_keys(f.portion(mine, usage_need, pool), mine);
+                        f.call_round(usage_need, pool, self.cut_age(need));
                         tracing::debug!(
                             excess = usage_need,
                             mine,
@@ -551,7 +581,7 @@ impl Eviction {
                 }
             }
             if let Some(trigger) = trigger.filter(|_| need > 0) {
-                self.pool_round(&mut conn, need, trigger, &policy, &upstream)
+                self.pool_round(&mut conn, need, None, trigger, &policy, &upstream)
                     .await;
             }
         }
@@ -568,11 +598,36 @@ impl Eviction {
         portion.saturating_sub(half_key)
     }
 
-    /// A round over the whole table (not one arm's keys) for `need` bytes.
+    /// The leader's cut for its portion of `need` bytes, for the other members to cut
+    /// at: the age of the newest key a least-recently-used cut frees. 0 (the others
+    /// free their portions by bytes alone) when that cut takes fewer than
+    /// [`MIN_CUT_KEYS`] keys: a handful of keys is too small a sample of the pool's ages.
+    fn cut_age(&self, need: u64) -> u64 {
+        let now = self.now_ms();
+        let cands = self.table.candidates(self.cfg.max_candidates, now);
+        let mut freed = 0u64;
+        for (n, (_, e)) in cands.iter().enumerate() {
+            freed = freed.saturating_add(e.size);
+            if freed >= need {
+                return if n + 1 >= MIN_CUT_KEYS {
+                    now.saturating_sub(e.last_ms).max(1)
+                } else {
+                    0
+                };
+            }
+        }
+        0
+    }
+
+    /// A round over the whole table (not one arm's keys) for `need` bytes; with `cut`
+    /// (the leader's cut age), the bytes of this member's keys older than that instead,
+    /// within a quarter of `need` either way (the bytes still bound the total when a
+    /// member's sample of the pool's ages differs from the leader's).
     async fn pool_round(
         &self,
         conn: &mut Option<(String, Conn)>,
         need: u64,
+        cut: Option<u64>,
         trigger: Trigger,
         policy: &Registry,
         upstream: &crate::upstream::Upstream,
@@ -581,9 +636,20 @@ impl Eviction {
             return;
         }
         self.metrics.round(trigger);
-        let cands = self
-            .table
-            .candidates(self.cfg.max_candidates, self.now_ms());
+        let now = self.now_ms();
+        let cands = self.table.candidates(self.cfg.max_candidates, now);
+        let need = match cut {
+            Some(age) => {
+                let older: u64 = cands
+                    .iter()
+                    .filter(|(_, e)| now.saturating_sub(e.last_ms) >= age)
+                    .map(|(_, e)| e.size)
+                    .sum();
+                tracing::debug!(portion = need, older, "fleet: the leader's cut");
+                older.clamp(need - need / 4, need.saturating_add(need / 4))
+            }
+            None => need,
+        };
         if let Err(e) = self
             .round(conn, &cands, need, false, policy, upstream)
             .await
@@ -1047,7 +1113,7 @@ fn top_up(
 /// never, without a fleet.
 async fn next_round(
     rounds: &mut Option<tokio::sync::watch::Receiver<Option<crate::fleet::Round>>>,
-) -> (u64, u64) {
+) -> crate::fleet::Round {
     let Some(rx) = rounds else {
         return std::future::pending().await;
     };
@@ -1056,7 +1122,7 @@ async fn next_round(
             return std::future::pending().await;
         }
         if let Some(r) = rx.borrow_and_update().as_ref() {
-            return (r.excess, r.allocated);
+            return r.clone();
         }
     }
 }
@@ -1114,6 +1180,19 @@ mod tests {
             what,
             client: Default::default(),
         }
+    }
+
+    #[test]
+    fn a_rounds_delay_counts_only_when_the_clocks_agree() {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64;
+        let d = since(now - 50);
+        assert!((50..5_000).contains(&d), "{d}");
+        assert_eq!(since(now + 60_000), 0, "from the future");
+        assert_eq!(since(now - 60_000), 0, "a minute: clocks apart");
+        assert_eq!(since(0), 0);
     }
 
     #[test]

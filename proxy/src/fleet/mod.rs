@@ -89,6 +89,15 @@ pub struct Round {
     pub excess: u64,
     /// Bytes the pool held then (the master's `master_allocated_bytes`).
     pub allocated: u64,
+    /// Where the leader's own least-recently-used keys are cut for its portion: the age
+    /// (ms since the last access) of the newest key it frees; 0 when it frees none. The
+    /// others free their keys older than this, within a quarter of their portion
+    /// either way.
+    pub age_ms: u64,
+    /// When the leader cut (milliseconds since the Unix epoch): a member hearing of the
+    /// round later adds the difference to `age_ms`, so both cut at the same instant of
+    /// last access (a difference under 0 or over 10 s, clocks apart, is not added).
+    pub at_ms: u64,
 }
 
 /// Every member's last record, this member's included (as last published).
@@ -325,7 +334,7 @@ impl Fleet {
 
     /// Calls a pool-wide round of `excess` bytes as the leader: the membership task
     /// writes it to etcd, where every member hears of it.
-    pub fn call_round(&self, excess: u64, allocated: u64) {
+    pub fn call_round(&self, excess: u64, allocated: u64, age_ms: u64) {
         self.metrics.rounds[0].inc();
         self.metrics.round_excess_bytes.inc_by(excess);
         let seq = self.metrics.rounds[0].get();
@@ -334,6 +343,10 @@ impl Fleet {
             seq,
             excess,
             allocated,
+            age_ms,
+            at_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64),
         }));
     }
 
