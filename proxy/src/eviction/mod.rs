@@ -68,6 +68,10 @@ fn since(at_ms: u64) -> u64 {
         _ => 0,
     }
 }
+/// A put started this long ago that has not ended is given up (Mooncake's master
+/// discards unfinished puts after 30 s, `put_start_discard_timeout_sec`): a lookup that
+/// misses it forgets it. Younger ones are puts under way.
+const PUT_STALE_MS: u64 = 30_000;
 /// Replica clears that clear nothing before the table forgets a key (offload on).
 const CLEAR_TRIES: u8 = 3;
 
@@ -375,7 +379,7 @@ impl Eviction {
         let mut by_why = [0u64; history::WHYS.len()];
         let mut gone = self.events.as_ref().map(|_| Changes::new(What::Removed));
         for k in keys {
-            let why = if let Some(e) = self.table.take(tenant, k) {
+            let why = if let Some(e) = self.table.take_missed(tenant, k, now, PUT_STALE_MS) {
                 // The master's own eviction, announced when seen.
                 if let Some(c) = &mut gone {
                     c.push(e.arm, Some(e.tier), k);
@@ -1359,6 +1363,12 @@ mod tests {
         ev.record(
             &tracked(Track::Put(vec![(k("gone"), 1), (k("rm"), 1)])),
             &Response::BatchPutStart(vec![Ok(vec![]), Ok(vec![])]),
+            0,
+            "a",
+        );
+        ev.record(
+            &tracked(Track::End(vec![k("gone"), k("rm")])),
+            &Response::BatchPutEnd(vec![Ok(()), Ok(())]),
             0,
             "a",
         );

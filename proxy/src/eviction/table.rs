@@ -312,6 +312,27 @@ impl KeyTable {
         self.lock().remove(&(tenant.clone(), key.clone()))
     }
 
+    /// Forgets a key a lookup missed and returns its entry: a stored key (the master
+    /// evicted it), or a put that never ended (started `stale_ms` or more before
+    /// `now_ms`: its client gave up). A put still under way stays: a lookup that races
+    /// its end misses it, and forgetting it then would leave the key in the pool unknown
+    /// to the table (no eviction, no KV event when it is stored).
+    pub fn take_missed(
+        &self,
+        tenant: &Bytes,
+        key: &Bytes,
+        now_ms: u64,
+        stale_ms: u64,
+    ) -> Option<Entry> {
+        let mut t = self.lock();
+        let k = (tenant.clone(), key.clone());
+        let e = t.map.get(&k)?;
+        if !e.complete && now_ms.saturating_sub(e.last_ms) < stale_ms {
+            return None;
+        }
+        t.remove(&k)
+    }
+
     /// The entry of a key, if held.
     pub fn get(&self, tenant: &Bytes, key: &Bytes) -> Option<Entry> {
         self.lock().map.get(&(tenant.clone(), key.clone())).cloned()
@@ -454,6 +475,30 @@ mod tests {
 
     fn k(s: &str) -> Bytes {
         Bytes::copy_from_slice(s.as_bytes())
+    }
+
+    #[test]
+    fn a_miss_forgets_stored_keys_and_abandoned_puts_not_puts_under_way() {
+        let t = KeyTable::new(100, 1000);
+        let d = k("default");
+        t.put(
+            &d,
+            &[(k("done"), 10, Tier::Memory), (k("busy"), 10, Tier::Memory)],
+            0,
+            100,
+        );
+        t.complete(&d, [k("done")].iter(), |_, _| {});
+        assert!(t.take_missed(&d, &k("done"), 200, 30_000).is_some());
+        // Its lookup raced its end: kept, and its end still completes it.
+        assert!(t.take_missed(&d, &k("busy"), 200, 30_000).is_none());
+        let mut stored = Vec::new();
+        t.complete(&d, [k("busy")].iter(), |key, _| stored.push(key.clone()));
+        assert_eq!(stored, vec![k("busy")]);
+        // A put whose end never came is given up after the master's discard time.
+        t.put(&d, &[(k("lost"), 10, Tier::Memory)], 0, 100);
+        assert!(t.take_missed(&d, &k("lost"), 30_100, 30_000).is_some());
+        assert!(t.take_missed(&d, &k("none"), 0, 30_000).is_none());
+        assert_eq!(t.len(), 1);
     }
 
     #[test]
