@@ -83,7 +83,8 @@ pub struct ArmRecord {
 pub struct Round {
     /// The leader that called it.
     pub by: String,
-    /// Its count of rounds called: a member frees once per (`by`, `seq`).
+    /// Its count of rounds called (for operators and logs: each write of the round
+    /// reaches a member's watch once, and a member frees once per delivery).
     pub seq: u64,
     /// Bytes the pool holds over the low watermark, as the leader read them.
     pub excess: u64,
