@@ -57,6 +57,13 @@ const CHUNK: usize = 1000;
 /// either way.
 const MIN_CUT_KEYS: usize = 64;
 
+/// A put started this long ago that has not ended is given up (Mooncake's master
+/// discards unfinished puts after 30 s, `put_start_discard_timeout_sec`): a lookup that
+/// misses it forgets it. Younger ones are puts under way.
+const PUT_STALE_MS: u64 = 30_000;
+/// Replica clears that clear nothing before the table forgets a key (offload on).
+const CLEAR_TRIES: u8 = 3;
+
 /// Milliseconds from `at_ms` (wall clock, another member's) to now; 0 when that is
 /// negative or over 10 s (clocks too far apart to trust).
 fn since(at_ms: u64) -> u64 {
@@ -68,12 +75,25 @@ fn since(at_ms: u64) -> u64 {
         _ => 0,
     }
 }
-/// A put started this long ago that has not ended is given up (Mooncake's master
-/// discards unfinished puts after 30 s, `put_start_discard_timeout_sec`): a lookup that
-/// misses it forgets it. Younger ones are puts under way.
-const PUT_STALE_MS: u64 = 30_000;
-/// Replica clears that clear nothing before the table forgets a key (offload on).
-const CLEAR_TRIES: u8 = 3;
+
+/// The leader's cut for its portion of `need` bytes, for the other members to cut at:
+/// the age of the newest key a least-recently-used cut of `cands` (oldest first)
+/// frees. 0 (the others free their portions by bytes alone) when that cut takes fewer
+/// than [`MIN_CUT_KEYS`] keys: a handful of keys is too small a sample of the pool's ages.
+fn cut_age(cands: &[(Bytes, Entry)], need: u64, now: u64) -> u64 {
+    let mut freed = 0u64;
+    for (n, (_, e)) in cands.iter().enumerate() {
+        freed = freed.saturating_add(e.size);
+        if freed >= need {
+            return if n + 1 >= MIN_CUT_KEYS {
+                now.saturating_sub(e.last_ms).max(1)
+            } else {
+                0
+            };
+        }
+    }
+    0
+}
 
 /// The evictor's shared state: the key table, the denial count, the metric handles.
 pub struct Eviction {
@@ -482,8 +502,16 @@ impl Eviction {
                     let need = self.whole_keys(f.portion(mine, excess, pool), mine);
                     tracing::debug!(excess, mine, portion = need, "fleet: the leader's round");
                     let cut = (round.age_ms > 0).then(|| round.age_ms + since(round.at_ms));
-                    self.pool_round(&mut conn, need, cut, Trigger::Usage, &policy, &upstream)
-                        .await;
+                    self.pool_round(
+                        &mut conn,
+                        None,
+                        need,
+                        cut,
+                        Trigger::Usage,
+                        &policy,
+                        &upstream,
+                    )
+                    .await;
                 }
                 continue;
             }
@@ -524,6 +552,8 @@ impl Eviction {
             let shares = by_weight(&set) && capacity.is_some();
             let mut need = 0u64;
             let mut trigger = None;
+            // The leader's candidates, scanned once for its cut and its round.
+            let mut leader_cands = None;
             // With shares the arms' own rounds below hold the pool under the watermark:
             // a pool-wide usage round on top would free the same room twice.
             if usage_need > 0 && !shares {
@@ -543,7 +573,10 @@ impl Eviction {
                         let pool = capacity.map_or(0, |(_, allocated)| allocated);
                         let mine = self.table.arm_bytes().iter().sum();
                         need = self.whole_keys(f.portion(mine, usage_need, pool), mine);
-                        f.call_round(usage_need, pool, self.cut_age(need));
+                        let now = self.now_ms();
+                        let cands = self.table.candidates(self.cfg.max_candidates, now);
+                        f.call_round(usage_need, pool, cut_age(&cands, need, now));
+                        leader_cands = Some(cands);
                         tracing::debug!(
                             excess = usage_need,
                             mine,
@@ -585,7 +618,8 @@ impl Eviction {
                 }
             }
             if let Some(trigger) = trigger.filter(|_| need > 0) {
-                self.pool_round(&mut conn, need, None, trigger, &policy, &upstream)
+                let cands = leader_cands.take();
+                self.pool_round(&mut conn, cands, need, None, trigger, &policy, &upstream)
                     .await;
             }
         }
@@ -602,34 +636,16 @@ impl Eviction {
         portion.saturating_sub(half_key)
     }
 
-    /// The leader's cut for its portion of `need` bytes, for the other members to cut
-    /// at: the age of the newest key a least-recently-used cut frees. 0 (the others
-    /// free their portions by bytes alone) when that cut takes fewer than
-    /// [`MIN_CUT_KEYS`] keys: a handful of keys is too small a sample of the pool's ages.
-    fn cut_age(&self, need: u64) -> u64 {
-        let now = self.now_ms();
-        let cands = self.table.candidates(self.cfg.max_candidates, now);
-        let mut freed = 0u64;
-        for (n, (_, e)) in cands.iter().enumerate() {
-            freed = freed.saturating_add(e.size);
-            if freed >= need {
-                return if n + 1 >= MIN_CUT_KEYS {
-                    now.saturating_sub(e.last_ms).max(1)
-                } else {
-                    0
-                };
-            }
-        }
-        0
-    }
-
     /// A round over the whole table (not one arm's keys) for `need` bytes; with `cut`
     /// (the leader's cut age), the bytes of this member's keys older than that instead,
     /// within a quarter of `need` either way (the bytes still bound the total when a
-    /// member's sample of the pool's ages differs from the leader's).
+    /// member's sample of the pool's ages differs from the leader's). `cands`: the
+    /// candidates when the caller has just scanned them; else this scans.
+    #[allow(clippy::too_many_arguments)]
     async fn pool_round(
         &self,
         conn: &mut Option<(String, Conn)>,
+        cands: Option<Vec<(Bytes, Entry)>>,
         need: u64,
         cut: Option<u64>,
         trigger: Trigger,
@@ -641,7 +657,7 @@ impl Eviction {
         }
         self.metrics.round(trigger);
         let now = self.now_ms();
-        let cands = self.table.candidates(self.cfg.max_candidates, now);
+        let cands = cands.unwrap_or_else(|| self.table.candidates(self.cfg.max_candidates, now));
         let need = match cut {
             Some(age) => {
                 let older: u64 = cands
@@ -1197,6 +1213,38 @@ mod tests {
         assert_eq!(since(now + 60_000), 0, "from the future");
         assert_eq!(since(now - 60_000), 0, "a minute: clocks apart");
         assert_eq!(since(0), 0);
+    }
+
+    #[test]
+    fn the_leaders_cut_is_the_age_of_its_newest_victim_when_it_takes_enough_keys() {
+        // 100 keys of 10 bytes, oldest first: key i last used at i ms.
+        let cands: Vec<(Bytes, Entry)> = (0..100)
+            .map(|i| {
+                let mut e = Entry {
+                    tenant: Bytes::new(),
+                    size: 10,
+                    tier: Tier::Memory,
+                    last_ms: 0,
+                    hits: 0,
+                    leased_until_ms: 0,
+                    arm: 0,
+                    complete: true,
+                    on_disk: false,
+                    client: Default::default(),
+                    segment: table::NO_SEGMENT,
+                    tries: 0,
+                };
+                e.last_ms = i;
+                (Bytes::new(), e)
+            })
+            .collect();
+        assert_eq!(
+            cut_age(&cands, 700, 1_000),
+            1_000 - 69,
+            "70 keys: the 70th's age"
+        );
+        assert_eq!(cut_age(&cands, 100, 1_000), 0, "10 keys: too few to cut at");
+        assert_eq!(cut_age(&cands, 5_000, 1_000), 0, "not covered: no cut");
     }
 
     #[test]

@@ -8,6 +8,7 @@
 //! (milliseconds on its own clock), so tests drive it without sleeping.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry as Slot;
 use std::sync::Mutex;
 
 use bytes::Bytes;
@@ -325,12 +326,19 @@ impl KeyTable {
         stale_ms: u64,
     ) -> Option<Entry> {
         let mut t = self.lock();
-        let k = (tenant.clone(), key.clone());
-        let e = t.map.get(&k)?;
-        if !e.complete && now_ms.saturating_sub(e.last_ms) < stale_ms {
-            return None;
-        }
-        t.remove(&k)
+        // One probe of the map: a miss is on the lookup path.
+        let gone = match t.map.entry((tenant.clone(), key.clone())) {
+            Slot::Vacant(_) => return None,
+            Slot::Occupied(o) => {
+                let e = o.get();
+                if !e.complete && now_ms.saturating_sub(e.last_ms) < stale_ms {
+                    return None;
+                }
+                o.remove()
+            }
+        };
+        t.sub(&gone);
+        Some(gone)
     }
 
     /// The entry of a key, if held.
