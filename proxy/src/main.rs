@@ -300,9 +300,10 @@ struct SimArgs {
     #[arg(long, default_value_t = 5000)]
     lease_ms: u64,
     /// Also model a fleet of this many sidecars on one pool (each evicting its own
-    /// blocks by LRU within an equal quota, seeing only the accesses routed to it):
-    /// adds `lru xN ROUTE` rows next to the single LRU. Plugins still run as one
-    /// evictor.
+    /// blocks within an equal quota, seeing only the accesses routed to it; and with
+    /// the fleet's access records): adds `POLICY xN ROUTE` and `POLICY xN ROUTE records`
+    /// rows next to each single-evictor row, for `lru` and every plugin (one instance
+    /// per sidecar; at most 64 sidecars with plugins).
     #[arg(long, default_value_t = 1)]
     ranks: usize,
     /// How the fleet's requests reach ranks: `random`, or `sticky` (by the first block).

@@ -17,9 +17,15 @@
 //!
 //! The chain comes from put calls: a batch put lists a request's missing blocks in
 //! prefix order, so key i is the parent of key i+1. Puts are admitted unchanged.
+//! A key this instance never saw put is not known to be a leaf, and goes with the inner
+//! blocks (by recency): keys put before the plugin loaded, and in a fleet with access
+//! records (`fleet.records`) the keys another member put whose home this member is.
+//! Taking those for never-reused leaves evicted the fleet's freshest blocks first:
+//! `moongate sim --ranks 8` on the shipped trace gave 0.031 against 0.141 for LRU.
 //!
-//! Config (JSON, optional): `{"max_tracked": 1000000}` bounds the parent set (two
-//! generations of hashes; the older one is dropped when the newer fills half the bound).
+//! Config (JSON, optional): `{"max_tracked": 1000000}` bounds the parent set and the
+//! set of keys seen put, each (two generations of hashes; the older one is dropped when
+//! the newer fills half the bound).
 //!
 //! Metrics: `moongate_plugin_counter_total{name="victims_leaf"}`, `{name="victims_inner"}`
 //! (inner blocks),
@@ -47,6 +53,9 @@ struct PrefixEvict {
     max_tracked: usize,
     parents: BTreeSet<u64>,
     older: BTreeSet<u64>,
+    /// Every key of the puts seen (two generations, as the parents).
+    seen: BTreeSet<u64>,
+    seen_older: BTreeSet<u64>,
     victims_leaf: u32,
     victims_inner: u32,
     tracked: u32,
@@ -64,13 +73,25 @@ impl PrefixEvict {
         self.parents.contains(&h) || self.older.contains(&h)
     }
 
-    /// Remembers the blocks of a put chain that have a successor (all but the last).
+    fn was_seen(&self, h: u64) -> bool {
+        self.seen.contains(&h) || self.seen_older.contains(&h)
+    }
+
+    /// Remembers the keys of a put chain, and which have a successor (all but the
+    /// last).
     fn learn(&mut self, keys: &PackedKeys) {
-        for i in 0..keys.len().saturating_sub(1) {
-            self.parents.insert(hash(keys.get(i)));
+        for i in 0..keys.len() {
+            let h = hash(keys.get(i));
+            self.seen.insert(h);
+            if i + 1 < keys.len() {
+                self.parents.insert(h);
+            }
         }
         if self.parents.len() >= self.max_tracked / 2 {
             self.older = std::mem::take(&mut self.parents);
+        }
+        if self.seen.len() >= self.max_tracked / 2 {
+            self.seen_older = std::mem::take(&mut self.seen);
         }
     }
 
@@ -81,7 +102,8 @@ impl PrefixEvict {
         // (class, -age): see the classes above.
         let mut order: Vec<(u8, u64, u32)> = (0..n)
             .map(|i| {
-                let class = if self.is_parent(hash(call.keys.get(i))) {
+                let h = hash(call.keys.get(i));
+                let class = if self.is_parent(h) || !self.was_seen(h) {
                     2
                 } else {
                     u8::from(call.hits[i] > 0)
@@ -126,6 +148,8 @@ impl Policy for PrefixEvict {
                 max_tracked: cfg.max_tracked,
                 parents: BTreeSet::new(),
                 older: BTreeSet::new(),
+                seen: BTreeSet::new(),
+                seen_older: BTreeSet::new(),
                 victims_leaf: host::register_counter("victims_leaf", "leaf blocks chosen")?,
                 victims_inner: host::register_counter(
                     "victims_inner",
@@ -162,6 +186,8 @@ mod tests {
             max_tracked,
             parents: BTreeSet::new(),
             older: BTreeSet::new(),
+            seen: BTreeSet::new(),
+            seen_older: BTreeSet::new(),
             victims_leaf: 0,
             victims_inner: 0,
             tracked: 0,
@@ -173,6 +199,8 @@ mod tests {
         let mut p = policy(100);
         // A chain p1 -> p2 -> leaf: p1 and p2 are parents.
         p.learn(&PackedKeys::from_keys(&["p1", "p2", "leaf"]));
+        p.learn(&PackedKeys::from_keys(&["hot"]));
+        p.learn(&PackedKeys::from_keys(&["cold"]));
         let call = EvictCall {
             keys: PackedKeys::from_keys(&["p1", "hot", "cold", "p2", "leaf"]),
             sizes: vec![10; 5],
@@ -188,11 +216,28 @@ mod tests {
     }
 
     #[test]
-    fn the_parent_set_stays_bounded() {
+    fn a_key_never_seen_put_goes_with_the_inner_blocks_by_recency() {
+        let mut p = policy(100);
+        p.learn(&PackedKeys::from_keys(&["p1", "leaf"]));
+        let call = EvictCall {
+            keys: PackedKeys::from_keys(&["p1", "other", "leaf"]),
+            sizes: vec![10; 3],
+            tiers: vec![Tier::Memory; 3],
+            age_ms: vec![50, 100, 1],
+            hits: vec![0, 0, 0],
+            bytes_needed: 30,
+        };
+        // The known leaf first; then the older of the rest, the unseen key.
+        assert_eq!(p.victims(&call).0, [2, 1, 0]);
+    }
+
+    #[test]
+    fn the_parent_and_seen_sets_stay_bounded() {
         let mut p = policy(4);
         for i in 0..50 {
             p.learn(&PackedKeys::from_keys(&[format!("a{i}"), format!("b{i}")]));
         }
         assert!(p.parents.len() + p.older.len() <= 4);
+        assert!(p.seen.len() + p.seen_older.len() <= 4);
     }
 }

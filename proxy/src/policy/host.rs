@@ -453,6 +453,25 @@ impl Plugin {
         *self.slot.lock().unwrap_or_else(|p| p.into_inner()) = None;
     }
 
+    /// The same compiled generation (checked and configured alike) with an instance of
+    /// its own: the simulator's fleet runs one per modelled sidecar, as live members
+    /// each run their own. Its first call starts a fresh instance.
+    pub fn sibling(&self) -> Arc<Plugin> {
+        Arc::new(Plugin {
+            name: self.name.clone(),
+            sha256: self.sha256.clone(),
+            config: self.config.clone(),
+            engine: self.engine.clone(),
+            pre: self.pre.clone(),
+            block_keys: self.block_keys,
+            block_refs: self.block_refs,
+            evict_tiered: self.evict_tiered,
+            interest: Mutex::new(self.interest()),
+            slot: Mutex::new(None),
+            preflight: AtomicBool::new(false),
+        })
+    }
+
     fn new_store(&self, muted: bool) -> Store<HostState> {
         let state = HostState {
             muted,

@@ -100,6 +100,20 @@ fn mix(mut x: u64) -> u64 {
     x ^ (x >> 31)
 }
 
+/// The rank request number `i` (first block `first`) is routed to.
+pub fn routed(route: Route, i: usize, first: u32, ranks: usize) -> usize {
+    (match route {
+        Route::Random => mix(i as u64),
+        Route::Sticky => mix(u64::from(first) ^ 0x5bd1_e995),
+    } as usize)
+        % ranks.max(1)
+}
+
+/// The rank block `b`'s hash makes its home (the fleet's access records).
+pub fn home(b: u32, ranks: usize) -> usize {
+    mix(u64::from(b) ^ 0x2545_f491_4f6c_dd1d) as usize % ranks.max(1)
+}
+
 /// LRU as a fleet of `ranks` sidecars runs it today, each in front of one rank: a block
 /// belongs to the rank that stored it; each rank evicts its own blocks, least recently
 /// used first, within an equal quota of `cap` (what the fleet's proportional portions
@@ -127,18 +141,10 @@ pub fn lru_fleet(trace: &Trace, cap: usize, ranks: usize, route: Route, homes: b
         let Some(&first) = blocks.first() else {
             continue;
         };
-        let routed = match route {
-            Route::Random => mix(i as u64),
-            Route::Sticky => mix(u64::from(first) ^ 0x5bd1_e995),
-        } as usize
-            % ranks;
+        let routed = routed(route, i, first, ranks);
         for &b in blocks {
             let bu = b as usize;
-            let k = if homes {
-                mix(u64::from(b) ^ 0x2545_f491_4f6c_dd1d) as usize % ranks
-            } else {
-                routed
-            };
+            let k = if homes { home(b, ranks) } else { routed };
             match owner[bu] {
                 o if o == k as u32 => {
                     if tail[k] == b {

@@ -152,17 +152,27 @@ pub struct Spec {
     pub plugins: Vec<PluginSource>,
     pub rules: Rules,
     pub max_candidates: usize,
-    /// Above 1: also the fleet baselines, `lru` run by this many sidecars, each with
-    /// only its own accesses and with the fleet's access records
-    /// ([`baseline::lru_fleet`]).
+    /// Above 1: also the fleet's rows, each policy run by this many sidecars (each with
+    /// its own instance and its own part of the table) with only the accesses routed to
+    /// it, and with the fleet's access records: natively for `lru`
+    /// ([`baseline::lru_fleet`]), through the store model for plugins ([`store::Fleet`]).
+    /// At most [`MAX_PLUGIN_RANKS`] with plugins.
     pub ranks: usize,
     pub route: baseline::Route,
 }
+
+/// The most sidecars a plugin's fleet run models: one plugin instance each, every
+/// instance holding its own memory (up to the host's limit).
+pub const MAX_PLUGIN_RANKS: usize = 64;
 
 #[derive(Debug, Error)]
 pub enum SimError {
     #[error("plugin {label}: {error}")]
     Plugin { label: String, error: String },
+    #[error(
+        "{ranks} ranks with plugins: at most {MAX_PLUGIN_RANKS} (one plugin instance per rank)"
+    )]
+    TooManyRanks { ranks: usize },
 }
 
 /// One (policy, capacity) result, as the report's JSON carries it.
@@ -194,7 +204,21 @@ pub struct Report {
 
 /// Runs the baselines and every plugin at every capacity.
 pub fn run(trace: &Trace, spec: &Spec) -> Result<Report, SimError> {
+    if !spec.plugins.is_empty() && spec.ranks > MAX_PLUGIN_RANKS {
+        return Err(SimError::TooManyRanks { ranks: spec.ranks });
+    }
     let distinct = trace.distinct() as u64;
+    let route = match spec.route {
+        baseline::Route::Random => "random",
+        baseline::Route::Sticky => "sticky",
+    };
+    let fleet_label = |policy: &str, records: bool| {
+        format!(
+            "{policy} x{} {route}{}",
+            spec.ranks,
+            if records { " records" } else { "" }
+        )
+    };
     let mut results = Vec::new();
     let row = |policy: &str, blocks: u64, c: Counts, t: Instant| Row {
         policy: policy.to_string(),
@@ -219,19 +243,10 @@ pub fn run(trace: &Trace, spec: &Spec) -> Result<Report, SimError> {
         let c = baseline::opt(trace, blocks as usize);
         results.push(row("opt", blocks, c, t));
         if spec.ranks > 1 {
-            let route = match spec.route {
-                baseline::Route::Random => "random",
-                baseline::Route::Sticky => "sticky",
-            };
             for homes in [false, true] {
                 let t = Instant::now();
                 let c = baseline::lru_fleet(trace, blocks as usize, spec.ranks, spec.route, homes);
-                let label = format!(
-                    "lru x{} {route}{}",
-                    spec.ranks,
-                    if homes { " records" } else { "" }
-                );
-                results.push(row(&label, blocks, c, t));
+                results.push(row(&fleet_label("lru", homes), blocks, c, t));
             }
         }
     }
@@ -242,7 +257,8 @@ pub fn run(trace: &Trace, spec: &Spec) -> Result<Report, SimError> {
             // Offline nothing waits on a call: a generous deadline only catches loops.
             call_timeout: std::time::Duration::from_secs(5),
             memory_bytes: 256 << 20,
-            max_instances: 4,
+            // One instance per modelled sidecar, and the loaded one.
+            max_instances: spec.ranks.clamp(1, MAX_PLUGIN_RANKS) as u32 + 2,
         },
         metrics.policy.plugins.clone(),
         Clock::Virtual(clock.clone()),
@@ -259,25 +275,48 @@ pub fn run(trace: &Trace, spec: &Spec) -> Result<Report, SimError> {
         let plugin = engine
             .load(&p.label, &p.bytes, &p.config, None)
             .map_err(|e| fail(e.to_string()))?;
-        for &blocks in &capacities {
-            // A fresh instance per run: a plugin's state must not carry over.
+        // A registry over a fresh instance: a plugin's state must not carry over
+        // from one run to the next, nor from one modelled sidecar to another.
+        let registry = |plugin: Arc<crate::policy::host::Plugin>| {
             plugin.reset();
-            let policy: Arc<dyn Policy> = plugin.clone();
+            let policy: Arc<dyn Policy> = plugin;
             let cfg = crate::policy::PolicyConfig {
                 call_timeout_ms: 5000,
                 ..Default::default()
             };
-            let reg = Registry::with_policies(cfg, None, metrics.policy.clone(), vec![policy])
-                .map_err(|e| fail(e.to_string()))?;
+            Registry::with_policies(cfg, None, metrics.policy.clone(), vec![policy])
+                .map_err(|e| fail(e.to_string()))
+        };
+        for &blocks in &capacities {
             let model = Model {
                 capacity_bytes: blocks * spec.block_size,
                 block_size: spec.block_size,
                 max_candidates: spec.max_candidates,
                 rules: spec.rules.clone(),
+                fleet: None,
             };
             let t = Instant::now();
-            let c = store::run(trace, &model, &reg, &clock);
+            let c = store::run(trace, &model, &[registry(plugin.clone())?], &clock);
             results.push(row(&p.label, blocks, c, t));
+            if spec.ranks < 2 {
+                continue;
+            }
+            for records in [false, true] {
+                let regs = (0..spec.ranks)
+                    .map(|_| registry(plugin.sibling()))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let model = Model {
+                    fleet: Some(store::Fleet {
+                        ranks: spec.ranks,
+                        route: spec.route,
+                        records,
+                    }),
+                    ..model.clone()
+                };
+                let t = Instant::now();
+                let c = store::run(trace, &model, &regs, &clock);
+                results.push(row(&fleet_label(&p.label, records), blocks, c, t));
+            }
         }
     }
     Ok(Report {

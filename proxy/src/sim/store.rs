@@ -14,6 +14,17 @@
 //! found key gets its access time, a hit and a read lease), then put the blocks after
 //! the prefix that are not stored (one batch put; admitted blocks are stored while they
 //! fit). When they do not fit, [`Rules`] decides what happens.
+//!
+//! A fleet ([`Fleet`]): one sidecar per rank, each with its own plugin instance and its
+//! own part of the key table (the blocks it put, or with access records the blocks
+//! whose home it is). Each request is routed to one rank: its lookup and put go through
+//! that rank's plugin, and only the owner of a block (or, with records, every rank)
+//! tells the owner's table of an access. The master sees every access: its leases and
+//! its own eviction are pool-wide. On-demand rules give each rank an equal quota of the
+//! capacity; live rules read the pool's usage and every rank frees its portion of the
+//! excess (its bytes over the pool's), as the fleet's leader-called rounds do. Not
+//! modelled: the leader's cut age (live members cut at the leader's age within a
+//! quarter of their portion), record delays and losses.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -23,6 +34,7 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use super::Counts;
+use super::baseline::{Route, home, routed};
 use super::trace::Trace;
 use crate::codec::message::{BatchPutStartArgs, Request, Response};
 use crate::codec::types::{
@@ -99,28 +111,62 @@ pub struct Model {
     /// `eviction.max_candidates`: the least recently used keys a round offers the plugin.
     pub max_candidates: usize,
     pub rules: Rules,
+    /// A fleet of sidecars on this store; `None`: one moongate.
+    pub fleet: Option<Fleet>,
+}
+
+/// A fleet of sidecars, one per rank, in front of one pool.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Fleet {
+    pub ranks: usize,
+    pub route: Route,
+    /// The fleet's access records (`fleet.records`): a block belongs to its hash's home
+    /// rank, whichever rank put it, and every access reaches the home's table.
+    pub records: bool,
 }
 
 #[derive(Clone, Copy, Default)]
 struct Slot {
     present: bool,
-    /// Its place in the least-recently-used order (`Store::order`).
+    /// The rank whose table holds it (0 without a fleet).
+    owner: u32,
+    /// Its place in its owner's least-recently-used order (`Part::order`).
     tick: u64,
+    /// Its place in the master's order (`Store::master`; fleets only).
+    master_tick: u64,
+    /// As its owner's table knows them.
     last_ms: u64,
     hits: u32,
+    seen_lease_ms: u64,
+    /// The master's read lease: a removal before then fails.
     leased_until_ms: u64,
-    /// Chosen by a round, waiting in `Store::doomed` until its room is needed.
+    /// Chosen by a round, waiting in `Part::doomed` until its room is needed.
     doomed: bool,
+}
+
+/// One sidecar's part of the store: the blocks its table holds.
+#[derive(Default)]
+struct Part {
+    /// tick -> block: least recently used first, as this sidecar saw the accesses.
+    order: BTreeMap<u64, u32>,
+    /// On-demand rules: victims chosen, in the plugin's order, not yet removed.
+    doomed: std::collections::VecDeque<u32>,
+    used: u64,
+    /// On-demand rules: the bytes it may hold (an equal share of the capacity).
+    quota: u64,
+    /// Live rules: bytes of its puts refused since its evictor last looked.
+    denied: u64,
 }
 
 struct Store<'a> {
     model: &'a Model,
     keys: Vec<Bytes>,
     slots: Vec<Slot>,
-    /// tick -> block: least recently used first.
-    order: BTreeMap<u64, u32>,
-    /// On-demand rules: victims chosen, in the plugin's order, not yet removed.
-    doomed: std::collections::VecDeque<u32>,
+    parts: Vec<Part>,
+    /// The master's recency over every block (fleets only: alone, the one part's
+    /// order is the master's).
+    master: BTreeMap<u64, u32>,
+    records: bool,
     next_tick: u64,
     used: u64,
     tenant: Bytes,
@@ -135,6 +181,19 @@ const CLIENT: Uuid = Uuid {
 
 impl<'a> Store<'a> {
     fn new(model: &'a Model, trace: &'a Trace) -> Store<'a> {
+        let ranks = model.fleet.map_or(1, |f| f.ranks.max(1)) as u64;
+        let blocks = model.capacity_bytes / model.block_size.max(1);
+        let parts = (0..ranks)
+            .map(|i| Part {
+                // Whole blocks, the remainder to the first: as the LRU fleet baseline.
+                quota: if ranks == 1 {
+                    model.capacity_bytes
+                } else {
+                    (blocks / ranks + u64::from(i < blocks % ranks)) * model.block_size
+                },
+                ..Default::default()
+            })
+            .collect();
         Store {
             model,
             keys: trace
@@ -143,8 +202,9 @@ impl<'a> Store<'a> {
                 .map(|h| Bytes::from(format!("all/blk/{h}")))
                 .collect(),
             slots: vec![Slot::default(); trace.distinct()],
-            order: BTreeMap::new(),
-            doomed: Default::default(),
+            parts,
+            master: BTreeMap::new(),
+            records: model.fleet.is_some_and(|f| f.records),
             next_tick: 0,
             used: 0,
             tenant: Bytes::from_static(b"default"),
@@ -152,92 +212,149 @@ impl<'a> Store<'a> {
         }
     }
 
-    fn touch(&mut self, b: u32, now_ms: u64, lease_ms: u64, hit: bool) {
+    fn fleet(&self) -> bool {
+        self.parts.len() > 1
+    }
+
+    /// The rank whose table holds block `b` when rank `via` puts it.
+    fn owner_of(&self, b: u32, via: usize) -> usize {
+        if self.records {
+            home(b, self.parts.len())
+        } else {
+            via
+        }
+    }
+
+    /// An access to a stored block through rank `via` (a hit, or its put): the master
+    /// sees it; the owner's table sees it when the access went through the owner or
+    /// records carry it there.
+    fn touch(&mut self, b: u32, via: usize, now_ms: u64, lease_ms: u64, hit: bool) {
         let tick = self.next_tick;
         self.next_tick += 1;
+        let fleet = self.fleet();
+        let records = self.records;
         let s = &mut self.slots[b as usize];
+        if hit {
+            s.leased_until_ms = now_ms + lease_ms;
+        }
+        if fleet {
+            if s.present {
+                self.master.remove(&s.master_tick);
+            }
+            s.master_tick = tick;
+            self.master.insert(tick, b);
+        }
+        if s.present && !records && s.owner as usize != via {
+            return;
+        }
+        let order = &mut self.parts[s.owner as usize].order;
         if s.present {
-            self.order.remove(&s.tick);
+            order.remove(&s.tick);
         }
         s.tick = tick;
         s.last_ms = now_ms;
         if hit {
             s.hits = s.hits.saturating_add(1);
-            s.leased_until_ms = now_ms + lease_ms;
+            s.seen_lease_ms = s.leased_until_ms;
             s.doomed = false;
         }
-        self.order.insert(tick, b);
+        order.insert(tick, b);
     }
 
-    fn store(&mut self, b: u32, now_ms: u64) {
-        self.touch(b, now_ms, 0, false);
+    fn store(&mut self, b: u32, owner: usize, now_ms: u64) {
+        self.slots[b as usize].owner = owner as u32;
+        self.touch(b, owner, now_ms, 0, false);
         let s = &mut self.slots[b as usize];
         s.present = true;
         s.hits = 0;
         s.leased_until_ms = 0;
+        s.seen_lease_ms = 0;
         self.used += self.model.block_size;
+        self.parts[owner].used += self.model.block_size;
         self.counts.stored += 1;
     }
 
-    fn drop_block(&mut self, b: u32) -> bool {
+    /// Removes a block; a removal under the master's read lease fails (an owner that
+    /// did not see the lookup that took it learns of it this way).
+    fn drop_block(&mut self, b: u32, now_ms: u64) -> bool {
         let s = &mut self.slots[b as usize];
         if !s.present {
             return false;
         }
+        if s.leased_until_ms > now_ms {
+            s.seen_lease_ms = s.leased_until_ms;
+            s.doomed = false;
+            return false;
+        }
         s.present = false;
         s.doomed = false;
-        self.order.remove(&s.tick);
+        let part = &mut self.parts[s.owner as usize];
+        part.order.remove(&s.tick);
+        part.used -= self.model.block_size;
+        self.master.remove(&s.master_tick);
         self.used -= self.model.block_size;
         self.counts.evicted += 1;
         true
     }
 
-    /// Up to `max` stored blocks not under a read lease, least recently used first.
-    fn candidates(&self, max: usize, now_ms: u64) -> Vec<u32> {
-        self.order
+    /// Up to `max` of rank `part`'s blocks not under a read lease it knows of, least
+    /// recently used first.
+    fn candidates(&self, part: usize, max: usize, now_ms: u64) -> Vec<u32> {
+        self.parts[part]
+            .order
             .values()
-            .filter(|&&b| self.slots[b as usize].leased_until_ms <= now_ms)
+            .filter(|&&b| self.slots[b as usize].seen_lease_ms <= now_ms)
             .take(max)
             .copied()
             .collect()
     }
 
-    /// One moongate eviction round for `need` bytes, at most `cap` removals: the
-    /// plugin picks among the candidates, as live; the victims leave at once.
-    fn round(&mut self, reg: &Registry, need: u64, cap: usize, now_ms: u64) {
-        for b in self.choose(reg, need, cap, now_ms) {
-            self.drop_block(b);
+    /// One moongate eviction round of rank `part` for `need` bytes, at most `cap`
+    /// removals: the plugin picks among the candidates, as live; the victims leave at
+    /// once.
+    fn round(&mut self, part: usize, reg: &Registry, need: u64, cap: usize, now_ms: u64) {
+        for b in self.choose(part, reg, need, cap, now_ms) {
+            self.drop_block(b, now_ms);
         }
     }
 
-    /// On-demand rules: frees `need` bytes from the queue of chosen victims, asking the
-    /// plugin for more (at least `ahead` bytes' worth) when the queue runs dry.
-    fn make_room(&mut self, reg: &Registry, need: u64, ahead: u64, now_ms: u64) {
+    /// On-demand rules: frees `need` bytes of rank `part`'s from its queue of chosen
+    /// victims, asking its plugin for more (at least `ahead` bytes' worth) when the
+    /// queue runs dry.
+    fn make_room(&mut self, part: usize, reg: &Registry, need: u64, ahead: u64, now_ms: u64) {
         let mut freed = 0u64;
         let mut asked = false;
         while freed < need {
-            let Some(b) = self.doomed.pop_front() else {
+            let Some(b) = self.parts[part].doomed.pop_front() else {
                 if asked {
                     return; // the plugin chose too little: the rest of the put is refused
                 }
                 asked = true;
-                let chosen = self.choose(reg, (need - freed).max(ahead), usize::MAX, now_ms);
+                let want = (need - freed).max(ahead);
+                let chosen = self.choose(part, reg, want, usize::MAX, now_ms);
                 for &b in &chosen {
                     self.slots[b as usize].doomed = true;
                 }
-                self.doomed.extend(chosen);
+                self.parts[part].doomed.extend(chosen);
                 continue;
             };
-            if self.slots[b as usize].doomed && self.drop_block(b) {
+            if self.slots[b as usize].doomed && self.drop_block(b, now_ms) {
                 freed += self.model.block_size;
             }
         }
     }
 
-    /// Victims for `need` bytes, at most `cap`, chosen by the plugin among the
-    /// candidates.
-    fn choose(&mut self, reg: &Registry, need: u64, cap: usize, now_ms: u64) -> Vec<u32> {
-        let blocks = self.candidates(self.model.max_candidates, now_ms);
+    /// Victims among rank `part`'s candidates for `need` bytes, at most `cap`, chosen
+    /// by its plugin.
+    fn choose(
+        &mut self,
+        part: usize,
+        reg: &Registry,
+        need: u64,
+        cap: usize,
+        now_ms: u64,
+    ) -> Vec<u32> {
+        let blocks = self.candidates(part, self.model.max_candidates, now_ms);
         if blocks.is_empty() {
             return Vec::new();
         }
@@ -254,7 +371,7 @@ impl<'a> Store<'a> {
                         tier: Tier::Memory,
                         last_ms: s.last_ms,
                         hits: s.hits,
-                        leased_until_ms: s.leased_until_ms,
+                        leased_until_ms: s.seen_lease_ms,
                         arm: 0,
                         complete: true,
                         on_disk: false,
@@ -275,54 +392,83 @@ impl<'a> Store<'a> {
     /// The master's own eviction: `ratio` of its objects, least recently used first,
     /// leased ones spared.
     fn master_evicts(&mut self, ratio: f64, now_ms: u64) {
-        let objects = self.order.len();
-        let n = ((objects as f64 * ratio).ceil() as usize).max(1);
-        for b in self.candidates(n, now_ms) {
-            if self.drop_block(b) {
+        let order = if self.fleet() {
+            &self.master
+        } else {
+            &self.parts[0].order
+        };
+        let n = ((order.len() as f64 * ratio).ceil() as usize).max(1);
+        let victims: Vec<u32> = order
+            .values()
+            .filter(|&&b| self.slots[b as usize].leased_until_ms <= now_ms)
+            .take(n)
+            .copied()
+            .collect();
+        for b in victims {
+            if self.drop_block(b, now_ms) {
                 self.counts.master_evicted += 1;
             }
         }
     }
 }
 
-/// Runs the trace against the store with `reg`'s active policy; `clock` is what the
-/// plugin's `now-ns` reads (set to trace time here).
-pub fn run(trace: &Trace, model: &Model, reg: &Registry, clock: &Arc<AtomicU64>) -> Counts {
+/// Runs the trace against the store; `regs`: each rank's registry with its own plugin
+/// instance (one without a fleet; as many as `model.fleet`'s ranks with one). `clock`
+/// is what the plugins' `now-ns` reads (set to trace time here).
+///
+/// # Panics
+/// When `regs` does not hold one registry per rank (a caller's mistake, not input).
+pub fn run(trace: &Trace, model: &Model, regs: &[Arc<Registry>], clock: &Arc<AtomicU64>) -> Counts {
     let mut st = Store::new(model, trace);
+    assert_eq!(regs.len(), st.parts.len(), "one registry per rank");
+    let route = model.fleet.map_or(Route::Random, |f| f.route);
     let (lease_ms, speed) = match &model.rules {
         Rules::OnDemand { .. } => (0, 1.0),
         Rules::Live(l) => (l.lease_ms, l.speed.max(1e-9)),
     };
     let mut next_check_ms = 0u64;
-    let mut denied_bytes = 0u64;
     let cap_bytes = model.capacity_bytes as f64;
     let empty = Bytes::new();
     let mut occupancy_sum = 0f64;
-    for r in &trace.requests {
+    for (i, r) in trace.requests.iter().enumerate() {
         occupancy_sum += st.used as f64 / cap_bytes.max(1.0);
         let now_ms = (r.ts_ms as f64 / speed) as u64;
         clock.store(now_ms.saturating_mul(1_000_000), Ordering::Relaxed);
         if let Rules::Live(l) = &model.rules {
-            // moongate's evictor, every interval that passed since the last request.
+            // moongate's evictors, every interval that passed since the last request.
             while next_check_ms <= now_ms {
-                let mut need = 0u64;
+                let mut excess = 0u64;
                 if st.used as f64 >= l.high * cap_bytes {
-                    need = st.used - (l.low * cap_bytes) as u64;
+                    excess = st.used - (l.low * cap_bytes) as u64;
                 }
-                if l.on_put_denials {
-                    need = need.max(std::mem::take(&mut denied_bytes));
-                }
-                if need > 0 {
-                    st.round(reg, need, l.max_removals, now_ms);
+                let mut any = excess > 0;
+                for (k, reg) in regs.iter().enumerate() {
+                    // Each rank's portion of the pool's excess: its bytes over the pool's.
+                    let part = &mut st.parts[k];
+                    let mut need = (u128::from(excess) * u128::from(part.used))
+                        .checked_div(u128::from(st.used))
+                        .unwrap_or(0) as u64;
+                    if l.on_put_denials {
+                        need = need.max(std::mem::take(&mut part.denied));
+                    }
+                    if need > 0 {
+                        any = true;
+                        st.round(k, reg, need, l.max_removals, now_ms);
+                    }
                 }
                 next_check_ms += l.interval_ms.max(1);
-                if next_check_ms <= now_ms && need == 0 {
+                if next_check_ms <= now_ms && !any {
                     // Nothing changes between requests: skip the idle checks.
                     next_check_ms = now_ms + 1;
                 }
             }
         }
         let blocks = trace.blocks_of(r);
+        let via = match blocks.first() {
+            Some(&first) if st.fleet() => routed(route, i, first, st.parts.len()),
+            _ => 0,
+        };
+        let reg = &regs[via];
         st.counts.lookups += blocks.len() as u64;
         let mut n = blocks
             .iter()
@@ -345,7 +491,7 @@ pub fn run(trace: &Trace, model: &Model, reg: &Registry, clock: &Arc<AtomicU64>)
         }
         st.counts.hits += n as u64;
         for &b in &blocks[..n] {
-            st.touch(b, now_ms, lease_ms, true);
+            st.touch(b, via, now_ms, lease_ms, true);
         }
         let rest: Vec<u32> = blocks[n..]
             .iter()
@@ -384,23 +530,36 @@ pub fn run(trace: &Trace, model: &Model, reg: &Registry, clock: &Arc<AtomicU64>)
             .map(|(&b, _)| b)
             .collect();
         st.counts.denied += (rest.len() - want.len()) as u64;
-        let bytes = want.len() as u64 * model.block_size;
-        if let Rules::OnDemand { batch } = model.rules
-            && st.used + bytes > model.capacity_bytes
-        {
-            let need = st.used + bytes - model.capacity_bytes;
-            st.make_room(reg, need, (batch * cap_bytes) as u64, now_ms);
+        let owners: Vec<usize> = want.iter().map(|&b| st.owner_of(b, via)).collect();
+        if let Rules::OnDemand { batch } = model.rules {
+            // Each owner makes room in its quota for its blocks of the put.
+            let mut bytes = vec![0u64; st.parts.len()];
+            for &o in &owners {
+                bytes[o] += model.block_size;
+            }
+            for (o, b) in bytes.into_iter().enumerate() {
+                let part = &st.parts[o];
+                if b > 0 && part.used + b > part.quota {
+                    let need = part.used + b - part.quota;
+                    let ahead = (batch * part.quota as f64) as u64;
+                    st.make_room(o, &regs[o], need, ahead, now_ms);
+                }
+            }
         }
         let mut refused = 0u64;
-        for &b in &want {
-            if st.used + model.block_size <= model.capacity_bytes {
-                st.store(b, now_ms);
+        for (&b, &o) in want.iter().zip(&owners) {
+            let fits = match model.rules {
+                Rules::OnDemand { .. } => st.parts[o].used + model.block_size <= st.parts[o].quota,
+                Rules::Live(_) => st.used + model.block_size <= model.capacity_bytes,
+            };
+            if fits {
+                st.store(b, o, now_ms);
             } else {
                 refused += 1;
             }
         }
         st.counts.refused += refused;
-        denied_bytes += refused * model.block_size;
+        st.parts[via].denied += refused * model.block_size;
         if let Rules::Live(l) = &model.rules
             && st.used as f64 >= l.master_high * cap_bytes
         {
@@ -494,8 +653,9 @@ mod tests {
             block_size: 1024,
             max_candidates: 4096,
             rules,
+            fleet: None,
         };
-        run(trace, &model, &reg, &Arc::new(AtomicU64::new(0)))
+        run(trace, &model, &[reg], &Arc::new(AtomicU64::new(0)))
     }
 
     #[test]
@@ -510,6 +670,78 @@ mod tests {
             assert!(d < 0.005, "{share}: {modeled:?} vs {plain:?}");
             assert!(modeled.evicted > 0 && modeled.refused == 0);
         }
+    }
+
+    #[test]
+    fn a_fleet_without_an_evict_hook_is_the_lru_fleet() {
+        let t = shipped(1500);
+        let blocks = (0.05 * t.distinct() as f64) as u64;
+        let metrics = crate::metrics::Metrics::new();
+        let regs: Vec<Arc<Registry>> = (0..4)
+            .map(|_| {
+                let p: Arc<dyn Policy> = Arc::new(Fake::new("p"));
+                Registry::with_policies(Default::default(), None, metrics.policy.clone(), vec![p])
+                    .unwrap()
+            })
+            .collect();
+        let mut rates = Vec::new();
+        for records in [false, true] {
+            let model = Model {
+                capacity_bytes: blocks * 1024,
+                block_size: 1024,
+                max_candidates: 4096,
+                rules: Rules::OnDemand { batch: 0.05 },
+                fleet: Some(Fleet {
+                    ranks: 4,
+                    route: Route::Random,
+                    records,
+                }),
+            };
+            let modeled = run(&t, &model, &regs, &Arc::new(AtomicU64::new(0)));
+            let native =
+                super::super::baseline::lru_fleet(&t, blocks as usize, 4, Route::Random, records);
+            assert_eq!(modeled.lookups, native.lookups);
+            let d = (modeled.hit_rate() - native.hit_rate()).abs();
+            assert!(d < 0.005, "records {records}: {modeled:?} vs {native:?}");
+            rates.push(modeled.hit_rate());
+        }
+        let one = super::super::baseline::lru(&t, blocks as usize).hit_rate();
+        assert!(
+            rates[0] < rates[1] && rates[1] <= one + 0.005,
+            "partial views {:.4}, records {:.4}, one LRU {one:.4}",
+            rates[0],
+            rates[1]
+        );
+    }
+
+    #[test]
+    fn in_a_live_fleet_a_removal_the_owner_thinks_free_fails_under_anothers_lease() {
+        // Two ranks, no records: rank 1 reads a block rank 0 put, so the master holds a
+        // lease rank 0 never heard of; rank 0's removal fails and the block stays.
+        let t = shipped(1);
+        let model = Model {
+            capacity_bytes: 1 << 20,
+            block_size: 1024,
+            max_candidates: 16,
+            rules: Rules::Live(Live::default()),
+            fleet: Some(Fleet {
+                ranks: 2,
+                route: Route::Random,
+                records: false,
+            }),
+        };
+        let mut st = Store::new(&model, &t);
+        let b = 0;
+        st.store(b, 0, 0);
+        st.touch(b, 1, 10, 5_000, true);
+        assert_eq!(st.candidates(0, 16, 100), [b], "rank 0 saw no lease");
+        assert!(!st.drop_block(b, 100), "the master's lease holds");
+        assert!(
+            st.candidates(0, 16, 100).is_empty(),
+            "and now rank 0 knows it"
+        );
+        assert!(st.drop_block(b, 5_011), "after the lease");
+        assert_eq!(st.used, 0);
     }
 
     #[test]
