@@ -35,6 +35,7 @@ mod faults;
 mod fleet;
 mod ha;
 mod kv_bounds;
+mod kv_c_abi;
 mod kv_events;
 mod kv_face;
 mod kv_quic;

@@ -1,5 +1,6 @@
 //! A small blocking client for moongate's kv face (`docs/kv-api.md`), standard library
-//! only: one keep-alive HTTP/1.1 connection over TCP or a Unix socket.
+//! only (the C ABI in [`capi`] adds libc): one keep-alive HTTP/1.1 connection over TCP or
+//! a Unix socket.
 //!
 //! ```no_run
 //! let mut kv = moongate_kv::Client::connect_tcp("127.0.0.1:50060")?;
@@ -12,6 +13,8 @@
 //! Not thread-safe by design: make one client per thread (connections are cheap on
 //! loopback). A 503 ([`Error::Status`] with status 503) means the node's byte budget is
 //! full: retry later. A 409 on delete means a reader holds a lease on the key.
+
+pub mod capi;
 
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -29,6 +32,10 @@ pub enum Error {
     },
     /// The answer was not the HTTP moongate speaks.
     Protocol(String),
+    /// The caller's buffer is smaller than the value (`needed` bytes).
+    TooSmall {
+        needed: usize,
+    },
 }
 
 impl std::fmt::Display for Error {
@@ -37,6 +44,12 @@ impl std::fmt::Display for Error {
             Error::Io(e) => write!(f, "kv face: {e}"),
             Error::Status { status, reason } => write!(f, "kv face answered {status}: {reason}"),
             Error::Protocol(m) => write!(f, "kv face: unexpected answer: {m}"),
+            Error::TooSmall { needed } => {
+                write!(
+                    f,
+                    "the value has {needed} bytes, more than the buffer holds"
+                )
+            }
         }
     }
 }
@@ -47,6 +60,12 @@ impl From<io::Error> for Error {
     fn from(e: io::Error) -> Self {
         Error::Io(e)
     }
+}
+
+/// How an answer's body arrives.
+enum Body {
+    Length(usize),
+    Chunked,
 }
 
 trait Stream: Read + Write {}
@@ -136,6 +155,12 @@ impl Client {
     }
 
     fn call(&mut self, method: &str, path: &str, body: &[u8]) -> Result<(u16, Vec<u8>), Error> {
+        let (status, body) = self.request(method, path, body)?;
+        Ok((status, self.read_body(body)?))
+    }
+
+    /// Sends a request and reads the answer's head; the body is the caller's to read.
+    fn request(&mut self, method: &str, path: &str, body: &[u8]) -> Result<(u16, Body), Error> {
         let head = format!(
             "{method} {path} HTTP/1.1\r\nHost: {}\r\nContent-Length: {}\r\n\r\n",
             self.host,
@@ -175,12 +200,27 @@ impl Client {
             }
         }
         if chunked {
-            return Ok((status, self.read_chunked()?));
+            return Ok((status, Body::Chunked));
         }
         let len = len.ok_or_else(|| Error::Protocol("no Content-Length".into()))?;
-        let mut data = vec![0u8; len];
-        self.reader.read_exact(&mut data)?;
-        Ok((status, data))
+        Ok((status, Body::Length(len)))
+    }
+
+    fn read_body(&mut self, body: Body) -> Result<Vec<u8>, Error> {
+        match body {
+            Body::Chunked => self.read_chunked(),
+            Body::Length(len) => {
+                // Grown as bytes arrive: a wrong length costs an error, not its size.
+                let mut data = Vec::new();
+                let got = (&mut self.reader).take(len as u64).read_to_end(&mut data)?;
+                if got < len {
+                    return Err(Error::Protocol(format!(
+                        "body ended after {got} of {len} bytes"
+                    )));
+                }
+                Ok(data)
+            }
+        }
     }
 
     /// A streamed (chunked) body: batch get answers are sent as they are read.
@@ -199,9 +239,13 @@ impl Client {
                 self.reader.read_line(&mut line)?;
                 return Ok(data);
             }
-            let at = data.len();
-            data.resize(at + size, 0);
-            self.reader.read_exact(&mut data[at..])?;
+            // Grown as bytes arrive: a wrong chunk size costs an error, not its size.
+            let got = (&mut self.reader)
+                .take(size as u64)
+                .read_to_end(&mut data)?;
+            if got < size {
+                return Err(Error::Protocol("connection closed in a chunk".into()));
+            }
             let mut crlf = [0u8; 2];
             self.reader.read_exact(&mut crlf)?;
         }
@@ -236,6 +280,43 @@ impl Client {
             (200, b) => Ok(Some(b)),
             (404, _) => Ok(None),
             (s, b) => Err(Self::fail(s, &b)),
+        }
+    }
+
+    /// Reads the value of `key` into `dst` without another copy: `Ok(Some(n))` when its
+    /// `n` bytes are in `dst[..n]`, `Ok(None)` when the store does not have it, and
+    /// [`Error::TooSmall`] (with the value's length) when `dst` cannot hold it; the
+    /// connection stays usable after each.
+    pub fn get_into(&mut self, key: &str, dst: &mut [u8]) -> Result<Option<usize>, Error> {
+        let (status, body) = self.request("GET", &format!("/v1/kv/{}", encode_key(key)), &[])?;
+        match (status, body) {
+            (200, Body::Length(n)) if n <= dst.len() => {
+                self.reader.read_exact(&mut dst[..n])?;
+                Ok(Some(n))
+            }
+            (200, Body::Length(n)) => {
+                let skipped = io::copy(&mut (&mut self.reader).take(n as u64), &mut io::sink())?;
+                if skipped < n as u64 {
+                    return Err(Error::Protocol("connection closed in a body".into()));
+                }
+                Err(Error::TooSmall { needed: n })
+            }
+            (200, body) => {
+                let v = self.read_body(body)?;
+                let to = dst
+                    .get_mut(..v.len())
+                    .ok_or(Error::TooSmall { needed: v.len() })?;
+                to.copy_from_slice(&v);
+                Ok(Some(v.len()))
+            }
+            (404, body) => {
+                self.read_body(body)?;
+                Ok(None)
+            }
+            (s, body) => {
+                let b = self.read_body(body)?;
+                Err(Self::fail(s, &b))
+            }
         }
     }
 

@@ -1,0 +1,644 @@
+//! The C ABI: `libmoongate_kv.so` / `libmoongate_kv.a` and the header `moongate_kv.h`
+//! (generated from this file by cbindgen; a test fails when they drift apart).
+//!
+//! A C or C++ engine links the library and talks to moongate's kv face without writing
+//! HTTP: connect, put, get into its own buffer, check existence, remove, in batches too.
+//!
+//! Contract, for every function:
+//! - Handles are thread-safe: calls on one handle from several threads each take a
+//!   connection of their own from the handle's pool (opened on demand, kept for reuse:
+//!   at most 64 idle ones).
+//! - No global state beyond the calling thread's error messages; no panic crosses the
+//!   boundary (a bug inside is answered [`MG_ERR_INTERNAL`]).
+//! - Return values: 0 or a byte count on success, a negative `MG_ERR_*` code on failure;
+//!   [`mg_last_error`] then gives the message.
+//! - Pointers: the library never keeps a caller's pointer past the call, and never
+//!   frees what the caller owns. Keys are NUL-terminated UTF-8. A NULL where a pointer
+//!   is required is [`MG_ERR_ARG`], never a crash.
+//!
+//! Not built yet: the shared-memory path. Memory from [`mg_alloc`] is a memfd mapping,
+//! ready to be shared with moongate, but transfers from and into it still copy through
+//! the socket like any other memory.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::{CStr, CString, c_char, c_int, c_void};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::{Client, Error};
+
+/// Success.
+pub const MG_OK: c_int = 0;
+/// A bad argument: a NULL pointer, a key that is not UTF-8, an address that does not
+/// parse, a pointer `mg_free` did not hand out.
+pub const MG_ERR_ARG: c_int = -1;
+/// The key is not stored.
+pub const MG_ERR_NOT_FOUND: c_int = -2;
+/// The caller's buffer is smaller than the value (the message gives its length).
+pub const MG_ERR_TOO_SMALL: c_int = -3;
+/// moongate could not be reached, or the connection broke.
+pub const MG_ERR_TRANSPORT: c_int = -4;
+/// moongate's byte budget is full (HTTP 503): retry later.
+pub const MG_ERR_BUSY: c_int = -5;
+/// A reader holds a lease on the key (HTTP 409 on remove): retry later.
+pub const MG_ERR_LEASED: c_int = -6;
+/// moongate refused the call (another error status; the message gives it).
+pub const MG_ERR_REFUSED: c_int = -7;
+/// moongate's answer did not parse.
+pub const MG_ERR_PROTOCOL: c_int = -8;
+/// Memory could not be allocated.
+pub const MG_ERR_NOMEM: c_int = -9;
+/// A bug in the library, caught at the boundary.
+pub const MG_ERR_INTERNAL: c_int = -10;
+/// The key is already stored (HTTP 409 on put): Mooncake writes a value once; remove
+/// it first to replace it.
+pub const MG_ERR_EXISTS: c_int = -11;
+/// The store has no room for the value (HTTP 507: no segment has space).
+pub const MG_ERR_NO_ROOM: c_int = -12;
+
+/// Idle connections a handle keeps for reuse.
+const MAX_IDLE: usize = 64;
+
+/// A handle: where moongate is, a pool of connections to it, and the memory
+/// [`mg_alloc`] handed out. Opaque to C.
+#[allow(non_camel_case_types)]
+pub struct mg_client {
+    id: u64,
+    address: Address,
+    idle: Mutex<Vec<Client>>,
+    /// Mappings from `mg_alloc`, by address.
+    allocs: Mutex<HashMap<usize, Mapping>>,
+}
+
+enum Address {
+    Unix(String),
+    Tcp(String),
+}
+
+/// One `mg_alloc` mapping: its memfd (what the shared-memory path will pass to moongate).
+struct Mapping {
+    fd: c_int,
+    len: usize,
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // Unmapped by the owner before drop (it knows the address); the fd closes here.
+        // SAFETY: the fd was opened by mg_alloc and is owned by this mapping alone.
+        unsafe {
+            libc::close(self.fd);
+        }
+    }
+}
+
+/// A failure: its code and message.
+struct Fail(c_int, String);
+
+impl From<Error> for Fail {
+    fn from(e: Error) -> Fail {
+        let code = match &e {
+            Error::Io(_) => MG_ERR_TRANSPORT,
+            Error::Status { status: 503, .. } => MG_ERR_BUSY,
+            Error::Status { status: 409, .. } => MG_ERR_EXISTS,
+            Error::Status { status: 507, .. } => MG_ERR_NO_ROOM,
+            Error::Status { status: 404, .. } => MG_ERR_NOT_FOUND,
+            Error::Status { .. } => MG_ERR_REFUSED,
+            Error::Protocol(_) => MG_ERR_PROTOCOL,
+            Error::TooSmall { .. } => MG_ERR_TOO_SMALL,
+        };
+        Fail(code, e.to_string())
+    }
+}
+
+fn arg(msg: impl Into<String>) -> Fail {
+    Fail(MG_ERR_ARG, msg.into())
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+/// This thread's last failure per handle id (0: `mg_connect`), newest last; a few
+/// handles' worth, so a thread that opens and closes many does not grow it.
+const ERRORS_KEPT: usize = 16;
+
+thread_local! {
+    static ERRORS: RefCell<Vec<(u64, CString)>> = const { RefCell::new(Vec::new()) };
+}
+
+fn set_error(id: u64, msg: &str) {
+    let msg = CString::new(msg.replace('\0', " ")).unwrap_or_default();
+    ERRORS.with(|e| {
+        let mut e = e.borrow_mut();
+        e.retain(|(i, _)| *i != id);
+        if e.len() >= ERRORS_KEPT {
+            e.remove(0);
+        }
+        e.push((id, msg));
+    });
+}
+
+/// Runs `f` for the C caller: a failure's message is stored for `mg_last_error`, a
+/// panic becomes [`MG_ERR_INTERNAL`].
+fn guard<T>(id: u64, fail_value: impl Fn(c_int) -> T, f: impl FnOnce() -> Result<T, Fail>) -> T {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(v)) => v,
+        Ok(Err(Fail(code, msg))) => {
+            set_error(id, &msg);
+            fail_value(code)
+        }
+        Err(_) => {
+            set_error(
+                id,
+                "internal error in libmoongate_kv (a bug: please report it)",
+            );
+            fail_value(MG_ERR_INTERNAL)
+        }
+    }
+}
+
+impl mg_client {
+    fn connect(&self) -> Result<Client, Error> {
+        match &self.address {
+            Address::Unix(p) => Client::connect_unix(p),
+            Address::Tcp(a) => Client::connect_tcp(a),
+        }
+    }
+
+    /// Runs `f` on a pooled connection. The connection goes back to the pool unless the
+    /// call broke it (an I/O or protocol error leaves it in an unknown state).
+    fn with<T>(&self, f: impl FnOnce(&mut Client) -> Result<T, Error>) -> Result<T, Fail> {
+        let pooled = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let mut client = match pooled {
+            Some(c) => c,
+            None => self.connect()?,
+        };
+        let r = f(&mut client);
+        let broken = matches!(r, Err(Error::Io(_) | Error::Protocol(_)));
+        if !broken {
+            let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+            if idle.len() < MAX_IDLE {
+                idle.push(client);
+            }
+        }
+        Ok(r?)
+    }
+}
+
+/// A handle's reference, or [`MG_ERR_ARG`] for NULL.
+///
+/// # Safety
+/// `c` is NULL or a live handle from [`mg_connect`].
+unsafe fn handle<'a>(c: *mut mg_client) -> Result<&'a mg_client, Fail> {
+    // SAFETY: the caller passes a handle from mg_connect, not yet closed.
+    unsafe { c.as_ref() }.ok_or_else(|| arg("NULL handle"))
+}
+
+/// # Safety
+/// `p` is NULL or a NUL-terminated string.
+unsafe fn text<'a>(p: *const c_char, what: &str) -> Result<&'a str, Fail> {
+    if p.is_null() {
+        return Err(arg(format!("NULL {what}")));
+    }
+    // SAFETY: non-NULL and NUL-terminated by the contract.
+    unsafe { CStr::from_ptr(p) }
+        .to_str()
+        .map_err(|_| arg(format!("{what} is not UTF-8")))
+}
+
+/// # Safety
+/// `keys` is NULL or points to `n` NUL-terminated strings.
+unsafe fn keys<'a>(keys: *const *const c_char, n: usize) -> Result<Vec<&'a str>, Fail> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    if keys.is_null() {
+        return Err(arg("NULL keys"));
+    }
+    // SAFETY: `keys` points to `n` pointers by the contract.
+    let ptrs = unsafe { std::slice::from_raw_parts(keys, n) };
+    ptrs.iter()
+        // SAFETY: each is NULL or NUL-terminated by the contract.
+        .map(|&k| unsafe { text(k, "key") })
+        .collect()
+}
+
+/// Connects to moongate's kv face at `address`: `"unix:PATH"` (its Unix socket) or
+/// `"tcp:HOST:PORT"`. Opens one connection at once, so a wrong address fails here.
+/// Returns NULL on error; `mg_last_error(NULL)` then says why. Close with [`mg_close`].
+///
+/// # Safety
+/// `address` is NULL or a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mg_connect(address: *const c_char) -> *mut mg_client {
+    guard(
+        0,
+        |_| std::ptr::null_mut(),
+        || {
+            // SAFETY: by this function's contract.
+            let a = unsafe { text(address, "address") }?;
+            let address = if let Some(p) = a.strip_prefix("unix:") {
+                Address::Unix(p.to_string())
+            } else if let Some(t) = a.strip_prefix("tcp:") {
+                Address::Tcp(t.to_string())
+            } else {
+                return Err(arg(format!(
+                    "address {a:?}: expected \"unix:PATH\" or \"tcp:HOST:PORT\""
+                )));
+            };
+            let c = mg_client {
+                id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+                address,
+                idle: Mutex::new(Vec::new()),
+                allocs: Mutex::new(HashMap::new()),
+            };
+            let first = c
+                .connect()
+                .map_err(|e| Fail(MG_ERR_TRANSPORT, format!("{a}: {e}")))?;
+            c.idle.lock().unwrap_or_else(|p| p.into_inner()).push(first);
+            Ok(Box::into_raw(Box::new(c)))
+        },
+    )
+}
+
+/// Closes a handle: its connections, and the memory [`mg_alloc`] handed out through it
+/// that was not freed. NULL is ignored. The handle must not be used afterwards, nor
+/// while another thread still uses it.
+///
+/// # Safety
+/// `c` is NULL or a live handle from [`mg_connect`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mg_close(c: *mut mg_client) {
+    if c.is_null() {
+        return;
+    }
+    // SAFETY: a live handle from mg_connect, given back once.
+    let c = unsafe { Box::from_raw(c) };
+    let _ = catch_unwind(AssertUnwindSafe(move || {
+        let allocs = std::mem::take(&mut *c.allocs.lock().unwrap_or_else(|p| p.into_inner()));
+        for (at, m) in allocs {
+            // SAFETY: a mapping mg_alloc made, at this address and length.
+            unsafe {
+                libc::munmap(at as *mut c_void, m.len);
+            }
+        }
+        drop(c);
+    }));
+}
+
+/// The message of the calling thread's last failed call on `c` (of its last failed
+/// [`mg_connect`] when `c` is NULL); `""` when there is none. The string stays valid
+/// until this thread's next failing call on the same handle; do not free it.
+///
+/// # Safety
+/// `c` is NULL or a live handle from [`mg_connect`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mg_last_error(c: *mut mg_client) -> *const c_char {
+    // SAFETY: by this function's contract.
+    let id = unsafe { c.as_ref() }.map_or(0, |c| c.id);
+    ERRORS.with(|e| {
+        e.borrow()
+            .iter()
+            .find(|(i, _)| *i == id)
+            .map_or(c"".as_ptr(), |(_, m)| m.as_ptr())
+    })
+}
+
+/// Stores `len` bytes at `data` under `key`. 0, or a negative `MG_ERR_*`
+/// ([`MG_ERR_EXISTS`] when the key is already stored, [`MG_ERR_BUSY`] or
+/// [`MG_ERR_NO_ROOM`] to retry later).
+///
+/// # Safety
+/// `c` a live handle; `key` NUL-terminated; `data` readable for `len` bytes (may be
+/// NULL when `len` is 0).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mg_put(
+    c: *mut mg_client,
+    key: *const c_char,
+    data: *const c_void,
+    len: usize,
+) -> c_int {
+    // SAFETY: by this function's contract.
+    let id = unsafe { c.as_ref() }.map_or(0, |c| c.id);
+    guard(
+        id,
+        |e| e,
+        || {
+            // SAFETY: by this function's contract.
+            let (c, key) = unsafe { (handle(c)?, text(key, "key")?) };
+            // SAFETY: readable for len bytes.
+            let value = unsafe { bytes(data, len) }?;
+            c.with(|cl| cl.put(key, value))?;
+            Ok(MG_OK)
+        },
+    )
+}
+
+/// # Safety
+/// `p` is readable for `len` bytes, or NULL with `len` 0.
+unsafe fn bytes<'a>(p: *const c_void, len: usize) -> Result<&'a [u8], Fail> {
+    if len == 0 {
+        return Ok(&[]);
+    }
+    if p.is_null() {
+        return Err(arg("NULL data"));
+    }
+    // SAFETY: readable for len bytes by the contract.
+    Ok(unsafe { std::slice::from_raw_parts(p.cast::<u8>(), len) })
+}
+
+/// # Safety
+/// `p` is writable for `len` bytes, or NULL with `len` 0.
+unsafe fn bytes_mut<'a>(p: *mut c_void, len: usize) -> Result<&'a mut [u8], Fail> {
+    if len == 0 {
+        return Ok(&mut []);
+    }
+    if p.is_null() {
+        return Err(arg("NULL buffer"));
+    }
+    // SAFETY: writable for len bytes by the contract.
+    Ok(unsafe { std::slice::from_raw_parts_mut(p.cast::<u8>(), len) })
+}
+
+/// Reads the value of `key` into `dst` (room for `cap` bytes): its length in bytes, or
+/// a negative `MG_ERR_*`: [`MG_ERR_NOT_FOUND`] when absent, [`MG_ERR_TOO_SMALL`] when
+/// it does not fit (`dst` is then unspecified; the message gives the length).
+///
+/// # Safety
+/// `c` a live handle; `key` NUL-terminated; `dst` writable for `cap` bytes (may be NULL
+/// when `cap` is 0).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mg_get_into(
+    c: *mut mg_client,
+    key: *const c_char,
+    dst: *mut c_void,
+    cap: usize,
+) -> i64 {
+    // SAFETY: by this function's contract.
+    let id = unsafe { c.as_ref() }.map_or(0, |c| c.id);
+    guard(id, i64::from, || {
+        // SAFETY: by this function's contract.
+        let (c, key) = unsafe { (handle(c)?, text(key, "key")?) };
+        // SAFETY: writable for cap bytes.
+        let dst = unsafe { bytes_mut(dst, cap) }?;
+        match c.with(|cl| cl.get_into(key, dst))? {
+            Some(n) => Ok(n as i64),
+            None => Err(Fail(MG_ERR_NOT_FOUND, format!("{key}: not stored"))),
+        }
+    })
+}
+
+/// Whether each of `n` keys is stored: `out[i]` is 1 or 0. 0, or a negative `MG_ERR_*`.
+///
+/// # Safety
+/// `c` a live handle; `keys` points to `n` NUL-terminated strings; `out` writable for
+/// `n` bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mg_exists(
+    c: *mut mg_client,
+    keys: *const *const c_char,
+    n: usize,
+    out: *mut u8,
+) -> c_int {
+    // SAFETY: by this function's contract.
+    let id = unsafe { c.as_ref() }.map_or(0, |c| c.id);
+    guard(
+        id,
+        |e| e,
+        || {
+            // SAFETY: by this function's contract.
+            let (c, ks) = unsafe { (handle(c)?, self::keys(keys, n)?) };
+            // SAFETY: writable for n bytes.
+            let out = unsafe { bytes_mut(out.cast(), n) }?;
+            let found = c.with(|cl| cl.exists(&ks))?;
+            if found.len() != n {
+                return Err(Fail(
+                    MG_ERR_PROTOCOL,
+                    format!("{} answers for {n} keys", found.len()),
+                ));
+            }
+            for (o, f) in out.iter_mut().zip(found) {
+                *o = u8::from(f);
+            }
+            Ok(MG_OK)
+        },
+    )
+}
+
+/// Removes `key`. 0; [`MG_ERR_NOT_FOUND`] when it was not stored; [`MG_ERR_LEASED`]
+/// while a reader holds a lease on it; or another negative `MG_ERR_*`.
+///
+/// # Safety
+/// `c` a live handle; `key` NUL-terminated.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mg_remove(c: *mut mg_client, key: *const c_char) -> c_int {
+    // SAFETY: by this function's contract.
+    let id = unsafe { c.as_ref() }.map_or(0, |c| c.id);
+    guard(
+        id,
+        |e| e,
+        || {
+            // SAFETY: by this function's contract.
+            let (c, key) = unsafe { (handle(c)?, text(key, "key")?) };
+            match c.with(|cl| cl.delete(key)) {
+                Ok(true) => Ok(MG_OK),
+                Ok(false) => Err(Fail(MG_ERR_NOT_FOUND, format!("{key}: not stored"))),
+                // On a remove, 409 is a reader's lease, not an existing key.
+                Err(Fail(MG_ERR_EXISTS, msg)) => Err(Fail(MG_ERR_LEASED, msg)),
+                Err(f) => Err(f),
+            }
+        },
+    )
+}
+
+/// Stores `n` values in one call: key `keys[i]`, `lens[i]` bytes at `data[i]`.
+/// `results[i]` gets 0 or the item's negative `MG_ERR_*` ([`MG_ERR_BUSY`]: retry that
+/// item). Returns 0 when the call went through (look at `results`), or a negative
+/// `MG_ERR_*` when it did not (no item is stored then).
+///
+/// # Safety
+/// `c` a live handle; `keys`, `data`, `lens` and `results` point to `n` elements each;
+/// each `data[i]` is readable for `lens[i]` bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mg_batch_put(
+    c: *mut mg_client,
+    keys: *const *const c_char,
+    data: *const *const c_void,
+    lens: *const usize,
+    n: usize,
+    results: *mut c_int,
+) -> c_int {
+    // SAFETY: by this function's contract.
+    let id = unsafe { c.as_ref() }.map_or(0, |c| c.id);
+    guard(
+        id,
+        |e| e,
+        || {
+            // SAFETY: by this function's contract.
+            let (c, ks) = unsafe { (handle(c)?, self::keys(keys, n)?) };
+            if n > 0 && (data.is_null() || lens.is_null() || results.is_null()) {
+                return Err(arg("NULL data, lens or results"));
+            }
+            let mut items = Vec::with_capacity(n);
+            for (i, k) in ks.iter().enumerate() {
+                // SAFETY: data and lens hold n elements; data[i] readable for lens[i].
+                let v = unsafe { bytes(*data.add(i), *lens.add(i)) }?;
+                items.push((*k, v));
+            }
+            let out = c.with(|cl| cl.batch_put(&items))?;
+            for (i, r) in out.into_iter().enumerate() {
+                let code = match r {
+                    Ok(()) => MG_OK,
+                    Err(e) => Fail::from(e).0,
+                };
+                // SAFETY: results holds n elements, and out has n (checked by batch_put).
+                unsafe { *results.add(i) = code };
+            }
+            Ok(MG_OK)
+        },
+    )
+}
+
+/// Reads `n` values in one call into the caller's buffers: key `keys[i]` into `dst[i]`
+/// (room for `caps[i]` bytes). `results[i]` gets the value's length, or the item's
+/// negative `MG_ERR_*` ([`MG_ERR_NOT_FOUND`], [`MG_ERR_TOO_SMALL`], [`MG_ERR_BUSY`]).
+/// Returns 0 when the call went through (look at `results`), or a negative `MG_ERR_*`.
+///
+/// # Safety
+/// `c` a live handle; `keys`, `dst`, `caps` and `results` point to `n` elements each;
+/// each `dst[i]` is writable for `caps[i]` bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mg_batch_get_into(
+    c: *mut mg_client,
+    keys: *const *const c_char,
+    dst: *const *mut c_void,
+    caps: *const usize,
+    n: usize,
+    results: *mut i64,
+) -> c_int {
+    // SAFETY: by this function's contract.
+    let id = unsafe { c.as_ref() }.map_or(0, |c| c.id);
+    guard(
+        id,
+        |e| e,
+        || {
+            // SAFETY: by this function's contract.
+            let (c, ks) = unsafe { (handle(c)?, self::keys(keys, n)?) };
+            if n > 0 && (dst.is_null() || caps.is_null() || results.is_null()) {
+                return Err(arg("NULL dst, caps or results"));
+            }
+            let got = c.with(|cl| cl.batch_get(&ks))?;
+            for (i, r) in got.into_iter().enumerate() {
+                let out = match r {
+                    Ok(Some(v)) => {
+                        // SAFETY: dst and caps hold n elements; dst[i] writable for caps[i].
+                        let to = unsafe { bytes_mut(*dst.add(i), *caps.add(i)) }?;
+                        match to.get_mut(..v.len()) {
+                            Some(to) => {
+                                to.copy_from_slice(&v);
+                                v.len() as i64
+                            }
+                            None => i64::from(MG_ERR_TOO_SMALL),
+                        }
+                    }
+                    Ok(None) => i64::from(MG_ERR_NOT_FOUND),
+                    Err(e) => i64::from(Fail::from(e).0),
+                };
+                // SAFETY: results holds n elements, and got has n (checked by batch_get).
+                unsafe { *results.add(i) = out };
+            }
+            Ok(MG_OK)
+        },
+    )
+}
+
+/// `len` bytes of memory to share with moongate (a memfd mapping, page-aligned and
+/// zeroed), owned by the handle until [`mg_free`] or [`mg_close`]. NULL on error.
+///
+/// # Safety
+/// `c` a live handle.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mg_alloc(c: *mut mg_client, len: usize) -> *mut c_void {
+    // SAFETY: by this function's contract.
+    let id = unsafe { c.as_ref() }.map_or(0, |c| c.id);
+    guard(
+        id,
+        |_| std::ptr::null_mut(),
+        || {
+            // SAFETY: by this function's contract.
+            let c = unsafe { handle(c) }?;
+            if len == 0 {
+                return Err(arg("mg_alloc of 0 bytes"));
+            }
+            let nomem = |what: &str| {
+                Fail(
+                    MG_ERR_NOMEM,
+                    format!("{what} of {len} bytes: {}", std::io::Error::last_os_error()),
+                )
+            };
+            // SAFETY: a plain syscall with a NUL-terminated name.
+            let fd = unsafe { libc::memfd_create(c"moongate-kv".as_ptr(), libc::MFD_CLOEXEC) };
+            if fd < 0 {
+                return Err(nomem("memfd_create"));
+            }
+            let m = Mapping { fd, len };
+            let size = libc::off_t::try_from(len).map_err(|_| arg("mg_alloc: too large"))?;
+            // SAFETY: fd is ours.
+            if unsafe { libc::ftruncate(fd, size) } != 0 {
+                return Err(nomem("ftruncate"));
+            }
+            // SAFETY: a new shared mapping of our own fd; nothing else is at that address.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED,
+                    fd,
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                return Err(nomem("mmap"));
+            }
+            c.allocs
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(p as usize, m);
+            Ok(p)
+        },
+    )
+}
+
+/// Frees memory from [`mg_alloc`] on the same handle. 0, or [`MG_ERR_ARG`] for a
+/// pointer this handle did not hand out (nothing is freed then).
+///
+/// # Safety
+/// `c` a live handle; no other thread uses the memory at `p` any more.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mg_free(c: *mut mg_client, p: *mut c_void) -> c_int {
+    // SAFETY: by this function's contract.
+    let id = unsafe { c.as_ref() }.map_or(0, |c| c.id);
+    guard(
+        id,
+        |e| e,
+        || {
+            // SAFETY: by this function's contract.
+            let c = unsafe { handle(c) }?;
+            let m = c
+                .allocs
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&(p as usize))
+                .ok_or_else(|| {
+                    arg(format!(
+                        "mg_free of {p:?}: not from mg_alloc on this handle"
+                    ))
+                })?;
+            // SAFETY: the mapping mg_alloc made at p, of m.len bytes.
+            unsafe {
+                libc::munmap(p, m.len);
+            }
+            Ok(MG_OK)
+        },
+    )
+}
