@@ -90,6 +90,7 @@ fn a_c_program_uses_every_call_over_both_listeners() {
     );
     wait_segment_mounted(&mg);
     build_library();
+    let mut shm_calls = Vec::new();
     for (static_lib, address, prefix) in [
         (true, format!("unix:{}", sock.display()), "c-unix"),
         (false, format!("tcp:{kv}"), "c-tcp"),
@@ -112,7 +113,36 @@ fn a_c_program_uses_every_call_over_both_listeners() {
             exe.display(),
             mg.proc.log_text()
         );
+        // Over the Unix socket, mg_alloc memory took the shared-memory path (one
+        // registration, each kind of call); over TCP nothing does.
+        let m = mg.metrics();
+        let shm = |op: &str| {
+            metric_value(
+                &m,
+                &format!("moongate_kv_shm_calls_total{{op=\"{op}\",result=\"ok\"}}"),
+            )
+        };
+        let now: Vec<f64> = ["register", "put_from", "get_into", "batch_get_into"]
+            .iter()
+            .map(|op| shm(op))
+            .collect();
+        if static_lib {
+            assert!(
+                now.iter().all(|&n| n >= 1.0),
+                "over {address}: {now:?}\n{m}"
+            );
+        } else {
+            assert_eq!(now, shm_calls, "no shared memory over {address}");
+        }
+        shm_calls = now;
     }
+    // Registrations end with their connections.
+    wait_for(
+        "shared memory released",
+        std::time::Duration::from_secs(10),
+        &[&mg.proc],
+        || metric_value(&mg.metrics(), "moongate_kv_shm_registered_bytes") == 0.0,
+    );
     // Every connection the programs opened was closed with them.
     for listener in ["http", "unix"] {
         let open = format!("moongate_kv_connections{{listener=\"{listener}\"}}");

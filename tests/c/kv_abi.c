@@ -141,6 +141,18 @@ int main(int argc, char **argv) {
         mg_last_error(c));
   fill(got, 1 << 20, 7);
   CHECK(memcmp(shared, got, 1 << 20) == 0, "shared bytes differ");
+  /* A batch read into one shared buffer, at offsets of the caller's choosing. */
+  snprintf(key2, sizeof key2, "%s/b1", prefix);
+  snprintf(key3, sizeof key3, "%s/b2", prefix);
+  const char *skeys[3] = {key, key2, key3};
+  void *sdst[3] = {shared, shared + (1 << 19), shared + (1 << 19) + 4096};
+  size_t scaps[3] = {1 << 19, 4096, 4096};
+  int64_t sres[3] = {0, 0, 0};
+  CHECK(mg_batch_get_into(c, skeys, sdst, scaps, 3, sres) == MG_OK, "batch into shared: %s",
+        mg_last_error(c));
+  CHECK(sres[0] == MG_ERR_TOO_SMALL && sres[1] == 3 && sres[2] == 4, "batch into shared %lld %lld %lld",
+        (long long)sres[0], (long long)sres[1], (long long)sres[2]);
+  CHECK(memcmp(sdst[1], "one", 3) == 0 && memcmp(sdst[2], "two!", 4) == 0, "batch shared bytes");
   CHECK(mg_free(c, got) == MG_ERR_ARG, "freeing malloc'd memory");
   CHECK(mg_free(c, shared) == MG_OK, "mg_free: %s", mg_last_error(c));
   CHECK(mg_free(c, shared) == MG_ERR_ARG, "double free refused");

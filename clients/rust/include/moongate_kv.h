@@ -64,6 +64,12 @@
 #define MG_ERR_INTERNAL -10
 
 /*
+ moongate refused this process's shared memory (its uid is not in
+ `kv.shm_allowed_uids`).
+ */
+#define MG_ERR_DENIED -13
+
+/*
  The key is already stored (HTTP 409 on put): Mooncake writes a value once; remove
  it first to replace it.
  */
@@ -115,7 +121,8 @@ void mg_close(mg_client *c);
 const char *mg_last_error(mg_client *c);
 
 /*
- Stores `len` bytes at `data` under `key`. 0, or a negative `MG_ERR_*`
+ Stores `len` bytes at `data` under `key` (from [`mg_alloc`] memory: without a copy
+ through the socket). 0, or a negative `MG_ERR_*`
  ([`MG_ERR_EXISTS`] when the key is already stored, [`MG_ERR_BUSY`] or
  [`MG_ERR_NO_ROOM`] to retry later).
 
@@ -189,8 +196,10 @@ int mg_batch_get_into(mg_client *c,
                       int64_t *results);
 
 /*
- `len` bytes of memory to share with moongate (a memfd mapping, page-aligned and
- zeroed), owned by the handle until [`mg_free`] or [`mg_close`]. NULL on error.
+ `len` bytes of memory to share with moongate (a memfd sealed against shrinking,
+ mapped page-aligned and zeroed), owned by the handle until [`mg_free`] or
+ [`mg_close`]. On a `unix:` handle, puts from and gets into it move no value bytes
+ through the socket. NULL on error.
 
  # Safety
  `c` a live handle.

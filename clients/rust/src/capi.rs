@@ -16,9 +16,11 @@
 //!   frees what the caller owns. Keys are NUL-terminated UTF-8. A NULL where a pointer
 //!   is required is [`MG_ERR_ARG`], never a crash.
 //!
-//! Not built yet: the shared-memory path. Memory from [`mg_alloc`] is a memfd mapping,
-//! ready to be shared with moongate, but transfers from and into it still copy through
-//! the socket like any other memory.
+//! Shared memory: on a `unix:` handle, memory from [`mg_alloc`] (a sealed memfd) is
+//! registered with moongate on first use, and [`mg_put`], [`mg_get_into`] and
+//! [`mg_batch_get_into`] on it move the values between it and the store without
+//! crossing the socket (docs/kv-api.md, "Shared memory"). Other memory, TCP handles,
+//! and a moongate with `kv.shm = false` take the copying path, with the same results.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -27,6 +29,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::shm::{ShmConn, ShmError};
 use crate::{Client, Error};
 
 /// Success.
@@ -52,6 +55,9 @@ pub const MG_ERR_PROTOCOL: c_int = -8;
 pub const MG_ERR_NOMEM: c_int = -9;
 /// A bug in the library, caught at the boundary.
 pub const MG_ERR_INTERNAL: c_int = -10;
+/// moongate refused this process's shared memory (its uid is not in
+/// `kv.shm_allowed_uids`).
+pub const MG_ERR_DENIED: c_int = -13;
 /// The key is already stored (HTTP 409 on put): Mooncake writes a value once; remove
 /// it first to replace it.
 pub const MG_ERR_EXISTS: c_int = -11;
@@ -70,6 +76,10 @@ pub struct mg_client {
     idle: Mutex<Vec<Client>>,
     /// Mappings from `mg_alloc`, by address.
     allocs: Mutex<HashMap<usize, Mapping>>,
+    /// Idle shared-memory connections (`unix:` handles), each with its registrations.
+    shm_idle: Mutex<Vec<ShmConn>>,
+    /// moongate answered that it does not serve shared memory: copy from now on.
+    shm_off: std::sync::atomic::AtomicBool,
 }
 
 enum Address {
@@ -95,6 +105,16 @@ impl Drop for Mapping {
 
 /// A failure: its code and message.
 struct Fail(c_int, String);
+
+impl From<ShmError> for Fail {
+    fn from(e: ShmError) -> Fail {
+        match e {
+            ShmError::Refused(code, msg) => Fail(code, msg),
+            ShmError::Io(e) => Fail(MG_ERR_TRANSPORT, format!("kv face (shared memory): {e}")),
+            ShmError::Unavailable => Fail(MG_ERR_TRANSPORT, "shared memory unavailable".into()),
+        }
+    }
+}
 
 impl From<Error> for Fail {
     fn from(e: Error) -> Fail {
@@ -162,6 +182,60 @@ impl mg_client {
             Address::Unix(p) => Client::connect_unix(p),
             Address::Tcp(a) => Client::connect_tcp(a),
         }
+    }
+
+    /// The `mg_alloc` mapping holding `[p, p + len)`: its memfd, base and length.
+    fn mapping_of(&self, p: *const c_void, len: usize) -> Option<(c_int, usize, usize)> {
+        if !matches!(self.address, Address::Unix(_))
+            || self.shm_off.load(Ordering::Relaxed)
+            || len == 0
+        {
+            return None;
+        }
+        let p = p as usize;
+        let allocs = self.allocs.lock().unwrap_or_else(|e| e.into_inner());
+        allocs
+            .iter()
+            .find(|(base, m)| {
+                p >= **base && p.checked_add(len).is_some_and(|e| e <= **base + m.len)
+            })
+            .map(|(base, m)| (m.fd, *base, m.len))
+    }
+
+    /// Runs `f` on a pooled shared-memory connection; `None` when moongate does not
+    /// serve shared memory (the caller copies instead). A connection an I/O error broke
+    /// is dropped.
+    fn with_shm<T>(
+        &self,
+        f: impl FnOnce(&mut ShmConn) -> Result<T, ShmError>,
+    ) -> Option<Result<T, Fail>> {
+        let Address::Unix(path) = &self.address else {
+            return None;
+        };
+        let pooled = self
+            .shm_idle
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop();
+        let mut conn = match pooled {
+            Some(c) => c,
+            None => match ShmConn::connect(path) {
+                Ok(c) => c,
+                Err(ShmError::Unavailable) => {
+                    self.shm_off.store(true, Ordering::Relaxed);
+                    return None;
+                }
+                Err(e) => return Some(Err(e.into())),
+            },
+        };
+        let r = f(&mut conn);
+        if !matches!(r, Err(ShmError::Io(_))) {
+            let mut idle = self.shm_idle.lock().unwrap_or_else(|p| p.into_inner());
+            if idle.len() < MAX_IDLE {
+                idle.push(conn);
+            }
+        }
+        Some(r.map_err(Fail::from))
     }
 
     /// Runs `f` on a pooled connection. The connection goes back to the pool unless the
@@ -250,6 +324,8 @@ pub unsafe extern "C" fn mg_connect(address: *const c_char) -> *mut mg_client {
                 address,
                 idle: Mutex::new(Vec::new()),
                 allocs: Mutex::new(HashMap::new()),
+                shm_idle: Mutex::new(Vec::new()),
+                shm_off: std::sync::atomic::AtomicBool::new(false),
             };
             let first = c
                 .connect()
@@ -303,7 +379,8 @@ pub unsafe extern "C" fn mg_last_error(c: *mut mg_client) -> *const c_char {
     })
 }
 
-/// Stores `len` bytes at `data` under `key`. 0, or a negative `MG_ERR_*`
+/// Stores `len` bytes at `data` under `key` (from [`mg_alloc`] memory: without a copy
+/// through the socket). 0, or a negative `MG_ERR_*`
 /// ([`MG_ERR_EXISTS`] when the key is already stored, [`MG_ERR_BUSY`] or
 /// [`MG_ERR_NO_ROOM`] to retry later).
 ///
@@ -325,6 +402,16 @@ pub unsafe extern "C" fn mg_put(
         || {
             // SAFETY: by this function's contract.
             let (c, key) = unsafe { (handle(c)?, text(key, "key")?) };
+            if let Some((fd, base, alen)) = c.mapping_of(data, len) {
+                let off = (data as usize - base) as u64;
+                let r = c.with_shm(|s| {
+                    let region = s.region(fd, alen)?;
+                    s.put_from(region, off, len as u64, key)
+                });
+                if let Some(r) = r {
+                    return r.map(|()| MG_OK);
+                }
+            }
             // SAFETY: readable for len bytes.
             let value = unsafe { bytes(data, len) }?;
             c.with(|cl| cl.put(key, value))?;
@@ -378,6 +465,16 @@ pub unsafe extern "C" fn mg_get_into(
     guard(id, i64::from, || {
         // SAFETY: by this function's contract.
         let (c, key) = unsafe { (handle(c)?, text(key, "key")?) };
+        if let Some((fd, base, alen)) = c.mapping_of(dst, cap) {
+            let off = (dst as usize - base) as u64;
+            let r = c.with_shm(|s| {
+                let region = s.region(fd, alen)?;
+                s.get_into(region, off, cap as u64, key)
+            });
+            if let Some(r) = r {
+                return r.map(|n| n as i64);
+            }
+        }
         // SAFETY: writable for cap bytes.
         let dst = unsafe { bytes_mut(dst, cap) }?;
         match c.with(|cl| cl.get_into(key, dst))? {
@@ -526,6 +623,39 @@ pub unsafe extern "C" fn mg_batch_get_into(
             if n > 0 && (dst.is_null() || caps.is_null() || results.is_null()) {
                 return Err(arg("NULL dst, caps or results"));
             }
+            // SAFETY: dst and caps hold n elements.
+            let (dsts, cs) = unsafe {
+                (
+                    std::slice::from_raw_parts(dst, n),
+                    std::slice::from_raw_parts(caps, n),
+                )
+            };
+            // Every buffer in one mg_alloc mapping: moongate reads into it directly.
+            let first = dsts.first().and_then(|&d| c.mapping_of(d, cs[0]));
+            if let Some((fd, base, alen)) = first
+                && dsts
+                    .iter()
+                    .zip(cs)
+                    .all(|(&d, &cap)| c.mapping_of(d, cap).is_some_and(|m| m.1 == base))
+            {
+                let items: Vec<(u64, u64, &str)> = dsts
+                    .iter()
+                    .zip(cs)
+                    .zip(&ks)
+                    .map(|((&d, &cap), k)| ((d as usize - base) as u64, cap as u64, *k))
+                    .collect();
+                let r = c.with_shm(|s| {
+                    let region = s.region(fd, alen)?;
+                    s.batch_get_into(region, &items)
+                });
+                if let Some(r) = r {
+                    for (i, v) in r?.into_iter().enumerate() {
+                        // SAFETY: results holds n elements; the answer has n (checked).
+                        unsafe { *results.add(i) = v };
+                    }
+                    return Ok(MG_OK);
+                }
+            }
             let got = c.with(|cl| cl.batch_get(&ks))?;
             for (i, r) in got.into_iter().enumerate() {
                 let out = match r {
@@ -551,8 +681,10 @@ pub unsafe extern "C" fn mg_batch_get_into(
     )
 }
 
-/// `len` bytes of memory to share with moongate (a memfd mapping, page-aligned and
-/// zeroed), owned by the handle until [`mg_free`] or [`mg_close`]. NULL on error.
+/// `len` bytes of memory to share with moongate (a memfd sealed against shrinking,
+/// mapped page-aligned and zeroed), owned by the handle until [`mg_free`] or
+/// [`mg_close`]. On a `unix:` handle, puts from and gets into it move no value bytes
+/// through the socket. NULL on error.
 ///
 /// # Safety
 /// `c` a live handle.
@@ -576,7 +708,12 @@ pub unsafe extern "C" fn mg_alloc(c: *mut mg_client, len: usize) -> *mut c_void 
                 )
             };
             // SAFETY: a plain syscall with a NUL-terminated name.
-            let fd = unsafe { libc::memfd_create(c"moongate-kv".as_ptr(), libc::MFD_CLOEXEC) };
+            let fd = unsafe {
+                libc::memfd_create(
+                    c"moongate-kv".as_ptr(),
+                    libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+                )
+            };
             if fd < 0 {
                 return Err(nomem("memfd_create"));
             }
@@ -585,6 +722,11 @@ pub unsafe extern "C" fn mg_alloc(c: *mut mg_client, len: usize) -> *mut c_void 
             // SAFETY: fd is ours.
             if unsafe { libc::ftruncate(fd, size) } != 0 {
                 return Err(nomem("ftruncate"));
+            }
+            // moongate maps only memory that cannot shrink under it.
+            // SAFETY: fcntl on our own fd.
+            if unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } != 0 {
+                return Err(nomem("sealing"));
             }
             // SAFETY: a new shared mapping of our own fd; nothing else is at that address.
             let p = unsafe {
@@ -634,10 +776,14 @@ pub unsafe extern "C" fn mg_free(c: *mut mg_client, p: *mut c_void) -> c_int {
                         "mg_free of {p:?}: not from mg_alloc on this handle"
                     ))
                 })?;
+            // Idle shared-memory connections may hold a registration of it (keyed by its
+            // fd, which a later mg_alloc may reuse): closing them releases every one.
+            c.shm_idle.lock().unwrap_or_else(|p| p.into_inner()).clear();
             // SAFETY: the mapping mg_alloc made at p, of m.len bytes.
             unsafe {
                 libc::munmap(p, m.len);
             }
+            drop(m);
             Ok(MG_OK)
         },
     )

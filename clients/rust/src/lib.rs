@@ -15,6 +15,7 @@
 //! full: retry later. A 409 on delete means a reader holds a lease on the key.
 
 pub mod capi;
+pub mod shm;
 
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::TcpStream;

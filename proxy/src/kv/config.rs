@@ -93,6 +93,22 @@ pub struct KvConfig {
     /// (reads of disk-only values fail, disk replicas of its puts are revoked), because
     /// the paths come from the master and must not name arbitrary files.
     pub disk_root: String,
+    /// The shared-memory data path on `kv.unix_path` (docs/kv-api.md, "Shared memory"):
+    /// an engine on this host registers its memory and values move straight between it
+    /// and the store. Default true; needs `kv.unix_path`.
+    pub shm: bool,
+    /// Users (uids) whose processes may register memory; empty (default) = the user
+    /// moongate runs as. Mapping another process's memory is only safe for peers that
+    /// are trusted as much as moongate itself.
+    pub shm_allowed_uids: Vec<u32>,
+    /// Bytes one connection may have registered at once. Default 16 GiB: an engine's KV
+    /// staging buffers, not its whole GPU memory. Registered memory is the engine's
+    /// (mapped, not copied), but every byte mapped is address space moongate holds.
+    pub shm_max_bytes_per_connection: u64,
+    /// Bytes all connections may have registered at once. Default 64 GiB.
+    pub shm_max_bytes: u64,
+    /// Registrations one connection may hold at once. Default 64.
+    pub shm_max_regions: usize,
 }
 
 impl Default for KvConfig {
@@ -129,6 +145,11 @@ impl Default for KvConfig {
             master_connections: 32,
             metadata_ttl_ms: 60_000,
             disk_root: String::new(),
+            shm: true,
+            shm_allowed_uids: Vec::new(),
+            shm_max_bytes_per_connection: 16 << 30,
+            shm_max_bytes: 64 << 30,
+            shm_max_regions: 64,
         }
     }
 }
@@ -172,6 +193,15 @@ impl KvConfig {
             positive(errs, "kv.max_key_bytes", kv.max_key_bytes as u64);
             positive(errs, "kv.master_connections", kv.master_connections as u64);
             positive(errs, "kv.metadata_ttl_ms", kv.metadata_ttl_ms);
+            if kv.shm {
+                positive(
+                    errs,
+                    "kv.shm_max_bytes_per_connection",
+                    kv.shm_max_bytes_per_connection,
+                );
+                positive(errs, "kv.shm_max_bytes", kv.shm_max_bytes);
+                positive(errs, "kv.shm_max_regions", kv.shm_max_regions as u64);
+            }
             if !kv.disk_root.is_empty() && !std::path::Path::new(&kv.disk_root).is_absolute() {
                 errs.push(format!(
                     "kv.disk_root: {:?} is not an absolute path (the master's disk paths are)",

@@ -123,6 +123,12 @@ struct KvReqLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ShmLabels {
+    op: &'static str,
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct KvXferLabels {
     transport: &'static str,
     direction: &'static str,
@@ -151,6 +157,11 @@ pub struct KvMetrics {
     pub body_timeouts: Counter,
     /// Master calls refused busy: every one of `kv.master_connections` stayed in use.
     pub master_busy: Counter,
+    /// Shared-memory calls `[op - 1][ok, error]` (register, release, get_into,
+    /// put_from, batch_get_into), and the rest.
+    shm_calls: [[Counter; 2]; 6],
+    shm_registered_bytes: Gauge,
+    shm_denied: Counter,
 }
 
 impl KvMetrics {
@@ -235,6 +246,26 @@ impl KvMetrics {
              for kv.busy_wait_ms",
             master_busy.clone(),
         );
+        let shm = Family::<ShmLabels, Counter>::default();
+        registry.register(
+            "moongate_kv_shm_calls",
+            "Shared-memory calls on the kv Unix socket by op (register, release, get_into, \
+             put_from, batch_get_into, other) and result (ok, error)",
+            shm.clone(),
+        );
+        let shm_registered_bytes = Gauge::default();
+        registry.register(
+            "moongate_kv_shm_registered_bytes",
+            "Engine memory registered for the shared-memory path now (kv.shm_max_bytes)",
+            shm_registered_bytes.clone(),
+        );
+        let shm_denied = Counter::default();
+        registry.register(
+            "moongate_kv_shm_denied",
+            "Shared-memory connections refused: the peer's uid is not in \
+             kv.shm_allowed_uids",
+            shm_denied.clone(),
+        );
         let x = |f: &Family<KvXferLabels, Counter>| {
             Transport::ALL.map(|t| t.label()).map(|transport| {
                 ["read", "write"].map(|direction| {
@@ -274,7 +305,36 @@ impl KvMetrics {
             }),
             body_timeouts,
             master_busy,
+            shm_calls: [
+                "register",
+                "release",
+                "get_into",
+                "put_from",
+                "batch_get_into",
+                "other",
+            ]
+            .map(|op| {
+                ["ok", "error"].map(|result| shm.get_or_create(&ShmLabels { op, result }).clone())
+            }),
+            shm_registered_bytes,
+            shm_denied,
         }
+    }
+
+    /// Counts one shared-memory call of protocol op `op` (1-5; others as `other`).
+    pub fn shm_call(&self, op: u8, ok: bool) {
+        let i = usize::from(op).wrapping_sub(1).min(5);
+        self.shm_calls[i][usize::from(!ok)].inc();
+    }
+
+    /// Sets the bytes registered now.
+    pub fn shm_registered(&self, bytes: u64) {
+        self.shm_registered_bytes.set(bytes as i64);
+    }
+
+    /// Counts a shared-memory connection refused for its uid.
+    pub fn shm_denied(&self) {
+        self.shm_denied.inc();
     }
 
     /// The connection cap of one listener, counted under its label.

@@ -169,10 +169,12 @@ pub async fn start(
             source,
         })?;
         tracing::info!(path = %cfg.unix_path, "kv face listening on a Unix socket");
+        let shm = cfg.shm.then(|| Arc::new(api::shm::ShmLimits::new(cfg)));
         tokio::spawn(api::http::serve_unix(
             ul,
             path,
             state.clone(),
+            shm,
             metrics.conn_limit(Listener::Unix, cfg.max_connections),
             idle,
             shutdown.clone(),

@@ -16,9 +16,8 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use super::body::BodyError;
-use super::state::{KvState, decide, settle, status_of};
+use super::state::{KvState, decided_put, status_of};
 use crate::accept::{ConnLimit, Idle};
-use crate::calls::AnswerExt;
 use crate::kv::client::{Reserved, StoreError, Value};
 
 /// The chunks of a streamed value as HTTP body frames.
@@ -30,7 +29,6 @@ fn tokio_stream_of(
             .map(|o| o.map(|r| r.map(hyper::body::Frame::data)))
     })
 }
-use crate::codec::types::ErrorCode;
 
 /// Every answer's body: whole, or a value streamed from its owner as it arrives.
 type Body = BoxBody<Bytes, std::io::Error>;
@@ -135,38 +133,6 @@ async fn counted(state: Arc<KvState>, req: Request<Incoming>) -> Response<Body> 
     let r = route(state, req).await;
     metrics.request(op, r.status().as_u16());
     r
-}
-
-/// One put through the decision lifecycle: decide its `PutStart`, store, settle.
-async fn decided_put<F, Fut>(
-    state: &KvState,
-    key: Bytes,
-    len: u64,
-    store: F,
-) -> Result<(), StoreError>
-where
-    F: FnOnce(crate::codec::message::Request) -> Fut,
-    Fut: std::future::Future<Output = Result<(), StoreError>>,
-{
-    let started = std::time::Instant::now();
-    let (ticket, decided) = decide(state, state.store.put_start(key, len));
-    let (done, latency) = match decided {
-        Ok((start, _)) => (store(start).await, Some(started.elapsed())),
-        Err(resp) => (
-            Err(StoreError::Refused(
-                resp.first_error().unwrap_or(ErrorCode::NO_AVAILABLE_HANDLE),
-            )),
-            None,
-        ),
-    };
-    settle(
-        state,
-        ticket.as_ref(),
-        crate::codec::Method::PutStart,
-        std::iter::once(done.as_ref().map(|_| ())),
-        latency,
-    );
-    done
 }
 
 /// `PUT /v1/kv/{key}`: a body announced at [`STREAM_PUT_FROM`] bytes or more is passed
@@ -397,11 +363,13 @@ pub async fn serve(
 }
 
 /// Serves the kv face on a Unix socket until shutdown (same API, no TCP stack: for an
-/// engine on the same host), then removes the socket file.
+/// engine on the same host), then removes the socket file. With `shm`, a connection
+/// that opens with [`super::shm::MAGIC`] speaks the shared-memory protocol instead.
 pub async fn serve_unix(
     listener: tokio::net::UnixListener,
     path: std::path::PathBuf,
     state: Arc<KvState>,
+    shm: Option<Arc<super::shm::ShmLimits>>,
     limit: ConnLimit,
     idle: Duration,
     shutdown: CancellationToken,
@@ -421,9 +389,14 @@ pub async fn serve_unix(
         let Some(slot) = limit.admit() else {
             continue;
         };
-        let state = state.clone();
+        let (state, shm) = (state.clone(), shm.clone());
         tokio::spawn(async move {
-            serve_conn(Idle::new(sock, idle), state).await;
+            match shm {
+                Some(limits) if super::shm::starts_with_magic(&sock, idle).await => {
+                    super::shm::serve_conn(sock, state, limits, idle).await
+                }
+                _ => serve_conn(Idle::new(sock, idle), state).await,
+            }
             drop(slot);
         });
     }
@@ -451,6 +424,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::codec::types::ErrorCode;
 
     #[test]
     fn keys_from_paths() {

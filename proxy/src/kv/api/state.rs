@@ -7,6 +7,9 @@ use std::time::Duration;
 
 use hyper::StatusCode;
 
+use bytes::Bytes;
+
+use crate::calls::AnswerExt;
 use crate::codec::message::{Request, Response};
 use crate::codec::types::ErrorCode;
 use crate::kv::client::{Store, StoreError};
@@ -99,4 +102,36 @@ pub fn settle<'a>(
             keys,
         },
     );
+}
+
+/// One put through the decision lifecycle: decide its `PutStart`, store, settle.
+pub async fn decided_put<F, Fut>(
+    state: &KvState,
+    key: Bytes,
+    len: u64,
+    store: F,
+) -> Result<(), StoreError>
+where
+    F: FnOnce(crate::codec::message::Request) -> Fut,
+    Fut: std::future::Future<Output = Result<(), StoreError>>,
+{
+    let started = std::time::Instant::now();
+    let (ticket, decided) = decide(state, state.store.put_start(key, len));
+    let (done, latency) = match decided {
+        Ok((start, _)) => (store(start).await, Some(started.elapsed())),
+        Err(resp) => (
+            Err(StoreError::Refused(
+                resp.first_error().unwrap_or(ErrorCode::NO_AVAILABLE_HANDLE),
+            )),
+            None,
+        ),
+    };
+    settle(
+        state,
+        ticket.as_ref(),
+        crate::codec::Method::PutStart,
+        std::iter::once(done.as_ref().map(|_| ())),
+        latency,
+    );
+    done
 }

@@ -121,6 +121,16 @@ pub enum Value {
     },
 }
 
+/// What a read into a caller's buffer came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadInto {
+    /// This many bytes are at the start of the buffer.
+    Read(usize),
+    /// The value has this many bytes, more than the buffer holds; nothing was read.
+    TooSmall(u64),
+    Absent,
+}
+
 /// A batch answer that has one entry per asked key, or `Unexpected`.
 fn per_key<T>(answers: Vec<T>, keys: usize) -> Result<Vec<T>, StoreError> {
     if answers.len() == keys {
@@ -286,6 +296,74 @@ impl Store {
         }
     }
 
+    /// Reads the value of `key` into `dst` (a caller's memory: nothing is buffered here,
+    /// so no budget is taken): [`ReadInto::Read`] with its length, [`ReadInto::TooSmall`] with
+    /// the length `dst` lacks room for (nothing read), or [`ReadInto::Absent`].
+    pub async fn get_into(&self, key: Bytes, dst: &mut [u8]) -> Result<ReadInto, StoreError> {
+        if let Some(cache) = &self.replicas {
+            if let Some(d) = cache.get(&key) {
+                let Some(to) = dst.get_mut(..d.size as usize) else {
+                    return Ok(ReadInto::TooSmall(d.size));
+                };
+                match self.xfer.fetch_into(&d, to).await {
+                    Ok(()) => {
+                        self.metrics.replica_cache(CacheResult::Hit);
+                        return Ok(ReadInto::Read(d.size as usize));
+                    }
+                    Err(e) => {
+                        tracing::debug!(error = %e, "cached replica unreadable; asking the master");
+                        self.metrics.replica_cache(CacheResult::Stale);
+                        cache.forget(&key);
+                    }
+                }
+            } else {
+                self.metrics.replica_cache(CacheResult::Miss);
+            }
+        }
+        let resp = self
+            .call(Request::GetReplicaList(KeyArgs {
+                key: key.clone(),
+                tenant_id: self.tenant.clone(),
+            }))
+            .await?;
+        let list = match resp {
+            Response::GetReplicaList(Ok(l)) => l,
+            Response::GetReplicaList(Err(ErrorCode::OBJECT_NOT_FOUND)) => {
+                return Ok(ReadInto::Absent);
+            }
+            Response::GetReplicaList(Err(e)) => return Err(StoreError::Refused(e)),
+            _ => return Err(StoreError::Unexpected),
+        };
+        let src = readable(&list)?;
+        self.read_into(&src, dst).await.inspect(|_| {
+            if let (Some(cache), Source::Memory(d)) = (&self.replicas, &src) {
+                cache.put(key, d, list.lease_ttl_ms);
+            }
+        })
+    }
+
+    /// Reads a located replica into `dst`, as [`Store::get_into`] does.
+    pub async fn read_into(&self, src: &Source, dst: &mut [u8]) -> Result<ReadInto, StoreError> {
+        let size = src.size();
+        let Some(to) = dst.get_mut(..size as usize) else {
+            return Ok(ReadInto::TooSmall(size));
+        };
+        match src {
+            Source::Memory(d) => self.xfer.fetch_into(d, to).await?,
+            Source::Disk(d) => {
+                let v = self.xfer.read_disk(d).await?;
+                if v.len() != to.len() {
+                    return Err(StoreError::SizeMismatch {
+                        got: v.len() as u64,
+                        want: size,
+                    });
+                }
+                to.copy_from_slice(&v);
+            }
+        }
+        Ok(ReadInto::Read(size as usize))
+    }
+
     /// Where the values of `keys` are, in one `BatchGetReplicaList`: per key the replica
     /// to read, `None` when the key is absent, or why it cannot be read.
     pub async fn locate_many(
@@ -352,6 +430,24 @@ impl Store {
             _ => return Err(StoreError::Unexpected),
         };
         let written = self.xfer.write_replicas(&replicas, &value).await;
+        self.end_put(key, written).await
+    }
+
+    /// As [`Store::put`], from a caller's memory (nothing is buffered here, so no budget
+    /// is taken).
+    pub async fn put_from(
+        &self,
+        key: Bytes,
+        value: &[u8],
+        start: Request,
+    ) -> Result<(), StoreError> {
+        let resp = self.call(start).await?;
+        let replicas = match resp {
+            Response::PutStart(Ok(r)) => r,
+            Response::PutStart(Err(e)) => return Err(StoreError::Refused(e)),
+            _ => return Err(StoreError::Unexpected),
+        };
+        let written = self.xfer.write_replicas(&replicas, value).await;
         self.end_put(key, written).await
     }
 

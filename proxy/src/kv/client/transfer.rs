@@ -358,6 +358,51 @@ impl Transfers {
         Ok(Value::Whole(v))
     }
 
+    /// Moves the replica `d` into `dst` (exactly its size): in place from the own
+    /// segment, over TE-TCP straight into `dst`, or over QUIC (read, then copied).
+    pub(super) async fn fetch_into(
+        &self,
+        d: &BufferDescriptor,
+        dst: &mut [u8],
+    ) -> Result<(), StoreError> {
+        if dst.len() as u64 != d.size {
+            return Err(StoreError::SizeMismatch {
+                got: dst.len() as u64,
+                want: d.size,
+            });
+        }
+        if let Some((own, off)) = self.in_own_segment(d)? {
+            own.read_at(off, dst);
+            self.metrics.transfer(Transport::Local, Dir::Read, d.size);
+            return Ok(());
+        }
+        let seg = self.metadata.segment(&d.transport_endpoint).await?;
+        if !seg.covers(d.buffer_address, d.size) {
+            self.metadata.forget(&d.transport_endpoint);
+            return Err(StoreError::OutOfRange {
+                addr: d.buffer_address,
+                len: d.size,
+            });
+        }
+        let (at, n) = (d.buffer_address, d.size);
+        if let Some(v) = self
+            .via_quic(&d.transport_endpoint, |q, peer| async move {
+                q.read(&peer, at, n).await
+            })
+            .await
+        {
+            dst.copy_from_slice(&v);
+            self.metrics.transfer(Transport::Quic, Dir::Read, n);
+            return Ok(());
+        }
+        if let Err(e) = self.te.read_to(&seg.data, at, dst, seg.v2).await {
+            self.metadata.forget(&d.transport_endpoint);
+            return Err(e.into());
+        }
+        self.metrics.transfer(Transport::Tcp, Dir::Read, n);
+        Ok(())
+    }
+
     /// Opens a write to every memory replica, then forwards the body to all of them.
     pub(super) async fn stream_replicas<B>(
         &self,
@@ -486,7 +531,7 @@ impl Transfers {
     pub(super) async fn write_replicas(
         &self,
         replicas: &[crate::codec::types::ReplicaDescriptor],
-        value: &Bytes,
+        value: &[u8],
     ) -> Result<Stored, StoreError> {
         self.write_memory_replicas(replicas, value).await?;
         let mut stored = Stored::Memory;
@@ -515,7 +560,7 @@ impl Transfers {
     async fn write_memory_replicas(
         &self,
         replicas: &[crate::codec::types::ReplicaDescriptor],
-        value: &Bytes,
+        value: &[u8],
     ) -> Result<(), StoreError> {
         for r in replicas {
             let ReplicaLocation::Memory(m) = &r.location else {

@@ -200,8 +200,21 @@ impl Pool {
     /// Reads `len` bytes at `addr` in the peer's memory.
     pub async fn read(&self, peer: &str, addr: u64, len: u64, v2: bool) -> Result<Bytes, TeError> {
         let mut out = BytesMut::zeroed(len as usize);
-        let parts = self.ranges(len);
-        let mut rest = &mut out[..];
+        self.read_to(peer, addr, &mut out, v2).await?;
+        Ok(out.freeze())
+    }
+
+    /// Reads `out.len()` bytes at `addr` in the peer's memory straight into `out` (a
+    /// caller's buffer: the shared-memory path reads into an engine's memory this way).
+    pub async fn read_to(
+        &self,
+        peer: &str,
+        addr: u64,
+        out: &mut [u8],
+        v2: bool,
+    ) -> Result<(), TeError> {
+        let parts = self.ranges(out.len() as u64);
+        let mut rest = out;
         let mut jobs = Vec::with_capacity(parts.len());
         for (off, n) in parts {
             let (chunk, tail) = rest.split_at_mut(n as usize);
@@ -209,7 +222,7 @@ impl Pool {
             jobs.push(self.read_into(peer, addr + off, chunk, v2));
         }
         futures_util::future::try_join_all(jobs).await?;
-        Ok(out.freeze())
+        Ok(())
     }
 
     /// Writes `data` at `addr` in the peer's memory; with v2 it returns once the peer
