@@ -38,6 +38,7 @@ mod kv_bounds;
 mod kv_c_abi;
 mod kv_events;
 mod kv_face;
+mod kv_shm;
 mod kv_quic;
 mod master_face_failures;
 mod owner_topology;
