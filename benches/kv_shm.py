@@ -1,0 +1,262 @@
+#!/usr/bin/env python3
+"""Local engines at memory speed: moongate's shared-memory path (libmoongate_kv, mg_alloc
+memory) against Mooncake's own clients on the same host, in one run.
+
+moongate (phase 1): mooncake_master and moongate with the kv face, a Unix socket and a
+256 MiB own segment (the pool's only segment, so every value is in it); a ctypes
+driver of libmoongate_kv.so:
+  shm    mg_get_into / mg_batch_get_into into mg_alloc memory (registered once);
+  copy   the same calls into malloc'd memory (HTTP over the Unix socket, then a copy).
+Mooncake (phase 2, moongate stopped): a standalone owner (`mooncake_client`, 256 MB
+segment: the pool's only one) and, one after the other:
+  dummy     a dummy client of the owner (setup_dummy: shared memory with the owner);
+  embedded  an embedded client with no segment reading over TE-TCP into a registered
+            buffer (get_into / batch_get_into).
+Values: 16 MiB, 64 x 64 KiB (one batch call), 4 KiB. Per call kind: best and median
+GB/s over --reps calls (4 KiB: p50 latency). Not part of CI (timing); run with
+`bash benches/run_kv_shm.sh`.
+"""
+import argparse
+import ctypes
+import hashlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import free_port, master_cmd, pct, run, stop_all, wait_http, work_dir  # noqa: E402
+
+MiB = 1 << 20
+os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+BIG, SMALL = 16 * MiB, 4096
+BATCH_N, BATCH_SIZE = 64, 64 * 1024
+
+
+def value(seed, size):
+    """The same bytes in every process (the readers check what the writers put)."""
+    block = hashlib.sha256(str(seed).encode()).digest()
+    return (block * (size // len(block) + 1))[:size]
+
+
+def timed(fn, reps, size):
+    """(best GB/s, median GB/s, p50 us) of `reps` calls of `fn`."""
+    for _ in range(3):
+        fn()
+    secs = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        secs.append(time.perf_counter() - t)
+    return {"best_GBps": size / min(secs) / 1e9,
+            "median_GBps": size / statistics.median(secs) / 1e9,
+            "p50_us": pct([s * 1e6 for s in secs], 0.5)}
+
+
+def phase_moongate(a, lib_path, sock, out):
+    lib = ctypes.CDLL(lib_path)
+    lib.mg_connect.restype = ctypes.c_void_p
+    lib.mg_connect.argtypes = [ctypes.c_char_p]
+    lib.mg_last_error.restype = ctypes.c_char_p
+    lib.mg_last_error.argtypes = [ctypes.c_void_p]
+    lib.mg_alloc.restype = ctypes.c_void_p
+    lib.mg_alloc.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    lib.mg_put.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t]
+    lib.mg_get_into.restype = ctypes.c_int64
+    lib.mg_get_into.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p,
+                                ctypes.c_size_t]
+    lib.mg_batch_get_into.argtypes = [
+        ctypes.c_void_p, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_void_p),
+        ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t, ctypes.POINTER(ctypes.c_int64)]
+    h = None
+    deadline = time.time() + 30
+    while h is None and time.time() < deadline:
+        h = lib.mg_connect(f"unix:{sock}".encode())
+        if not h:
+            time.sleep(0.2)
+    if not h:
+        raise SystemExit(f"mg_connect: {lib.mg_last_error(None)}")
+    region = BIG + BATCH_N * BATCH_SIZE
+    shm = lib.mg_alloc(h, region)
+    heap = ctypes.create_string_buffer(region)
+    heap_addr = ctypes.addressof(heap)
+    # The values, put from the shared buffer (the own segment is the pool's only one).
+    vals = {"kv/16m": value(1, BIG), "kv/4k": value(2, SMALL)}
+    vals.update({f"kv/b/{i}": value(3 + i, BATCH_SIZE) for i in range(BATCH_N)})
+    for k, v in vals.items():
+        ctypes.memmove(shm, v, len(v))
+        for _ in range(100):
+            rc = lib.mg_put(h, k.encode(), shm, len(v))
+            if rc == 0:
+                break
+            time.sleep(0.1)  # the own segment may still be mounting
+        else:
+            raise SystemExit(f"put {k}: {rc} {lib.mg_last_error(h)}")
+    keys = (ctypes.c_char_p * BATCH_N)(*[f"kv/b/{i}".encode() for i in range(BATCH_N)])
+    sizes = (ctypes.c_size_t * BATCH_N)(*[BATCH_SIZE] * BATCH_N)
+    res = (ctypes.c_int64 * BATCH_N)()
+
+    def get(buf, key, size):
+        def f():
+            n = lib.mg_get_into(h, key, buf, size)
+            assert n == size, (n, lib.mg_last_error(h))
+        return f
+
+    def batch(base):
+        dst = (ctypes.c_void_p * BATCH_N)(*[base + BIG + i * BATCH_SIZE for i in range(BATCH_N)])
+
+        def f():
+            assert lib.mg_batch_get_into(h, keys, dst, sizes, BATCH_N, res) == 0
+            assert list(res) == [BATCH_SIZE] * BATCH_N, list(res)
+        return f
+
+    for name, base in [("shm", shm), ("copy", heap_addr)]:
+        out[f"moongate_{name}"] = {
+            "16m": timed(get(base, b"kv/16m", BIG), a.reps, BIG),
+            "batch64x64k": timed(batch(base), a.reps, BATCH_N * BATCH_SIZE),
+            "4k": timed(get(base, b"kv/4k", SMALL), a.reps * 20, SMALL),
+        }
+    # Bytes check: what the shared buffer got is what was put.
+    assert lib.mg_get_into(h, b"kv/16m", shm, BIG) == BIG
+    assert ctypes.string_at(shm, BIG) == vals["kv/16m"]
+
+
+def role_mooncake(a):
+    """Puts through a dummy client of the owner, then measures the dummy (shared memory
+    with the owner) or an embedded client (`--kind`)."""
+    from mooncake.store import MooncakeDistributedStore
+    s = MooncakeDistributedStore()
+    region = BIG + BATCH_N * BATCH_SIZE
+    if a.kind == "dummy":
+        rc = s.setup_dummy(region + 16 * MiB, 64 * MiB, a.owner)
+        assert rc == 0, f"setup_dummy {rc}"
+        base = s.alloc_from_mem_pool(region)
+        assert base, "alloc_from_mem_pool"
+        # Shares it with the owner (a UDS registration of its memfd).
+        assert s.register_buffer(base, region) == 0
+    else:
+        rc = s.setup("127.0.0.1", a.metadata, 0, 64 * MiB, "tcp", "", a.master)
+        assert rc == 0, f"setup {rc}"
+        buf = (ctypes.c_char * region)()
+        base = ctypes.addressof(buf)
+        assert s.register_buffer(base, region) == 0
+    vals = {"kv/16m": value(1, BIG), "kv/4k": value(2, SMALL)}
+    vals.update({f"kv/b/{i}": value(3 + i, BATCH_SIZE) for i in range(BATCH_N)})
+    for k, v in vals.items():
+        if not s.is_exist(k):
+            assert s.put(k, v) == 0, k
+    keys = [f"kv/b/{i}" for i in range(BATCH_N)]
+    addrs = [base + BIG + i * BATCH_SIZE for i in range(BATCH_N)]
+    sizes = [BATCH_SIZE] * BATCH_N
+
+    def get(key, size):
+        def f():
+            assert s.get_into(key, base, size) == size
+        return f
+
+    def batch():
+        assert list(s.batch_get_into(keys, addrs, sizes)) == sizes
+
+    out = {
+        "16m": timed(get("kv/16m", BIG), a.reps, BIG),
+        "batch64x64k": timed(batch, a.reps, BATCH_N * BATCH_SIZE),
+        "4k": timed(get("kv/4k", SMALL), a.reps * 20, SMALL),
+    }
+    assert s.get_into("kv/16m", base, BIG) == BIG
+    assert ctypes.string_at(base, BIG) == vals["kv/16m"]
+    s.close()
+    print(json.dumps(out), flush=True)
+
+
+def driver(a):
+    work = work_dir("moongate-kvshm-")
+    procs = []
+    out = {}
+    try:
+        mport, hport = free_port(), free_port()
+        master = f"127.0.0.1:{mport}"
+        metadata = f"http://127.0.0.1:{hport}/metadata"
+        procs.append(subprocess.Popen(master_cmd(mport, hport), stdout=subprocess.DEVNULL,
+                                      stderr=open(f"{work}/master.log", "w")))
+        sock = f"{work}/kv.sock"
+        kv, seg, admin, listen = free_port(), free_port(), free_port(), free_port()
+        with open(f"{work}/mg.toml", "w") as f:
+            f.write(f'[master_face]\nupstream = "{master}"\n'
+                    f'[kv]\nlisten = "127.0.0.1:{kv}"\nunix_path = "{sock}"\n'
+                    f'metadata_url = "{metadata}"\nsegment_bytes = {256 * MiB}\n'
+                    f'segment_listen = "127.0.0.1:{seg}"\n')
+        mg = subprocess.Popen(
+            [a.moongate, "run", "--config", f"{work}/mg.toml", "--listen",
+             f"127.0.0.1:{listen}", "--admin", f"127.0.0.1:{admin}"],
+            stdout=subprocess.DEVNULL, stderr=open(f"{work}/moongate.log", "w"),
+            env={**os.environ, "RUST_LOG": "warn"})
+        procs.append(mg)
+        wait_http(f"http://127.0.0.1:{admin}/ready")
+        phase_moongate(a, a.lib, sock, out)
+        mg.send_signal(signal.SIGTERM)
+        mg.wait(timeout=30)
+        procs.remove(mg)
+        oport = free_port()
+        import mooncake
+        owner_bin = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_client")
+        procs.append(subprocess.Popen(
+            [owner_bin, "--host=127.0.0.1", f"--port={oport}",
+             f"--master_server_address={master}", f"--metadata_server={metadata}",
+             "--global_segment_size=256 MB", "--protocol=tcp", "--logtostderr"],
+            stdout=subprocess.DEVNULL, stderr=open(f"{work}/owner.log", "w")))
+        for kind in ["dummy", "embedded"]:
+            deadline = time.time() + 60
+            while True:
+                r = subprocess.run(
+                    [sys.executable, __file__, "--role", "mooncake", "--kind", kind,
+                     "--master", master, "--metadata", metadata,
+                     "--owner", f"127.0.0.1:{oport}", "--reps", str(a.reps)],
+                    capture_output=True, text=True, timeout=600)
+                if r.returncode == 0 or time.time() > deadline:
+                    break
+                time.sleep(1)  # the owner may still be starting
+            if r.returncode != 0:
+                raise SystemExit(f"{kind}: {r.stderr[-3000:]}")
+            out[f"mooncake_{kind}"] = json.loads(r.stdout.strip().splitlines()[-1])
+    finally:
+        stop_all(procs)
+    emb = out["mooncake_embedded"]
+    shm = out["moongate_shm"]
+    out["ratios"] = {
+        "shm_16m_best_vs_embedded_best": shm["16m"]["best_GBps"] / emb["16m"]["best_GBps"],
+        "shm_16m_best_vs_dummy_best":
+            shm["16m"]["best_GBps"] / out["mooncake_dummy"]["16m"]["best_GBps"],
+        "shm_batch_median_vs_embedded_median":
+            shm["batch64x64k"]["median_GBps"] / emb["batch64x64k"]["median_GBps"],
+        "shm_4k_p50_vs_copy_p50": shm["4k"]["p50_us"] / out["moongate_copy"]["4k"]["p50_us"],
+    }
+    text = json.dumps(out, indent=1)
+    print(text)
+    if a.json:
+        with open(a.json, "w") as f:
+            f.write(text)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--role", default="driver")
+    p.add_argument("--kind", default="embedded")
+    p.add_argument("--master")
+    p.add_argument("--metadata")
+    p.add_argument("--owner")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--moongate", default="target/release/moongate")
+    p.add_argument("--lib", default="target/release/libmoongate_kv.so")
+    p.add_argument("--json")
+    a = p.parse_args()
+    if a.role == "mooncake":
+        role_mooncake(a)
+    else:
+        driver(a)
+
+
+if __name__ == "__main__":
+    run(main)
