@@ -91,10 +91,7 @@ fn send_with_fd(s: &UnixStream, data: &[u8], fd: RawFd) {
         (*c).cmsg_type = libc::SCM_RIGHTS;
         (*c).cmsg_len = libc::CMSG_LEN(4) as _;
         libc::CMSG_DATA(c).cast::<RawFd>().write_unaligned(fd);
-        assert_eq!(
-            libc::sendmsg(s.as_raw_fd(), &msg, 0),
-            data.len() as isize
-        );
+        assert_eq!(libc::sendmsg(s.as_raw_fd(), &msg, 0), data.len() as isize);
     }
 }
 
@@ -145,13 +142,25 @@ fn bad_shared_memory_requests_get_errors_and_registrations_stay_bounded() {
     // No descriptor, an unsealed one, one shorter than registered.
     let (st, b) = a.call(1, &4096u64.to_le_bytes(), None);
     assert_eq!(st, -1, "{}", message(&b));
-    assert!(message(&b).contains("without a file descriptor"), "{}", message(&b));
+    assert!(
+        message(&b).contains("without a file descriptor"),
+        "{}",
+        message(&b)
+    );
     let loose = memfd(1 << 20, false);
     let (st, b) = a.register(1 << 20, loose.as_raw_fd());
-    assert!(st == -1 && message(&b).contains("F_SEAL_SHRINK"), "{}", message(&b));
+    assert!(
+        st == -1 && message(&b).contains("F_SEAL_SHRINK"),
+        "{}",
+        message(&b)
+    );
     let short = memfd(4096, true);
     let (st, b) = a.register(1 << 20, short.as_raw_fd());
-    assert!(st == -1 && message(&b).contains("fewer than"), "{}", message(&b));
+    assert!(
+        st == -1 && message(&b).contains("fewer than"),
+        "{}",
+        message(&b)
+    );
     assert_eq!(registered(&mg), 0.0);
 
     // A good registration, and reads inside and outside it.
@@ -181,17 +190,32 @@ fn bad_shared_memory_requests_get_errors_and_registrations_stay_bounded() {
         libc::munmap(p, 1 << 20);
         v
     };
-    assert!(seen == value, "the bytes moongate read into the memfd differ");
+    assert!(
+        seen == value,
+        "the bytes moongate read into the memfd differ"
+    );
     for (off, cap) in [(1 << 20, 1), ((1 << 20) - 10, 11), (u64::MAX - 5, 10)] {
         let (st, b) = a.get_into(region, off, cap, "shm/v");
-        assert!(st == -1 && message(&b).contains("outside"), "{off}: {}", message(&b));
+        assert!(
+            st == -1 && message(&b).contains("outside"),
+            "{off}: {}",
+            message(&b)
+        );
     }
     let (st, b) = a.get_into(region, 0, 10, "shm/v");
-    assert!(st == -3 && message(&b).contains("100000"), "{}", message(&b));
+    assert!(
+        st == -3 && message(&b).contains("100000"),
+        "{}",
+        message(&b)
+    );
     let (st, _) = a.get_into(region, 0, 1 << 20, "shm/absent");
     assert_eq!(st, -2);
     let (st, b) = a.get_into(9, 0, 10, "shm/v");
-    assert!(st == -1 && message(&b).contains("no registration"), "{}", message(&b));
+    assert!(
+        st == -1 && message(&b).contains("no registration"),
+        "{}",
+        message(&b)
+    );
     let (st, b) = a.get_into(region, 0, 10, "");
     assert!(st == -1 && message(&b).contains("key"), "{}", message(&b));
     // Overlapping ranges in one batch.
@@ -204,7 +228,11 @@ fn bad_shared_memory_requests_get_errors_and_registrations_stay_bounded() {
         batch.extend_from_slice(b"shm/v");
     }
     let (st, b) = a.call(5, &batch, None);
-    assert!(st == -1 && message(&b).contains("overlap"), "{}", message(&b));
+    assert!(
+        st == -1 && message(&b).contains("overlap"),
+        "{}",
+        message(&b)
+    );
     // An unknown op, a short body: errors, and the connection goes on.
     let (st, _) = a.call(77, b"", None);
     assert_eq!(st, -1);
@@ -226,7 +254,11 @@ fn bad_shared_memory_requests_get_errors_and_registrations_stay_bounded() {
     let (st, _) = c2.register(8 << 20, big.as_raw_fd());
     assert_eq!(st, 0, "8 MiB on a second connection: 12 MiB in all");
     let (st, b) = c2.register(1 << 20, more[3].as_raw_fd());
-    assert!(st == -9 && message(&b).contains("kv.shm_max_bytes"), "{}", message(&b));
+    assert!(
+        st == -9 && message(&b).contains("kv.shm_max_bytes"),
+        "{}",
+        message(&b)
+    );
     assert_eq!(registered(&mg), (12 << 20) as f64);
     served(&mut http);
 
@@ -258,9 +290,12 @@ fn bad_shared_memory_requests_get_errors_and_registrations_stay_bounded() {
     // Connections that end (that one, the broken one, a dropped one) give their bytes
     // back.
     drop(a);
-    wait_for("registrations released", Duration::from_secs(10), &[&mg.proc], || {
-        registered(&mg) == 0.0
-    });
+    wait_for(
+        "registrations released",
+        Duration::from_secs(10),
+        &[&mg.proc],
+        || registered(&mg) == 0.0,
+    );
     served(&mut http);
     let (st, _) = moongate_kv::Client::connect_tcp(&kv)
         .and_then(|mut c| c.get("shm/v").map(|v| (v.map_or(0, |v| v.len()), ())))
@@ -289,8 +324,90 @@ fn a_peer_of_another_uid_is_refused_and_http_still_serves() {
         Err(e) => panic!("expected a refusal, got {e:?}"),
         Ok(_) => panic!("a peer of another uid was let in"),
     }
-    assert_eq!(metric_value(&mg.metrics(), "moongate_kv_shm_denied_total"), 1.0);
+    assert_eq!(
+        metric_value(&mg.metrics(), "moongate_kv_shm_denied_total"),
+        1.0
+    );
     let mut http = moongate_kv::Client::connect_unix(&sock).unwrap();
     http.put("shm/ok", b"fine").unwrap();
     assert_eq!(http.get("shm/ok").unwrap().as_deref(), Some(&b"fine"[..]));
+}
+
+/// Values in another client's segment move over TE-TCP straight into and out of the
+/// registered memory: a real Mooncake client's values read into a memfd byte-exact, and
+/// values put from the memfd read back by that client.
+#[test]
+fn shared_memory_reads_and_writes_remote_segments_byte_exact() {
+    let master = Master::start();
+    let dir = tempdir();
+    let sock = dir.path().join("kv.sock");
+    // No own segment: every value is in the Python peer's.
+    let (mg, _kv) = kv_moongate(&master, &format!("unix_path = \"{}\"\n", sock.display()));
+    let logs = [&master.proc, &mg.proc];
+    let mut peer = Background::start("kvpeer", &master.rpc, &master.metadata, &logs);
+    let len = 8u64 << 20;
+    let fd = memfd(len, true);
+    // SAFETY: test code: our own view of the memfd moongate maps.
+    let view = unsafe {
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            len as usize,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd.as_raw_fd(),
+            0,
+        );
+        assert_ne!(p, libc::MAP_FAILED);
+        std::slice::from_raw_parts_mut(p.cast::<u8>(), len as usize)
+    };
+    let mut c = moongate_kv::shm::ShmConn::connect(sock.to_str().unwrap()).unwrap();
+    let region = c.region(fd.as_raw_fd(), len as usize).unwrap();
+    let big = (3 << 20) + 7;
+    assert_eq!(
+        c.get_into(region, 1000, 4 << 20, "py/big").unwrap(),
+        big as u64
+    );
+    assert!(
+        view[1000..1000 + big] == value_of("py/big", big)[..],
+        "py/big differs"
+    );
+    let got = c
+        .batch_get_into(region, &[(0, 5000, "py/small"), (8192, 5000, "nope")])
+        .unwrap();
+    assert_eq!(got, [5000, -2]);
+    assert!(
+        view[..5000] == value_of("py/small", 5000)[..],
+        "py/small differs"
+    );
+    // Puts from the memfd into the peer's segment (the pool's only one).
+    let small = value_of("kv/small", 5000);
+    let kbig = value_of("kv/big", big);
+    view[..5000].copy_from_slice(&small);
+    view[4 << 20..(4 << 20) + big].copy_from_slice(&kbig);
+    c.put_from(region, 0, 5000, "kv/small").unwrap();
+    c.put_from(region, 4 << 20, big as u64, "kv/big").unwrap();
+    match c.put_from(region, 0, 5000, "kv/small") {
+        Err(moongate_kv::shm::ShmError::Refused(-11, _)) => {}
+        other => panic!("a second put of kv/small: {other:?}"),
+    }
+    let tcp = |dir: &str| {
+        metric_value(
+            &mg.metrics(),
+            &format!("moongate_kv_transfers_total{{transport=\"tcp\",direction=\"{dir}\"}}"),
+        )
+    };
+    assert!(
+        tcp("read") >= 2.0 && tcp("write") >= 2.0,
+        "{}",
+        mg.metrics()
+    );
+    peer.tell();
+    let r = peer.finish();
+    for name in ["get kv/small", "get kv/big"] {
+        assert_eq!(result(&r, name)["ok"], true, "{name}: {r}");
+    }
+    // SAFETY: test code: the view mapped above.
+    unsafe {
+        libc::munmap(view.as_mut_ptr().cast(), len as usize);
+    }
 }
