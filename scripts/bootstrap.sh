@@ -7,7 +7,8 @@
 #     etcd's protos at build time); etcd-server (the HA tests run a real etcd);
 #     prometheus, with promtool (a test scrapes a live moongate with a real Prometheus,
 #     evaluates the shipped alert rules and every dashboard query); valgrind (CI counts
-#     the instructions moongate spends per master-face call against a ceiling).
+#     the instructions moongate spends per master-face call against a ceiling, and
+#     checks the C++ engine gate with memcheck); cmake and g++ (the C++ engine gate).
 #   - A Python virtualenv in .venv with the pinned Mooncake wheel, which ships the real
 #     `mooncake_master` binary and the real store client.
 #   - One virtualenv per other supported release (.venv-0.3.11.post1,
@@ -24,7 +25,7 @@ MOONCAKE_PKG="mooncake-transfer-engine-non-cuda==0.3.13.post1"
 
 need_apt=()
 for p in libibverbs1 librdmacm1 curl protobuf-compiler etcd-server prometheus \
-         docker-registry minisign systemd valgrind; do
+         docker-registry minisign systemd valgrind cmake g++; do
   dpkg -s "$p" >/dev/null 2>&1 || need_apt+=("$p")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then

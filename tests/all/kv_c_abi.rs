@@ -154,3 +154,133 @@ fn a_c_program_uses_every_call_over_both_listeners() {
         );
     }
 }
+
+/// Configures and builds tests/cpp (the C++ engine gate) with CMake into `out`.
+fn build_gate(out: &std::path::Path, asan: bool) -> PathBuf {
+    let root = repo_root();
+    let build = out.join(if asan { "gate-asan" } else { "gate" });
+    let configure = Command::new("cmake")
+        .arg("-S")
+        .arg(root.join("tests/cpp"))
+        .arg("-B")
+        .arg(&build)
+        .arg(format!(
+            "-DMOONGATE_INCLUDE={}",
+            root.join("clients/rust/include").display()
+        ))
+        .arg(format!("-DMOONGATE_LIB={}", lib_dir().display()))
+        .arg(format!(
+            "-DMOONGATE_ASAN={}",
+            if asan { "ON" } else { "OFF" }
+        ))
+        .output()
+        .expect("cmake (scripts/bootstrap.sh installs it)");
+    assert!(
+        configure.status.success(),
+        "cmake configure:\n{}{}",
+        String::from_utf8_lossy(&configure.stdout),
+        String::from_utf8_lossy(&configure.stderr)
+    );
+    let b = Command::new("cmake")
+        .arg("--build")
+        .arg(&build)
+        .output()
+        .unwrap();
+    assert!(
+        b.status.success(),
+        "cmake build:\n{}{}",
+        String::from_utf8_lossy(&b.stdout),
+        String::from_utf8_lossy(&b.stderr)
+    );
+    build.join("engine_gate")
+}
+
+/// Runs the gate (`wrap`: a command it runs under, e.g. valgrind); its stdout, or a
+/// panic with everything it and moongate said.
+fn gate(exe: &[&std::ffi::OsStr], args: &[&str], mg: &Moongate) -> String {
+    let o = Command::new(exe[0])
+        .args(&exe[1..])
+        .args(args)
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        o.status.success(),
+        "engine_gate {args:?}: {}\n{out}{}\n--- moongate ---\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stderr),
+        mg.proc.log_text()
+    );
+    out
+}
+
+fn line<'a>(out: &'a str, prefix: &str) -> &'a str {
+    out.lines()
+        .find_map(|l| l.strip_prefix(prefix))
+        .unwrap_or_else(|| panic!("no {prefix:?} in {out}"))
+}
+
+/// The seed use case from a native engine: store a prompt prefix's KV blocks, exit,
+/// start again, find the prefix, load the blocks byte-identical into registered memory,
+/// and produce the same output as from scratch; a partly stored prefix hits only its
+/// stored part. Once more with the gate built with AddressSanitizer, and once under
+/// valgrind's memcheck (which sees the Rust library too: stable Rust has no sanitizers).
+#[test]
+fn the_cpp_engine_gate_finds_its_prefix_after_a_restart() {
+    let master = Master::start();
+    let dir = tempdir();
+    let sock = dir.path().join("kv.sock");
+    let (mg, _kv) = kv_moongate(
+        &master,
+        &format!(
+            "segment_bytes = 67108864\nunix_path = \"{}\"\n",
+            sock.display()
+        ),
+    );
+    wait_segment_mounted(&mg);
+    build_library();
+    let exe = build_gate(dir.path(), false);
+    let asan = build_gate(dir.path(), true);
+    let address = format!("unix:{}", sock.display());
+    let run = |bin: &[&std::ffi::OsStr], args: &[&str]| {
+        let mut all = vec![address.as_str()];
+        all.extend_from_slice(args);
+        gate(bin, &all, &mg)
+    };
+    let plain = [exe.as_os_str()];
+    let stored = run(&plain, &["store", "7", "32"]);
+    let scratch = line(&stored, "output ").to_string();
+    // A new process: the engine restarted.
+    let loaded = run(&plain, &["load", "7", "32"]);
+    assert_eq!(line(&loaded, "hits "), "32/32", "{loaded}");
+    assert!(loaded.contains("bytes identical"), "{loaded}");
+    assert_eq!(line(&loaded, "output "), scratch, "output with the cache");
+    // Half a prefix stored: the rest is computed, the output is the same.
+    run(&plain, &["store", "9", "8"]);
+    let half = run(&plain, &["load", "9", "16"]);
+    // (The gate itself fails unless its output with the loaded blocks equals the one
+    // from scratch.)
+    assert_eq!(line(&half, "hits "), "8/16", "{half}");
+    assert!(half.contains("bytes identical"), "{half}");
+    let cold = run(&plain, &["load", "10", "4"]);
+    assert_eq!(line(&cold, "hits "), "0/4", "{cold}");
+    // AddressSanitizer on the engine's side of the boundary.
+    let loaded = run(&[asan.as_os_str()], &["load", "7", "32"]);
+    assert_eq!(line(&loaded, "output "), scratch);
+    // memcheck on both sides of it.
+    let vg = [
+        std::ffi::OsStr::new("valgrind"),
+        std::ffi::OsStr::new("--error-exitcode=99"),
+        std::ffi::OsStr::new("--quiet"),
+        exe.as_os_str(),
+    ];
+    let loaded = run(&vg, &["load", "7", "32"]);
+    assert_eq!(line(&loaded, "output "), scratch);
+    // Every shared-memory registration ended with its process.
+    wait_for(
+        "shared memory released",
+        std::time::Duration::from_secs(10),
+        &[&mg.proc],
+        || metric_value(&mg.metrics(), "moongate_kv_shm_registered_bytes") == 0.0,
+    );
+}

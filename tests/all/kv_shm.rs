@@ -334,8 +334,9 @@ fn a_peer_of_another_uid_is_refused_and_http_still_serves() {
 }
 
 /// Values in another client's segment move over TE-TCP straight into and out of the
-/// registered memory: a real Mooncake client's values read into a memfd byte-exact, and
-/// values put from the memfd read back by that client.
+/// registered memory: a real Mooncake client's values (put through moongate's master
+/// face) read into a memfd byte-exact, and values put from the memfd read back by that
+/// client.
 #[test]
 fn shared_memory_reads_and_writes_remote_segments_byte_exact() {
     let master = Master::start();
@@ -344,7 +345,8 @@ fn shared_memory_reads_and_writes_remote_segments_byte_exact() {
     // No own segment: every value is in the Python peer's.
     let (mg, _kv) = kv_moongate(&master, &format!("unix_path = \"{}\"\n", sock.display()));
     let logs = [&master.proc, &mg.proc];
-    let mut peer = Background::start("kvpeer", &master.rpc, &master.metadata, &logs);
+    // The peer reaches the master through moongate's master face, as vLLM's would.
+    let mut peer = Background::start("kvpeer", &mg.listen, &master.metadata, &logs);
     let len = 8u64 << 20;
     let fd = memfd(len, true);
     // SAFETY: test code: our own view of the memfd moongate maps.
