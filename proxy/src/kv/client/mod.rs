@@ -268,24 +268,15 @@ impl Store {
                 self.metrics.replica_cache(CacheResult::Miss);
             }
         }
-        let resp = self
-            .call(Request::GetReplicaList(KeyArgs {
-                key: key.clone(),
-                tenant_id: self.tenant.clone(),
-            }))
-            .await?;
-        let list = match resp {
-            Response::GetReplicaList(Ok(l)) => l,
-            Response::GetReplicaList(Err(ErrorCode::OBJECT_NOT_FOUND)) => return Ok(None),
-            Response::GetReplicaList(Err(e)) => return Err(StoreError::Refused(e)),
-            _ => return Err(StoreError::Unexpected),
+        let Some((src, lease_ttl_ms)) = self.locate(&key).await? else {
+            return Ok(None);
         };
-        match readable(&list)? {
+        match src {
             Source::Memory(d) => {
                 let room = self.reserve(d.size).await?;
                 let v = self.xfer.fetch(&d, Some(room)).await?;
                 if let Some(cache) = &self.replicas {
-                    cache.put(key, &d, list.lease_ttl_ms);
+                    cache.put(key, &d, lease_ttl_ms);
                 }
                 Ok(Some(v))
             }
@@ -320,6 +311,19 @@ impl Store {
                 self.metrics.replica_cache(CacheResult::Miss);
             }
         }
+        let Some((src, lease_ttl_ms)) = self.locate(&key).await? else {
+            return Ok(ReadInto::Absent);
+        };
+        self.read_into(&src, dst).await.inspect(|_| {
+            if let (Some(cache), Source::Memory(d)) = (&self.replicas, &src) {
+                cache.put(key, d, lease_ttl_ms);
+            }
+        })
+    }
+
+    /// The replica to read for `key` by the master's `GetReplicaList`, with the read
+    /// lease it granted; `None` when the key is absent.
+    async fn locate(&self, key: &Bytes) -> Result<Option<(Source, u64)>, StoreError> {
         let resp = self
             .call(Request::GetReplicaList(KeyArgs {
                 key: key.clone(),
@@ -328,18 +332,11 @@ impl Store {
             .await?;
         let list = match resp {
             Response::GetReplicaList(Ok(l)) => l,
-            Response::GetReplicaList(Err(ErrorCode::OBJECT_NOT_FOUND)) => {
-                return Ok(ReadInto::Absent);
-            }
+            Response::GetReplicaList(Err(ErrorCode::OBJECT_NOT_FOUND)) => return Ok(None),
             Response::GetReplicaList(Err(e)) => return Err(StoreError::Refused(e)),
             _ => return Err(StoreError::Unexpected),
         };
-        let src = readable(&list)?;
-        self.read_into(&src, dst).await.inspect(|_| {
-            if let (Some(cache), Source::Memory(d)) = (&self.replicas, &src) {
-                cache.put(key, d, list.lease_ttl_ms);
-            }
-        })
+        Ok(Some((readable(&list)?, list.lease_ttl_ms)))
     }
 
     /// Reads a located replica into `dst`, as [`Store::get_into`] does.

@@ -305,15 +305,7 @@ impl Transfers {
             self.metrics.transfer(Transport::Local, Dir::Read, d.size);
             return Ok(Value::Whole(Bytes::from(out)));
         }
-        let seg = self.metadata.segment(&d.transport_endpoint).await?;
-        if !seg.covers(d.buffer_address, d.size) {
-            // A stale descriptor (the owner restarted): re-read it next time.
-            self.metadata.forget(&d.transport_endpoint);
-            return Err(StoreError::OutOfRange {
-                addr: d.buffer_address,
-                len: d.size,
-            });
-        }
+        let seg = self.segment_of(d).await?;
         let (at, n) = (d.buffer_address, d.size);
         let mut room = room;
         if room.is_some() && n >= STREAM_FROM {
@@ -358,6 +350,23 @@ impl Transfers {
         Ok(Value::Whole(v))
     }
 
+    /// The segment holding replica `d`, checked to cover it; a stale descriptor (the
+    /// owner restarted) is forgotten, to be read again next time.
+    async fn segment_of(
+        &self,
+        d: &BufferDescriptor,
+    ) -> Result<Arc<super::metadata::Segment>, StoreError> {
+        let seg = self.metadata.segment(&d.transport_endpoint).await?;
+        if !seg.covers(d.buffer_address, d.size) {
+            self.metadata.forget(&d.transport_endpoint);
+            return Err(StoreError::OutOfRange {
+                addr: d.buffer_address,
+                len: d.size,
+            });
+        }
+        Ok(seg)
+    }
+
     /// Moves the replica `d` into `dst` (exactly its size): in place from the own
     /// segment, over TE-TCP straight into `dst`, or over QUIC (read, then copied).
     pub(super) async fn fetch_into(
@@ -376,14 +385,7 @@ impl Transfers {
             self.metrics.transfer(Transport::Local, Dir::Read, d.size);
             return Ok(());
         }
-        let seg = self.metadata.segment(&d.transport_endpoint).await?;
-        if !seg.covers(d.buffer_address, d.size) {
-            self.metadata.forget(&d.transport_endpoint);
-            return Err(StoreError::OutOfRange {
-                addr: d.buffer_address,
-                len: d.size,
-            });
-        }
+        let seg = self.segment_of(d).await?;
         let (at, n) = (d.buffer_address, d.size);
         if let Some(v) = self
             .via_quic(&d.transport_endpoint, |q, peer| async move {
@@ -488,14 +490,7 @@ impl Transfers {
         if let Some((mem, off)) = self.in_own_segment(d)? {
             return Ok(Sink::Local { mem, off });
         }
-        let seg = self.metadata.segment(&d.transport_endpoint).await?;
-        if !seg.covers(d.buffer_address, d.size) {
-            self.metadata.forget(&d.transport_endpoint);
-            return Err(StoreError::OutOfRange {
-                addr: d.buffer_address,
-                len: d.size,
-            });
-        }
+        let seg = self.segment_of(d).await?;
         let (addr, len) = (d.buffer_address, d.size);
         if let Some((send, recv, peer)) = self
             .via_quic(&d.transport_endpoint, |q, peer| async move {
@@ -578,14 +573,7 @@ impl Transfers {
                 self.metrics.transfer(Transport::Local, Dir::Write, d.size);
                 continue;
             }
-            let seg = self.metadata.segment(&d.transport_endpoint).await?;
-            if !seg.covers(d.buffer_address, d.size) {
-                self.metadata.forget(&d.transport_endpoint);
-                return Err(StoreError::OutOfRange {
-                    addr: d.buffer_address,
-                    len: d.size,
-                });
-            }
+            let seg = self.segment_of(d).await?;
             if self
                 .via_quic(&d.transport_endpoint, |q, peer| {
                     let at = d.buffer_address;
