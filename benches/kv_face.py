@@ -7,7 +7,11 @@ kv/4k, kv/16m and 64 values of 64 KiB (kv/b/0..63, read as one batch); moongate 
   mooncake  a reader process with an empty segment doing get_into of the same keys
             (the transfer engine's TCP path, as in ../shared/bench/mc_bench.py)
   moongate  examples/kv_bench: keep-alive HTTP GETs to the kv face
-Medians over rounds. `benches/run_kv_face.sh` builds release binaries and runs this.
+  raw       the owner's ceiling: a bare TE-TCP reader (one connection, v2 framing, no
+            work of its own) reading the same replicas, after one master lookup each
+Medians over rounds. The raw column is what the owner serves to a reader that does
+nothing else: neither client can read faster over one connection, and moongate also
+sends every byte on to its caller on the same cores. `benches/run_kv_face.sh` builds release binaries and runs this.
 """
 import argparse
 import ctypes
@@ -92,6 +96,57 @@ def role_reader(a):
     print(json.dumps(out), flush=True)
 
 
+def role_raw(a):
+    """Reads the replicas of kv/4k and kv/16m straight from the owner's TE-TCP listener
+    (data-plane spec B), the location asked of the master once per key."""
+    import socket
+    import struct
+    import urllib.parse
+    from mooncake.store import MooncakeDistributedStore
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", a.metadata, 0, 64 * MiB, "tcp", "", a.master) == 0
+    out, conns = {}, {}
+    for name, size in SIZES.items():
+        b = s.get_replica_desc(f"kv/{name}")[0].get_memory_descriptor().buffer_descriptor
+        key = urllib.parse.quote("mooncake/ram/" + b.transport_endpoint, safe="")
+        with urllib.request.urlopen(f"{a.metadata}?key={key}") as r:
+            port = json.loads(r.read())["tcp_data_port"]
+        if port not in conns:
+            c = socket.create_connection(("127.0.0.1", port))
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conns[port] = c
+        c, buf = conns[port], bytearray(size)
+        view = memoryview(buf)
+
+        def read():
+            c.sendall(struct.pack("<QQB7x", size, b.buffer_address, 0x80))
+            status = b""
+            while len(status) < 8:
+                status += c.recv(8 - len(status))
+            assert status[4:] == b"VTCM" and status[:4] == b"\0\0\0\0", status
+            got = 0
+            while got < size:
+                n = c.recv_into(view[got:])
+                assert n > 0, "owner closed"
+                got += n
+        n = a.count if size < MiB else max(8, a.count // 50)
+        for _ in range(5):
+            read()
+        lat = []
+        t0 = time.perf_counter()
+        for _ in range(n):
+            t = time.perf_counter()
+            read()
+            lat.append((time.perf_counter() - t) * 1e6)
+        total = time.perf_counter() - t0
+        out[name] = {"p50_us": pct(lat, 0.5), "p99_us": pct(lat, 0.99),
+                     "GBps": size * n / total / 1e9}
+    for c in conns.values():
+        c.close()
+    s.close()
+    print(json.dumps(out), flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--role", default="driver")
@@ -109,11 +164,13 @@ def main():
         return role_owner(a)
     if a.role == "reader":
         return role_reader(a)
+    if a.role == "raw":
+        return role_raw(a)
     work = work_dir("moongate-kv-")
     rpc, http, kv, admin = (free_port() for _ in range(4))
     metadata = f"http://127.0.0.1:{http}/metadata"
     procs = []
-    res = {"mooncake": [], "moongate": []}
+    res = {"mooncake": [], "moongate": [], "raw": []}
     try:
         procs.append(subprocess.Popen(
             master_cmd(rpc, http),
@@ -129,10 +186,12 @@ def main():
         owner = spawn_owner(__file__, f"127.0.0.1:{rpc}", metadata, work)
         procs.append(owner)
         for i in range(a.rounds):
-            for side in (["mooncake", "moongate"] if i % 2 == 0 else ["moongate", "mooncake"]):
-                if side == "mooncake":
+            sides = ["raw", "mooncake", "moongate"]
+            for side in (sides if i % 2 == 0 else sides[::-1]):
+                if side in ("mooncake", "raw"):
                     out = subprocess.run(
-                        [sys.executable, __file__, "--role", "reader", "--master",
+                        [sys.executable, __file__, "--role",
+                         "reader" if side == "mooncake" else "raw", "--master",
                          f"127.0.0.1:{rpc}", "--metadata", metadata, "--count", str(a.count)],
                         check=True, capture_output=True, text=True).stdout
                     res[side].append(json.loads(out.strip().splitlines()[-1]))
@@ -159,12 +218,13 @@ def main():
         stop_all(procs)
     med = lambda side, name, m: statistics.median(r[name][m] for r in res[side])
     print(f"\nmedians over {a.rounds} rounds")
-    print(f"{'':<28}{'mooncake client':>18}{'moongate kv face':>18}")
+    print(f"{'':<28}{'mooncake client':>18}{'moongate kv face':>18}{'owner ceiling':>16}")
     for name, metric in (("4k", "p50_us"), ("4k", "p99_us"), ("16m", "GBps"),
                          (BATCH, "p50_us"), (BATCH, "GBps"), ("put16m", "GBps")):
         op = " remote put " if name.startswith("put") else " remote get "
+        raw = f"{med('raw', name, metric):>16.2f}" if name in SIZES else f"{'-':>16}"
         print(f"{name + op + metric:<28}{med('mooncake', name, metric):>18.2f}"
-              f"{med('moongate', name, metric):>18.2f}")
+              f"{med('moongate', name, metric):>18.2f}{raw}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
