@@ -12,6 +12,10 @@ segment: the pool's only one) and, one after the other:
   dummy     a dummy client of the owner (setup_dummy: shared memory with the owner);
   embedded  an embedded client with no segment reading over TE-TCP into a registered
             buffer (get_into / batch_get_into).
+Registrations (phase 1): a fresh 64 MiB mg_alloc region's first read (the library
+connects, passes the memfd, moongate maps it) against reads into a registered region;
+and how long moongate takes to release 256 MiB registered by a process that is killed
+(its metrics page polled until the bytes are gone).
 Values: 16 MiB, 64 x 64 KiB (one batch call), 4 KiB. Per call kind: best and median
 GB/s over --reps calls (4 KiB: p50 latency). Not part of CI (timing); run with
 `bash benches/run_kv_shm.sh`.
@@ -56,7 +60,8 @@ def timed(fn, reps, size):
             "p50_us": pct([s * 1e6 for s in secs], 0.5)}
 
 
-def phase_moongate(a, lib_path, sock, out):
+def load(lib_path):
+    """libmoongate_kv with the signatures this bench calls."""
     lib = ctypes.CDLL(lib_path)
     lib.mg_connect.restype = ctypes.c_void_p
     lib.mg_connect.argtypes = [ctypes.c_char_p]
@@ -71,6 +76,11 @@ def phase_moongate(a, lib_path, sock, out):
     lib.mg_batch_get_into.argtypes = [
         ctypes.c_void_p, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_void_p),
         ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t, ctypes.POINTER(ctypes.c_int64)]
+    lib.mg_free.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    return lib
+
+
+def connect(lib, sock):
     h = None
     deadline = time.time() + 30
     while h is None and time.time() < deadline:
@@ -79,6 +89,78 @@ def phase_moongate(a, lib_path, sock, out):
             time.sleep(0.2)
     if not h:
         raise SystemExit(f"mg_connect: {lib.mg_last_error(None)}")
+    return h
+
+
+def registered_bytes(admin):
+    """moongate_kv_shm_registered_bytes from moongate's metrics page."""
+    import urllib.request
+    with urllib.request.urlopen(f"http://{admin}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("moongate_kv_shm_registered_bytes "):
+                return int(float(line.split()[1]))
+    raise SystemExit("no moongate_kv_shm_registered_bytes on the metrics page")
+
+
+def role_holder(a):
+    """Registers a region of --region bytes (mg_alloc, then one read into it), says
+    HELD, and waits to be killed."""
+    lib = load(a.lib)
+    h = connect(lib, a.sock)
+    p = lib.mg_alloc(h, a.region)
+    assert p, lib.mg_last_error(h)
+    assert lib.mg_get_into(h, b"kv/4k", p, SMALL) == SMALL, lib.mg_last_error(h)
+    print("HELD", flush=True)
+    sys.stdin.read()
+
+
+def registration(a, lib, h, sock, admin, out):
+    """The cost of a registration (a fresh mg_alloc region's first read: connect,
+    memfd passed and mapped) against a read into a region already registered; and how
+    long moongate takes to release the registration of a process that is killed."""
+    steady, first, alloc = [], [], []
+    for _ in range(a.reps * 2):
+        t = time.perf_counter()
+        p = lib.mg_alloc(h, 64 * MiB)
+        alloc.append((time.perf_counter() - t) * 1e6)
+        assert p, lib.mg_last_error(h)
+        t = time.perf_counter()
+        assert lib.mg_get_into(h, b"kv/4k", p, SMALL) == SMALL, lib.mg_last_error(h)
+        first.append((time.perf_counter() - t) * 1e6)
+        for _ in range(5):
+            t = time.perf_counter()
+            assert lib.mg_get_into(h, b"kv/4k", p, SMALL) == SMALL
+            steady.append((time.perf_counter() - t) * 1e6)
+        assert lib.mg_free(h, p) == 0, lib.mg_last_error(h)
+    released = []
+    for _ in range(5):
+        before = registered_bytes(admin)
+        holder = subprocess.Popen(
+            [sys.executable, __file__, "--role", "holder", "--sock", sock, "--lib", a.lib,
+             "--region", str(256 * MiB)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True)
+        assert holder.stdout.readline().startswith("HELD"), "holder did not register"
+        assert registered_bytes(admin) >= before + 256 * MiB
+        t = time.perf_counter()
+        holder.kill()
+        holder.wait()
+        while registered_bytes(admin) > before:
+            if time.perf_counter() - t > 30:
+                raise SystemExit("a dead holder's registration was not released in 30 s")
+            time.sleep(0.0005)
+        released.append((time.perf_counter() - t) * 1e3)
+    out["registration"] = {
+        "mg_alloc_64MiB_p50_us": pct(alloc, 0.5),
+        "first_read_p50_us": pct(first, 0.5),
+        "registered_read_p50_us": pct(steady, 0.5),
+        "dead_holder_256MiB_released_p50_ms": pct(released, 0.5),
+        "dead_holder_256MiB_released_max_ms": max(released),
+    }
+
+
+def phase_moongate(a, lib_path, sock, admin, out):
+    lib = load(lib_path)
+    h = connect(lib, sock)
     region = BIG + BATCH_N * BATCH_SIZE
     shm = lib.mg_alloc(h, region)
     heap = ctypes.create_string_buffer(region)
@@ -122,6 +204,7 @@ def phase_moongate(a, lib_path, sock, out):
     # Bytes check: what the shared buffer got is what was put.
     assert lib.mg_get_into(h, b"kv/16m", shm, BIG) == BIG
     assert ctypes.string_at(shm, BIG) == vals["kv/16m"]
+    registration(a, lib, h, sock, admin, out)
 
 
 def role_mooncake(a):
@@ -195,7 +278,7 @@ def driver(a):
             env={**os.environ, "RUST_LOG": "warn"})
         procs.append(mg)
         wait_http(f"http://127.0.0.1:{admin}/ready")
-        phase_moongate(a, a.lib, sock, out)
+        phase_moongate(a, a.lib, sock, f"127.0.0.1:{admin}", out)
         mg.send_signal(signal.SIGTERM)
         mg.wait(timeout=30)
         procs.remove(mg)
@@ -251,9 +334,13 @@ def main():
     p.add_argument("--moongate", default="target/release/moongate")
     p.add_argument("--lib", default="target/release/libmoongate_kv.so")
     p.add_argument("--json")
+    p.add_argument("--sock", help="holder role: moongate's kv Unix socket")
+    p.add_argument("--region", type=int, default=0, help="holder role: bytes to register")
     a = p.parse_args()
     if a.role == "mooncake":
         role_mooncake(a)
+    elif a.role == "holder":
+        role_holder(a)
     else:
         driver(a)
 
