@@ -80,15 +80,7 @@ fn build(out: &std::path::Path, static_lib: bool) -> PathBuf {
 fn a_c_program_uses_every_call_over_both_listeners() {
     let master = Master::start();
     let dir = tempdir();
-    let sock = dir.path().join("kv.sock");
-    let (mg, kv) = kv_moongate(
-        &master,
-        &format!(
-            "segment_bytes = 33554432\nunix_path = \"{}\"\n",
-            sock.display()
-        ),
-    );
-    wait_segment_mounted(&mg);
+    let (mg, kv, sock) = kv_unix_moongate(&master, dir.path(), 33554432, "");
     build_library();
     let mut shm_calls = Vec::new();
     for (static_lib, address, prefix) in [
@@ -229,15 +221,7 @@ fn line<'a>(out: &'a str, prefix: &str) -> &'a str {
 fn the_cpp_engine_gate_finds_its_prefix_after_a_restart() {
     let master = Master::start();
     let dir = tempdir();
-    let sock = dir.path().join("kv.sock");
-    let (mg, _kv) = kv_moongate(
-        &master,
-        &format!(
-            "segment_bytes = 67108864\nunix_path = \"{}\"\n",
-            sock.display()
-        ),
-    );
-    wait_segment_mounted(&mg);
+    let (mg, _kv, sock) = kv_unix_moongate(&master, dir.path(), 67108864, "");
     build_library();
     let exe = build_gate(dir.path(), false);
     let asan = build_gate(dir.path(), true);

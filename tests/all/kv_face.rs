@@ -336,15 +336,7 @@ fn the_own_segment_mounts_when_the_master_comes_up_later() {
 fn the_python_example_works_over_the_unix_socket() {
     let master = Master::start();
     let dir = tempdir();
-    let sock = dir.path().join("kv.sock");
-    let (mg, _kv) = kv_moongate(
-        &master,
-        &format!(
-            "segment_bytes = 16777216\nunix_path = \"{}\"\n",
-            sock.display()
-        ),
-    );
-    wait_segment_mounted(&mg);
+    let (mg, _kv, sock) = kv_unix_moongate(&master, dir.path(), 16777216, "");
     let out = std::process::Command::new(python())
         .arg(repo_root().join("examples/python/kv_client.py"))
         .arg("--unix")
@@ -375,15 +367,7 @@ fn the_python_example_works_over_the_unix_socket() {
 fn the_rust_client_crate_round_trips() {
     let master = Master::start();
     let dir = tempdir();
-    let sock = dir.path().join("kv.sock");
-    let (mg, kv) = kv_moongate(
-        &master,
-        &format!(
-            "segment_bytes = 16777216\nunix_path = \"{}\"\n",
-            sock.display()
-        ),
-    );
-    wait_segment_mounted(&mg);
+    let (_mg, kv, sock) = kv_unix_moongate(&master, dir.path(), 16777216, "");
     let mut tcp = moongate_kv::Client::connect_tcp(&kv).unwrap();
     let mut unix = moongate_kv::Client::connect_unix(&sock).unwrap();
     let big = value_of("rust/big", (2 << 20) + 5);

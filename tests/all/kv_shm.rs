@@ -121,16 +121,13 @@ fn registered(mg: &Moongate) -> f64 {
 fn bad_shared_memory_requests_get_errors_and_registrations_stay_bounded() {
     let master = Master::start();
     let dir = tempdir();
-    let sock = dir.path().join("kv.sock");
-    let (mg, kv) = kv_moongate(
+    let (mg, kv, sock) = kv_unix_moongate(
         &master,
-        &format!(
-            "segment_bytes = 16777216\nunix_path = \"{}\"\nshm_max_regions = 4\n\
+        dir.path(),
+        16777216,
+        "shm_max_regions = 4\n\
              shm_max_bytes_per_connection = 8388608\nshm_max_bytes = 12582912\n",
-            sock.display()
-        ),
     );
-    wait_segment_mounted(&mg);
     let value = value_of("shm/v", 100_000);
     let mut http = moongate_kv::Client::connect_unix(&sock).unwrap();
     http.put("shm/v", &value).unwrap();
@@ -307,15 +304,8 @@ fn bad_shared_memory_requests_get_errors_and_registrations_stay_bounded() {
 fn a_peer_of_another_uid_is_refused_and_http_still_serves() {
     let master = Master::start();
     let dir = tempdir();
-    let sock = dir.path().join("kv.sock");
-    let (mg, _kv) = kv_moongate(
-        &master,
-        &format!(
-            "segment_bytes = 16777216\nunix_path = \"{}\"\nshm_allowed_uids = [4242]\n",
-            sock.display()
-        ),
-    );
-    wait_segment_mounted(&mg);
+    let (mg, _kv, sock) =
+        kv_unix_moongate(&master, dir.path(), 16777216, "shm_allowed_uids = [4242]\n");
     match moongate_kv::shm::ShmConn::connect(sock.to_str().unwrap()) {
         Err(moongate_kv::shm::ShmError::Refused(code, msg)) => {
             assert_eq!(code, -13);

@@ -762,6 +762,27 @@ pub fn kv_moongate(master: &Master, extra: &str) -> (Moongate, String) {
     (mg, kv)
 }
 
+/// moongate with the kv face on TCP and on `DIR/kv.sock`, and an own segment of
+/// `segment_bytes` (mounted before this returns); `extra` adds `[kv]` keys:
+/// (moongate, TCP address, socket path).
+pub fn kv_unix_moongate(
+    master: &Master,
+    dir: &std::path::Path,
+    segment_bytes: u64,
+    extra: &str,
+) -> (Moongate, String, std::path::PathBuf) {
+    let sock = dir.join("kv.sock");
+    let (mg, kv) = kv_moongate(
+        master,
+        &format!(
+            "segment_bytes = {segment_bytes}\nunix_path = \"{}\"\n{extra}",
+            sock.display()
+        ),
+    );
+    wait_segment_mounted(&mg);
+    (mg, kv, sock)
+}
+
 /// Waits until moongate logs its own segment mounted; returns the segment's name
 /// (`host:port` of its TE-TCP listener).
 pub fn wait_segment_mounted(mg: &Moongate) -> String {

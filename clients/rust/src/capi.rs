@@ -23,7 +23,7 @@
 //! and a moongate with `kv.shm = false` take the copying path, with the same results.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Mutex;
@@ -74,8 +74,9 @@ pub struct mg_client {
     id: u64,
     address: Address,
     idle: Mutex<Vec<Client>>,
-    /// Mappings from `mg_alloc`, by address.
-    allocs: Mutex<HashMap<usize, Mapping>>,
+    /// Mappings from `mg_alloc`, by address (ordered: a pointer's mapping is the last
+    /// one that starts at or below it).
+    allocs: Mutex<BTreeMap<usize, Mapping>>,
     /// Idle shared-memory connections (`unix:` handles), each with its registrations.
     shm_idle: Mutex<Vec<ShmConn>>,
     /// moongate answered that it does not serve shared memory: copy from now on.
@@ -195,10 +196,9 @@ impl mg_client {
         let p = p as usize;
         let allocs = self.allocs.lock().unwrap_or_else(|e| e.into_inner());
         allocs
-            .iter()
-            .find(|(base, m)| {
-                p >= **base && p.checked_add(len).is_some_and(|e| e <= **base + m.len)
-            })
+            .range(..=p)
+            .next_back()
+            .filter(|(base, m)| p.checked_add(len).is_some_and(|e| e <= **base + m.len))
             .map(|(base, m)| (m.fd, *base, m.len))
     }
 
@@ -279,6 +279,26 @@ unsafe fn text<'a>(p: *const c_char, what: &str) -> Result<&'a str, Fail> {
         .map_err(|_| arg(format!("{what} is not UTF-8")))
 }
 
+/// A batch call's handle and keys, with its three other arrays (`null`: which are NULL,
+/// named `names`) checked: NULL is an error unless `n` is 0.
+///
+/// # Safety
+/// As [`handle`] and [`keys`].
+unsafe fn batch_args<'a>(
+    c: *mut mg_client,
+    keys: *const *const c_char,
+    n: usize,
+    null: [bool; 3],
+    names: &str,
+) -> Result<(&'a mg_client, Vec<&'a str>), Fail> {
+    // SAFETY: by this function's contract.
+    let (c, ks) = unsafe { (handle(c)?, self::keys(keys, n)?) };
+    if n > 0 && null.iter().any(|&b| b) {
+        return Err(arg(format!("NULL {names}")));
+    }
+    Ok((c, ks))
+}
+
 /// # Safety
 /// `keys` is NULL or points to `n` NUL-terminated strings.
 unsafe fn keys<'a>(keys: *const *const c_char, n: usize) -> Result<Vec<&'a str>, Fail> {
@@ -323,7 +343,7 @@ pub unsafe extern "C" fn mg_connect(address: *const c_char) -> *mut mg_client {
                 id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
                 address,
                 idle: Mutex::new(Vec::new()),
-                allocs: Mutex::new(HashMap::new()),
+                allocs: Mutex::new(BTreeMap::new()),
                 shm_idle: Mutex::new(Vec::new()),
                 shm_off: std::sync::atomic::AtomicBool::new(false),
             };
@@ -570,11 +590,9 @@ pub unsafe extern "C" fn mg_batch_put(
         id,
         |e| e,
         || {
+            let arrays = [data.is_null(), lens.is_null(), results.is_null()];
             // SAFETY: by this function's contract.
-            let (c, ks) = unsafe { (handle(c)?, self::keys(keys, n)?) };
-            if n > 0 && (data.is_null() || lens.is_null() || results.is_null()) {
-                return Err(arg("NULL data, lens or results"));
-            }
+            let (c, ks) = unsafe { batch_args(c, keys, n, arrays, "data, lens or results") }?;
             let mut items = Vec::with_capacity(n);
             for (i, k) in ks.iter().enumerate() {
                 // SAFETY: data and lens hold n elements; data[i] readable for lens[i].
@@ -618,11 +636,9 @@ pub unsafe extern "C" fn mg_batch_get_into(
         id,
         |e| e,
         || {
+            let arrays = [dst.is_null(), caps.is_null(), results.is_null()];
             // SAFETY: by this function's contract.
-            let (c, ks) = unsafe { (handle(c)?, self::keys(keys, n)?) };
-            if n > 0 && (dst.is_null() || caps.is_null() || results.is_null()) {
-                return Err(arg("NULL dst, caps or results"));
-            }
+            let (c, ks) = unsafe { batch_args(c, keys, n, arrays, "dst, caps or results") }?;
             // SAFETY: dst and caps hold n elements.
             let (dsts, cs) = unsafe {
                 (

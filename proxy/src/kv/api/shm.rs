@@ -319,13 +319,25 @@ async fn write_all(sock: &UnixStream, mut b: &[u8]) -> io::Result<()> {
     Ok(())
 }
 
+/// Sends an answer frame: its 12-byte head and `body` in one vectored write where the
+/// socket takes it (no frame buffer is built per answer).
 async fn answer(sock: &UnixStream, seq: u32, status: i32, body: &[u8]) -> io::Result<()> {
-    let mut f = Vec::with_capacity(12 + body.len());
-    f.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    f.extend_from_slice(&seq.to_le_bytes());
-    f.extend_from_slice(&status.to_le_bytes());
-    f.extend_from_slice(body);
-    write_all(sock, &f).await
+    let mut head = [0u8; 12];
+    head[..4].copy_from_slice(&(body.len() as u32).to_le_bytes());
+    head[4..8].copy_from_slice(&seq.to_le_bytes());
+    head[8..].copy_from_slice(&status.to_le_bytes());
+    let mut parts = [io::IoSlice::new(&head), io::IoSlice::new(body)];
+    let mut left: &mut [io::IoSlice<'_>] = &mut parts;
+    while !left.is_empty() {
+        sock.writable().await?;
+        match sock.try_write_vectored(left) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => io::IoSlice::advance_slices(&mut left, n),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// A frame body being read field by field.
