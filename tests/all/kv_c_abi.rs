@@ -114,10 +114,16 @@ fn a_c_program_uses_every_call_over_both_listeners() {
                 &format!("moongate_kv_shm_calls_total{{op=\"{op}\",result=\"ok\"}}"),
             )
         };
-        let now: Vec<f64> = ["register", "put_from", "get_into", "batch_get_into"]
-            .iter()
-            .map(|op| shm(op))
-            .collect();
+        let now: Vec<f64> = [
+            "register",
+            "put_from",
+            "get_into",
+            "batch_get_into",
+            "batch_put_from",
+        ]
+        .iter()
+        .map(|op| shm(op))
+        .collect();
         if static_lib {
             assert!(
                 now.iter().all(|&n| n >= 1.0),

@@ -230,6 +230,64 @@ fn bad_shared_memory_requests_get_errors_and_registrations_stay_bounded() {
         "{}",
         message(&b)
     );
+    // Batch put from the registration (op 6): a range outside it, an empty value, bytes
+    // after the last item: the whole call is refused and nothing is stored.
+    let items = |list: &[(u64, u64, &str)]| {
+        let mut b = region.to_le_bytes().to_vec();
+        b.extend_from_slice(&(list.len() as u32).to_le_bytes());
+        for (off, len, key) in list {
+            b.extend_from_slice(&off.to_le_bytes());
+            b.extend_from_slice(&len.to_le_bytes());
+            b.extend_from_slice(&(key.len() as u16).to_le_bytes());
+            b.extend_from_slice(key.as_bytes());
+        }
+        b
+    };
+    for (bad, why) in [
+        (
+            items(&[(0, 10, "shm/bp/a"), (1 << 20, 1, "shm/bp/b")]),
+            "outside",
+        ),
+        (items(&[(0, 10, "shm/bp/a"), (0, 0, "shm/bp/b")]), "0 bytes"),
+        (
+            [items(&[(0, 10, "shm/bp/a")]), b"x".to_vec()].concat(),
+            "after the last item",
+        ),
+    ] {
+        let (st, b) = a.call(6, &bad, None);
+        assert!(
+            st == -1 && message(&b).contains(why),
+            "{why}: {}",
+            message(&b)
+        );
+    }
+    assert_eq!(
+        http.get("shm/bp/a").unwrap(),
+        None,
+        "a refused batch stored a value"
+    );
+    // A good one: two values read from the memfd (overlapping ranges may share bytes),
+    // and a key already stored, refused as over HTTP (-11).
+    let (st, b) = a.call(
+        6,
+        &items(&[
+            (4096, 100_000, "shm/bp/a"),
+            (4096 + 50_000, 50_000, "shm/bp/b"),
+            (0, 10, "shm/v"),
+        ]),
+        None,
+    );
+    assert_eq!(st, 0, "{}", message(&b));
+    let codes: Vec<i32> = b
+        .chunks_exact(4)
+        .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(codes, [0, 0, -11]);
+    assert_eq!(http.get("shm/bp/a").unwrap().as_deref(), Some(&value[..]));
+    assert_eq!(
+        http.get("shm/bp/b").unwrap().as_deref(),
+        Some(&value[50_000..])
+    );
     // An unknown op, a short body: errors, and the connection goes on.
     let (st, _) = a.call(77, b"", None);
     assert_eq!(st, -1);

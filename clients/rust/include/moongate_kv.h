@@ -165,7 +165,9 @@ int mg_remove(mg_client *c, const char *key);
  Stores `n` values in one call: key `keys[i]`, `lens[i]` bytes at `data[i]`.
  `results[i]` gets 0 or the item's negative `MG_ERR_*` ([`MG_ERR_BUSY`]: retry that
  item). Returns 0 when the call went through (look at `results`), or a negative
- `MG_ERR_*` when it did not (no item is stored then).
+ `MG_ERR_*` when it did not (no item is stored then). When every value lies in one
+ [`mg_alloc`] region of a `unix:` handle, moongate reads them there (shared memory);
+ otherwise they are sent over the socket.
 
  # Safety
  `c` a live handle; `keys`, `data`, `lens` and `results` point to `n` elements each;

@@ -570,7 +570,9 @@ pub unsafe extern "C" fn mg_remove(c: *mut mg_client, key: *const c_char) -> c_i
 /// Stores `n` values in one call: key `keys[i]`, `lens[i]` bytes at `data[i]`.
 /// `results[i]` gets 0 or the item's negative `MG_ERR_*` ([`MG_ERR_BUSY`]: retry that
 /// item). Returns 0 when the call went through (look at `results`), or a negative
-/// `MG_ERR_*` when it did not (no item is stored then).
+/// `MG_ERR_*` when it did not (no item is stored then). When every value lies in one
+/// [`mg_alloc`] region of a `unix:` handle, moongate reads them there (shared memory);
+/// otherwise they are sent over the socket.
 ///
 /// # Safety
 /// `c` a live handle; `keys`, `data`, `lens` and `results` point to `n` elements each;
@@ -593,6 +595,38 @@ pub unsafe extern "C" fn mg_batch_put(
             let arrays = [data.is_null(), lens.is_null(), results.is_null()];
             // SAFETY: by this function's contract.
             let (c, ks) = unsafe { batch_args(c, keys, n, arrays, "data, lens or results") }?;
+            // SAFETY: data and lens hold n elements.
+            let (ds, ls) = unsafe {
+                (
+                    std::slice::from_raw_parts(data, n),
+                    std::slice::from_raw_parts(lens, n),
+                )
+            };
+            // Every value in one mg_alloc mapping: moongate reads them from it directly.
+            if let Some((fd, base, alen)) = ds.first().and_then(|&d| c.mapping_of(d, ls[0]))
+                && ds
+                    .iter()
+                    .zip(ls)
+                    .all(|(&d, &len)| c.mapping_of(d, len).is_some_and(|m| m.1 == base))
+            {
+                let items: Vec<(u64, u64, &str)> = ds
+                    .iter()
+                    .zip(ls)
+                    .zip(&ks)
+                    .map(|((&d, &len), k)| ((d as usize - base) as u64, len as u64, *k))
+                    .collect();
+                let r = c.with_shm(|s| {
+                    let region = s.region(fd, alen)?;
+                    s.batch_put_from(region, &items)
+                });
+                if let Some(r) = r {
+                    for (i, code) in r?.into_iter().enumerate() {
+                        // SAFETY: results holds n elements; the answer has n (checked).
+                        unsafe { *results.add(i) = code };
+                    }
+                    return Ok(MG_OK);
+                }
+            }
             let mut items = Vec::with_capacity(n);
             for (i, k) in ks.iter().enumerate() {
                 // SAFETY: data and lens hold n elements; data[i] readable for lens[i].

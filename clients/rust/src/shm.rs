@@ -14,6 +14,7 @@ const OP_REGISTER: u8 = 1;
 const OP_GET_INTO: u8 = 3;
 const OP_PUT_FROM: u8 = 4;
 const OP_BATCH_GET_INTO: u8 = 5;
+const OP_BATCH_PUT_FROM: u8 = 6;
 
 /// What a call failed with.
 #[derive(Debug)]
@@ -129,27 +130,53 @@ impl ShmConn {
         region: u32,
         items: &[(u64, u64, &str)],
     ) -> Result<Vec<i64>, ShmError> {
+        let a = self.batch(OP_BATCH_GET_INTO, region, items, 8)?;
+        Ok(a.chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap_or_default()))
+            .collect())
+    }
+
+    /// Stores each `(offset, len, key)` of `region` as one value: per item 0 or a
+    /// negative `MG_ERR_*`.
+    pub fn batch_put_from(
+        &mut self,
+        region: u32,
+        items: &[(u64, u64, &str)],
+    ) -> Result<Vec<i32>, ShmError> {
+        let a = self.batch(OP_BATCH_PUT_FROM, region, items, 4)?;
+        Ok(a.chunks_exact(4)
+            .map(|c| i32::from_le_bytes(c.try_into().unwrap_or_default()))
+            .collect())
+    }
+
+    /// One batch call: `(offset, u64, key)` items of `region`, answered by `per_item`
+    /// bytes per item (the answer's length checked).
+    fn batch(
+        &mut self,
+        op: u8,
+        region: u32,
+        items: &[(u64, u64, &str)],
+        per_item: usize,
+    ) -> Result<Vec<u8>, ShmError> {
         let mut body = Vec::with_capacity(8 + items.len() * 40);
         body.extend_from_slice(&region.to_le_bytes());
         body.extend_from_slice(&(items.len() as u32).to_le_bytes());
-        for (off, cap, key) in items {
+        for (off, len, key) in items {
             let klen = u16::try_from(key.len()).map_err(|_| io::Error::other("key too long"))?;
             body.extend_from_slice(&off.to_le_bytes());
-            body.extend_from_slice(&cap.to_le_bytes());
+            body.extend_from_slice(&len.to_le_bytes());
             body.extend_from_slice(&klen.to_le_bytes());
             body.extend_from_slice(key.as_bytes());
         }
         let seq = self.next_seq();
-        let mut frame = head(body.len(), seq, OP_BATCH_GET_INTO);
+        let mut frame = head(body.len(), seq, op);
         frame.extend_from_slice(&body);
         self.s.write_all(&frame)?;
         let a = self.answer(seq)?;
-        if a.len() != items.len() * 8 {
+        if a.len() != items.len() * per_item {
             return Err(io::Error::other("batch answer of the wrong length").into());
         }
-        Ok(a.chunks_exact(8)
-            .map(|c| i64::from_le_bytes(c.try_into().unwrap_or_default()))
-            .collect())
+        Ok(a)
     }
 
     fn call(

@@ -159,7 +159,7 @@ pub struct KvMetrics {
     pub master_busy: Counter,
     /// Shared-memory calls `[op - 1][ok, error]` (register, release, get_into,
     /// put_from, batch_get_into), and the rest.
-    shm_calls: [[Counter; 2]; 6],
+    shm_calls: [[Counter; 2]; 7],
     shm_registered_bytes: Gauge,
     shm_denied: Counter,
 }
@@ -250,7 +250,7 @@ impl KvMetrics {
         registry.register(
             "moongate_kv_shm_calls",
             "Shared-memory calls on the kv Unix socket by op (register, release, get_into, \
-             put_from, batch_get_into, other) and result (ok, error)",
+             put_from, batch_get_into, batch_put_from, other) and result (ok, error)",
             shm.clone(),
         );
         let shm_registered_bytes = Gauge::default();
@@ -311,6 +311,7 @@ impl KvMetrics {
                 "get_into",
                 "put_from",
                 "batch_get_into",
+                "batch_put_from",
                 "other",
             ]
             .map(|op| {
@@ -323,7 +324,7 @@ impl KvMetrics {
 
     /// Counts one shared-memory call of protocol op `op` (1-5; others as `other`).
     pub fn shm_call(&self, op: u8, ok: bool) {
-        let i = usize::from(op).wrapping_sub(1).min(5);
+        let i = usize::from(op).wrapping_sub(1).min(6);
         self.shm_calls[i][usize::from(!ok)].inc();
     }
 

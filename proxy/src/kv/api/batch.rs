@@ -47,7 +47,7 @@ fn failed_record(status: StatusCode, msg: &str) -> [Bytes; 2] {
 
 /// Where a batch of values weighing `sizes` is cut: the active arm's `split` hook when
 /// it has one (it sees the node's budget), else parts of `kv.batch_part_bytes`.
-fn part_starts(state: &KvState, first_key: &Bytes, sizes: &[u64]) -> Vec<usize> {
+pub(super) fn part_starts(state: &KvState, first_key: &Bytes, sizes: &[u64]) -> Vec<usize> {
     let set = state.policy.current();
     let arm = &set.arms[set.pick(&state.store.client_id(), Some(first_key))];
     if state.policy.splits_batches(arm) {
@@ -154,11 +154,40 @@ async fn flush(state: &KvState, part: &mut Part, out: &mut [Option<Outcome>]) {
     if part.values.is_empty() {
         return;
     }
-    state.metrics.batch_parts.inc();
     let p = std::mem::take(part);
+    match store_part(state, &p.values).await {
+        Ok(results) => {
+            for (&i, r) in p.at.iter().zip(results) {
+                out[i] = Some(match r {
+                    Ok(()) => Outcome::Ok,
+                    Err(e) => Outcome::of(&e),
+                });
+            }
+        }
+        Err(e) => {
+            for &i in &p.at {
+                out[i] = Some(Outcome::of(&e));
+            }
+        }
+    }
+    drop(p.room);
+}
+
+/// Stores `values` as one `BatchPutStart` through the policy host, the hooks told how
+/// it went: one result per key, or the error of the whole part (the master's answers
+/// unusable). The HTTP batch put and the shared-memory one (values in an engine's
+/// memory) both store their parts here.
+pub(super) async fn store_part<V: AsRef<[u8]> + Sync>(
+    state: &KvState,
+    values: &[(Bytes, V)],
+) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+    state.metrics.batch_parts.inc();
     let start = state.store.batch_put_start(
-        p.values.iter().map(|(k, _)| k.clone()).collect(),
-        p.values.iter().map(|(_, v)| v.len() as u64).collect(),
+        values.iter().map(|(k, _)| k.clone()).collect(),
+        values
+            .iter()
+            .map(|(_, v)| v.as_ref().len() as u64)
+            .collect(),
     );
     let started = std::time::Instant::now();
     let (ticket, decided) = decide(state, start);
@@ -170,7 +199,7 @@ async fn flush(state: &KvState, part: &mut Part, out: &mut [Option<Outcome>]) {
                 crate::codec::message::Response::BatchPutStart(v) => v,
                 _ => Vec::new(),
             };
-            let refused: Vec<StoreError> = (0..p.at.len())
+            let refused: Vec<StoreError> = (0..values.len())
                 .map(|n| {
                     StoreError::Refused(
                         codes
@@ -187,44 +216,28 @@ async fn flush(state: &KvState, part: &mut Part, out: &mut [Option<Outcome>]) {
                 refused.iter().map(Err),
                 None,
             );
-            for (&i, e) in p.at.iter().zip(&refused) {
-                out[i] = Some(Outcome::of(e));
-            }
-            return;
+            return Ok(refused.into_iter().map(Err).collect());
         }
     };
-    let results = state.store.put_many(&p.values, start, fixup.as_ref()).await;
+    let results = state.store.put_many(values, start, fixup.as_ref()).await;
     let latency = Some(started.elapsed());
-    match results {
-        Ok(results) => {
-            settle(
-                state,
-                ticket.as_ref(),
-                crate::codec::Method::BatchPutStart,
-                results.iter().map(|r| r.as_ref().map(|_| ())),
-                latency,
-            );
-            for (&i, r) in p.at.iter().zip(results) {
-                out[i] = Some(match r {
-                    Ok(()) => Outcome::Ok,
-                    Err(e) => Outcome::of(&e),
-                });
-            }
-        }
-        Err(e) => {
-            settle(
-                state,
-                ticket.as_ref(),
-                crate::codec::Method::BatchPutStart,
-                p.at.iter().map(|_| Err(&e)),
-                latency,
-            );
-            for &i in &p.at {
-                out[i] = Some(Outcome::of(&e));
-            }
-        }
+    match &results {
+        Ok(results) => settle(
+            state,
+            ticket.as_ref(),
+            crate::codec::Method::BatchPutStart,
+            results.iter().map(|r| r.as_ref().map(|_| ())),
+            latency,
+        ),
+        Err(e) => settle(
+            state,
+            ticket.as_ref(),
+            crate::codec::Method::BatchPutStart,
+            values.iter().map(|_| Err(e)),
+            latency,
+        ),
     }
-    drop(p.room);
+    results
 }
 
 /// What a batch put answers: the per-key outcomes (201 for stored keys), and for a body

@@ -16,6 +16,7 @@
 //! | 3 get into | `u32 region, u64 offset, u64 cap, key` | `u64 len` |
 //! | 4 put from | `u32 region, u64 offset, u64 len, key` | |
 //! | 5 batch get into | `u32 region, u32 n, n x (u64 offset, u64 cap, u16 key_len, key)` | `n x i64` (length or code) |
+//! | 6 batch put from | `u32 region, u32 n, n x (u64 offset, u64 len, u16 key_len, key)` | `n x i32` (0 or code) |
 //!
 //! Safety rules, each checked here: the peer's uid must be allowed
 //! (`kv.shm_allowed_uids`, SO_PEERCRED); a registered memfd must be sealed against
@@ -48,6 +49,7 @@ const OP_RELEASE: u8 = 2;
 const OP_GET_INTO: u8 = 3;
 const OP_PUT_FROM: u8 = 4;
 const OP_BATCH_GET_INTO: u8 = 5;
+const OP_BATCH_PUT_FROM: u8 = 6;
 
 // The answer codes: the C library's MG_ERR_* numbers (clients/rust/src/capi.rs).
 const ERR_ARG: i32 = -1;
@@ -181,6 +183,15 @@ impl Region {
                 self.len
             ))),
         }
+    }
+
+    /// The bytes at a checked range, to read (a value put from them).
+    ///
+    /// # Safety
+    /// No live `slice` of this region overlaps the range (shared reads may overlap).
+    unsafe fn bytes(&self, (off, len): (usize, usize)) -> &[u8] {
+        // SAFETY: in bounds by `range`; no exclusive slice overlaps, by the caller.
+        unsafe { std::slice::from_raw_parts(self.ptr.add(off), len) }
     }
 
     /// The bytes at a checked range.
@@ -540,6 +551,68 @@ impl Conn<'_> {
         Ok(Vec::new())
     }
 
+    /// Puts each `(offset, len, key)` of `region` in parts cut as the HTTP batch put
+    /// cuts them (the policy's `split`, else `kv.batch_part_bytes`), each one
+    /// `BatchPutStart` through the policy host; nothing is buffered here, so no budget
+    /// is taken. Per item 0 or a negative code.
+    async fn batch_put_from(&self, f: &mut Fields<'_>) -> Result<Vec<u8>, Fail> {
+        let (id, n) = (f.u32()?, f.u32()? as usize);
+        if n > self.state.max_batch_keys {
+            return Err(Fail::arg(format!(
+                "{n} keys (kv.max_batch_keys = {})",
+                self.state.max_batch_keys
+            )));
+        }
+        let r = self.region(id)?;
+        let mut items = Vec::with_capacity(n);
+        for _ in 0..n {
+            let (off, len) = (f.u64()?, f.u64()?);
+            let klen = f.u16()? as usize;
+            let key = self.key(f.bytes(klen)?)?;
+            if len == 0 || len > self.state.max_value_bytes as u64 {
+                return Err(Fail::arg(format!(
+                    "a value of {len} bytes (1 to kv.max_value_bytes = {})",
+                    self.state.max_value_bytes
+                )));
+            }
+            // SAFETY: reads only; no exclusive slice of the region is live in this call.
+            items.push((key, unsafe { r.bytes(r.range(off, len)?) }));
+        }
+        if !f.0.is_empty() {
+            return Err(Fail::arg("bytes after the last item"));
+        }
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let sizes: Vec<u64> = items.iter().map(|(_, v)| v.len() as u64).collect();
+        let mut starts = super::batch::part_starts(self.state, &items[0].0, &sizes);
+        starts.push(n);
+        let mut out = Vec::with_capacity(n * 4);
+        let mut from = 0;
+        for to in starts {
+            let to = to.min(n);
+            if to <= from {
+                continue;
+            }
+            let part = &items[from..to];
+            match super::batch::store_part(self.state, part).await {
+                Ok(results) => {
+                    for r in results {
+                        let code = r.map_or_else(|e| code_of(&e), |()| 0);
+                        out.extend_from_slice(&code.to_le_bytes());
+                    }
+                }
+                Err(e) => {
+                    for _ in part {
+                        out.extend_from_slice(&code_of(&e).to_le_bytes());
+                    }
+                }
+            }
+            from = to;
+        }
+        Ok(out)
+    }
+
     async fn batch_get_into(&self, f: &mut Fields<'_>) -> Result<Vec<u8>, Fail> {
         let (id, n) = (f.u32()?, f.u32()? as usize);
         if n > self.state.max_batch_keys {
@@ -666,6 +739,7 @@ async fn serve(
             OP_GET_INTO => conn.get_into(&mut f).await,
             OP_PUT_FROM => conn.put_from(&mut f).await,
             OP_BATCH_GET_INTO => conn.batch_get_into(&mut f).await,
+            OP_BATCH_PUT_FROM => conn.batch_put_from(&mut f).await,
             other => Err(Fail::arg(format!("unknown op {other}"))),
         };
         state.metrics.shm_call(op, r.is_ok());

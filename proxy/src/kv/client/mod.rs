@@ -467,9 +467,9 @@ impl Store {
     /// with one `BatchPutEnd`, the failed ones are revoked with one `BatchPutRevoke`.
     /// One result per key in order; `Err` as a whole when the master's answers are
     /// unusable.
-    pub async fn put_many(
+    pub async fn put_many<V: AsRef<[u8]> + Sync>(
         &self,
-        values: &[(Bytes, Bytes)],
+        values: &[(Bytes, V)],
         start: Request,
         fixup: Option<&crate::policy::Fixup>,
     ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
@@ -485,7 +485,7 @@ impl Store {
         // (allocated, outcome): only allocated keys are ended or revoked.
         let mut jobs = Vec::with_capacity(values.len());
         for ((_, v), s) in values.iter().zip(started) {
-            jobs.push(self.write_allocated(s, v));
+            jobs.push(self.write_allocated(s, v.as_ref()));
         }
         let mut done = in_order(jobs, BATCH_CONCURRENCY).await;
         let (mut ended, mut revoked, mut with_disk, mut disk_failed) =
@@ -561,7 +561,7 @@ impl Store {
     async fn write_allocated(
         &self,
         started: Result<Vec<crate::codec::types::ReplicaDescriptor>, ErrorCode>,
-        value: &Bytes,
+        value: &[u8],
     ) -> (bool, Result<Stored, StoreError>) {
         match started {
             Ok(replicas) => (true, self.xfer.write_replicas(&replicas, value).await),
