@@ -105,6 +105,11 @@ int main(int argc, char **argv) {
   CHECK(found[0] == 1 && found[1] == 0 && found[2] == 1, "found %d %d %d", found[0], found[1],
         found[2]);
   CHECK(mg_remove(c, key2) == MG_ERR_NOT_FOUND, "remove absent");
+  /* A stored key removed (204, no body), then absent; the handle goes on. */
+  CHECK(mg_put(c, key2, "gone", 4) == MG_OK, "put to remove: %s", mg_last_error(c));
+  CHECK(mg_remove(c, key2) == MG_OK, "remove: %s", mg_last_error(c));
+  CHECK(mg_get_into(c, key2, got, big) == MG_ERR_NOT_FOUND, "removed key still read");
+  CHECK(mg_remove(c, key2) == MG_ERR_NOT_FOUND, "remove twice");
 
   /* Batches: put three (one already stored), get three (one absent, one too small). */
   snprintf(key2, sizeof key2, "%s/b1", prefix);

@@ -200,6 +200,11 @@ impl Client {
                 chunked = value.trim().eq_ignore_ascii_case("chunked");
             }
         }
+        // 204 and 304 answers have no body, whatever their headers say (RFC 9112 6.3);
+        // moongate answers a DELETE with 204 and no Content-Length.
+        if matches!(status, 204 | 304) {
+            return Ok((status, Body::Length(0)));
+        }
         if chunked {
             return Ok((status, Body::Chunked));
         }
