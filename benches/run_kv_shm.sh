@@ -6,7 +6,9 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 bash scripts/bootstrap.sh
-cargo build --release --locked --bin moongate -p moongate -p moongate-kv
+# Two builds: with --bin, cargo builds only that binary, and the library would be stale.
+cargo build --release --locked --bin moongate
+cargo build --release --locked -p moongate-kv --lib
 py=${MOONGATE_PYTHON:-$root/.venv/bin/python}
 exec "$py" benches/kv_shm.py --moongate target/release/moongate \
   --lib target/release/libmoongate_kv.so "$@"
