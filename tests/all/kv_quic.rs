@@ -18,7 +18,9 @@ fn two_moongates_move_values_over_quic_and_fall_back_to_tcp() {
     );
     let name = wait_segment_mounted(&b);
     assert!(b.proc.log_text().contains("own segment served over QUIC"));
-    let (a, a_kv) = kv_moongate(&master, "");
+    let dir = tempdir();
+    let sock = dir.path().join("kv.sock");
+    let (a, a_kv) = kv_moongate(&master, &format!("unix_path = \"{}\"\n", sock.display()));
     let logs = [&master.proc, &a.proc, &b.proc];
     let all = || {
         logs.iter()
@@ -62,6 +64,39 @@ fn two_moongates_move_values_over_quic_and_fall_back_to_tcp() {
     };
     assert_eq!((t("quic", "write"), t("quic", "read")), (2.0, 2.0), "{m}");
     assert_eq!((t("tcp", "write"), t("tcp", "read")), (0.0, 0.0), "{m}");
+
+    // A's shared-memory path: B's value read over QUIC straight into an engine's memfd.
+    {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::FileExt;
+        let len = 8u64 << 20;
+        let fd = crate::kv_shm::memfd(len, true);
+        let mut c = moongate_kv::shm::ShmConn::connect(sock.to_str().unwrap()).unwrap();
+        let region = c.region(fd.as_raw_fd(), len as usize).unwrap();
+        let big = (3 << 20) + 7;
+        assert_eq!(
+            c.get_into(region, 4096, 4 << 20, "own/big").unwrap(),
+            big as u64
+        );
+        let mut got = vec![0u8; big];
+        std::fs::File::from(fd)
+            .read_exact_at(&mut got, 4096)
+            .unwrap();
+        assert!(
+            got == value_of("own/big", big),
+            "the bytes read over QUIC into the memfd differ"
+        );
+    }
+    let m = a.metrics();
+    let t = |transport: &str, dir: &str| {
+        metric_value(
+            &m,
+            &format!(
+                "moongate_kv_transfers_total{{transport=\"{transport}\",direction=\"{dir}\"}}"
+            ),
+        )
+    };
+    assert_eq!((t("quic", "read"), t("tcp", "read")), (3.0, 0.0), "{m}");
     assert!(
         a.proc
             .log_text()

@@ -96,7 +96,7 @@ fn send_with_fd(s: &UnixStream, data: &[u8], fd: RawFd) {
 }
 
 /// A memfd of `len` bytes, sealed against shrinking when `sealed`.
-fn memfd(len: u64, sealed: bool) -> OwnedFd {
+pub(crate) fn memfd(len: u64, sealed: bool) -> OwnedFd {
     // SAFETY: test code: plain syscalls on a new fd.
     unsafe {
         let fd = libc::memfd_create(c"t".as_ptr(), libc::MFD_ALLOW_SEALING);

@@ -368,7 +368,7 @@ impl Transfers {
     }
 
     /// Moves the replica `d` into `dst` (exactly its size): in place from the own
-    /// segment, over TE-TCP straight into `dst`, or over QUIC (read, then copied).
+    /// segment, or over QUIC or TE-TCP straight into `dst`.
     pub(super) async fn fetch_into(
         &self,
         d: &BufferDescriptor,
@@ -387,13 +387,14 @@ impl Transfers {
         }
         let seg = self.segment_of(d).await?;
         let (at, n) = (d.buffer_address, d.size);
-        if let Some(v) = self
-            .via_quic(&d.transport_endpoint, |q, peer| async move {
-                q.read(&peer, at, n).await
+        let quic = {
+            let to = &mut *dst;
+            self.via_quic(&d.transport_endpoint, |q, peer| async move {
+                q.read_to(&peer, at, to).await
             })
             .await
-        {
-            dst.copy_from_slice(&v);
+        };
+        if quic.is_some() {
             self.metrics.transfer(Transport::Quic, Dir::Read, n);
             return Ok(());
         }

@@ -459,17 +459,29 @@ impl QuicPool {
     }
 
     pub async fn read(&self, peer: &QuicPeer, addr: u64, len: u64) -> Result<Bytes, QuicError> {
-        let conn = self.conn(peer).await?;
         let mut out = BytesMut::zeroed(len as usize);
-        let mut rest = &mut out[..];
+        self.read_to(peer, addr, &mut out).await?;
+        Ok(out.freeze())
+    }
+
+    /// Reads `out.len()` bytes at `addr` straight into `out` (a caller's memory: the
+    /// shared-memory path reads into an engine's registration this way).
+    pub async fn read_to(
+        &self,
+        peer: &QuicPeer,
+        addr: u64,
+        out: &mut [u8],
+    ) -> Result<(), QuicError> {
+        let conn = self.conn(peer).await?;
+        let mut rest = out;
         let mut jobs = Vec::new();
-        for (off, n) in self.ranges(len) {
+        for (off, n) in self.ranges(rest.len() as u64) {
             let (chunk, tail) = rest.split_at_mut(n as usize);
             rest = tail;
             jobs.push(self.one(&conn, peer.addr, addr + off, Op::Read(chunk)));
         }
         futures_util::future::try_join_all(jobs).await?;
-        Ok(out.freeze())
+        Ok(())
     }
 
     pub async fn write(&self, peer: &QuicPeer, addr: u64, data: &[u8]) -> Result<(), QuicError> {
