@@ -5,6 +5,22 @@
 
 use crate::support::*;
 
+/// A moongate's metrics page, and its `moongate_kv_transfers_total` by transport and
+/// direction.
+fn transfers(mg: &Moongate) -> (String, impl Fn(&str, &str) -> f64) {
+    let m = mg.metrics();
+    let page = m.clone();
+    let count = move |transport: &str, dir: &str| {
+        metric_value(
+            &page,
+            &format!(
+                "moongate_kv_transfers_total{{transport=\"{transport}\",direction=\"{dir}\"}}"
+            ),
+        )
+    };
+    (m, count)
+}
+
 fn enc(key: &str) -> String {
     format!("/v1/kv/{}", key.replace('/', "%2F"))
 }
@@ -53,15 +69,7 @@ fn two_moongates_move_values_over_quic_and_fall_back_to_tcp() {
         "{st}"
     );
 
-    let m = a.metrics();
-    let t = |transport: &str, dir: &str| {
-        metric_value(
-            &m,
-            &format!(
-                "moongate_kv_transfers_total{{transport=\"{transport}\",direction=\"{dir}\"}}"
-            ),
-        )
-    };
+    let (m, t) = transfers(&a);
     assert_eq!((t("quic", "write"), t("quic", "read")), (2.0, 2.0), "{m}");
     assert_eq!((t("tcp", "write"), t("tcp", "read")), (0.0, 0.0), "{m}");
 
@@ -87,15 +95,7 @@ fn two_moongates_move_values_over_quic_and_fall_back_to_tcp() {
             "the bytes read over QUIC into the memfd differ"
         );
     }
-    let m = a.metrics();
-    let t = |transport: &str, dir: &str| {
-        metric_value(
-            &m,
-            &format!(
-                "moongate_kv_transfers_total{{transport=\"{transport}\",direction=\"{dir}\"}}"
-            ),
-        )
-    };
+    let (m, t) = transfers(&a);
     assert_eq!((t("quic", "read"), t("tcp", "read")), (3.0, 0.0), "{m}");
     assert!(
         a.proc

@@ -67,6 +67,9 @@ pub const MG_ERR_NO_ROOM: c_int = -12;
 /// Idle connections a handle keeps for reuse.
 const MAX_IDLE: usize = 64;
 
+/// A batch's items in one shared mapping: `(offset in it, length, key)`.
+type ShmItems<'k> = Vec<(u64, u64, &'k str)>;
+
 /// A handle: where moongate is, a pool of connections to it, and the memory
 /// [`mg_alloc`] handed out. Opaque to C.
 #[allow(non_camel_case_types)]
@@ -187,19 +190,44 @@ impl mg_client {
 
     /// The `mg_alloc` mapping holding `[p, p + len)`: its memfd, base and length.
     fn mapping_of(&self, p: *const c_void, len: usize) -> Option<(c_int, usize, usize)> {
+        self.mapping_at(p as usize, len)
+    }
+
+    /// [`mg_client::mapping_of`] by address.
+    fn mapping_at(&self, p: usize, len: usize) -> Option<(c_int, usize, usize)> {
         if !matches!(self.address, Address::Unix(_))
             || self.shm_off.load(Ordering::Relaxed)
             || len == 0
         {
             return None;
         }
-        let p = p as usize;
         let allocs = self.allocs.lock().unwrap_or_else(|e| e.into_inner());
         allocs
             .range(..=p)
             .next_back()
             .filter(|(base, m)| p.checked_add(len).is_some_and(|e| e <= **base + m.len))
             .map(|(base, m)| (m.fd, *base, m.len))
+    }
+
+    /// When every buffer `ptrs[i]` (of `lens[i]` bytes) lies in one `mg_alloc` mapping:
+    /// its memfd, its length, and the batch items `(offset in it, length, key)`.
+    fn in_one_mapping<'k>(
+        &self,
+        ptrs: impl ExactSizeIterator<Item = usize>,
+        lens: &[usize],
+        keys: &[&'k str],
+    ) -> Option<(c_int, usize, ShmItems<'k>)> {
+        let mut items = Vec::with_capacity(ptrs.len());
+        let mut first = None;
+        for ((p, &len), &k) in ptrs.zip(lens).zip(keys) {
+            let (fd, base, alen) = self.mapping_at(p, len)?;
+            if *first.get_or_insert((fd, base, alen)) != (fd, base, alen) {
+                return None;
+            }
+            items.push(((p - base) as u64, len as u64, k));
+        }
+        let (fd, _, alen) = first?;
+        Some((fd, alen, items))
     }
 
     /// Runs `f` on a pooled shared-memory connection; `None` when moongate does not
@@ -603,18 +631,9 @@ pub unsafe extern "C" fn mg_batch_put(
                 )
             };
             // Every value in one mg_alloc mapping: moongate reads them from it directly.
-            if let Some((fd, base, alen)) = ds.first().and_then(|&d| c.mapping_of(d, ls[0]))
-                && ds
-                    .iter()
-                    .zip(ls)
-                    .all(|(&d, &len)| c.mapping_of(d, len).is_some_and(|m| m.1 == base))
+            if let Some((fd, alen, items)) =
+                c.in_one_mapping(ds.iter().map(|&p| p as usize), ls, &ks)
             {
-                let items: Vec<(u64, u64, &str)> = ds
-                    .iter()
-                    .zip(ls)
-                    .zip(&ks)
-                    .map(|((&d, &len), k)| ((d as usize - base) as u64, len as u64, *k))
-                    .collect();
                 let r = c.with_shm(|s| {
                     let region = s.region(fd, alen)?;
                     s.batch_put_from(region, &items)
@@ -681,19 +700,9 @@ pub unsafe extern "C" fn mg_batch_get_into(
                 )
             };
             // Every buffer in one mg_alloc mapping: moongate reads into it directly.
-            let first = dsts.first().and_then(|&d| c.mapping_of(d, cs[0]));
-            if let Some((fd, base, alen)) = first
-                && dsts
-                    .iter()
-                    .zip(cs)
-                    .all(|(&d, &cap)| c.mapping_of(d, cap).is_some_and(|m| m.1 == base))
+            if let Some((fd, alen, items)) =
+                c.in_one_mapping(dsts.iter().map(|&p| p as usize), cs, &ks)
             {
-                let items: Vec<(u64, u64, &str)> = dsts
-                    .iter()
-                    .zip(cs)
-                    .zip(&ks)
-                    .map(|((&d, &cap), k)| ((d as usize - base) as u64, cap as u64, *k))
-                    .collect();
                 let r = c.with_shm(|s| {
                     let region = s.region(fd, alen)?;
                     s.batch_get_into(region, &items)

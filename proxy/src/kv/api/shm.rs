@@ -206,6 +206,9 @@ impl Region {
     }
 }
 
+/// A batch's keys, each with its checked `(offset, len)` in the region.
+type BatchItems = Vec<(Bytes, (usize, usize))>;
+
 /// An error answer.
 struct Fail(i32, String);
 
@@ -556,30 +559,18 @@ impl Conn<'_> {
     /// `BatchPutStart` through the policy host; nothing is buffered here, so no budget
     /// is taken. Per item 0 or a negative code.
     async fn batch_put_from(&self, f: &mut Fields<'_>) -> Result<Vec<u8>, Fail> {
-        let (id, n) = (f.u32()?, f.u32()? as usize);
-        if n > self.state.max_batch_keys {
-            return Err(Fail::arg(format!(
-                "{n} keys (kv.max_batch_keys = {})",
-                self.state.max_batch_keys
-            )));
-        }
-        let r = self.region(id)?;
+        let (r, parsed) = self.batch_items(f)?;
+        let n = parsed.len();
         let mut items = Vec::with_capacity(n);
-        for _ in 0..n {
-            let (off, len) = (f.u64()?, f.u64()?);
-            let klen = f.u16()? as usize;
-            let key = self.key(f.bytes(klen)?)?;
-            if len == 0 || len > self.state.max_value_bytes as u64 {
+        for (key, range) in parsed {
+            if range.1 == 0 || range.1 > self.state.max_value_bytes {
                 return Err(Fail::arg(format!(
-                    "a value of {len} bytes (1 to kv.max_value_bytes = {})",
-                    self.state.max_value_bytes
+                    "a value of {} bytes (1 to kv.max_value_bytes = {})",
+                    range.1, self.state.max_value_bytes
                 )));
             }
             // SAFETY: reads only; no exclusive slice of the region is live in this call.
-            items.push((key, unsafe { r.bytes(r.range(off, len)?) }));
-        }
-        if !f.0.is_empty() {
-            return Err(Fail::arg("bytes after the last item"));
+            items.push((key, unsafe { r.bytes(range) }));
         }
         if n == 0 {
             return Ok(Vec::new());
@@ -613,7 +604,10 @@ impl Conn<'_> {
         Ok(out)
     }
 
-    async fn batch_get_into(&self, f: &mut Fields<'_>) -> Result<Vec<u8>, Fail> {
+    /// A batch frame's region and items: `u32 region, u32 n`, then n x `(u64 offset,
+    /// u64 len, u16 key_len, key)`, every range checked inside the region, at most
+    /// `kv.max_batch_keys` items, nothing after the last one.
+    fn batch_items(&self, f: &mut Fields<'_>) -> Result<(&Region, BatchItems), Fail> {
         let (id, n) = (f.u32()?, f.u32()? as usize);
         if n > self.state.max_batch_keys {
             return Err(Fail::arg(format!(
@@ -624,14 +618,19 @@ impl Conn<'_> {
         let r = self.region(id)?;
         let mut items = Vec::with_capacity(n);
         for _ in 0..n {
-            let (off, cap) = (f.u64()?, f.u64()?);
+            let (off, len) = (f.u64()?, f.u64()?);
             let klen = f.u16()? as usize;
             let key = self.key(f.bytes(klen)?)?;
-            items.push((key, r.range(off, cap)?));
+            items.push((key, r.range(off, len)?));
         }
         if !f.0.is_empty() {
             return Err(Fail::arg("bytes after the last item"));
         }
+        Ok((r, items))
+    }
+
+    async fn batch_get_into(&self, f: &mut Fields<'_>) -> Result<Vec<u8>, Fail> {
+        let (r, items) = self.batch_items(f)?;
         let mut sorted: Vec<(usize, usize)> = items.iter().map(|(_, r)| *r).collect();
         sorted.sort_unstable();
         if sorted.windows(2).any(|w| w[0].0 + w[0].1 > w[1].0) {
