@@ -461,3 +461,58 @@ fn shared_memory_reads_and_writes_remote_segments_byte_exact() {
         libc::munmap(view.as_mut_ptr().cast(), len as usize);
     }
 }
+
+/// The C library keys registrations by fd, and a freed mapping's fd comes back from the
+/// next `mg_alloc`: a connection that another thread was using while `mg_free` ran
+/// must not serve the new mapping with the old registration (moongate would write
+/// into the freed memfd and the caller's new buffer would stay empty).
+#[test]
+fn a_free_while_another_thread_calls_never_reads_into_the_freed_memory() {
+    use moongate_kv::capi::{mg_alloc, mg_close, mg_connect, mg_free, mg_get_into, mg_put};
+    use std::ffi::CString;
+    let master = Master::start();
+    let dir = tempdir();
+    let (_mg, _kv, sock) = kv_unix_moongate(&master, dir.path(), 64 << 20, "");
+    let addr = CString::new(format!("unix:{}", sock.display())).unwrap();
+    let (big_key, small_key) = (c"race/big", c"race/small");
+    let (big, small) = (16usize << 20, 4096usize);
+    let small_value = value_of("race/small", small);
+    // SAFETY: test code, calling the C API by its contract (live handle, buffers from
+    // mg_alloc of the stated sizes, each freed once).
+    unsafe {
+        let c = mg_connect(addr.as_ptr());
+        assert!(!c.is_null());
+        let a = mg_alloc(c, big).cast::<u8>();
+        assert!(!a.is_null());
+        std::slice::from_raw_parts_mut(a, big).fill(7);
+        assert_eq!(mg_put(c, big_key.as_ptr(), a.cast(), big), 0);
+        std::ptr::copy_nonoverlapping(small_value.as_ptr(), a, small);
+        assert_eq!(mg_put(c, small_key.as_ptr(), a.cast(), small), 0);
+        let (ca, aa) = (c as usize, a as usize);
+        for round in 0..20 {
+            // b is registered on the (only) idle shared-memory connection ...
+            let b = mg_alloc(c, 1 << 20);
+            assert_eq!(mg_get_into(c, small_key.as_ptr(), b, small), small as i64);
+            // ... which a long read on another thread takes while b is freed and a new
+            // mapping (most likely on b's fd number) is made.
+            let (tx, rx) = std::sync::mpsc::channel();
+            let long = std::thread::spawn(move || {
+                tx.send(()).unwrap();
+                mg_get_into(ca as *mut _, big_key.as_ptr(), aa as *mut _, big)
+            });
+            rx.recv().unwrap();
+            std::thread::sleep(Duration::from_micros(300));
+            assert_eq!(mg_free(c, b), 0);
+            let nb = mg_alloc(c, 1 << 20);
+            assert!(!nb.is_null());
+            assert_eq!(long.join().unwrap(), big as i64);
+            assert_eq!(mg_get_into(c, small_key.as_ptr(), nb, small), small as i64);
+            assert!(
+                std::slice::from_raw_parts(nb.cast::<u8>(), small) == &small_value[..],
+                "round {round}: the new mapping did not get the value"
+            );
+            assert_eq!(mg_free(c, nb), 0);
+        }
+        mg_close(c);
+    }
+}

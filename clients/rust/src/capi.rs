@@ -80,8 +80,13 @@ pub struct mg_client {
     /// Mappings from `mg_alloc`, by address (ordered: a pointer's mapping is the last
     /// one that starts at or below it).
     allocs: Mutex<BTreeMap<usize, Mapping>>,
-    /// Idle shared-memory connections (`unix:` handles), each with its registrations.
-    shm_idle: Mutex<Vec<ShmConn>>,
+    /// Idle shared-memory connections (`unix:` handles), each with its registrations
+    /// and the [`mg_client::shm_epoch`] it was opened in.
+    shm_idle: Mutex<Vec<(u64, ShmConn)>>,
+    /// Counts `mg_free` calls. Registrations are keyed by fd, and a freed mapping's fd
+    /// may come back from a later `mg_alloc`: a connection opened before a free (idle
+    /// then, or in use by another thread) is not used again after it.
+    shm_epoch: AtomicU64,
     /// moongate answered that it does not serve shared memory: copy from now on.
     shm_off: std::sync::atomic::AtomicBool,
 }
@@ -240,11 +245,14 @@ impl mg_client {
         let Address::Unix(path) = &self.address else {
             return None;
         };
-        let pooled = self
-            .shm_idle
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop();
+        // Read before the connection is used: a free while it is in use makes it stale.
+        let epoch = self.shm_epoch.load(Ordering::SeqCst);
+        let pooled = {
+            let mut idle = self.shm_idle.lock().unwrap_or_else(|p| p.into_inner());
+            // Connections from before an mg_free (pushed back as it ran) are dropped.
+            idle.retain(|(e, _)| *e == epoch);
+            idle.pop().map(|(_, c)| c)
+        };
         let mut conn = match pooled {
             Some(c) => c,
             None => match ShmConn::connect(path) {
@@ -257,10 +265,10 @@ impl mg_client {
             },
         };
         let r = f(&mut conn);
-        if !matches!(r, Err(ShmError::Io(_))) {
+        if !matches!(r, Err(ShmError::Io(_))) && self.shm_epoch.load(Ordering::SeqCst) == epoch {
             let mut idle = self.shm_idle.lock().unwrap_or_else(|p| p.into_inner());
             if idle.len() < MAX_IDLE {
-                idle.push(conn);
+                idle.push((epoch, conn));
             }
         }
         Some(r.map_err(Fail::from))
@@ -373,6 +381,7 @@ pub unsafe extern "C" fn mg_connect(address: *const c_char) -> *mut mg_client {
                 idle: Mutex::new(Vec::new()),
                 allocs: Mutex::new(BTreeMap::new()),
                 shm_idle: Mutex::new(Vec::new()),
+                shm_epoch: AtomicU64::new(0),
                 shm_off: std::sync::atomic::AtomicBool::new(false),
             };
             let first = c
@@ -835,8 +844,10 @@ pub unsafe extern "C" fn mg_free(c: *mut mg_client, p: *mut c_void) -> c_int {
                         "mg_free of {p:?}: not from mg_alloc on this handle"
                     ))
                 })?;
-            // Idle shared-memory connections may hold a registration of it (keyed by its
-            // fd, which a later mg_alloc may reuse): closing them releases every one.
+            // Shared-memory connections may hold a registration of it (keyed by its fd,
+            // which a later mg_alloc may reuse): the idle ones close now (releasing
+            // every registration), those in use close when they come back.
+            c.shm_epoch.fetch_add(1, Ordering::SeqCst);
             c.shm_idle.lock().unwrap_or_else(|p| p.into_inner()).clear();
             // SAFETY: the mapping mg_alloc made at p, of m.len bytes.
             unsafe {
