@@ -440,6 +440,17 @@ fn shared_memory_reads_and_writes_remote_segments_byte_exact() {
         Err(moongate_kv::shm::ShmError::Refused(-11, _)) => {}
         other => panic!("a second put of kv/small: {other:?}"),
     }
+    // Released, the registration is gone from moongate; the next use registers anew.
+    assert_eq!(registered(&mg), len as f64);
+    c.release(fd.as_raw_fd()).unwrap();
+    c.release(fd.as_raw_fd()).unwrap();
+    assert_eq!(registered(&mg), 0.0);
+    let region = c.region(fd.as_raw_fd(), len as usize).unwrap();
+    assert_eq!(
+        c.get_into(region, 0, 8192, "py/small").unwrap(),
+        5000,
+        "after a release"
+    );
     let tcp = |dir: &str| {
         metric_value(
             &mg.metrics(),

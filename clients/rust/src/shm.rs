@@ -11,6 +11,7 @@ use std::os::unix::net::UnixStream;
 pub const MAGIC: &[u8; 8] = b"MGSHM01\n";
 
 const OP_REGISTER: u8 = 1;
+const OP_RELEASE: u8 = 2;
 const OP_GET_INTO: u8 = 3;
 const OP_PUT_FROM: u8 = 4;
 const OP_BATCH_GET_INTO: u8 = 5;
@@ -75,7 +76,9 @@ impl ShmConn {
     }
 
     /// The registration of memfd `fd` (`len` bytes) on this connection, made now if it
-    /// has none.
+    /// has none. Registrations are remembered by fd number: [`ShmConn::release`] one
+    /// before closing its memfd, or a later memfd given the same number would be served
+    /// with the old registration (the old memory, which moongate keeps mapped).
     pub fn region(&mut self, fd: RawFd, len: usize) -> Result<u32, ShmError> {
         if let Some(&r) = self.regions.get(&fd) {
             return Ok(r);
@@ -94,6 +97,19 @@ impl ShmConn {
         );
         self.regions.insert(fd, id);
         Ok(id)
+    }
+
+    /// Ends the registration of memfd `fd` on this connection (moongate unmaps it);
+    /// nothing to do when it has none.
+    pub fn release(&mut self, fd: RawFd) -> Result<(), ShmError> {
+        let Some(id) = self.regions.remove(&fd) else {
+            return Ok(());
+        };
+        let seq = self.next_seq();
+        let mut frame = head(4, seq, OP_RELEASE);
+        frame.extend_from_slice(&id.to_le_bytes());
+        self.s.write_all(&frame)?;
+        self.answer(seq).map(|_| ())
     }
 
     /// Reads `key` into `[offset, offset + cap)` of `region`: the value's length.
