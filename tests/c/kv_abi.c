@@ -133,6 +133,11 @@ int main(int argc, char **argv) {
   CHECK(gres[0] == 3 && memcmp(b0, "one", 3) == 0, "batch get 0: %lld", (long long)gres[0]);
   CHECK(gres[1] == MG_ERR_NOT_FOUND && gres[2] == MG_ERR_TOO_SMALL, "batch get %lld %lld",
         (long long)gres[1], (long long)gres[2]);
+  /* Empty batches: NULL arrays are allowed with n = 0, and nothing happens. */
+  CHECK(mg_batch_put(c, NULL, NULL, NULL, 0, NULL) == MG_OK, "empty batch put: %s",
+        mg_last_error(c));
+  CHECK(mg_batch_get_into(c, NULL, NULL, NULL, 0, NULL) == MG_OK, "empty batch get: %s",
+        mg_last_error(c));
   printf("batches: ok\n");
 
   /* mg_alloc memory works as any buffer; a foreign pointer is refused. */

@@ -315,6 +315,19 @@ unsafe fn text<'a>(p: *const c_char, what: &str) -> Result<&'a str, Fail> {
         .map_err(|_| arg(format!("{what} is not UTF-8")))
 }
 
+/// The `n` elements at `p`: none when `n` is 0, where `p` may be NULL (a slice may not
+/// be made from NULL, even an empty one).
+///
+/// # Safety
+/// For `n > 0`, `p` points to `n` elements that outlive the call.
+unsafe fn elems<'a, T>(p: *const T, n: usize) -> &'a [T] {
+    if n == 0 {
+        return &[];
+    }
+    // SAFETY: n > 0 elements at p, by the contract.
+    unsafe { std::slice::from_raw_parts(p, n) }
+}
+
 /// A batch call's handle and keys, with its three other arrays (`null`: which are NULL,
 /// named `names`) checked: NULL is an error unless `n` is 0.
 ///
@@ -633,12 +646,7 @@ pub unsafe extern "C" fn mg_batch_put(
             // SAFETY: by this function's contract.
             let (c, ks) = unsafe { batch_args(c, keys, n, arrays, "data, lens or results") }?;
             // SAFETY: data and lens hold n elements.
-            let (ds, ls) = unsafe {
-                (
-                    std::slice::from_raw_parts(data, n),
-                    std::slice::from_raw_parts(lens, n),
-                )
-            };
+            let (ds, ls) = unsafe { (elems(data, n), elems(lens, n)) };
             // Every value in one mg_alloc mapping: moongate reads them from it directly.
             if let Some((fd, alen, items)) =
                 c.in_one_mapping(ds.iter().map(|&p| p as usize), ls, &ks)
@@ -702,12 +710,7 @@ pub unsafe extern "C" fn mg_batch_get_into(
             // SAFETY: by this function's contract.
             let (c, ks) = unsafe { batch_args(c, keys, n, arrays, "dst, caps or results") }?;
             // SAFETY: dst and caps hold n elements.
-            let (dsts, cs) = unsafe {
-                (
-                    std::slice::from_raw_parts(dst, n),
-                    std::slice::from_raw_parts(caps, n),
-                )
-            };
+            let (dsts, cs) = unsafe { (elems(dst, n), elems(caps, n)) };
             // Every buffer in one mg_alloc mapping: moongate reads into it directly.
             if let Some((fd, alen, items)) =
                 c.in_one_mapping(dsts.iter().map(|&p| p as usize), cs, &ks)
