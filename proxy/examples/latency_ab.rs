@@ -130,7 +130,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "batch_is_exist",
             Method::BatchExistKey,
             Request::BatchExistKey(KeysArgs {
-                keys: keys.clone(),
+                keys: keys.clone().into(),
                 tenant_id: tenant.clone(),
             }),
         ),

@@ -41,13 +41,13 @@ impl<'a> End<'a> {
         }
     }
 
-    pub fn first_key(&self) -> Option<&'a Bytes> {
+    pub fn first_key(&self) -> Option<&'a [u8]> {
         match self {
             End::One(_, a) => Some(&a.object_meta.key),
-            End::BatchPut(a) => a.object_metas.first().map(|m| &m.key),
-            End::BatchUpsert(a) => a.object_metas.first().map(|m| &m.key),
+            End::BatchPut(a) => a.object_metas.first().map(|m| &m.key[..]),
+            End::BatchUpsert(a) => a.object_metas.first().map(|m| &m.key[..]),
             End::Revoke(a) => Some(&a.key),
-            End::BatchRevoke(a) => a.keys.first(),
+            End::BatchRevoke(a) => a.keys.first().map(|k| &k[..]),
         }
     }
 

@@ -4,10 +4,9 @@
 
 use std::ops::Range;
 
-use bytes::Bytes;
-
 use super::{Seen, Tally};
 use crate::codec::Method;
+use crate::codec::keys::Keys;
 use crate::codec::message::{Request, Response};
 use crate::codec::types::{ErrorCode, Expected, GetReplicaListResponse};
 
@@ -87,21 +86,21 @@ pub(super) fn tally(resp: &Response, t: &mut Tally) {
 
 /// Found keys (no tier: an existence check names none), and keys the master no longer
 /// has.
-pub(super) fn seen(keys: &[Bytes], resp: &Response) -> Vec<Seen> {
+pub(super) fn seen(keys: &Keys, resp: &Response) -> Vec<Seen> {
     let Some(answers) = results(resp).filter(|a| a.len() == keys.len()) else {
         return Vec::new();
     };
     let found = keys
-        .iter()
+        .iter_bytes()
         .zip(answers)
         .filter(|(_, a)| matches!(a, Ok(true)))
-        .map(|(k, _)| (k.clone(), None))
+        .map(|(k, _)| (k, None))
         .collect();
     let gone = keys
-        .iter()
+        .iter_bytes()
         .zip(answers)
         .filter(|(_, a)| matches!(a, Ok(false) | Err(ErrorCode::OBJECT_NOT_FOUND)))
-        .map(|(k, _)| k.clone())
+        .map(|(k, _)| k)
         .collect();
     vec![Seen::Found(found), Seen::Missed(gone)]
 }

@@ -4,10 +4,9 @@
 
 use std::ops::Range;
 
-use bytes::Bytes;
-
 use super::{ERROR, FOUND, NOT_FOUND, Seen, Tally, UNKNOWN, tier_label};
 use crate::codec::Method;
+use crate::codec::keys::Keys;
 use crate::codec::message::{Request, Response};
 use crate::codec::types::{ErrorCode, Expected, GetReplicaListResponse, Tier};
 
@@ -111,23 +110,23 @@ pub fn has_local_disk(answer: &Expected<GetReplicaListResponse>) -> bool {
 }
 
 /// Found keys (tier of the first replica), and keys the master no longer has.
-pub(super) fn seen(keys: &[Bytes], resp: &Response) -> Vec<Seen> {
+pub(super) fn seen(keys: &Keys, resp: &Response) -> Vec<Seen> {
     let Some(answers) = results(resp).filter(|a| a.len() == keys.len()) else {
         return Vec::new();
     };
     let found = keys
-        .iter()
+        .iter_bytes()
         .zip(answers)
         .filter_map(|(k, a)| {
             let list = a.as_ref().ok()?;
-            Some((k.clone(), list.replicas.first().map(|r| r.location.tier())))
+            Some((k, list.replicas.first().map(|r| r.location.tier())))
         })
         .collect();
     let gone = keys
-        .iter()
+        .iter_bytes()
         .zip(answers)
         .filter(|(_, a)| matches!(a, Err(ErrorCode::OBJECT_NOT_FOUND)))
-        .map(|(k, _)| k.clone())
+        .map(|(k, _)| k)
         .collect();
     vec![Seen::Found(found), Seen::Missed(gone)]
 }
@@ -136,6 +135,7 @@ pub(super) fn seen(keys: &[Bytes], resp: &Response) -> Vec<Seen> {
 mod tests {
     use super::*;
     use crate::codec::types::*;
+    use bytes::Bytes;
 
     const MEMORY: usize = 0;
     const DISK: usize = 1;

@@ -27,6 +27,7 @@ pub mod remove;
 
 use bytes::Bytes;
 
+use crate::codec::keys::{self, Keys};
 use crate::codec::message::{KeyArgs, KeysArgs, Request, Response};
 use crate::codec::types::{ErrorCode, Expected, Tier, Uuid};
 
@@ -81,10 +82,34 @@ pub enum Keyed<'a> {
 }
 
 impl<'a> Keyed<'a> {
-    pub fn keys(&self) -> &'a [Bytes] {
+    /// The keys, borrowed (a batch's are read out of its frame as they are asked for).
+    pub fn keys(&self) -> keys::Iter<'a> {
         match self {
-            Keyed::One(a) => std::slice::from_ref(&a.key),
-            Keyed::Batch(a) => &a.keys,
+            Keyed::One(a) => keys::Iter::of(std::slice::from_ref(&a.key)),
+            Keyed::Batch(a) => a.keys.iter(),
+        }
+    }
+
+    pub fn first(&self) -> Option<&'a [u8]> {
+        self.keys().next()
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Keyed::One(_) => 1,
+            Keyed::Batch(a) => a.keys.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The keys as a list of their own (sharing the request's memory).
+    pub fn to_keys(&self) -> Keys {
+        match self {
+            Keyed::One(a) => Keys::from(vec![a.key.clone()]),
+            Keyed::Batch(a) => a.keys.clone(),
         }
     }
 
@@ -109,7 +134,7 @@ impl<'a> Keyed<'a> {
                 .iter()
                 .map(|r| {
                     make(KeysArgs {
-                        keys: a.keys[r.clone()].to_vec(),
+                        keys: a.keys.slice(r.clone()),
                         tenant_id: a.tenant_id.clone(),
                     })
                 })
@@ -123,7 +148,7 @@ pub trait CallExt {
     /// The Mooncake client id the request carries, if any.
     fn client_id(&self) -> Option<Uuid>;
     /// The (first) key the request names, if any.
-    fn first_key(&self) -> Option<&Bytes>;
+    fn first_key(&self) -> Option<&[u8]>;
     /// Keys the request names (1 for single-key methods, 0 for others).
     fn key_count(&self) -> usize;
     /// Cuts a batch request into sub-requests of the same method, one per range that
@@ -143,13 +168,12 @@ impl CallExt for Request {
         }
     }
 
-    fn first_key(&self) -> Option<&Bytes> {
+    fn first_key(&self) -> Option<&[u8]> {
         match call(self) {
-            Call::Put(c) => c.keys().first(),
+            Call::Put(c) => c.keys().first().map(|k| &k[..]),
             Call::End(c) => c.first_key(),
-            Call::Lookup(c) => c.keys().first(),
-            Call::Exist(c) => c.keys().first(),
-            Call::Remove(c) => c.key(),
+            Call::Lookup(c) | Call::Exist(c) => c.first(),
+            Call::Remove(c) => c.key().map(|k| &k[..]),
             _ => None,
         }
     }
@@ -158,8 +182,7 @@ impl CallExt for Request {
         match call(self) {
             Call::Put(c) => c.keys().len(),
             Call::End(c) => c.key_count(),
-            Call::Lookup(c) => c.keys().len(),
-            Call::Exist(c) => c.keys().len(),
+            Call::Lookup(c) | Call::Exist(c) => c.len(),
             Call::Remove(c) => usize::from(c.key().is_some()),
             _ => 0,
         }
@@ -333,7 +356,7 @@ pub enum Track {
     End(Vec<Bytes>),
     /// PutRevoke / BatchPutRevoke: the put was abandoned.
     Revoke(Vec<Bytes>),
-    Lookup(Vec<Bytes>),
+    Lookup(Keys),
     Remove(Bytes),
     RemoveAll,
 }
@@ -367,7 +390,7 @@ impl Tracked {
         let (tenant, what) = match call(req) {
             Call::Put(c) => (c.tenant(), c.tracked()),
             Call::End(c) => (c.tenant(), c.tracked()),
-            Call::Lookup(c) | Call::Exist(c) => (c.tenant(), Track::Lookup(c.keys().to_vec())),
+            Call::Lookup(c) | Call::Exist(c) => (c.tenant(), Track::Lookup(c.to_keys())),
             Call::Remove(c) => (c.tenant(), c.tracked()),
             _ => return None,
         };
@@ -511,7 +534,7 @@ mod tests {
     #[test]
     fn split_refuses_bad_points_and_single_calls() {
         let req = Request::BatchExistKey(KeysArgs {
-            keys: vec![Bytes::from_static(b"a"), Bytes::from_static(b"b")],
+            keys: vec![Bytes::from_static(b"a"), Bytes::from_static(b"b")].into(),
             tenant_id: Bytes::new(),
         });
         for bad in [&[][..], &[0], &[2], &[1, 1]] {
@@ -562,12 +585,12 @@ mod tests {
             })
         );
         let r = Request::BatchExistKey(KeysArgs {
-            keys: vec![Bytes::from_static(b"a")],
+            keys: vec![Bytes::from_static(b"a")].into(),
             tenant_id: Bytes::new(),
         });
         assert_eq!(
             Tracked::of(&r).map(|t| t.what),
-            Some(Track::Lookup(vec![Bytes::from_static(b"a")]))
+            Some(Track::Lookup(vec![Bytes::from_static(b"a")].into()))
         );
     }
 

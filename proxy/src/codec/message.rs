@@ -12,6 +12,7 @@ use bytes::{Bytes, BytesMut};
 
 use super::error::DecodeError;
 use super::frame::errc;
+use super::keys::Keys;
 use super::method::Method;
 use super::pack::{
     BodyStyle, Pack, Reader, RootSchema, Schema, Writer, decode_message, encode_message,
@@ -118,7 +119,7 @@ pack_struct! {
 }
 pack_struct! {
     /// `BatchExistKey` / `BatchGetReplicaList(keys, tenant_id)`.
-    pub struct KeysArgs { pub keys: Vec<Bytes>, pub tenant_id: Bytes }
+    pub struct KeysArgs { pub keys: Keys, pub tenant_id: Bytes }
 }
 pack_struct! {
     /// `Remove(key, force, tenant_id)`.
@@ -411,7 +412,7 @@ mod tests {
                 tenant_id: t,
             }),
             Method::BatchExistKey => Request::BatchExistKey(KeysArgs {
-                keys: vec![],
+                keys: Keys::default(),
                 tenant_id: t,
             }),
             Method::ExistKey => Request::ExistKey(KeyArgs {

@@ -10,10 +10,12 @@
 //!   of the same methods, picked by type code and mapped to and from that model.
 //! - [`method`]: the 64 registered methods and their function ids.
 //! - [`generic`]: literal-driven decoding of any body.
+//! - [`keys`]: a batch's keys, kept in the bytes they arrived in.
 
 pub mod error;
 pub mod frame;
 pub mod generic;
+pub mod keys;
 pub mod message;
 pub mod method;
 pub mod older;

@@ -18,6 +18,7 @@
 use bytes::{Bytes, BytesMut};
 
 use super::error::DecodeError;
+use super::keys::Keys;
 use super::message::*;
 use super::method::Method;
 use super::pack::{
@@ -561,7 +562,7 @@ pub fn decode_request(
             (r, s)
         }
         (BatchGetReplicaList | BatchExistKey, V0_3_11) => {
-            let (keys, s) = dec!(Vec<Bytes>);
+            let (keys, s) = dec!(Keys);
             let a = KeysArgs {
                 keys,
                 tenant_id: Bytes::new(),
@@ -831,7 +832,7 @@ pub fn encode_request(req: &Request, style: BodyStyle, out: &mut BytesMut) -> bo
         }
         Request::GetReplicaList(a) | Request::ExistKey(a) if v11 => enc!(Bytes, a.key.clone()),
         Request::BatchGetReplicaList(a) | Request::BatchExistKey(a) if v11 => {
-            enc!(Vec<Bytes>, a.keys.clone())
+            enc!(Keys, a.keys.clone())
         }
         Request::Remove(a) if v11 => enc!(
             RemoveArgs11,
@@ -1118,11 +1119,11 @@ mod tests {
                 tenant_id: t,
             }),
             BatchGetReplicaList => Request::BatchGetReplicaList(KeysArgs {
-                keys: vec![k("a"), k("b")],
+                keys: vec![k("a"), k("b")].into(),
                 tenant_id: t,
             }),
             BatchExistKey => Request::BatchExistKey(KeysArgs {
-                keys: vec![k("a"), k("b")],
+                keys: vec![k("a"), k("b")].into(),
                 tenant_id: t,
             }),
             Remove => Request::Remove(RemoveArgs {

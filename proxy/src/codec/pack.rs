@@ -53,6 +53,15 @@ impl SizeWidth {
             SizeWidth::W8 => 3,
         }
     }
+    /// Bytes of one length prefix.
+    pub fn bytes(self) -> usize {
+        match self {
+            SizeWidth::W1 => 1,
+            SizeWidth::W2 => 2,
+            SizeWidth::W4 => 4,
+            SizeWidth::W8 => 8,
+        }
+    }
     fn from_code(c: u8) -> Self {
         match c & 3 {
             0 => SizeWidth::W1,
@@ -90,45 +99,67 @@ impl Reader {
         self.buf.len() - self.pos
     }
 
+    /// The message's size width.
+    pub fn width(&self) -> SizeWidth {
+        self.width
+    }
+
+    /// The bytes not read yet.
+    pub fn rest(&self) -> &[u8] {
+        self.buf.get(self.pos..).unwrap_or_default()
+    }
+
+    /// The bytes read since `start` (a [`Reader::position`]), sharing the input's memory.
+    pub fn slice_from(&self, start: usize) -> Bytes {
+        self.buf.slice(start.min(self.pos)..self.pos)
+    }
+
+    #[inline]
     pub fn take(&mut self, n: usize) -> Result<&[u8], DecodeError> {
-        if self.remaining() < n {
-            return Err(DecodeError::Truncated {
-                at: self.pos,
-                need: n,
-                have: self.remaining(),
-            });
+        let rest = self.buf.get(self.pos..).unwrap_or_default();
+        match rest.get(..n) {
+            Some(s) => {
+                self.pos += n;
+                Ok(s)
+            }
+            None => Err(truncated(self.pos, n, rest.len())),
         }
-        let s = &self.buf[self.pos..self.pos + n];
-        self.pos += n;
-        Ok(s)
     }
 
     pub fn take_bytes(&mut self, n: usize) -> Result<Bytes, DecodeError> {
         if self.remaining() < n {
-            return Err(DecodeError::Truncated {
-                at: self.pos,
-                need: n,
-                have: self.remaining(),
-            });
+            return Err(truncated(self.pos, n, self.remaining()));
         }
         let s = self.buf.slice(self.pos..self.pos + n);
         self.pos += n;
         Ok(s)
     }
 
+    #[inline]
     pub fn array<const N: usize>(&mut self) -> Result<[u8; N], DecodeError> {
-        let s = self.take(N)?;
-        let mut a = [0u8; N];
-        a.copy_from_slice(s);
-        Ok(a)
+        match le::<N>(self.buf.get(self.pos..).unwrap_or_default()) {
+            Some(a) => {
+                self.pos += N;
+                Ok(a)
+            }
+            None => Err(truncated(self.pos, N, self.remaining())),
+        }
     }
 
+    #[inline]
     pub fn u8(&mut self) -> Result<u8, DecodeError> {
-        Ok(self.array::<1>()?[0])
+        match self.buf.get(self.pos) {
+            Some(&b) => {
+                self.pos += 1;
+                Ok(b)
+            }
+            None => Err(truncated(self.pos, 1, 0)),
+        }
     }
 
     /// A one-byte flag (bool, optional has-value, expected has-value). Anything but 0
     /// or 1 is refused so that a re-encode cannot silently change the bytes.
+    #[inline]
     pub fn flag(&mut self) -> Result<bool, DecodeError> {
         let at = self.pos;
         match self.u8()? {
@@ -141,23 +172,40 @@ impl Reader {
     /// A container length in the message's size width. Bounded by the bytes left, since
     /// every element of every container Mooncake sends takes at least one byte; this
     /// keeps a forged count from reserving gigabytes.
+    #[inline]
     pub fn read_len(&mut self) -> Result<usize, DecodeError> {
         let at = self.pos;
+        let rest = self.buf.get(at..).unwrap_or_default();
         let n = match self.width {
-            SizeWidth::W1 => u64::from(self.u8()?),
-            SizeWidth::W2 => u64::from(u16::from_le_bytes(self.array()?)),
-            SizeWidth::W4 => u64::from(u32::from_le_bytes(self.array()?)),
-            SizeWidth::W8 => u64::from_le_bytes(self.array()?),
+            SizeWidth::W1 => rest.first().map(|&b| u64::from(b)),
+            SizeWidth::W2 => le::<2>(rest).map(|a| u64::from(u16::from_le_bytes(a))),
+            SizeWidth::W4 => le::<4>(rest).map(|a| u64::from(u32::from_le_bytes(a))),
+            SizeWidth::W8 => le::<8>(rest).map(u64::from_le_bytes),
         };
-        if n > self.remaining() as u64 {
-            return Err(DecodeError::LengthTooLarge {
-                at,
-                len: n,
-                have: self.remaining(),
-            });
+        let w = self.width.bytes();
+        let Some(n) = n else {
+            return Err(truncated(at, w, rest.len()));
+        };
+        let have = rest.len() - w;
+        if n > have as u64 {
+            return Err(DecodeError::LengthTooLarge { at, len: n, have });
         }
+        self.pos = at + w;
         Ok(n as usize)
     }
+}
+
+/// The first `N` bytes of `s`, if it has them.
+#[inline]
+fn le<const N: usize>(s: &[u8]) -> Option<[u8; N]> {
+    s.get(..N)?.try_into().ok()
+}
+
+// Out of line: the decoders' loops stay small, and a bad frame is rare.
+#[cold]
+#[inline(never)]
+fn truncated(at: usize, need: usize, have: usize) -> DecodeError {
+    DecodeError::Truncated { at, need, have }
 }
 
 /// Payload writer with a fixed size width.
@@ -169,6 +217,10 @@ pub struct Writer<'a> {
 impl<'a> Writer<'a> {
     pub fn new(out: &'a mut BytesMut, width: SizeWidth) -> Self {
         Writer { out, width }
+    }
+    /// The message's size width.
+    pub fn width(&self) -> SizeWidth {
+        self.width
     }
     pub fn bytes(&mut self, b: &[u8]) {
         self.out.extend_from_slice(b);

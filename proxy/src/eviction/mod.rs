@@ -1327,7 +1327,7 @@ mod tests {
             0,
             "a",
         );
-        let look = tracked(Track::Lookup(vec![Bytes::from_static(b"a")]));
+        let look = tracked(Track::Lookup(vec![Bytes::from_static(b"a")].into()));
         ev.record(&look, &Response::BatchExistKey(vec![Ok(true)]), 0, "a");
         assert!(ev.table.candidates(1, 0).is_empty(), "leased by the lookup");
         assert_eq!(ev.table.candidates(1, u64::MAX)[0].1.hits, 1);
@@ -1382,7 +1382,7 @@ mod tests {
             "x",
         );
         ev.record(
-            &tracked(Track::Lookup(vec![k("b"), k("never")])),
+            &tracked(Track::Lookup(vec![k("b"), k("never")].into())),
             &Response::BatchExistKey(vec![Ok(false), Ok(false)]),
             0,
             "x",
@@ -1431,7 +1431,7 @@ mod tests {
         ev.refused(&tenant, &[&k("no")], 1);
         let keys = vec![k("gone"), k("rm"), k("ev"), k("no"), k("new")];
         ev.record(
-            &tracked(Track::Lookup(keys)),
+            &tracked(Track::Lookup(keys.into())),
             &Response::BatchExistKey(vec![Ok(false); 5]),
             0,
             "a",

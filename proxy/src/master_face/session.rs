@@ -37,6 +37,7 @@ use super::split::{self, InFlightBytes, Merge, Merged};
 use crate::calls::offload::Offload;
 use crate::calls::{self, AnswerExt, CallExt, Tracked};
 use crate::codec::frame::errc;
+use crate::codec::keys::Keys;
 use crate::codec::message::{Request, Response, RpcError, is_typed};
 use crate::codec::types::Uuid;
 use crate::codec::{
@@ -55,7 +56,7 @@ pub struct Entry {
     pub fixup: Option<Fixup>,
     /// The keys of a lookup (or of an existence check sent as one), moved out of the
     /// decoded request: what the arm's plugin steers and what the answer served.
-    pub lookup_keys: Option<Vec<Bytes>>,
+    pub lookup_keys: Option<Keys>,
     /// Their tenant.
     pub lookup_tenant: Bytes,
     /// The arm's plugin steers the answer (`on-lookup`).
@@ -504,9 +505,11 @@ fn entry(
 }
 
 /// The tenant and keys of a lookup or existence check, moved out of it.
-fn lookup_keys(req: Request) -> Option<(Bytes, Vec<Bytes>)> {
+fn lookup_keys(req: Request) -> Option<(Bytes, Keys)> {
     match req {
-        Request::GetReplicaList(a) | Request::ExistKey(a) => Some((a.tenant_id, vec![a.key])),
+        Request::GetReplicaList(a) | Request::ExistKey(a) => {
+            Some((a.tenant_id, Keys::from(vec![a.key])))
+        }
         Request::BatchGetReplicaList(a) | Request::BatchExistKey(a) => Some((a.tenant_id, a.keys)),
         _ => None,
     }
@@ -738,7 +741,7 @@ impl<'a> Answering<'a> {
         }
         let mut steered = false;
         if let Some(e) = entry.filter(|e| e.steer)
-            && let Some(keys) = e.lookup_keys.as_deref()
+            && let Some(keys) = &e.lookup_keys
         {
             steered = self
                 .shared
@@ -1077,7 +1080,7 @@ mod tests {
         let (mut s, _) = session(Arc::new(fake));
         let now = Instant::now();
         let req = Request::BatchExistKey(KeysArgs {
-            keys: vec![key("a"), key("b"), key("c")],
+            keys: vec![key("a"), key("b"), key("c")].into(),
             tenant_id: key("default"),
         });
         let (f, raw) = request(9, &req);
@@ -1138,7 +1141,7 @@ mod tests {
         let now = Instant::now();
         let keys: Vec<Bytes> = (0..5).map(|i| key(&format!("k{i}"))).collect();
         let req = Request::BatchExistKey(KeysArgs {
-            keys,
+            keys: keys.clone().into(),
             tenant_id: key("default"),
         });
         let (f, raw) = request(42, &req);

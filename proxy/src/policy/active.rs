@@ -9,7 +9,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
-use bytes::Bytes;
 
 use super::Policy;
 use super::experiment::{Assign, ExperimentSpec, Window, arm_for_hash, assignment_hash};
@@ -111,7 +110,7 @@ impl ActiveSet {
     }
 
     /// The arm serving a call from `client` about `key`.
-    pub fn pick(&self, client: &crate::codec::types::Uuid, key: Option<&Bytes>) -> usize {
+    pub fn pick(&self, client: &crate::codec::types::Uuid, key: Option<&[u8]>) -> usize {
         if self.arms.len() == 1 {
             return 0;
         }

@@ -15,8 +15,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-
 use super::FailMode;
 use super::active::{ActiveSet, Arm};
 use super::host::{CallError, Interest, wit};
@@ -25,6 +23,7 @@ use super::registry::Registry;
 use super::view::{
     PutAction, apply_lookup, decision_index, failed_decision, lookup_call, put_action, put_view,
 };
+use crate::codec::keys::Keys;
 use crate::codec::message::{Request, Response};
 use crate::codec::types::Uuid;
 
@@ -84,7 +83,7 @@ fn result_index(r: &Result<impl Sized, CallError>) -> usize {
 impl Registry {
     /// The ticket of a call no plugin decides (lookups, ends, removes): the arm that
     /// serves `client` / `key`, for per-arm accounting and lookup steering.
-    pub fn ticket(&self, set: Arc<ActiveSet>, client: &Uuid, key: Option<&Bytes>) -> Ticket {
+    pub fn ticket(&self, set: Arc<ActiveSet>, client: &Uuid, key: Option<&[u8]>) -> Ticket {
         let arm = set.pick(client, key);
         Ticket {
             set,
@@ -110,7 +109,10 @@ impl Registry {
         who: Option<&Uuid>,
     ) -> Option<PutDecided> {
         let view = put_view(req)?;
-        let arm_i = set.pick(who.unwrap_or(&view.client), view.keys.first());
+        let arm_i = set.pick(
+            who.unwrap_or(&view.client),
+            view.keys.first().map(|k| &k[..]),
+        );
         let arm = &set.arms[arm_i];
         let ticket = |plugin_failed| Ticket {
             set: set.clone(),
@@ -168,7 +170,7 @@ impl Registry {
     /// Lets the arm's plugin reorder or drop the replicas of a lookup answer for `keys`.
     /// A failed call applies the fail mode (open: unchanged; closed: every key not
     /// found). Returns whether the answer changed.
-    pub fn steer_lookup(&self, arm: &Arm, keys: &[Bytes], resp: &mut Response) -> bool {
+    pub fn steer_lookup(&self, arm: &Arm, keys: &Keys, resp: &mut Response) -> bool {
         let Some(call) = lookup_call(keys, resp) else {
             return false;
         };
@@ -392,10 +394,10 @@ mod tests {
     fn put(key: &'static str) -> Request {
         Request::PutStart(PutStartArgs {
             client_id: Uuid::default(),
-            key: Bytes::from_static(key.as_bytes()),
+            key: bytes::Bytes::from_static(key.as_bytes()),
             slice_length: 1,
             config: ReplicateConfig::default(),
-            tenant_id: Bytes::from_static(b"default"),
+            tenant_id: bytes::Bytes::from_static(b"default"),
         })
     }
 
@@ -509,7 +511,7 @@ mod tests {
         assert_eq!(new.observations().len(), 3);
         // Its traffic now goes to the control arm.
         assert!(
-            (0..100).all(|i| set.pick(&Uuid::default(), Some(&Bytes::from(format!("k{i}")))) == 0)
+            (0..100).all(|i| set.pick(&Uuid::default(), Some(format!("k{i}").as_bytes())) == 0)
         );
         // A call no plugin decided is not settled.
         let untouched = Ticket {
@@ -573,7 +575,11 @@ mod tests {
             object_checksum: None,
         }));
         let set = r.current();
-        assert!(r.steer_lookup(&set.arms[0], &[Bytes::from_static(b"k")], &mut resp));
+        assert!(r.steer_lookup(
+            &set.arms[0],
+            &vec![bytes::Bytes::from_static(b"k")].into(),
+            &mut resp
+        ));
         assert_eq!(
             resp,
             Response::GetReplicaList(Err(ErrorCode::OBJECT_NOT_FOUND))

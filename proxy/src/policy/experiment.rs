@@ -172,7 +172,7 @@ pub fn arm_for_hash(h: u64, weights: impl Iterator<Item = u64> + Clone) -> usize
 pub fn assignment_hash(
     assign: Assign,
     client: &crate::codec::types::Uuid,
-    key: Option<&bytes::Bytes>,
+    key: Option<&[u8]>,
     member: u64,
 ) -> u64 {
     match assign {
@@ -183,7 +183,7 @@ pub fn assignment_hash(
             b[8..].copy_from_slice(&client.second.to_le_bytes());
             fnv1a(&b)
         }
-        Assign::Key => fnv1a(key.map_or(&[][..], |k| &k[..])),
+        Assign::Key => fnv1a(key.unwrap_or_default()),
     }
 }
 

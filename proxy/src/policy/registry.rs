@@ -563,7 +563,7 @@ mod tests {
             for (first, key) in [(1, "x"), (2, "y"), (u64::MAX, "z")] {
                 let client = Uuid { first, second: 0 };
                 let key = bytes::Bytes::from_static(key.as_bytes());
-                assert_eq!(set.pick(&client, Some(&key)), want, "{member}");
+                assert_eq!(set.pick(&client, Some(&key[..])), want, "{member}");
             }
         }
     }

@@ -7,6 +7,7 @@ use bytes::Bytes;
 use super::FailMode;
 use super::host::wit;
 use crate::calls::put::{self, Put};
+use crate::codec::keys::Keys;
 use crate::codec::message::{Request, Response};
 use crate::codec::types::{ErrorCode, ReplicateConfig, SoftPinAction, Tier, Uuid};
 
@@ -166,7 +167,7 @@ impl PutView<'_> {
 
 /// The plugin's view of a lookup answer: the keys asked for and, per key, its replicas'
 /// tiers and sizes in the master's order (keys with an error have none).
-pub fn lookup_call(keys: &[Bytes], resp: &Response) -> Option<wit::LookupCall> {
+pub fn lookup_call(keys: &Keys, resp: &Response) -> Option<wit::LookupCall> {
     let answers = crate::calls::lookup::results(resp)?;
     if answers.len() != keys.len() {
         return None;
@@ -387,16 +388,16 @@ mod tests {
             list(vec![rep(3, disk(30))]),
             Err(ErrorCode::OBJECT_NOT_FOUND),
         ]);
-        let keys = [
+        let keys = Keys::from(vec![
             Bytes::from_static(b"a"),
             Bytes::from_static(b"b"),
             Bytes::from_static(b"c"),
-        ];
+        ]);
         let call = lookup_call(&keys, &resp).unwrap();
         assert_eq!(call.counts, vec![2, 1, 0]);
         assert_eq!(call.sizes, vec![10, 20, 30]);
         assert!(
-            lookup_call(&keys[..2], &resp).is_none(),
+            lookup_call(&keys.slice(0..2), &resp).is_none(),
             "key count must match"
         );
         assert!(

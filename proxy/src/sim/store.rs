@@ -36,6 +36,7 @@ use bytes::Bytes;
 use super::Counts;
 use super::baseline::{Route, home, routed};
 use super::trace::Trace;
+use crate::codec::keys::Keys;
 use crate::codec::message::{BatchPutStartArgs, Request, Response};
 use crate::codec::types::{
     BufferDescriptor, ErrorCode, GetReplicaListResponse, MemoryDescriptor, ReplicaDescriptor,
@@ -476,10 +477,10 @@ pub fn run(trace: &Trace, model: &Model, regs: &[Arc<Registry>], clock: &Arc<Ato
             .count();
         let set = reg.current();
         if n > 0 {
-            let ticket = reg.ticket(set.clone(), &CLIENT, Some(&st.keys[blocks[0] as usize]));
+            let ticket = reg.ticket(set.clone(), &CLIENT, Some(&st.keys[blocks[0] as usize][..]));
             let arm = ticket.arm();
             if reg.steers_lookups(arm) {
-                let keys: Vec<Bytes> = blocks[..n]
+                let keys: Keys = blocks[..n]
                     .iter()
                     .map(|&b| st.keys[b as usize].clone())
                     .collect();

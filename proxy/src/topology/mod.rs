@@ -34,6 +34,7 @@ use bytes::Bytes;
 
 use crate::calls::lookup::{SERVED_LABELS, served};
 use crate::calls::offload::{Item, Offload};
+use crate::codec::keys::Keys;
 use crate::codec::types::{Expected, GetReplicaListResponse, Segment, Uuid};
 use crate::policy::metrics::ArmMetrics;
 pub use identify::PeerKey;
@@ -395,7 +396,7 @@ impl Topology {
         &self,
         peer: &Peer,
         tenant: &Bytes,
-        keys: &[Bytes],
+        keys: &Keys,
         answers: &[Expected<GetReplicaListResponse>],
         arm: &ArmMetrics,
     ) -> LookupRole {
@@ -409,11 +410,10 @@ impl Topology {
                 // 0.3.12's offload calls name no tenant while its lookups say "default".
                 let untenanted = tenant.as_ref() == DEFAULT_TENANT;
                 own = keys
-                    .iter()
+                    .iter_bytes()
                     .map(|k| {
                         st.pending.remove(&(tenant.clone(), k.clone())).is_some()
-                            || (untenanted
-                                && st.pending.remove(&(Bytes::new(), k.clone())).is_some())
+                            || (untenanted && st.pending.remove(&(Bytes::new(), k)).is_some())
                     })
                     .collect();
             }

@@ -49,7 +49,7 @@ fn failed_record(status: StatusCode, msg: &str) -> [Bytes; 2] {
 /// it has one (it sees the node's budget), else parts of `kv.batch_part_bytes`.
 pub(super) fn part_starts(state: &KvState, first_key: &Bytes, sizes: &[u64]) -> Vec<usize> {
     let set = state.policy.current();
-    let arm = &set.arms[set.pick(&state.store.client_id(), Some(first_key))];
+    let arm = &set.arms[set.pick(&state.store.client_id(), Some(&first_key[..]))];
     if state.policy.splits_batches(arm) {
         state.policy.split_points(
             arm,

@@ -231,7 +231,7 @@ impl Store {
         let n = keys.len();
         let resp = self
             .call(Request::BatchExistKey(KeysArgs {
-                keys,
+                keys: keys.into(),
                 tenant_id: self.tenant.clone(),
             }))
             .await?;
@@ -370,7 +370,7 @@ impl Store {
         let n = keys.len();
         let resp = self
             .call(Request::BatchGetReplicaList(KeysArgs {
-                keys,
+                keys: keys.into(),
                 tenant_id: self.tenant.clone(),
             }))
             .await?;
