@@ -108,7 +108,7 @@ impl<'a> Keyed<'a> {
     /// The keys as a list of their own (sharing the request's memory).
     pub fn to_keys(&self) -> Keys {
         match self {
-            Keyed::One(a) => Keys::from(vec![a.key.clone()]),
+            Keyed::One(a) => Keys::one(a.key.clone()),
             Keyed::Batch(a) => a.keys.clone(),
         }
     }

@@ -35,6 +35,8 @@ enum Repr {
         width: SizeWidth,
     },
     Owned(Vec<Bytes>),
+    /// One key (a single-key call's), without a vector to allocate.
+    One(Bytes),
 }
 
 impl Default for Repr {
@@ -44,10 +46,26 @@ impl Default for Repr {
 }
 
 impl Keys {
+    /// A list of one key.
+    pub fn one(key: Bytes) -> Self {
+        Keys {
+            repr: Repr::One(key),
+        }
+    }
+
+    /// The keys when they are held as [`Bytes`] (built, not decoded).
+    fn held(&self) -> &[Bytes] {
+        match &self.repr {
+            Repr::Owned(v) => v,
+            Repr::One(k) => std::slice::from_ref(k),
+            Repr::Packed { .. } => &[],
+        }
+    }
+
     pub fn len(&self) -> usize {
         match &self.repr {
             Repr::Packed { n, .. } => *n,
-            Repr::Owned(v) => v.len(),
+            _ => self.held().len(),
         }
     }
 
@@ -64,7 +82,7 @@ impl Keys {
                 left: *n,
                 width: *width,
             }),
-            Repr::Owned(v) => Iter(IterRepr::Slice(v.iter())),
+            _ => Iter(IterRepr::Slice(self.held().iter())),
         }
     }
 
@@ -73,7 +91,7 @@ impl Keys {
     pub fn iter_bytes(&self) -> IterBytes<'_> {
         match &self.repr {
             Repr::Packed { buf, .. } => IterBytes::Packed(buf, self.iter()),
-            Repr::Owned(v) => IterBytes::Owned(v.iter()),
+            _ => IterBytes::Owned(self.held().iter()),
         }
     }
 
@@ -107,7 +125,7 @@ impl Keys {
                     },
                 }
             }
-            Repr::Owned(v) => Keys::from(v[start..end].to_vec()),
+            _ => Keys::from(self.held()[start..end].to_vec()),
         }
     }
 }
@@ -399,6 +417,11 @@ mod tests {
             assert_eq!(back, want);
         }
         assert_eq!(Keys::from(v.clone()).slice(2..5).to_vec(), v[2..5].to_vec());
+        let one = Keys::one(k("x"));
+        assert_eq!((one.len(), one.first()), (1, Some(&b"x"[..])));
+        assert_eq!(one, Keys::from(vec![k("x")]));
+        assert_eq!(one.slice(0..1).to_vec(), vec![k("x")]);
+        assert!(one.slice(1..1).is_empty());
     }
 
     #[test]

@@ -65,8 +65,9 @@ pub struct Entry {
     pub parts: usize,
     /// The put bytes this call holds in the node-wide in-flight count until it ends.
     pub in_flight: Option<InFlightBytes>,
-    /// What the answer tells the eviction table (eviction on).
-    pub tracked: Option<Tracked>,
+    /// What the answer tells the eviction table (eviction on). Boxed: most nodes run
+    /// without eviction, and every call's entry is moved in and out of the queue.
+    pub tracked: Option<Box<Tracked>>,
     /// An existence check sent as the replica lookup of its keys (for the arm's
     /// plugin to steer): the client's method, whose answer it gets.
     pub exist: Option<Method>,
@@ -499,7 +500,11 @@ fn entry(
         steer: false,
         parts,
         in_flight: put_bytes(sent, shared),
-        tracked: shared.eviction.as_ref().and_then(|_| Tracked::of(sent)),
+        tracked: shared
+            .eviction
+            .as_ref()
+            .and_then(|_| Tracked::of(sent))
+            .map(Box::new),
         exist: None,
     }
 }
@@ -507,9 +512,7 @@ fn entry(
 /// The tenant and keys of a lookup or existence check, moved out of it.
 fn lookup_keys(req: Request) -> Option<(Bytes, Keys)> {
     match req {
-        Request::GetReplicaList(a) | Request::ExistKey(a) => {
-            Some((a.tenant_id, Keys::from(vec![a.key])))
-        }
+        Request::GetReplicaList(a) | Request::ExistKey(a) => Some((a.tenant_id, Keys::one(a.key))),
         Request::BatchGetReplicaList(a) | Request::BatchExistKey(a) => Some((a.tenant_id, a.keys)),
         _ => None,
     }
