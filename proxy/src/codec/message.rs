@@ -14,9 +14,7 @@ use super::error::DecodeError;
 use super::frame::errc;
 use super::keys::Keys;
 use super::method::Method;
-use super::pack::{
-    BodyStyle, Pack, Reader, RootSchema, Schema, Writer, decode_message, encode_message,
-};
+use super::pack::{BodyStyle, Pack, Reader, RootSchema, Writer, decode_message, encode_message};
 use super::types::*;
 use crate::pack_struct;
 
@@ -161,35 +159,21 @@ macro_rules! typed_methods {
                 match self { $( Request::$m(_) => Method::$m, )* }
             }
 
-            /// Decodes `body` as a request of `method`, in the schema its type code
-            /// names (0.3.11, 0.3.12 or 0.3.13: [`super::older`]); `None` for a method
-            /// without a typed form (relay it raw).
-            pub fn decode(method: Method, body: &Bytes)
+            /// Decodes `body` as a request of `method` in 0.3.13's layout; `None` for a
+            /// method without a typed form. [`Request::decode`] picks the layout.
+            pub(super) fn decode_current(method: Method, body: &Bytes)
                 -> Option<Result<(Request, BodyStyle), DecodeError>> {
-                let older = super::older::code_of(body)
-                    .and_then(|c| super::older::request_schema(method, c));
-                match (method, older) {
-                    (m, Some(s)) if is_typed(m) => Some(super::older::decode_request(m, s, body)),
-                    $( (Method::$m, _) => Some(decode_root::<$req>(body, schema!($req))
+                match method {
+                    $( Method::$m => Some(decode_root::<$req>(body, schema!($req))
                         .map(|(v, s)| (Request::$m(v), s))), )*
                     _ => None,
                 }
             }
 
-            /// Appends the body (no header) in `style`, in the schema it names.
-            pub fn encode_body(&self, style: BodyStyle, out: &mut BytesMut) {
-                if style.schema != Schema::V0_3_13
-                    && super::older::encode_request(self, style, out)
-                {
-                    return;
-                }
+            /// Appends the body (no header) in 0.3.13's layout, with `style`'s width
+            /// and literal. [`Request::encode_body`] picks the layout.
+            pub(super) fn encode_current(&self, style: BodyStyle, out: &mut BytesMut) {
                 match self { $( Request::$m(v) => encode_root(v, schema!($req), style, out), )* }
-            }
-
-            /// Fields set to values `schema` cannot carry: left out when this request
-            /// is encoded in it (a policy's rewrite for an older client, say).
-            pub fn lost_in(&self, schema: Schema) -> Vec<&'static str> {
-                super::older::lost_in(self, schema)
             }
         }
 
@@ -198,28 +182,20 @@ macro_rules! typed_methods {
                 match self { $( Response::$m(_) => Method::$m, )* }
             }
 
-            /// Decodes the body of a successful response to a `method` request, in the
-            /// schema its type code names.
-            pub fn decode(method: Method, body: &Bytes)
+            /// Decodes the body of a successful response to a `method` request in
+            /// 0.3.13's layout. [`Response::decode`] picks the layout.
+            pub(super) fn decode_current(method: Method, body: &Bytes)
                 -> Option<Result<(Response, BodyStyle), DecodeError>> {
-                let older = super::older::code_of(body)
-                    .and_then(|c| super::older::response_schema(method, c));
-                match (method, older) {
-                    (m, Some(s)) if is_typed(m) => Some(super::older::decode_response(m, s, body)),
-                    $( (Method::$m, _) => Some(decode_message::<$resp>(body, schema!($resp))
+                match method {
+                    $( Method::$m => Some(decode_message::<$resp>(body, schema!($resp))
                         .map(|(v, s)| (Response::$m(v), s))), )*
                     _ => None,
                 }
             }
 
-            /// Appends the body in `style`: an answer to a request that arrived in an
-            /// older schema is written in that release's answer layout.
-            pub fn encode_body(&self, style: BodyStyle, out: &mut BytesMut) {
-                if style.schema != Schema::V0_3_13
-                    && super::older::encode_response(self, style, out)
-                {
-                    return;
-                }
+            /// Appends the body in 0.3.13's layout. [`Response::encode_body`] picks
+            /// the layout.
+            pub(super) fn encode_current(&self, style: BodyStyle, out: &mut BytesMut) {
                 match self { $( Response::$m(v) => encode_message(v, schema!($resp), style, out), )* }
             }
 

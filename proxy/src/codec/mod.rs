@@ -7,7 +7,8 @@
 //! - [`pack`]: struct_pack messages and the [`pack::Pack`] trait.
 //! - [`types`], [`message`]: typed requests and responses of the methods moongate acts on
 //!   (the 0.3.13 layout: the one internal model); [`older`]: the 0.3.11 / 0.3.12 layouts
-//!   of the same methods, picked by type code and mapped to and from that model.
+//!   of the same methods, mapped to and from that model; [`layout`]: which of them a
+//!   body is in, by its type code (the one place that chooses).
 //! - [`method`]: the 64 registered methods and their function ids.
 //! - [`generic`]: literal-driven decoding of any body.
 //! - [`keys`]: a batch's keys, kept in the bytes they arrived in.
@@ -16,6 +17,7 @@ pub mod error;
 pub mod frame;
 pub mod generic;
 pub mod keys;
+pub mod layout;
 pub mod message;
 pub mod method;
 pub mod older;
