@@ -16,8 +16,7 @@ use crate::master_face::{self, Shared};
 use crate::metrics::Metrics;
 use crate::policy::registry::Registry;
 
-/// Polls `dir` for new or changed `NAME.wasm` files (a poll, not inotify: it works the
-/// same on every filesystem a ConfigMap or volume can be, and a second's delay is fine).
+/// Why `moongate run` could not start (each names the part and its config).
 #[derive(Debug, Error)]
 pub enum RunError {
     #[error("cannot listen on {addr} ({what}): {source}")]
@@ -49,136 +48,30 @@ async fn bind(what: &'static str, addr: &str) -> Result<TcpListener, RunError> {
 /// Runs until SIGTERM or SIGINT, then drains within `shutdown.grace_period_ms`.
 pub async fn run(cfg: Config) -> Result<(), RunError> {
     let metrics = Arc::new(Metrics::new());
-    // Compiling plugins takes tens of milliseconds each: off the async runtime.
-    let policy = {
-        let (mut p, e, m) = (
-            cfg.policy.clone(),
-            cfg.experiment.clone(),
-            metrics.policy.clone(),
-        );
-        p.member = cfg.fleet.member.clone();
-        let fetched = crate::policy_feed::pull_configured(&p).await?;
-        tokio::task::spawn_blocking(move || Registry::new_with(p, e, m, fetched))
-            .await
-            .expect("policy loading does not panic")?
-    };
-    let master_listener = bind("master face", &cfg.master_face.listen).await?;
-    let kv_listener = if cfg.kv.listen.is_empty() {
-        None
-    } else {
-        Some(bind("kv", &cfg.kv.listen).await?)
-    };
-    let admin_listener = bind("admin", &cfg.admin.listen).await?;
-    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .map_err(RunError::Signal)?;
-    let mut sigint = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
-        .map_err(RunError::Signal)?;
-
+    let policy = load_policy(&cfg, &metrics).await?;
+    let listeners = Listeners::bind(&cfg).await?;
+    let mut signals = Signals::install()?;
     let shutdown = CancellationToken::new();
-    let tracker = TaskTracker::new();
-    // Where the master is: fixed, or the HA leader followed through etcd.
-    let upstream = match cfg.master_face.upstream_spec() {
-        Ok(crate::upstream::UpstreamSpec::Etcd { endpoints, key }) => {
-            let u = crate::upstream::Upstream::unknown();
-            tracing::info!(?endpoints, %key, "following the master leader through etcd");
-            tokio::spawn(crate::upstream::leader::follow_etcd(
-                endpoints,
-                key,
-                u.clone(),
-                metrics.upstream.clone(),
-                shutdown.clone(),
-            ));
-            u
-        }
-        // Validated with the config: anything else is a fixed address.
-        _ => {
-            metrics.upstream.fixed(&cfg.master_face.upstream);
-            crate::upstream::Upstream::fixed(&cfg.master_face.upstream)
-        }
+    let parts = Parts {
+        cfg: &cfg,
+        metrics: &metrics,
+        policy: &policy,
+        shutdown: &shutdown,
     };
-    let mut events_thread = None;
+    let upstream = parts.upstream();
     // Stopped after the connections drained, so the changes of the last calls are
     // published too.
     let events_stop = CancellationToken::new();
-    let events = if cfg.events.enabled {
-        let (events, thread) = crate::events::start(
-            &cfg.events,
-            metrics.events.clone(),
-            policy.clone(),
-            events_stop.clone(),
-        )
-        .await?;
-        events_thread = Some(thread);
-        Some(events)
-    } else {
-        None
-    };
+    let (events, events_thread) = parts.events(&events_stop).await?;
     let topology = Arc::new(crate::topology::Topology::new(metrics.topology.clone()));
-    // The key table is kept for eviction and for events; the evictor runs only with
-    // eviction on.
-    let eviction = (cfg.eviction.enabled || events.is_some()).then(|| {
-        let ev = crate::eviction::Eviction::new(
-            cfg.eviction.clone(),
-            metrics.eviction.clone(),
-            events.clone(),
-        );
-        if cfg.eviction.enabled {
-            tokio::spawn(ev.clone().run(
-                policy.clone(),
-                upstream.clone(),
-                topology.clone(),
-                shutdown.clone(),
-            ));
-            tracing::info!(master_metrics = %cfg.eviction.master_metrics_url,
-                high_watermark = cfg.eviction.high_watermark, "eviction on");
-        }
-        ev
-    });
-    let mut records_task = None;
-    let fleet = if cfg.fleet.enabled {
-        // Validated with the config: enabled means an etcd is known.
-        let endpoints = cfg
-            .fleet
-            .endpoints(cfg.master_face.upstream_etcd().as_deref())
-            .unwrap_or_default();
-        let fleet = crate::fleet::Fleet::new(
-            cfg.fleet.clone(),
-            metrics.fleet.clone(),
-            cfg.admin.token.clone(),
-        );
-        if let Some(ev) = &eviction {
-            ev.set_fleet(fleet.clone());
-        }
-        // Access records need a key table to be home to keys; without one this member
-        // neither sends nor takes them.
-        let records = match (&fleet.records, &eviction) {
-            (Some(f), Some(ev)) => {
-                let ev = ev.clone();
-                let hand_over = Box::new({
-                    let f = f.clone();
-                    move |homes: &crate::fleet::forward::Homes| ev.hand_over(&f, homes)
-                });
-                records_task = Some(tokio::spawn(f.clone().run(hand_over, shutdown.clone())));
-                true
-            }
-            _ => false,
-        };
-        let admin_addr = admin_listener
-            .local_addr()
-            .map(|a| a.to_string())
-            .unwrap_or_default();
-        let snapshot = fleet_snapshot(policy.clone(), eviction.clone(), admin_addr, records);
-        tracing::info!(member = %fleet.me, cluster = %cfg.fleet.cluster, ?endpoints, "fleet on");
-        tokio::spawn(crate::fleet::membership::run(
-            fleet.clone(),
-            endpoints,
-            snapshot,
-            shutdown.clone(),
-        ));
-        Some(fleet)
-    } else {
-        None
-    };
+    let eviction = parts.eviction(events, &upstream, &topology);
+    let admin_addr = listeners
+        .admin
+        .local_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_default();
+    let (fleet, records_task) = parts.fleet(eviction.as_ref(), admin_addr);
+    parts.policy_watch();
     let state = Arc::new(AdminState {
         fleet,
         metrics: metrics.clone(),
@@ -188,14 +81,6 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
         eviction: eviction.clone(),
         topology: topology.clone(),
     });
-    if !cfg.policy.watch_dir.is_empty() {
-        tokio::spawn(crate::policy_feed::watch(
-            policy.clone(),
-            cfg.policy.watch_dir.clone().into(),
-            Duration::from_millis(cfg.policy.watch_interval_ms),
-            shutdown.clone(),
-        ));
-    }
     tokio::spawn(admin::ready_probe(
         state.clone(),
         upstream.clone(),
@@ -204,46 +89,34 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
         shutdown.clone(),
     ));
     tracing::info!(
-        master_face = %master_listener.local_addr().map(|a| a.to_string()).unwrap_or_default(),
-        admin = %admin_listener.local_addr().map(|a| a.to_string()).unwrap_or_default(),
+        master_face = %listeners.master.local_addr().map(|a| a.to_string()).unwrap_or_default(),
+        admin = %listeners.admin.local_addr().map(|a| a.to_string()).unwrap_or_default(),
         upstream = %cfg.master_face.upstream,
         "moongate listening"
     );
-    let admin_task = tokio::spawn(admin::serve(admin_listener, state, shutdown.clone()));
-    let mut segment_task = None;
-    if let Some(l) = kv_listener {
-        let kv = crate::kv::start(
-            &cfg.kv,
-            &upstream,
-            l,
-            policy.clone(),
-            metrics.kv.clone(),
-            shutdown.clone(),
-        )
-        .await?;
-        segment_task = kv.segment_task;
-    }
+    let admin_task = tokio::spawn(admin::serve(listeners.admin, state, shutdown.clone()));
+    let segment_task = match listeners.kv {
+        Some(l) => parts.kv(&upstream, l).await?,
+        None => None,
+    };
+    let tracker = TaskTracker::new();
     let shared = Arc::new(Shared {
         upstream,
         cfg: cfg.master_face.clone(),
         metrics: metrics.master.clone(),
         shutdown: shutdown.clone(),
-        policy,
+        policy: policy.clone(),
         put_bytes_in_flight: Default::default(),
         eviction,
         topology,
     });
     let accept = tokio::spawn(master_face::accept_loop(
-        master_listener,
+        listeners.master,
         shared,
         tracker.clone(),
     ));
 
-    let sig = tokio::select! {
-        _ = sigterm.recv() => "SIGTERM",
-        _ = sigint.recv() => "SIGINT",
-    };
-    let grace = Duration::from_millis(cfg.shutdown.grace_period_ms);
+    let sig = signals.recv().await;
     tracing::info!(
         signal = sig,
         grace_ms = cfg.shutdown.grace_period_ms,
@@ -252,39 +125,304 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
     );
     shutdown.cancel();
     let _ = accept.await;
-    tracker.close();
-    if tokio::time::timeout(grace, tracker.wait()).await.is_err() {
-        tracing::warn!(
-            open = tracker.len(),
-            "grace period over; closing the connections still open"
-        );
-    } else {
-        tracing::info!("all connections drained");
+    Running {
+        tracker,
+        records_task,
+        events_stop,
+        events_thread,
+        segment_task,
+        admin_task,
     }
-    // A leaving member's last batches hand its entries to their next homes.
-    if let Some(t) = records_task
-        && tokio::time::timeout(Duration::from_secs(5), t)
+    .drain(Duration::from_millis(cfg.shutdown.grace_period_ms))
+    .await;
+    Ok(())
+}
+
+/// The plugins of `[policy]` (and `[experiment]`), pulled when configured by reference
+/// and compiled off the async runtime: tens of milliseconds each.
+async fn load_policy(cfg: &Config, metrics: &Metrics) -> Result<Arc<Registry>, RunError> {
+    let (mut p, e, m) = (
+        cfg.policy.clone(),
+        cfg.experiment.clone(),
+        metrics.policy.clone(),
+    );
+    p.member = cfg.fleet.member.clone();
+    let fetched = crate::policy_feed::pull_configured(&p).await?;
+    Ok(
+        tokio::task::spawn_blocking(move || Registry::new_with(p, e, m, fetched))
             .await
-            .is_err()
-    {
-        tracing::warn!("the fleet's last access records were not sent within 5 s");
+            .expect("policy loading does not panic")?,
+    )
+}
+
+/// Every listener, bound before anything starts: a taken port fails the start, not a
+/// part later.
+struct Listeners {
+    master: TcpListener,
+    kv: Option<TcpListener>,
+    admin: TcpListener,
+}
+
+impl Listeners {
+    async fn bind(cfg: &Config) -> Result<Self, RunError> {
+        let master = bind("master face", &cfg.master_face.listen).await?;
+        let kv = if cfg.kv.listen.is_empty() {
+            None
+        } else {
+            Some(bind("kv", &cfg.kv.listen).await?)
+        };
+        let admin = bind("admin", &cfg.admin.listen).await?;
+        Ok(Listeners { master, kv, admin })
     }
-    events_stop.cancel();
-    if let Some(t) = events_thread {
-        let joined = tokio::task::spawn_blocking(move || t.join());
-        if tokio::time::timeout(Duration::from_secs(5), joined)
-            .await
-            .is_err()
-        {
-            tracing::warn!("the events publisher did not finish within 5 s");
+}
+
+/// SIGTERM and SIGINT, installed at start so that a signal during start-up is not lost.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> Result<Self, RunError> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Signals {
+            term: signal(SignalKind::terminate()).map_err(RunError::Signal)?,
+            int: signal(SignalKind::interrupt()).map_err(RunError::Signal)?,
+        })
+    }
+
+    /// The name of the first signal to arrive.
+    async fn recv(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.int.recv() => "SIGINT",
         }
     }
-    // The segment's heartbeat task unmounts it and deletes its metadata on shutdown.
-    if let Some(t) = segment_task {
-        let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
+}
+
+/// What every part is built from.
+struct Parts<'a> {
+    cfg: &'a Config,
+    metrics: &'a Arc<Metrics>,
+    policy: &'a Arc<Registry>,
+    shutdown: &'a CancellationToken,
+}
+
+impl Parts<'_> {
+    /// Where the master is: fixed, or the HA leader followed through etcd.
+    fn upstream(&self) -> crate::upstream::Upstream {
+        let (cfg, metrics) = (self.cfg, self.metrics);
+        match cfg.master_face.upstream_spec() {
+            Ok(crate::upstream::UpstreamSpec::Etcd { endpoints, key }) => {
+                let u = crate::upstream::Upstream::unknown();
+                tracing::info!(?endpoints, %key, "following the master leader through etcd");
+                tokio::spawn(crate::upstream::leader::follow_etcd(
+                    endpoints,
+                    key,
+                    u.clone(),
+                    metrics.upstream.clone(),
+                    self.shutdown.clone(),
+                ));
+                u
+            }
+            // Validated with the config: anything else is a fixed address.
+            _ => {
+                metrics.upstream.fixed(&cfg.master_face.upstream);
+                crate::upstream::Upstream::fixed(&cfg.master_face.upstream)
+            }
+        }
     }
-    let _ = admin_task.await;
-    Ok(())
+
+    /// The KV events publisher and its thread, with `[events]` on.
+    async fn events(
+        &self,
+        stop: &CancellationToken,
+    ) -> Result<
+        (
+            Option<Arc<crate::events::Events>>,
+            Option<std::thread::JoinHandle<()>>,
+        ),
+        RunError,
+    > {
+        if !self.cfg.events.enabled {
+            return Ok((None, None));
+        }
+        let (events, thread) = crate::events::start(
+            &self.cfg.events,
+            self.metrics.events.clone(),
+            self.policy.clone(),
+            stop.clone(),
+        )
+        .await?;
+        Ok((Some(events), Some(thread)))
+    }
+
+    /// The key table, kept for eviction and for events; the evictor runs only with
+    /// eviction on.
+    fn eviction(
+        &self,
+        events: Option<Arc<crate::events::Events>>,
+        upstream: &crate::upstream::Upstream,
+        topology: &Arc<crate::topology::Topology>,
+    ) -> Option<Arc<crate::eviction::Eviction>> {
+        let cfg = &self.cfg.eviction;
+        if !cfg.enabled && events.is_none() {
+            return None;
+        }
+        let ev = crate::eviction::Eviction::new(cfg.clone(), self.metrics.eviction.clone(), events);
+        if cfg.enabled {
+            tokio::spawn(ev.clone().run(
+                self.policy.clone(),
+                upstream.clone(),
+                topology.clone(),
+                self.shutdown.clone(),
+            ));
+            tracing::info!(master_metrics = %cfg.master_metrics_url,
+                high_watermark = cfg.high_watermark, "eviction on");
+        }
+        Some(ev)
+    }
+
+    /// This member of a fleet (`[fleet]` on): membership, and the access records'
+    /// task when a key table is kept (its handle: it sends the last records at exit).
+    fn fleet(
+        &self,
+        eviction: Option<&Arc<crate::eviction::Eviction>>,
+        admin_addr: String,
+    ) -> (
+        Option<Arc<crate::fleet::Fleet>>,
+        Option<tokio::task::JoinHandle<()>>,
+    ) {
+        let cfg = self.cfg;
+        if !cfg.fleet.enabled {
+            return (None, None);
+        }
+        // Validated with the config: enabled means an etcd is known.
+        let endpoints = cfg
+            .fleet
+            .endpoints(cfg.master_face.upstream_etcd().as_deref())
+            .unwrap_or_default();
+        let fleet = crate::fleet::Fleet::new(
+            cfg.fleet.clone(),
+            self.metrics.fleet.clone(),
+            cfg.admin.token.clone(),
+        );
+        if let Some(ev) = eviction {
+            ev.set_fleet(fleet.clone());
+        }
+        // Access records need a key table to be home to keys; without one this member
+        // neither sends nor takes them.
+        let records_task = match (&fleet.records, eviction) {
+            (Some(f), Some(ev)) => {
+                let ev = ev.clone();
+                let hand_over = Box::new({
+                    let f = f.clone();
+                    move |homes: &crate::fleet::forward::Homes| ev.hand_over(&f, homes)
+                });
+                Some(tokio::spawn(
+                    f.clone().run(hand_over, self.shutdown.clone()),
+                ))
+            }
+            _ => None,
+        };
+        let snapshot = fleet_snapshot(
+            self.policy.clone(),
+            eviction.cloned(),
+            admin_addr,
+            records_task.is_some(),
+        );
+        tracing::info!(member = %fleet.me, cluster = %cfg.fleet.cluster, ?endpoints, "fleet on");
+        tokio::spawn(crate::fleet::membership::run(
+            fleet.clone(),
+            endpoints,
+            snapshot,
+            self.shutdown.clone(),
+        ));
+        (Some(fleet), records_task)
+    }
+
+    /// The watched plugin directory (`policy.watch_dir`), when set.
+    fn policy_watch(&self) {
+        let p = &self.cfg.policy;
+        if p.watch_dir.is_empty() {
+            return;
+        }
+        tokio::spawn(crate::policy_feed::watch(
+            self.policy.clone(),
+            p.watch_dir.clone().into(),
+            Duration::from_millis(p.watch_interval_ms),
+            self.shutdown.clone(),
+        ));
+    }
+
+    /// The kv face on its listener; the handle of its segment's heartbeat task, which
+    /// unmounts the segment on shutdown.
+    async fn kv(
+        &self,
+        upstream: &crate::upstream::Upstream,
+        listener: TcpListener,
+    ) -> Result<Option<tokio::task::JoinHandle<()>>, RunError> {
+        let kv = crate::kv::start(
+            &self.cfg.kv,
+            upstream,
+            listener,
+            self.policy.clone(),
+            self.metrics.kv.clone(),
+            self.shutdown.clone(),
+        )
+        .await?;
+        Ok(kv.segment_task)
+    }
+}
+
+/// What is left to wait for once the listeners stopped taking connections.
+struct Running {
+    tracker: TaskTracker,
+    records_task: Option<tokio::task::JoinHandle<()>>,
+    events_stop: CancellationToken,
+    events_thread: Option<std::thread::JoinHandle<()>>,
+    segment_task: Option<tokio::task::JoinHandle<()>>,
+    admin_task: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    /// Drains in order: the connections (within `grace`), the fleet's last access
+    /// records, the events of the last calls, the segment's unmount, the admin server.
+    async fn drain(self, grace: Duration) {
+        let tracker = self.tracker;
+        tracker.close();
+        if tokio::time::timeout(grace, tracker.wait()).await.is_err() {
+            tracing::warn!(
+                open = tracker.len(),
+                "grace period over; closing the connections still open"
+            );
+        } else {
+            tracing::info!("all connections drained");
+        }
+        // A leaving member's last batches hand its entries to their next homes.
+        if let Some(t) = self.records_task
+            && tokio::time::timeout(Duration::from_secs(5), t)
+                .await
+                .is_err()
+        {
+            tracing::warn!("the fleet's last access records were not sent within 5 s");
+        }
+        self.events_stop.cancel();
+        if let Some(t) = self.events_thread {
+            let joined = tokio::task::spawn_blocking(move || t.join());
+            if tokio::time::timeout(Duration::from_secs(5), joined)
+                .await
+                .is_err()
+            {
+                tracing::warn!("the events publisher did not finish within 5 s");
+            }
+        }
+        // The segment's heartbeat task unmounts it and deletes its metadata on shutdown.
+        if let Some(t) = self.segment_task {
+            let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
+        }
+        let _ = self.admin_task.await;
+    }
 }
 
 /// What this member publishes to its fleet: its key table's bytes per arm (when it keeps
