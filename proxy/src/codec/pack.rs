@@ -259,6 +259,7 @@ macro_rules! pack_int {
             fn encode(&self, w: &mut Writer<'_>) {
                 w.bytes(&self.to_le_bytes());
             }
+            #[inline]
             fn decode(r: &mut Reader) -> Result<Self, DecodeError> {
                 Ok(<$t>::from_le_bytes(r.array()?))
             }
@@ -275,6 +276,7 @@ impl Pack for bool {
     fn encode(&self, w: &mut Writer<'_>) {
         w.u8(u8::from(*self));
     }
+    #[inline]
     fn decode(r: &mut Reader) -> Result<Self, DecodeError> {
         r.flag()
     }
@@ -384,6 +386,7 @@ impl<T: Pack, E: Pack> Pack for Result<T, E> {
             }
         }
     }
+    #[inline]
     fn decode(r: &mut Reader) -> Result<Self, DecodeError> {
         if r.flag()? {
             Ok(Ok(T::decode(r)?))
@@ -461,6 +464,7 @@ macro_rules! int_enum {
             fn encode(&self, w: &mut $crate::codec::pack::Writer<'_>) {
                 $crate::codec::pack::Pack::encode(&self.0, w);
             }
+            #[inline]
             fn decode(r: &mut $crate::codec::pack::Reader)
                 -> Result<Self, $crate::codec::error::DecodeError> {
                 Ok($name(<$base as $crate::codec::pack::Pack>::decode(r)?))
