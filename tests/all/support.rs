@@ -427,6 +427,9 @@ impl Moongate {
         ))
     }
 
+    /// How long a moongate may take to answer `/live` (and `/ready`) after its start.
+    const MOONGATE_START: Duration = Duration::from_secs(90);
+
     /// Starts moongate with `config` (without listen addresses, which are chosen here).
     pub fn start_config(config: &str) -> Moongate {
         let dir = tempdir();
@@ -441,7 +444,10 @@ impl Moongate {
             .args(["--listen", &listen, "--admin", &admin])
             .env("RUST_LOG", "moongate=debug");
         let proc = Proc::spawn("moongate", cmd, dir.path().join("moongate.log"));
-        wait_for("moongate /live", Duration::from_secs(20), &[&proc], || {
+        // A bound, not a speed check: a debug build compiles each configured plugin
+        // in ~3 s on a quiet 2-core machine, and beside busy processes and other tests
+        // a two-plugin start went past 20 s (CI, 2026-12-02: four tests at once).
+        wait_for("moongate /live", Self::MOONGATE_START, &[&proc], || {
             http_get(&admin, "/live").is_some_and(|(s, _)| s == 200)
         });
         Moongate {
@@ -455,7 +461,7 @@ impl Moongate {
     pub fn wait_ready(&self, master: &Master) {
         wait_for(
             "moongate /ready",
-            Duration::from_secs(20),
+            Self::MOONGATE_START,
             &[&self.proc, &master.proc],
             || http_get(&self.admin, "/ready").is_some_and(|(s, _)| s == 200),
         );
