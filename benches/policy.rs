@@ -1,6 +1,6 @@
 //! Cost of one policy decision through the wasmtime host, with real plugin components:
 //! a single put, a 64-key batch put, a 1,000-candidate eviction, a 64-key lookup; the
-//! whole `decide_put` path (view, call, action); activating an already-loaded plugin;
+//! whole `decide` path of a put (view, call, action); activating an already-loaded plugin;
 //! and how long a call can be held up by swaps happening meanwhile.
 //!
 //! `cargo bench --bench policy` (results in docs/results.md).
@@ -151,13 +151,13 @@ fn face_path(c: &mut Criterion) {
     g.bench_function("single key", |b| {
         b.iter(|| {
             let set = r.current();
-            r.decide_put(&set, &single).unwrap()
+            r.decide(&set, &single, None)
         })
     });
     g.bench_function("64-key batch", |b| {
         b.iter(|| {
             let set = r.current();
-            r.decide_put(&set, &batch).unwrap()
+            r.decide(&set, &batch, None)
         })
     });
     g.finish();
@@ -194,7 +194,7 @@ fn stall_under_swaps() {
     while Instant::now() < end {
         let t = Instant::now();
         let set = r.current();
-        r.decide_put(&set, &req).unwrap();
+        r.decide(&set, &req, None);
         lat.push(t.elapsed());
     }
     stop.store(true, Ordering::Relaxed);

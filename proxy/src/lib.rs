@@ -11,7 +11,7 @@
 //!   tally, what answers tell the eviction table).
 //! - [`upstream`]: moongate's own connections to the master and to HTTP endpoints.
 //! - [`policy`]: the `Policy` trait, the wasm host, and the one decision lifecycle
-//!   (decide -> apply -> settle) every face goes through; plugins, swaps, experiments.
+//!   (decide -> send -> finish) every face goes through; plugins, swaps, experiments.
 //! - [`events`]: KV events for routers (what the key table sees stored and gone, named
 //!   as blocks by the policy, published over ZeroMQ).
 //! - [`supply`]: where plugin components come from besides files (OCI registries,

@@ -248,7 +248,7 @@ fn to_events(
             continue;
         };
         let keys = crate::policy::pack_keys(c.keys.iter());
-        let blocks = match arm.plugin.blocks(&keys) {
+        let blocks = match policy.blocks(arm, &keys) {
             Ok(Some(b)) => b,
             Ok(None) => {
                 metrics.unmapped.inc_by(c.keys.len() as u64);

@@ -14,7 +14,7 @@
 //!
 //! For a response: match seq (the master answers in request order; the parts of a split
 //! batch come back to back and the entry leaves with the last) -> decode -> record for
-//! eviction -> merge denied keys back -> steer lookups -> tally tiers -> settle (arm
+//! eviction -> merge denied keys back -> steer lookups -> tally tiers -> finish (arm
 //! metrics, guardrail, the plugin's `observe`) -> forward.
 //!
 //! The queue is bounded by `master_face.max_inflight_per_connection`: the shell asks
@@ -45,7 +45,7 @@ use crate::codec::{
     Schema, older,
 };
 use crate::per_method::{ErrorKind, MethodMetrics};
-use crate::policy::{Fixup, Outcome, PutAction, PutDecided, Ticket};
+use crate::policy::{Fixup, Outcome, Sending, Ticket};
 use crate::topology::{LookupRole, Peer};
 
 /// What the session keeps of a forwarded call until its answer arrives.
@@ -377,8 +377,9 @@ fn on_request(
     let who = peer.assign.or(*client);
     let policy = &shared.policy;
     let set = policy.current();
-    let Some(PutDecided { action, ticket }) = policy.decide_put_as(&set, &req, who.as_ref()) else {
-        let ticket = policy.ticket(set, &who.unwrap_or_default(), req.first_key());
+    let d = policy.decide(&set, &req, who.as_ref());
+    if !d.by_plugin() {
+        let ticket = d.into_ticket();
         let arm = ticket.arm();
         arm.metrics.requests[req.method().index()].requests.inc();
         let steer = policy.steers_lookups(arm);
@@ -419,42 +420,36 @@ fn on_request(
             }
         }
         return Next::Forwarded(e);
-    };
-    let am = &ticket.arm().metrics.requests[req.method().index()];
+    }
+    let am = &set.arms[d.ticket().arm].metrics.requests[req.method().index()];
     am.requests.inc();
-    match action {
-        PutAction::Forward => {
-            let parts = forward(shared, out, &got, &req, false, &ticket);
-            Next::Forwarded(entry(shared, ticket, None, parts, &req))
-        }
-        PutAction::Rewrite { request, fixup } => {
-            if let Some(f) = &fixup {
-                note_refused(shared, &req, f.denied.iter().map(|(i, _)| *i), ticket.arm);
-            }
-            let parts = forward(shared, out, &got, &request, true, &ticket);
+    if let Some(f) = d.refused() {
+        note_refused(
+            shared,
+            &req,
+            f.denied.iter().map(|(i, _)| *i),
+            d.ticket().arm,
+        );
+    }
+    match d.send(req) {
+        Sending::Upstream {
+            ticket,
+            request,
+            rewritten,
+            fixup,
+        } => {
+            let parts = forward(shared, out, &got, &request, rewritten, &ticket);
             // Tracked from what went upstream: the table records the master's answer
             // to it, before denied keys are merged back (moongate's denials are not
             // memory pressure).
             Next::Forwarded(entry(shared, ticket, fixup, parts, &request))
         }
-        PutAction::Answer(resp) => {
-            let all = calls::put::Put::of(&req).map_or(0, |p| p.keys().len());
-            note_refused(shared, &req, 0..all, ticket.arm);
-            let denied = resp.error_count() as u64;
+        Sending::Answered { answer, .. } => {
+            let denied = answer.error_count() as u64;
             m.error(ErrorKind::app, denied);
             am.error(ErrorKind::app, denied);
-            policy.settle(
-                &ticket,
-                &Outcome {
-                    method: req.method().name(),
-                    code: resp.first_error().map_or(0, |e| e.0),
-                    failed: true,
-                    latency: None,
-                    keys: resp.key_count(),
-                },
-            );
             let mut body = BytesMut::new();
-            resp.encode_body(style, &mut body);
+            answer.encode_body(style, &mut body);
             let mut bytes = BytesMut::with_capacity(16 + body.len());
             ResponseFrame {
                 header: ResponseHeader::new(frame.header.seq_num, errc::OK, 0),
@@ -700,16 +695,13 @@ impl<'a> Answering<'a> {
             am.error(ErrorKind::rpc, 1);
         }
         if let Some(e) = self.entry {
-            self.shared.policy.settle(
-                &e.ticket,
-                &Outcome {
-                    method: self.method.map_or("unknown", Method::name),
-                    code: -900,
-                    failed: true,
-                    latency: Some(self.latency),
-                    keys: 0,
-                },
-            );
+            e.ticket.finish(&Outcome {
+                method: self.method.map_or("unknown", Method::name),
+                code: -900,
+                failed: true,
+                latency: Some(self.latency),
+                keys: 0,
+            });
         }
         if tracing::enabled!(tracing::Level::DEBUG) {
             let msg = RpcError::decode(err_code, body)
@@ -720,7 +712,7 @@ impl<'a> Answering<'a> {
         }
     }
 
-    /// A decoded successful reply: fix up, steer, tally, settle, then write it out
+    /// A decoded successful reply: fix up, steer, tally, finish, then write it out
     /// (`raw`, the bytes as received, when nothing changed it).
     fn reply(
         &self,
@@ -784,16 +776,13 @@ impl<'a> Answering<'a> {
             am.error(ErrorKind::app, errors);
         }
         if let Some(e) = entry {
-            self.shared.policy.settle(
-                &e.ticket,
-                &Outcome {
-                    method: resp.method().name(),
-                    code: resp.first_error().map_or(0, |e| e.0),
-                    failed: errors > 0,
-                    latency: Some(self.latency),
-                    keys: resp.key_count(),
-                },
-            );
+            e.ticket.finish(&Outcome {
+                method: resp.method().name(),
+                code: resp.first_error().map_or(0, |e| e.0),
+                failed: errors > 0,
+                latency: Some(self.latency),
+                keys: resp.key_count(),
+            });
         }
         match raw {
             Some(raw)

@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
+use prometheus_client::metrics::counter::Counter;
 
 use super::Policy;
 use super::experiment::{Assign, ExperimentSpec, Window, arm_for_hash, assignment_hash};
@@ -87,6 +88,9 @@ pub struct ActiveSet {
     pub(super) activated: Instant,
     /// Plugin-failure calls seen since activation (automatic rollback).
     pub(super) probation: Mutex<Window>,
+    /// `moongate_policy_guardrail_stops_total`, set when the set is put in force: a
+    /// decision finishes on its set alone, without the registry.
+    guardrail_stops: Counter,
 }
 
 impl ActiveSet {
@@ -106,6 +110,7 @@ impl ActiveSet {
             member: 0,
             activated: now,
             probation: Mutex::new(Window::new(now)),
+            guardrail_stops: Counter::default(),
         }
     }
 
@@ -120,6 +125,39 @@ impl ActiveSet {
             self.control
         } else {
             i
+        }
+    }
+
+    /// Guardrail bookkeeping for experiment arm `arm`: `failed` for a plugin failure or
+    /// a client-visible error, `latency` of the upstream call when known. A breach stops
+    /// the arm (its traffic goes to the control arm). Nothing outside an experiment.
+    pub fn note_outcome(&self, arm: usize, failed: bool, latency: Option<Duration>) {
+        let Some(exp) = &self.experiment else {
+            return;
+        };
+        let Some(a) = self.arms.get(arm) else {
+            return;
+        };
+        if self.arms.len() < 2 || arm == self.control || a.is_stopped() {
+            return;
+        }
+        let g = &exp.guardrail;
+        let breach = {
+            let mut w = a.window.lock().unwrap_or_else(|p| p.into_inner());
+            w.add(
+                Instant::now(),
+                Duration::from_millis(g.window_ms),
+                failed,
+                latency,
+            );
+            w.breach(g)
+        };
+        if let Some(why) = breach
+            && a.stop()
+        {
+            self.guardrail_stops.inc();
+            tracing::warn!(arm = %a.name, plugin = %a.plugin.name(), reason = %why,
+                control = %self.arms[self.control].name, "guardrail stopped an experiment arm");
         }
     }
 }
@@ -195,6 +233,7 @@ impl Active {
         let _g = self.swap_lock.lock().unwrap_or_else(|p| p.into_inner());
         let generation = self.generation.fetch_add(1, Ordering::Relaxed) + 1;
         set.generation = generation;
+        set.guardrail_stops = families.guardrail_stops.clone();
         let old = self.current.swap(Arc::new(set));
         if !old.arms.is_empty() {
             let prev = self

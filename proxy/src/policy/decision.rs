@@ -1,28 +1,34 @@
-//! The decision lifecycle, the same for every caller (the master face and the kv face):
+//! The decision lifecycle, the same for every caller (the master face, the kv face's
+//! single and batch puts, the simulator):
 //!
 //! ```text
-//!  decide ---------------> apply ----------------> settle
-//!  pick the arm (set       the caller acts on      the outcome feeds the arm's
-//!  held in a Ticket),      the action: forward,    guardrail (experiments), the
-//!  call the hook, count,   rewrite, answer         rollback probation was fed at
-//!  fail mode on failure    locally                 decide, and the plugin's observe
+//!  decide ---------------> send -----------------> finish
+//!  pick the arm (set       the request to send     the outcome feeds the arm's
+//!  held in a Ticket),      upstream (as received   guardrail (experiments) and the
+//!  call the hook, count,   or rewritten, denied    plugin's observe; the rollback
+//!  fail mode on failure    keys' fixup), or the    probation was fed at decide
+//!                          local answer (finished)
 //! ```
 //!
-//! Every hook call goes through here: it is timed into the arm's histogram, counted by
-//! result, and a failure applies `policy.fail_mode` (open: Mooncake's own behaviour;
-//! closed: deny). Knows no frames and no sockets: callers pass decoded values.
+//! A [`Decision`] owns that lifecycle: callers act on what it says to send and tell its
+//! [`Ticket`] how the call ended, nothing more. Every hook call, whoever makes it (the
+//! faces, the evictor, the events thread), goes through one timed call here: timed into
+//! the arm's histogram, counted by result, a failure logged (rate-limited) with what
+//! stands in for it. Knows no frames and no sockets: callers pass decoded values.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::FailMode;
 use super::active::{ActiveSet, Arm};
 use super::host::{CallError, Interest, wit};
-use super::metrics::CALL_RESULTS;
+use super::metrics::{CALL_RESULTS, Hook};
 use super::registry::Registry;
 use super::view::{
-    PutAction, apply_lookup, decision_index, failed_decision, lookup_call, put_action, put_view,
+    Fixup, PutAction, apply_lookup, decision_index, failed_decision, lookup_call, put_action,
+    put_view,
 };
+use super::{FailMode, Policy};
+use crate::calls::CallExt;
 use crate::codec::keys::Keys;
 use crate::codec::message::{Request, Response};
 use crate::codec::types::Uuid;
@@ -45,12 +51,120 @@ impl Ticket {
     pub fn arm(&self) -> &Arm {
         &self.set.arms[self.arm]
     }
+
+    /// The end of the call: its outcome feeds the arm's guardrail and, when it went
+    /// upstream, the plugin's `observe`. Calls no plugin decided have nothing to finish.
+    pub fn finish(&self, o: &Outcome<'_>) {
+        if !self.by_plugin {
+            return;
+        }
+        let arm = self.arm();
+        self.set
+            .note_outcome(self.arm, o.failed || self.plugin_failed, o.latency);
+        let Some(latency) = o.latency else {
+            return;
+        };
+        if !arm.plugin.interest().contains(Interest::OBSERVE) {
+            return;
+        }
+        let event = wit::Observation {
+            method: o.method.to_string(),
+            outcome: o.code,
+            latency_us: latency.as_micros() as u64,
+            keys: o.keys as u32,
+        };
+        // A failed observe changes nothing: it is counted and logged like any hook.
+        let _ = timed(arm, Hook::Observe, None, |p| p.observe(&event));
+    }
 }
 
-/// A put-family call's decision.
-pub struct PutDecided {
-    pub action: PutAction,
-    pub ticket: Ticket,
+/// A call's decision: which arm serves it and, for the put family, what its plugin
+/// decided. Made by [`Registry::decide`] for every decoded call.
+pub struct Decision {
+    ticket: Ticket,
+    action: PutAction,
+}
+
+/// What a [`Decision`] sends.
+// Matched at once where it is made: boxing the request would allocate on every call.
+#[allow(clippy::large_enum_variant)]
+pub enum Sending {
+    /// The call goes upstream: `request` is the one received (`rewritten` false: its
+    /// bytes may be relayed as they came) or the policy's rewrite; `fixup` merges the
+    /// keys the policy denied back into the master's answer. Finish `ticket` when the
+    /// call has ended.
+    Upstream {
+        ticket: Ticket,
+        request: Request,
+        rewritten: bool,
+        fixup: Option<Fixup>,
+    },
+    /// The policy refused every key: `answer` is the client's answer (one error per key
+    /// for a batch; the codes also in `refused`). Nothing goes upstream and the decision
+    /// is already finished (the guardrail heard of it; `observe` does not).
+    Answered { answer: Response, refused: Fixup },
+}
+
+impl Decision {
+    pub fn ticket(&self) -> &Ticket {
+        &self.ticket
+    }
+
+    /// Whether a plugin decided it (the put family); other calls are only assigned an
+    /// arm.
+    pub fn by_plugin(&self) -> bool {
+        self.ticket.by_plugin
+    }
+
+    /// The keys the policy refused, by position in the call, whether some (the rest go
+    /// upstream) or all (answered locally); `None` when it refused none.
+    pub fn refused(&self) -> Option<&Fixup> {
+        match &self.action {
+            PutAction::Forward => None,
+            PutAction::Rewrite { fixup, .. } => fixup.as_ref(),
+            PutAction::Answer { refused, .. } => Some(refused),
+        }
+    }
+
+    /// The arm's ticket, for a call no plugin decides.
+    pub fn into_ticket(self) -> Ticket {
+        self.ticket
+    }
+
+    /// What to send for `original`, the request this decision was taken on. A call
+    /// answered locally is finished here.
+    pub fn send(self, original: Request) -> Sending {
+        let ticket = self.ticket;
+        match self.action {
+            PutAction::Forward => Sending::Upstream {
+                ticket,
+                request: original,
+                rewritten: false,
+                fixup: None,
+            },
+            PutAction::Rewrite { request, fixup } => Sending::Upstream {
+                ticket,
+                request: *request,
+                rewritten: true,
+                fixup,
+            },
+            PutAction::Answer { answer, refused } => {
+                ticket.finish(&Outcome {
+                    method: original.method().name(),
+                    code: refused.denied.first().map_or(0, |(_, c)| c.0),
+                    failed: true,
+                    latency: None,
+                    keys: refused.total,
+                });
+                Sending::Answered { answer, refused }
+            }
+        }
+    }
+
+    /// The end of a call whose sending the caller did itself (the simulator).
+    pub fn finish(self, o: &Outcome<'_>) {
+        self.ticket.finish(o)
+    }
 }
 
 /// How a decided call ended, as the caller saw it.
@@ -69,6 +183,31 @@ pub struct Outcome<'a> {
     pub keys: usize,
 }
 
+impl<'a> Outcome<'a> {
+    /// The outcome of a call from its per-key codes (0: that key succeeded): the first
+    /// error is the call's code.
+    pub fn of_codes(
+        method: &'a str,
+        codes: impl Iterator<Item = i32>,
+        latency: Option<Duration>,
+    ) -> Outcome<'a> {
+        let (mut keys, mut code) = (0usize, 0i32);
+        for c in codes {
+            keys += 1;
+            if code == 0 {
+                code = c;
+            }
+        }
+        Outcome {
+            method,
+            code,
+            failed: code != 0,
+            latency,
+            keys,
+        }
+    }
+}
+
 /// The [`CALL_RESULTS`] index of a hook call's result.
 fn result_index(r: &Result<impl Sized, CallError>) -> usize {
     match r {
@@ -80,7 +219,99 @@ fn result_index(r: &Result<impl Sized, CallError>) -> usize {
     }
 }
 
+/// The one way a hook is called: timed into the arm's histogram for `hook`, counted by
+/// result, a failure logged at most once per [`super::active::FAILURE_LOG_INTERVAL`]
+/// per arm (a plugin failing on every call must not flood the log; each failure is
+/// counted in `moongate_policy_calls_total{result!="ok"}` anyway). `fail_mode` goes in
+/// the log line where it decides what stands in.
+fn timed<T>(
+    arm: &Arm,
+    hook: Hook,
+    fail_mode: Option<FailMode>,
+    call: impl FnOnce(&dyn Policy) -> Result<T, CallError>,
+) -> Result<T, CallError> {
+    let started = Instant::now();
+    let result = call(&*arm.plugin);
+    record(arm, hook, fail_mode, started, &result);
+    result
+}
+
+/// Accounts one hook call that started at `started` (see [`timed`]).
+fn record<T>(
+    arm: &Arm,
+    hook: Hook,
+    fail_mode: Option<FailMode>,
+    started: Instant,
+    result: &Result<T, CallError>,
+) {
+    let m = arm.metrics.hook(hook);
+    m.latency.observe(started.elapsed().as_secs_f64());
+    m.calls[result_index(result)].inc();
+    if let Err(e) = result {
+        failed(arm, hook, fail_mode, e);
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn failed(arm: &Arm, hook: Hook, fail_mode: Option<FailMode>, e: &CallError) {
+    if let Some(unlogged) = arm.failure_to_log(Instant::now()) {
+        tracing::warn!(plugin = %arm.plugin.name(), version = arm.plugin.version(),
+            arm = %arm.name, hook = hook.name(), error = %e, instead = hook.fallback(),
+            ?fail_mode, unlogged_failures_before = unlogged, "policy call failed");
+    }
+}
+
 impl Registry {
+    /// Decides a decoded call: picks the arm that serves `who` (the caller's identity of
+    /// the client, such as its process; the client id the request carries when `None`)
+    /// and, for the put family, asks its plugin (when it wants `on-put`) and turns the
+    /// answer, or the fail mode's decision, into what to send.
+    pub fn decide(&self, set: &Arc<ActiveSet>, req: &Request, who: Option<&Uuid>) -> Decision {
+        let Some(view) = put_view(req) else {
+            let arm = set.pick(who.unwrap_or(&Uuid::default()), req.first_key());
+            return Decision {
+                ticket: Ticket {
+                    set: set.clone(),
+                    arm,
+                    by_plugin: false,
+                    plugin_failed: false,
+                },
+                action: PutAction::Forward,
+            };
+        };
+        let arm_i = set.pick(
+            who.unwrap_or(&view.client),
+            view.keys.first().map(|k| &k[..]),
+        );
+        let arm = &set.arms[arm_i];
+        let decided = |action: PutAction, plugin_failed| {
+            arm.metrics.decisions[decision_index(&action)].inc();
+            Decision {
+                ticket: Ticket {
+                    set: set.clone(),
+                    arm: arm_i,
+                    by_plugin: true,
+                    plugin_failed,
+                },
+                action,
+            }
+        };
+        if !arm.plugin.interest().contains(Interest::PUT) {
+            return decided(PutAction::Forward, false);
+        }
+        let fail_mode = self.cfg.fail_mode;
+        let result = timed(arm, Hook::Put, Some(fail_mode), |p| {
+            p.on_put(&view.to_wit())
+        });
+        let plugin_failed = result.is_err();
+        self.note_plugin_call(set, arm, plugin_failed);
+        let decision = result.unwrap_or_else(|_| {
+            failed_decision(fail_mode, view.keys.len(), self.cfg.fail_closed_code)
+        });
+        decided(put_action(req, &decision), plugin_failed)
+    }
+
     /// The ticket of a call no plugin decides (lookups, ends, removes): the arm that
     /// serves `client` / `key`, for per-arm accounting and lookup steering.
     pub fn ticket(&self, set: Arc<ActiveSet>, client: &Uuid, key: Option<&[u8]>) -> Ticket {
@@ -90,75 +321,6 @@ impl Registry {
             arm,
             by_plugin: false,
             plugin_failed: false,
-        }
-    }
-
-    /// Decides a put-family request (`None` for other methods): picks the arm, asks its
-    /// plugin (when it wants `on-put`), and turns the answer, or the fail mode's
-    /// decision, into an action.
-    pub fn decide_put(&self, set: &Arc<ActiveSet>, req: &Request) -> Option<PutDecided> {
-        self.decide_put_as(set, req, None)
-    }
-
-    /// As [`Registry::decide_put`], the arm assigned by `who` (the caller's identity of
-    /// the client, such as its process) instead of the client id the request carries.
-    pub fn decide_put_as(
-        &self,
-        set: &Arc<ActiveSet>,
-        req: &Request,
-        who: Option<&Uuid>,
-    ) -> Option<PutDecided> {
-        let view = put_view(req)?;
-        let arm_i = set.pick(
-            who.unwrap_or(&view.client),
-            view.keys.first().map(|k| &k[..]),
-        );
-        let arm = &set.arms[arm_i];
-        let ticket = |plugin_failed| Ticket {
-            set: set.clone(),
-            arm: arm_i,
-            by_plugin: true,
-            plugin_failed,
-        };
-        if !arm.plugin.interest().contains(Interest::PUT) {
-            arm.metrics.decisions[decision_index(&PutAction::Forward)].inc();
-            return Some(PutDecided {
-                action: PutAction::Forward,
-                ticket: ticket(false),
-            });
-        }
-        let started = Instant::now();
-        let result = arm.plugin.on_put(&view.to_wit());
-        arm.metrics
-            .put_latency
-            .observe(started.elapsed().as_secs_f64());
-        arm.metrics.put_calls[result_index(&result)].inc();
-        let plugin_failed = result.is_err();
-        self.note_plugin_call(set, arm, plugin_failed);
-        let decision = result.unwrap_or_else(|e| {
-            self.warn_failed(arm, "on-put", &e);
-            failed_decision(
-                self.cfg.fail_mode,
-                view.keys.len(),
-                self.cfg.fail_closed_code,
-            )
-        });
-        let action = put_action(req, &decision);
-        arm.metrics.decisions[decision_index(&action)].inc();
-        Some(PutDecided {
-            action,
-            ticket: ticket(plugin_failed),
-        })
-    }
-
-    /// Logs a failed plugin call, at most once per [`super::active::FAILURE_LOG_INTERVAL`]
-    /// per arm: a plugin failing on every call must not flood the log (each failure is
-    /// counted in `moongate_policy_calls_total{result="error"}` anyway).
-    fn warn_failed(&self, arm: &Arm, hook: &str, e: &dyn std::fmt::Display) {
-        if let Some(unlogged) = arm.failure_to_log(Instant::now()) {
-            tracing::warn!(plugin = %arm.plugin.name(), version = arm.plugin.version(),
-                arm = %arm.name, hook, error = %e, fail_mode = ?self.cfg.fail_mode,
-                unlogged_failures_before = unlogged, "policy call failed");
         }
     }
 
@@ -174,21 +336,13 @@ impl Registry {
         let Some(call) = lookup_call(keys, resp) else {
             return false;
         };
-        let started = Instant::now();
-        let result = arm.plugin.on_lookup(&call);
-        arm.metrics
-            .lookup_latency
-            .observe(started.elapsed().as_secs_f64());
-        arm.metrics.lookup_calls[result_index(&result)].inc();
-        let keep = match result {
+        let fail_mode = self.cfg.fail_mode;
+        let keep = match timed(arm, Hook::Lookup, Some(fail_mode), |p| p.on_lookup(&call)) {
             Ok(k) => k,
-            Err(e) => {
-                self.warn_failed(arm, "on-lookup", &e);
-                match self.cfg.fail_mode {
-                    FailMode::Open => return false,
-                    FailMode::Closed => vec![Vec::new(); call.counts.len()],
-                }
-            }
+            Err(_) => match fail_mode {
+                FailMode::Open => return false,
+                FailMode::Closed => vec![Vec::new(); call.counts.len()],
+            },
         };
         apply_lookup(resp, &keep)
     }
@@ -216,28 +370,17 @@ impl Registry {
                 limit_bytes: limit,
             },
         };
-        let started = Instant::now();
-        let result = arm.plugin.split(&call);
-        arm.metrics
-            .split_latency
-            .observe(started.elapsed().as_secs_f64());
-        arm.metrics.split_calls[result_index(&result)].inc();
-        match result {
-            Ok(points) => {
-                let mut points: Vec<usize> = points
-                    .into_iter()
-                    .map(|p| p as usize)
-                    .filter(|&p| p > 0 && p < n)
-                    .collect();
-                points.sort_unstable();
-                points.dedup();
-                points
-            }
-            Err(e) => {
-                self.warn_failed(arm, "split (batch left whole)", &e);
-                Vec::new()
-            }
-        }
+        let Ok(points) = timed(arm, Hook::Split, None, |p| p.split(&call)) else {
+            return Vec::new();
+        };
+        let mut points: Vec<usize> = points
+            .into_iter()
+            .map(|p| p as usize)
+            .filter(|&p| p > 0 && p < n)
+            .collect();
+        points.sort_unstable();
+        points.dedup();
+        points
     }
 
     /// Asks the arm's plugin for eviction victims among `call`'s candidates. `None` when
@@ -252,74 +395,55 @@ impl Registry {
         if !arm.plugin.interest().contains(Interest::EVICT) {
             return None;
         }
-        let started = Instant::now();
-        // With copies on an SSD, a plugin that has `evict-tiered` chooses per tier; any
-        // other loses victims' memory copies only.
-        let tiered = match on_disk {
-            Some(on_disk) => arm
-                .plugin
-                .evict_tiered(&wit::TieredEvictCall {
-                    call: call.clone(),
-                    on_disk: on_disk.to_vec(),
-                })
-                .transpose(),
-            None => None,
-        };
-        let result = match tiered {
-            Some(r) => r.map(|v| {
-                v.into_iter()
-                    .map(|v| (v.index as usize, v.scope))
-                    .collect::<Vec<_>>()
-            }),
-            None => arm.plugin.evict(call).map(|v| {
-                v.into_iter()
-                    .map(|i| (i as usize, wit::EvictScope::Memory))
-                    .collect()
-            }),
-        };
-        arm.metrics
-            .evict_latency
-            .observe(started.elapsed().as_secs_f64());
-        arm.metrics.evict_calls[result_index(&result)].inc();
-        match result {
-            Ok(v) => Some(v),
-            Err(e) => {
-                self.warn_failed(arm, "evict (least recently used victims instead)", &e);
-                None
+        timed(arm, Hook::Evict, None, |p| {
+            // With copies on an SSD, a plugin that has `evict-tiered` chooses per tier;
+            // any other loses victims' memory copies only.
+            let tiered = match on_disk {
+                Some(on_disk) => p
+                    .evict_tiered(&wit::TieredEvictCall {
+                        call: call.clone(),
+                        on_disk: on_disk.to_vec(),
+                    })
+                    .transpose(),
+                None => None,
+            };
+            match tiered {
+                Some(r) => r.map(|v| {
+                    v.into_iter()
+                        .map(|v| (v.index as usize, v.scope))
+                        .collect::<Vec<_>>()
+                }),
+                None => p.evict(call).map(|v| {
+                    v.into_iter()
+                        .map(|i| (i as usize, wit::EvictScope::Memory))
+                        .collect()
+                }),
             }
-        }
+        })
+        .ok()
     }
 
-    /// The end of a decided call: its outcome feeds the arm's guardrail and, when it went
-    /// upstream, the plugin's `observe`. Calls no plugin decided are not settled.
-    pub fn settle(&self, t: &Ticket, o: &Outcome<'_>) {
-        if !t.by_plugin {
-            return;
+    /// The block each of `keys` names, by the arm's plugin (`block-refs` or
+    /// `block-keys`), for the KV events. `Ok(None)`: the plugin has neither hook (its
+    /// keys publish nothing; not a call, so not counted).
+    pub fn blocks(
+        &self,
+        arm: &Arm,
+        keys: &wit::PackedKeys,
+    ) -> Result<Option<Vec<Option<wit::Block>>>, CallError> {
+        let started = Instant::now();
+        let result = arm.plugin.blocks(keys);
+        if !matches!(result, Ok(None)) {
+            record(arm, Hook::BlockKeys, None, started, &result);
         }
-        let arm = t.arm();
-        self.note_arm_outcome(&t.set, arm, o.failed || t.plugin_failed, o.latency);
-        let Some(latency) = o.latency else {
-            return;
-        };
-        if !arm.plugin.interest().contains(Interest::OBSERVE) {
-            return;
-        }
-        let event = wit::Observation {
-            method: o.method.to_string(),
-            outcome: o.code,
-            latency_us: latency.as_micros() as u64,
-            keys: o.keys as u32,
-        };
-        if let Err(e) = arm.plugin.observe(&event) {
-            tracing::debug!(plugin = %arm.plugin.name(), error = %e, "observe hook failed");
-        }
+        result
     }
 
     /// Automatic rollback: a set activated less than `rollback.window_ms` ago whose
     /// plugin failures exceed the budget goes back to last-good.
     fn note_plugin_call(&self, set: &Arc<ActiveSet>, arm: &Arm, failed: bool) {
         let rb = &self.cfg.rollback;
-        // Experiments have guardrails instead (fed one outcome per call by `settle`).
+        // Experiments have guardrails instead (fed one outcome per call when it ends).
         if set.experiment.is_some() {
             return;
         }
@@ -342,41 +466,6 @@ impl Registry {
             let _ = self.rollback(&why);
         }
     }
-
-    /// Guardrail bookkeeping for an experiment arm: `failed` for a plugin failure or a
-    /// client-visible error, `latency` of the upstream call when known.
-    pub fn note_arm_outcome(
-        &self,
-        set: &ActiveSet,
-        arm: &Arm,
-        failed: bool,
-        latency: Option<Duration>,
-    ) {
-        let Some(exp) = &set.experiment else {
-            return;
-        };
-        if set.arms.len() < 2 || std::ptr::eq(arm, &set.arms[set.control]) || arm.is_stopped() {
-            return;
-        }
-        let g = &exp.guardrail;
-        let breach = {
-            let mut w = arm.window.lock().unwrap_or_else(|p| p.into_inner());
-            w.add(
-                Instant::now(),
-                Duration::from_millis(g.window_ms),
-                failed,
-                latency,
-            );
-            w.breach(g)
-        };
-        if let Some(why) = breach
-            && arm.stop()
-        {
-            self.metrics.guardrail_stops.inc();
-            tracing::warn!(arm = %arm.name, plugin = %arm.plugin.name(), reason = %why,
-                control = %set.arms[set.control].name, "guardrail stopped an experiment arm");
-        }
-    }
 }
 
 #[cfg(test)]
@@ -384,6 +473,7 @@ mod tests {
     //! The lifecycle with fake policies: no wasm, no master.
 
     use super::*;
+    use crate::calls::AnswerExt;
     use crate::codec::message::PutStartArgs;
     use crate::codec::types::{ErrorCode, ReplicateConfig};
     use crate::metrics::Metrics;
@@ -417,7 +507,7 @@ mod tests {
     #[test]
     fn a_failed_call_applies_the_fail_mode() {
         let open = registry(PolicyConfig::default(), None, vec![trapping("t")]);
-        let d = open.decide_put(&open.current(), &put("k")).unwrap();
+        let d = open.decide(&open.current(), &put("k"), None);
         assert!(matches!(d.action, PutAction::Forward));
         assert!(d.ticket.plugin_failed && d.ticket.by_plugin);
         let closed = registry(
@@ -429,13 +519,24 @@ mod tests {
             None,
             vec![trapping("t")],
         );
-        let d = closed.decide_put(&closed.current(), &put("k")).unwrap();
-        assert!(matches!(
-            d.action,
-            PutAction::Answer(Response::PutStart(Err(ErrorCode::NO_AVAILABLE_HANDLE)))
-        ));
+        let d = closed.decide(&closed.current(), &put("k"), None);
+        assert_eq!(
+            d.refused().map(|f| f.denied.clone()),
+            Some(vec![(0, ErrorCode(-200))])
+        );
+        let Sending::Answered { answer, .. } = d.send(put("k")) else {
+            panic!("a refused put is answered locally");
+        };
+        assert_eq!(
+            answer,
+            Response::PutStart(Err(ErrorCode::NO_AVAILABLE_HANDLE))
+        );
         let arm = &closed.current().arms[0];
-        assert_eq!(arm.metrics.put_calls[1].get(), 1, "counted as a trap");
+        assert_eq!(
+            arm.metrics.hook(Hook::Put).calls[1].get(),
+            1,
+            "counted as a trap"
+        );
     }
 
     #[test]
@@ -449,7 +550,7 @@ mod tests {
         );
         r.activate("bad").unwrap();
         for _ in 0..4 {
-            r.decide_put(&r.current(), &put("k")).unwrap();
+            r.decide(&r.current(), &put("k"), None);
         }
         assert_eq!(r.current().arms[0].plugin.name(), "good");
     }
@@ -503,10 +604,10 @@ mod tests {
             keys: 1,
         };
         for _ in 0..2 {
-            r.settle(&t, &failed);
+            t.finish(&failed);
         }
         assert!(!set.arms[1].is_stopped(), "below min_calls");
-        r.settle(&t, &failed);
+        t.finish(&failed);
         assert!(set.arms[1].is_stopped());
         assert_eq!(new.observations().len(), 3);
         // Its traffic now goes to the control arm.
@@ -518,17 +619,139 @@ mod tests {
             by_plugin: false,
             ..t.clone()
         };
-        r.settle(&untouched, &failed);
+        untouched.finish(&failed);
         assert_eq!(new.observations().len(), 3);
         // Nothing went upstream: the guardrail hears of it, observe does not.
-        r.settle(
-            &t,
-            &Outcome {
-                latency: None,
-                ..failed
-            },
-        );
+        t.finish(&Outcome {
+            latency: None,
+            ..failed
+        });
         assert_eq!(new.observations().len(), 3);
+    }
+
+    #[test]
+    fn a_decision_says_what_to_send_and_finishes_a_local_answer_itself() {
+        let fake = Arc::new(Fake::new("new").deny_prefix("no/", -200));
+        let mut spec = experiment(Guardrail {
+            max_error_ratio: 0.4,
+            max_mean_latency_ms: 0.0,
+            window_ms: 60_000,
+            min_calls: 1,
+        });
+        // Both arms run the denying plugin; only the non-control one has a guardrail.
+        spec.arms[0].plugin = "new".into();
+        let r = registry(PolicyConfig::default(), Some(spec), vec![fake.clone()]);
+        let set = r.current();
+        fn batch(keys: &[&str]) -> Request {
+            Request::BatchPutStart(crate::codec::message::BatchPutStartArgs {
+                client_id: Uuid::default(),
+                keys: keys
+                    .iter()
+                    .map(|k| bytes::Bytes::copy_from_slice(k.as_bytes()))
+                    .collect(),
+                slice_lengths: vec![1; keys.len()],
+                config: ReplicateConfig::default(),
+                tenant_id: bytes::Bytes::from_static(b"default"),
+            })
+        }
+        // Some keys denied: the rest go upstream, the denied ones are known by position.
+        let req = batch(&["no/a", "yes", "no/b"]);
+        let d = r.decide(&set, &req, None);
+        let refused = d.refused().expect("two keys refused").denied.clone();
+        assert_eq!(refused, [(0, ErrorCode(-200)), (2, ErrorCode(-200))]);
+        let Sending::Upstream {
+            ticket,
+            request,
+            rewritten,
+            fixup,
+        } = d.send(req)
+        else {
+            panic!("one key admitted: the call goes upstream");
+        };
+        assert!(rewritten && fixup.is_some());
+        assert_eq!(request.first_key(), Some(&b"yes"[..]));
+        ticket.finish(&Outcome::of_codes(
+            "BatchPutStart",
+            [0].into_iter(),
+            Some(Duration::ZERO),
+        ));
+        // Every key denied: answered locally, finished on the spot (the guardrail heard
+        // of it, observe did not), nothing left for the caller to settle.
+        // (on the arm with a guardrail: arms are assigned by the first key)
+        let first = (0..)
+            .map(|i| format!("no/{i}"))
+            .find(|k| set.pick(&Uuid::default(), Some(k.as_bytes())) == 1)
+            .unwrap_or_default();
+        let req = batch(&[&first, "no/d"]);
+        let d = r.decide(&set, &req, None);
+        assert_eq!(d.ticket().arm, 1);
+        let Sending::Answered { answer, refused } = d.send(req) else {
+            panic!("every key refused: answered locally");
+        };
+        assert_eq!(answer.error_count(), 2);
+        assert_eq!(refused.total, 2);
+        assert_eq!(
+            fake.observations().len(),
+            1,
+            "observe: only the call that went up"
+        );
+        assert!(
+            set.arms[1].is_stopped(),
+            "the guardrail heard the local answer"
+        );
+        // Other calls get an arm and nothing to decide.
+        let lookup = Request::ExistKey(crate::codec::message::KeyArgs {
+            key: bytes::Bytes::from_static(b"k"),
+            tenant_id: bytes::Bytes::from_static(b"default"),
+        });
+        let d = r.decide(&set, &lookup, None);
+        assert!(!d.by_plugin() && d.refused().is_none());
+    }
+
+    #[test]
+    fn every_hook_is_timed_and_counted_in_one_place() {
+        use crate::policy::metrics::Hook;
+        let mapped = Arc::new(
+            Fake::new("mapped")
+                .on_put(|_| {
+                    Ok(wit::PutDecision {
+                        config: None,
+                        admissions: Vec::new(),
+                    })
+                })
+                .blocks(|_| Err(CallError::Trap("bad mapping".into()))),
+        );
+        let r = registry(PolicyConfig::default(), None, vec![mapped]);
+        let set = r.current();
+        let arm = &set.arms[0];
+        let d = r.decide(&set, &put("k"), None);
+        let Sending::Upstream { ticket, .. } = d.send(put("k")) else {
+            panic!("admitted");
+        };
+        ticket.finish(&Outcome::of_codes(
+            "PutStart",
+            [0].into_iter(),
+            Some(Duration::ZERO),
+        ));
+        let keys = crate::policy::pack_keys([b"k"].iter());
+        assert!(r.blocks(arm, &keys).is_err());
+        let count = |h: Hook, result: usize| arm.metrics.hook(h).calls[result].get();
+        assert_eq!(count(Hook::Put, 0), 1);
+        assert_eq!(count(Hook::Observe, 0), 1);
+        assert_eq!(
+            count(Hook::BlockKeys, 1),
+            1,
+            "a failed mapping is counted as a trap"
+        );
+        // A plugin without the mapping is not called, so nothing is counted.
+        let bare = registry(
+            PolicyConfig::default(),
+            None,
+            vec![Arc::new(Fake::new("b"))],
+        );
+        let set = bare.current();
+        assert!(matches!(bare.blocks(&set.arms[0], &keys), Ok(None)));
+        assert_eq!(set.arms[0].metrics.hook(Hook::BlockKeys).calls[0].get(), 0);
     }
 
     #[test]
@@ -544,7 +767,7 @@ mod tests {
         let set = r.current();
         assert!(r.split_points(&set.arms[0], &[1, 1], 0, 0).is_empty());
         assert_eq!(
-            set.arms[0].metrics.split_calls[2].get(),
+            set.arms[0].metrics.hook(Hook::Split).calls[2].get(),
             1,
             "counted as a timeout"
         );

@@ -14,6 +14,8 @@ pub struct Fake {
     on_put: Hook<wit::PutCall, wit::PutDecision>,
     on_lookup: Hook<wit::LookupCall, Vec<Vec<u32>>>,
     split: Hook<wit::SplitCall, Vec<u32>>,
+    /// `block-refs`; `None`: the policy has no such hook.
+    blocks: Option<Hook<wit::PackedKeys, Vec<Option<wit::Block>>>>,
     /// Every `observe` call, in order.
     pub observed: Mutex<Vec<wit::Observation>>,
 }
@@ -38,6 +40,7 @@ impl Fake {
             }),
             on_lookup: Box::new(|_| Ok(Vec::new())),
             split: Box::new(|_| Ok(Vec::new())),
+            blocks: None,
             observed: Mutex::new(Vec::new()),
         }
     }
@@ -66,6 +69,18 @@ impl Fake {
     ) -> Fake {
         self.interest |= Interest::BATCH_SPLIT;
         self.split = Box::new(f);
+        self
+    }
+
+    /// Gives it a `block-refs` hook (not an interest flag: found by export).
+    pub fn blocks(
+        mut self,
+        f: impl Fn(&wit::PackedKeys) -> Result<Vec<Option<wit::Block>>, CallError>
+        + Send
+        + Sync
+        + 'static,
+    ) -> Fake {
+        self.blocks = Some(Box::new(f));
         self
     }
 
@@ -125,6 +140,9 @@ impl Policy for Fake {
     }
     fn evict(&self, _call: &wit::EvictCall) -> Result<Vec<u32>, CallError> {
         Ok(Vec::new())
+    }
+    fn blocks(&self, keys: &wit::PackedKeys) -> Result<Option<Vec<Option<wit::Block>>>, CallError> {
+        self.blocks.as_ref().map(|f| f(keys)).transpose()
     }
     fn observe(&self, event: &wit::Observation) -> Result<(), CallError> {
         self.observed

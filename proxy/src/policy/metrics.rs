@@ -111,21 +111,64 @@ pub const CALL_RESULTS: [&str; 6] = ["ok", "trap", "timeout", "oom", "invalid", 
 /// Put decisions, in label order: unchanged, rewritten config, some keys denied, all denied.
 pub const DECISIONS: [&str; 4] = ["unchanged", "rewrite", "deny_some", "deny_all"];
 
+/// A plugin hook as the metrics name it (the `hook` label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hook {
+    Put,
+    Lookup,
+    Split,
+    /// `evict` and `evict-tiered`.
+    Evict,
+    Observe,
+    /// `block-refs` and `block-keys` (the KV events' mapping).
+    BlockKeys,
+}
+
+impl Hook {
+    pub const ALL: [Hook; 6] = [
+        Hook::Put,
+        Hook::Lookup,
+        Hook::Split,
+        Hook::Evict,
+        Hook::Observe,
+        Hook::BlockKeys,
+    ];
+
+    /// The `hook` label.
+    pub fn name(self) -> &'static str {
+        match self {
+            Hook::Put => "on-put",
+            Hook::Lookup => "on-lookup",
+            Hook::Split => "split",
+            Hook::Evict => "evict",
+            Hook::Observe => "observe",
+            Hook::BlockKeys => "block-keys",
+        }
+    }
+
+    /// What stands in when the hook fails (said in the log line).
+    pub fn fallback(self) -> &'static str {
+        match self {
+            Hook::Put | Hook::Lookup => "the fail mode's decision",
+            Hook::Split => "the batch left whole",
+            Hook::Evict => "least recently used victims",
+            Hook::Observe => "nothing (the outcome is not heard)",
+            Hook::BlockKeys => "the keys publish no event",
+        }
+    }
+}
+
+/// One hook's handles: calls by [`CALL_RESULTS`] index, and their latency.
+pub struct HookMetrics {
+    pub calls: [Counter; 6],
+    pub latency: Histogram,
+}
+
 /// The metric handles of one experiment arm (or of the single active plugin), created
 /// when the arm is activated.
 pub struct ArmMetrics {
-    /// by [`CALL_RESULTS`] index
-    pub put_calls: [Counter; 6],
-    pub put_latency: Histogram,
-    /// `on-lookup` calls by [`CALL_RESULTS`] index, and their latency.
-    pub lookup_calls: [Counter; 6],
-    pub lookup_latency: Histogram,
-    /// `split` calls by [`CALL_RESULTS`] index, and their latency.
-    pub split_calls: [Counter; 6],
-    pub split_latency: Histogram,
-    /// `evict` calls by [`CALL_RESULTS`] index, and their latency.
-    pub evict_calls: [Counter; 6],
-    pub evict_latency: Histogram,
+    /// By [`Hook`] (`hooks[hook as usize]`).
+    pub hooks: [HookMetrics; 6],
     /// by [`DECISIONS`] index
     pub decisions: [Counter; 4],
     /// Decoded requests served by this arm, by [`Method::index`].
@@ -142,6 +185,10 @@ pub struct ArmMetrics {
 }
 
 impl ArmMetrics {
+    pub fn hook(&self, h: Hook) -> &HookMetrics {
+        &self.hooks[h as usize]
+    }
+
     /// Adds one answer's tier tally.
     pub fn add_tally(&self, t: &crate::calls::Tally) {
         for tier in 0..4 {
@@ -233,15 +280,10 @@ impl PolicyFamilies {
                 .clone()
         };
         ArmMetrics {
-            put_calls: CALL_RESULTS.map(|r| self.calls.get_or_create(&pl("on-put", r)).clone()),
-            put_latency: hist("on-put"),
-            lookup_calls: CALL_RESULTS
-                .map(|r| self.calls.get_or_create(&pl("on-lookup", r)).clone()),
-            lookup_latency: hist("on-lookup"),
-            split_calls: CALL_RESULTS.map(|r| self.calls.get_or_create(&pl("split", r)).clone()),
-            split_latency: hist("split"),
-            evict_calls: CALL_RESULTS.map(|r| self.calls.get_or_create(&pl("evict", r)).clone()),
-            evict_latency: hist("evict"),
+            hooks: Hook::ALL.map(|h| HookMetrics {
+                calls: CALL_RESULTS.map(|r| self.calls.get_or_create(&pl(h.name(), r)).clone()),
+                latency: hist(h.name()),
+            }),
             decisions: DECISIONS.map(|d| {
                 self.decisions
                     .get_or_create(&DecisionLabels {

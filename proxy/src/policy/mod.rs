@@ -11,7 +11,7 @@
 //! - [`view`]: a decoded call as the plugin sees it, and the plugin's answer as an
 //!   action on decoded values (rewrite, partial deny + merge, local answer).
 //! - [`decision`]: the one decision lifecycle every caller goes through, the master face
-//!   and the kv face alike: decide -> apply -> settle (observe + guardrail), with the
+//!   and the kv face alike: decide -> send -> finish (observe + guardrail), with the
 //!   fail mode and the hook metrics.
 //! - [`catalog`]: loaded plugins, their hashes, rejected uploads, the watched directory.
 //! - [`active`]: the set in force in an `ArcSwap`, swap, last-good, rollback, reaper.
@@ -38,7 +38,7 @@ pub mod view;
 pub mod fake;
 
 pub use config::{FailMode, PolicyConfig};
-pub use decision::{Outcome, PutDecided, Ticket};
+pub use decision::{Decision, Outcome, Sending, Ticket};
 pub use experiment::{arm_for_hash, fnv1a};
 pub use host::{CallError, Interest, wit};
 pub use view::{Fixup, PutAction, pack_keys, put_action, put_view};

@@ -22,22 +22,9 @@ pub enum PutAction {
         request: Box<Request>,
         fixup: Option<Fixup>,
     },
-    /// Answer the client from moongate; nothing goes upstream.
-    Answer(Response),
-}
-
-impl PutAction {
-    /// The request to send for `original` and the fixup of its answer, or the answer a
-    /// policy gave instead (every key refused). For callers that always encode the
-    /// request themselves (the kv face); the master face also tells `Forward` (relay the
-    /// received bytes) from `Rewrite`.
-    pub fn into_request(self, original: Request) -> Result<(Request, Option<Fixup>), Response> {
-        match self {
-            PutAction::Forward => Ok((original, None)),
-            PutAction::Rewrite { request, fixup } => Ok((*request, fixup)),
-            PutAction::Answer(resp) => Err(resp),
-        }
-    }
+    /// Every key refused: answer the client from moongate (`answer`, one error per key
+    /// for a batch, the codes in `refused`); nothing goes upstream.
+    Answer { answer: Response, refused: Fixup },
 }
 
 /// Keys a policy denied out of a batch that was forwarded without them: their errors
@@ -231,7 +218,7 @@ pub fn decision_index(a: &PutAction) -> usize {
         PutAction::Forward => 0,
         PutAction::Rewrite { fixup: None, .. } => 1,
         PutAction::Rewrite { fixup: Some(_), .. } => 2,
-        PutAction::Answer(_) => 3,
+        PutAction::Answer { .. } => 3,
     }
 }
 
@@ -255,7 +242,10 @@ pub fn put_action(req: &Request, d: &wit::PutDecision) -> PutAction {
     if !denied.is_empty() && denied.len() == n {
         // Every key refused: answer like the master would, per key for batches.
         let codes: Vec<ErrorCode> = denied.iter().map(|(_, c)| *c).collect();
-        return PutAction::Answer(put.refused(&codes));
+        return PutAction::Answer {
+            answer: put.refused(&codes),
+            refused: Fixup { total: n, denied },
+        };
     }
     if denied.is_empty() && config.is_none() {
         return PutAction::Forward;
@@ -353,7 +343,7 @@ mod tests {
         let req = batch(&["a", "b"]);
         let d = failed_decision(FailMode::Closed, 2, -200);
         assert!(
-            matches!(put_action(&req, &d), PutAction::Answer(Response::BatchPutStart(v)) if v.len() == 2)
+            matches!(put_action(&req, &d), PutAction::Answer { answer: Response::BatchPutStart(v), refused } if v.len() == 2 && refused.denied.len() == 2)
         );
         let same = wit::PutDecision {
             config: Some(to_wit_config(&ReplicateConfig::default())),

@@ -3,9 +3,9 @@
 //! least-recently-used candidates, eviction rounds), driven by a trace.
 //!
 //! The policy is called exactly as live traffic calls it, through the same
-//! [`Registry`]: `decide_put` for each request's put (the `on-put` hook, with the same
+//! [`Registry`]: `decide` for each request's put (the `on-put` hook, with the same
 //! packing; denied keys are not stored), `steer_lookup` on the read of the found prefix
-//! (`on-lookup`; a key answered as not found ends the prefix there), `settle` after the
+//! (`on-lookup`; a key answered as not found ends the prefix there), the decision finished after the
 //! put (`observe`, latency 0: nothing went over a network), and
 //! [`crate::eviction::victims`] for every round (`evict`). Keys are named as the trace
 //! replay names them (`all/blk/<hash>`), in tenant `default`.
@@ -43,8 +43,8 @@ use crate::codec::types::{
     ReplicaLocation, ReplicaStatus, ReplicateConfig, Tier, Uuid,
 };
 use crate::eviction::Entry;
+use crate::policy::Outcome;
 use crate::policy::registry::Registry;
-use crate::policy::{Outcome, PutAction};
 
 /// When and how blocks leave the store.
 #[derive(Debug, Clone, PartialEq)]
@@ -509,20 +509,12 @@ pub fn run(trace: &Trace, model: &Model, regs: &[Arc<Registry>], clock: &Arc<Ato
             config: ReplicateConfig::default(),
             tenant_id: empty.clone(),
         });
-        let Some(decided) = reg.decide_put(&set, &req) else {
-            continue;
-        };
+        let decided = reg.decide(&set, &req, None);
         let mut admitted = vec![true; rest.len()];
-        match &decided.action {
-            PutAction::Forward | PutAction::Rewrite { fixup: None, .. } => {}
-            PutAction::Rewrite { fixup: Some(f), .. } => {
-                for &(i, _) in &f.denied {
-                    if let Some(a) = admitted.get_mut(i) {
-                        *a = false;
-                    }
-                }
+        for &(i, _) in decided.refused().map_or(&[][..], |f| &f.denied[..]) {
+            if let Some(a) = admitted.get_mut(i) {
+                *a = false;
             }
-            PutAction::Answer(_) => admitted.fill(false),
         }
         let want: Vec<u32> = rest
             .iter()
@@ -567,20 +559,17 @@ pub fn run(trace: &Trace, model: &Model, regs: &[Arc<Registry>], clock: &Arc<Ato
             st.master_evicts(l.master_ratio, now_ms);
         }
         let failed = refused > 0 || want.len() < rest.len();
-        reg.settle(
-            &decided.ticket,
-            &Outcome {
-                method: "BatchPutStart",
-                code: if refused > 0 {
-                    ErrorCode::NO_AVAILABLE_HANDLE.0
-                } else {
-                    0
-                },
-                failed,
-                latency: Some(Duration::ZERO),
-                keys: rest.len(),
+        decided.finish(&Outcome {
+            method: "BatchPutStart",
+            code: if refused > 0 {
+                ErrorCode::NO_AVAILABLE_HANDLE.0
+            } else {
+                0
             },
-        );
+            failed,
+            latency: Some(Duration::ZERO),
+            keys: rest.len(),
+        });
     }
     st.counts.occupancy_ppm =
         (occupancy_sum / trace.requests.len().max(1) as f64 * 1e6).round() as u64;

@@ -16,8 +16,10 @@ use bytes::Bytes;
 use hyper::StatusCode;
 
 use super::records::{self, PutReader, RecordError};
-use super::state::{KvState, decide, settle, status_of};
+use super::state::{KvState, code_of, decide, status_of};
+use crate::codec::Method;
 use crate::kv::client::{BATCH_CONCURRENCY, Reserved, Source, StoreError};
+use crate::policy::{self, Sending};
 
 /// The outcome of one key of a batch.
 #[derive(Debug)]
@@ -190,53 +192,35 @@ pub(super) async fn store_part<V: AsRef<[u8]> + Sync>(
             .collect(),
     );
     let started = std::time::Instant::now();
-    let (ticket, decided) = decide(state, start);
-    let (start, fixup) = match decided {
-        Ok(d) => d,
-        Err(resp) => {
-            // Every key refused by the policy.
-            let codes: Vec<_> = match resp {
-                crate::codec::message::Response::BatchPutStart(v) => v,
-                _ => Vec::new(),
-            };
-            let refused: Vec<StoreError> = (0..values.len())
-                .map(|n| {
-                    StoreError::Refused(
-                        codes
-                            .get(n)
-                            .and_then(|r| r.as_ref().err().copied())
-                            .unwrap_or(crate::codec::types::ErrorCode::NO_AVAILABLE_HANDLE),
-                    )
-                })
-                .collect();
-            settle(
-                state,
-                ticket.as_ref(),
-                crate::codec::Method::BatchPutStart,
-                refused.iter().map(Err),
-                None,
-            );
-            return Ok(refused.into_iter().map(Err).collect());
+    let (ticket, start, fixup) = match decide(state, start) {
+        Sending::Upstream {
+            ticket,
+            request,
+            fixup,
+            ..
+        } => (ticket, request, fixup),
+        // Every key refused by the policy (the decision is finished).
+        Sending::Answered { refused, .. } => {
+            return Ok(refused
+                .denied
+                .into_iter()
+                .map(|(_, c)| Err(StoreError::Refused(c)))
+                .collect());
         }
     };
     let results = state.store.put_many(values, start, fixup.as_ref()).await;
     let latency = Some(started.elapsed());
-    match &results {
-        Ok(results) => settle(
-            state,
-            ticket.as_ref(),
-            crate::codec::Method::BatchPutStart,
-            results.iter().map(|r| r.as_ref().map(|_| ())),
+    let method = Method::BatchPutStart.name();
+    ticket.finish(&match &results {
+        Ok(results) => policy::Outcome::of_codes(
+            method,
+            results.iter().map(|r| code_of(r.as_ref().map(|_| ()))),
             latency,
         ),
-        Err(e) => settle(
-            state,
-            ticket.as_ref(),
-            crate::codec::Method::BatchPutStart,
-            values.iter().map(|_| Err(e)),
-            latency,
-        ),
-    }
+        Err(e) => {
+            policy::Outcome::of_codes(method, values.iter().map(|_| code_of(Err(e))), latency)
+        }
+    });
     results
 }
 

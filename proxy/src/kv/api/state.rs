@@ -1,19 +1,19 @@
 //! What the kv API's connections share, and the two things every handler uses the same
 //! way: the one mapping from client-core errors to HTTP statuses, and the policy's
-//! decision lifecycle for puts (decide, then settle when the put has ended).
+//! decision lifecycle for puts (decide, then finish when the put has ended).
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use hyper::StatusCode;
 
 use bytes::Bytes;
 
 use crate::calls::AnswerExt;
-use crate::codec::message::{Request, Response};
+use crate::codec::Method;
+use crate::codec::message::Request;
 use crate::codec::types::ErrorCode;
 use crate::kv::client::{Store, StoreError};
-use crate::policy::{Fixup, Ticket};
+use crate::policy::{Outcome, Sending};
 
 /// What the face shares across connections.
 pub struct KvState {
@@ -53,58 +53,23 @@ pub fn status_of(e: &StoreError) -> StatusCode {
 
 /// A put-family start through the decision lifecycle, exactly as a client's call on
 /// the master face: the active arm's plugin may rewrite its placement, deny keys, or
-/// refuse it whole (`Err`: the answer it gave instead). The ticket, when a plugin
-/// decided, is what [`settle`] needs once the put has ended.
-#[allow(clippy::type_complexity)]
-pub fn decide(
-    state: &KvState,
-    start: Request,
-) -> (Option<Ticket>, Result<(Request, Option<Fixup>), Response>) {
+/// refuse it whole (then the decision is finished and `Answered` says with what).
+pub fn decide(state: &KvState, start: Request) -> Sending {
     let set = state.policy.current();
-    match state.policy.decide_put(&set, &start) {
-        None => (None, Ok((start, None))),
-        Some(d) => (Some(d.ticket), d.action.into_request(start)),
+    state.policy.decide(&set, &start, None).send(start)
+}
+
+/// The code a put's per-key result reports to the policy (`observe`, guardrail): 0, the
+/// master's refusal, or -900 for anything else (transport, transfer, timeout).
+pub fn code_of(r: Result<(), &StoreError>) -> i32 {
+    match r {
+        Ok(()) => 0,
+        Err(StoreError::Refused(c)) => c.0,
+        Err(_) => -900,
     }
 }
 
-/// The end of a decided kv put: its per-key results feed the arm's guardrail and the
-/// plugin's `observe`, as for the master face (`latency`: the whole put, `None` when
-/// the policy refused it and nothing went upstream).
-pub fn settle<'a>(
-    state: &KvState,
-    ticket: Option<&Ticket>,
-    method: crate::codec::Method,
-    results: impl Iterator<Item = Result<(), &'a StoreError>>,
-    latency: Option<Duration>,
-) {
-    let Some(t) = ticket else {
-        return;
-    };
-    let (mut keys, mut code) = (0usize, 0i32);
-    for r in results {
-        keys += 1;
-        if code == 0
-            && let Err(e) = r
-        {
-            code = match e {
-                StoreError::Refused(c) => c.0,
-                _ => -900,
-            };
-        }
-    }
-    state.policy.settle(
-        t,
-        &crate::policy::Outcome {
-            method: method.name(),
-            code,
-            failed: code != 0,
-            latency,
-            keys,
-        },
-    );
-}
-
-/// One put through the decision lifecycle: decide its `PutStart`, store, settle.
+/// One put through the decision lifecycle: decide its `PutStart`, store, finish.
 pub async fn decided_put<F, Fut>(
     state: &KvState,
     key: Bytes,
@@ -116,22 +81,22 @@ where
     Fut: std::future::Future<Output = Result<(), StoreError>>,
 {
     let started = std::time::Instant::now();
-    let (ticket, decided) = decide(state, state.store.put_start(key, len));
-    let (done, latency) = match decided {
-        Ok((start, _)) => (store(start).await, Some(started.elapsed())),
-        Err(resp) => (
-            Err(StoreError::Refused(
-                resp.first_error().unwrap_or(ErrorCode::NO_AVAILABLE_HANDLE),
-            )),
-            None,
-        ),
-    };
-    settle(
-        state,
-        ticket.as_ref(),
-        crate::codec::Method::PutStart,
-        std::iter::once(done.as_ref().map(|_| ())),
-        latency,
-    );
-    done
+    match decide(state, state.store.put_start(key, len)) {
+        Sending::Upstream {
+            ticket, request, ..
+        } => {
+            let done = store(request).await;
+            ticket.finish(&Outcome::of_codes(
+                Method::PutStart.name(),
+                std::iter::once(code_of(done.as_ref().map(|_| ()))),
+                Some(started.elapsed()),
+            ));
+            done
+        }
+        Sending::Answered { answer, .. } => Err(StoreError::Refused(
+            answer
+                .first_error()
+                .unwrap_or(ErrorCode::NO_AVAILABLE_HANDLE),
+        )),
+    }
 }
