@@ -272,8 +272,10 @@ struct SimArgs {
     #[arg(long, default_value_t = 65536)]
     block_size: u64,
     /// A plugin: a name built into target/plugins/ (`lru`, `prefix-evict`, ...),
-    /// `default`, or a path to a .wasm component. Repeat for several.
-    #[arg(long = "policy", value_name = "NAME_OR_WASM")]
+    /// `default`, or a path to a .wasm component, optionally with the config its
+    /// `configure` gets: `NAME='{"json": ...}'` inline, or `NAME=@config.json` from a
+    /// file (as `[[policy.plugins]] config` live). Repeat for several.
+    #[arg(long = "policy", value_name = "NAME_OR_WASM[=CONFIG]")]
     policies: Vec<String>,
     /// `on-demand` (a put that does not fit frees exactly what it needs) or `live`
     /// (moongate's watermark rounds, the master's own eviction, read leases).
@@ -329,8 +331,23 @@ enum RulesArg {
     Live,
 }
 
-/// A `--policy` argument as bytes and a report label.
+/// A `--policy` argument (`NAME_OR_WASM[=CONFIG]`) as bytes, config and a report label.
 fn plugin_source(arg: &str) -> Result<moongate::sim::PluginSource, String> {
+    // A path that exists is taken whole, even with a `=` in it.
+    let (arg, config) = match arg.split_once('=') {
+        Some((name, config)) if !std::path::Path::new(arg).is_file() => {
+            let config = match config.strip_prefix('@') {
+                Some(file) => std::fs::read(file)
+                    .map_err(|e| format!("--policy {name}: config file {file}: {e}"))?,
+                None => config.as_bytes().to_vec(),
+            };
+            if let Err(e) = serde_json::from_slice::<serde_json::Value>(&config) {
+                return Err(format!("--policy {name}: its config is not JSON: {e}"));
+            }
+            (name, config)
+        }
+        _ => (arg, Vec::new()),
+    };
     let path = std::path::Path::new(arg);
     let (label, bytes) = if path.is_file() {
         let stem = path
@@ -355,7 +372,7 @@ fn plugin_source(arg: &str) -> Result<moongate::sim::PluginSource, String> {
     Ok(moongate::sim::PluginSource {
         label,
         bytes,
-        config: Vec::new(),
+        config,
     })
 }
 

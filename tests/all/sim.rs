@@ -81,6 +81,42 @@ fn sim_reports_baselines_and_plugins_at_each_capacity() {
     assert!(stdout.contains("gap closed"), "{stdout}");
 }
 
+/// A plugin that needs a config runs with one, inline or from a file.
+#[test]
+fn sim_passes_a_plugin_its_config() {
+    let dir = tempdir();
+    let trace = trace_slice(&dir, 300);
+    let file = dir.path().join("budget.json");
+    std::fs::write(&file, r#"{"window_ms": 1000, "disk_bytes": 1048576}"#).unwrap();
+    for policy in [
+        r#"disk-budget={"window_ms": 1000, "disk_bytes": 1048576}"#.to_string(),
+        format!("disk-budget=@{}", file.display()),
+    ] {
+        let json = dir.path().join("r.json");
+        let out = moongate()
+            .args(["sim", "--trace"])
+            .arg(&trace)
+            .args(["--capacity", "10%", "--policy", &policy, "--json"])
+            .arg(&json)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{policy}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let r: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        assert!(
+            r["results"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|x| x["policy"] == "disk-budget.wasm"),
+            "{r}"
+        );
+    }
+}
+
 #[test]
 fn sim_refuses_bad_input_with_a_clear_error() {
     let dir = tempdir();
@@ -89,7 +125,7 @@ fn sim_refuses_bad_input_with_a_clear_error() {
     std::fs::write(&bad_trace, "{\"hash_ids\": [1]}\nnot json\n").unwrap();
     let junk = dir.path().join("junk.wasm");
     std::fs::write(&junk, b"\0asm not a component").unwrap();
-    let cases: [(&std::path::Path, &[&str], &str); 6] = [
+    let cases: [(&std::path::Path, &[&str], &str); 9] = [
         (&trace, &["--capacity", "5%", "--ranks", "0"], "--ranks"),
         (
             &trace,
@@ -107,6 +143,27 @@ fn sim_refuses_bad_input_with_a_clear_error() {
             &trace,
             &["--capacity", "5%", "--policy", junk.to_str().unwrap()],
             "junk.wasm",
+        ),
+        // A plugin that needs a config, given none, says so and how to give it.
+        (
+            &trace,
+            &["--capacity", "5%", "--policy", "disk-budget"],
+            "it needs a config",
+        ),
+        (
+            &trace,
+            &["--capacity", "5%", "--policy", "disk-budget={bad"],
+            "its config is not JSON",
+        ),
+        (
+            &trace,
+            &[
+                "--capacity",
+                "5%",
+                "--policy",
+                "disk-budget=@/nonexistent.json",
+            ],
+            "config file /nonexistent.json",
         ),
     ];
     for (t, args, says) in cases {

@@ -274,7 +274,16 @@ pub fn run(trace: &Trace, spec: &Spec) -> Result<Report, SimError> {
         };
         let plugin = engine
             .load(&p.label, &p.bytes, &p.config, None)
-            .map_err(|e| fail(e.to_string()))?;
+            .map_err(|e| match e {
+                // A plugin that needs a config, given none: say so, and how.
+                crate::policy::host::LoadError::Refused(why) if p.config.is_empty() => {
+                    fail(format!(
+                        "it needs a config (its configure refused none: {why}); give it as \
+                         --policy NAME='{{...}}' or --policy NAME=@config.json"
+                    ))
+                }
+                e => fail(e.to_string()),
+            })?;
         // A registry over a fresh instance: a plugin's state must not carry over
         // from one run to the next, nor from one modelled sidecar to another.
         let registry = |plugin: Arc<crate::policy::host::Plugin>| {
