@@ -93,6 +93,8 @@ pub struct AdminState {
     pub topology: Arc<crate::topology::Topology>,
     /// This moongate's fleet, when `[fleet]` is on (`GET /fleet`).
     pub fleet: Option<Arc<crate::fleet::Fleet>>,
+    /// The hint table (`POST /hints`).
+    pub hints: Arc<crate::hints::Hints>,
 }
 
 /// Keeps `state.ready` (and the `moongate_upstream_ready` gauge) in step with whether the
@@ -322,6 +324,9 @@ async fn route(
     if method == Method::POST && path == "/fleet/records" {
         return fleet_records(&state, req, loopback).await;
     }
+    if method == Method::POST && path == "/hints" {
+        return hints(&state, req, loopback).await;
+    }
     let mutating = matches!(
         (method.as_str(), path.as_str()),
         ("POST", "/plugins") | ("POST", "/plugins/rollback") | ("PUT", "/experiments")
@@ -487,6 +492,39 @@ const MAX_RECORDS_BODY: usize = 64 << 20;
 /// `POST /fleet/records`: access records from another member for keys homed here
 /// ([`crate::fleet::records`]). Members authenticate like the changing endpoints. A
 /// batch that does not decode is refused whole with the reason; nothing of it applies.
+/// `POST /hints`: as the kv face's `POST /v1/hints`, for callers that reach the admin
+/// endpoint only (authorized as its other writes).
+async fn hints(
+    state: &AdminState,
+    req: Request<Incoming>,
+    loopback: bool,
+) -> Response<Full<Bytes>> {
+    if !authorized(state, &req, loopback) {
+        return error(
+            StatusCode::UNAUTHORIZED,
+            "hints need `Authorization: Bearer <admin.token>` (or a loopback admin address when no token is set)",
+        );
+    }
+    let max = state.hints.max_body_bytes();
+    let body = match Limited::new(req.into_body(), max).collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(e) => {
+            state.hints.refused_body();
+            return error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("body unreadable or over {max} bytes (hints.max_body_bytes): {e}"),
+            );
+        }
+    };
+    match state.hints.post(&body) {
+        Ok(a) => json(StatusCode::OK, &a),
+        Err(e) => error(
+            StatusCode::from_u16(e.status()).unwrap_or(StatusCode::BAD_REQUEST),
+            e.to_string(),
+        ),
+    }
+}
+
 async fn fleet_records(
     state: &AdminState,
     req: Request<Incoming>,

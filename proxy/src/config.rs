@@ -32,6 +32,7 @@ pub struct Config {
     pub events: crate::events::EventsConfig,
     pub kv: KvConfig,
     pub fleet: crate::fleet::FleetConfig,
+    pub hints: crate::hints::HintsConfig,
     /// An experiment to start with (instead of `policy.active`).
     pub experiment: Option<crate::policy::experiment::ExperimentSpec>,
 }
@@ -142,6 +143,7 @@ impl Config {
         self.kv.validate(&mut errs);
         self.eviction.validate(&mut errs);
         self.events.validate(&mut errs);
+        self.hints.validate(&mut errs);
         self.fleet
             .validate(&mut errs, self.master_face.upstream_etcd().as_deref());
         // Records refused for want of a token would leave the keys homed elsewhere in no

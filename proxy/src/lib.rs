@@ -9,6 +9,8 @@
 //! - [`codec`]: the master RPC wire format, sans-IO; wire types only.
 //! - [`calls`]: what each family of master methods means (keys, split, merge, tier
 //!   tally, what answers tell the eviction table).
+//! - [`hints`]: what the serving stack tells moongate of the future (upcoming reads,
+//!   ended sessions, expected turns): the bounded table and the body it is read from.
 //! - [`upstream`]: moongate's own connections to the master and to HTTP endpoints.
 //! - [`policy`]: the `Policy` trait, the wasm host, and the one decision lifecycle
 //!   (decide -> send -> finish) every face goes through; plugins, swaps, experiments.
@@ -35,6 +37,7 @@ pub mod config;
 pub mod events;
 pub mod eviction;
 pub mod fleet;
+pub mod hints;
 pub mod kv;
 pub mod master_face;
 pub mod metrics;

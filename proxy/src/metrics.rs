@@ -31,6 +31,8 @@ pub struct Metrics {
     pub topology: Arc<crate::topology::metrics::TopologyMetrics>,
     /// Fleet membership through etcd.
     pub fleet: Arc<crate::fleet::metrics::FleetMetrics>,
+    /// Hints taken, refused and kept.
+    pub hints: Arc<crate::hints::HintsMetrics>,
 }
 
 impl Metrics {
@@ -48,7 +50,9 @@ impl Metrics {
             &mut registry,
         ));
         let fleet = Arc::new(crate::fleet::metrics::FleetMetrics::register(&mut registry));
+        let hints = Arc::new(crate::hints::HintsMetrics::register(&mut registry));
         Metrics {
+            hints,
             fleet,
             topology,
             upstream,

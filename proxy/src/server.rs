@@ -72,7 +72,13 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
         .unwrap_or_default();
     let (fleet, records_task) = parts.fleet(eviction.as_ref(), admin_addr);
     parts.policy_watch();
+    let hints = Arc::new(crate::hints::Hints::new(
+        cfg.hints.clone(),
+        cfg.kv.max_key_bytes,
+        metrics.hints.clone(),
+    ));
     let state = Arc::new(AdminState {
+        hints: hints.clone(),
         fleet,
         metrics: metrics.clone(),
         ready: AtomicBool::new(false),
@@ -96,7 +102,7 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
     );
     let admin_task = tokio::spawn(admin::serve(listeners.admin, state, shutdown.clone()));
     let segment_task = match listeners.kv {
-        Some(l) => parts.kv(&upstream, l).await?,
+        Some(l) => parts.kv(&upstream, l, &hints).await?,
         None => None,
     };
     let tracker = TaskTracker::new();
@@ -361,12 +367,14 @@ impl Parts<'_> {
         &self,
         upstream: &crate::upstream::Upstream,
         listener: TcpListener,
+        hints: &Arc<crate::hints::Hints>,
     ) -> Result<Option<tokio::task::JoinHandle<()>>, RunError> {
         let kv = crate::kv::start(
             &self.cfg.kv,
             upstream,
             listener,
             self.policy.clone(),
+            hints.clone(),
             self.metrics.kv.clone(),
             self.shutdown.clone(),
         )

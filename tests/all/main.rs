@@ -34,6 +34,7 @@ mod fault_relay;
 mod faults;
 mod fleet;
 mod ha;
+mod hints;
 mod kv_bounds;
 mod kv_c_abi;
 mod kv_events;

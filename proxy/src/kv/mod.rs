@@ -85,6 +85,7 @@ pub async fn start(
     upstream: &crate::upstream::Upstream,
     listener: TcpListener,
     policy: Arc<Registry>,
+    hints: Arc<crate::hints::Hints>,
     metrics: Arc<KvMetrics>,
     shutdown: CancellationToken,
 ) -> Result<Kv, StartError> {
@@ -154,6 +155,7 @@ pub async fn start(
         batch_part_bytes: cfg.batch_part_bytes,
         policy,
         metrics: metrics.clone(),
+        hints,
     });
     if !cfg.unix_path.is_empty() {
         let path = std::path::PathBuf::from(&cfg.unix_path);

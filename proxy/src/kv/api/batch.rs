@@ -385,6 +385,11 @@ mod tests {
             )
             .unwrap(),
             metrics: all.kv.clone(),
+            hints: Arc::new(crate::hints::Hints::new(
+                Default::default(),
+                64,
+                all.hints.clone(),
+            )),
         }
     }
 

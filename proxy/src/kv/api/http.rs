@@ -222,6 +222,32 @@ async fn keys_of(state: &KvState, req: Request<Incoming>) -> Result<Vec<Bytes>, 
     Ok(keys.into_iter().map(Bytes::from).collect())
 }
 
+/// `POST /v1/hints`: what the caller knows of the future, into the hint table (every
+/// hint of the call, or none: 400 naming the field, 413, 429).
+async fn hints(state: &KvState, req: Request<Incoming>) -> Response<Body> {
+    let limit = state.hints.max_body_bytes();
+    let (raw, _room) = match body_of(state, req, limit, "hints.max_body_bytes").await {
+        Ok(b) => b,
+        Err(r) => {
+            if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                state.hints.refused_body();
+            }
+            return r;
+        }
+    };
+    match state.hints.post(&raw) {
+        Ok(a) => reply(
+            StatusCode::OK,
+            serde_json::to_vec(&a).unwrap_or_default(),
+            "application/json",
+        ),
+        Err(e) => error(
+            StatusCode::from_u16(e.status()).unwrap_or(StatusCode::BAD_REQUEST),
+            e,
+        ),
+    }
+}
+
 async fn exists(state: &KvState, req: Request<Incoming>) -> Response<Body> {
     let keys = match keys_of(state, req).await {
         Ok(k) if k.is_empty() => return reply(StatusCode::OK, "[]", "application/json"),
@@ -292,6 +318,7 @@ async fn route(state: Arc<KvState>, req: Request<Incoming>) -> Response<Body> {
             "/v1/kv/exists" => return exists(&state, req).await,
             "/v1/kv/batch/get" => return batch_get(state, req).await,
             "/v1/kv/batch/put" => return batch_put(&state, req).await,
+            "/v1/hints" => return hints(&state, req).await,
             _ => {}
         }
     }

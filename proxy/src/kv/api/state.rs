@@ -28,6 +28,8 @@ pub struct KvState {
     /// The policies that decide placement and admission of puts, as on the master face.
     pub policy: Arc<crate::policy::registry::Registry>,
     pub metrics: Arc<crate::kv::metrics::KvMetrics>,
+    /// What routers and engines say of the future (`POST /v1/hints`).
+    pub hints: Arc<crate::hints::Hints>,
 }
 
 /// The one place store errors become HTTP statuses.

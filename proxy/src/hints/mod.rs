@@ -1,0 +1,387 @@
+//! Hints: what the serving stack knows of the future, told to moongate. A router knows
+//! which blocks its queued requests will read (`upcoming`), an application knows when a
+//! session ended (`done`), an agent knows its next turn will come back when a tool
+//! returns (`expect`). They reach the table here through `POST /v1/hints` (the kv face)
+//! or `POST /hints` (the admin endpoint), bounded in size, rate, entries and time.
+//!
+//! Hints never change correctness: nothing is stored, refused or answered differently
+//! because of one; they are for the eviction policy to read.
+//!
+//! Rooms: [`parse`] (the body, pure), [`table`] (the bounded table, pure); this file
+//! holds the section's config, its metrics and the handle the faces share, and maps
+//! its errors to HTTP statuses in one place ([`HintError::status`]).
+
+pub mod parse;
+pub mod table;
+
+use std::sync::Mutex;
+use std::time::Instant;
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use serde::Deserialize;
+
+use crate::validate::positive;
+pub use parse::ParseError;
+pub use table::{Hint, Kind, Name, Table};
+
+/// The `[hints]` section.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct HintsConfig {
+    /// On by default: hints only inform eviction, and whoever can reach the kv face can
+    /// already put and remove keys.
+    pub enabled: bool,
+    /// Hints kept at most (keys and blocks alike); a full table drops its oldest.
+    /// 131,072 entries of short keys take ~25 MiB.
+    pub max_entries: usize,
+    /// How long a hint is kept (for `upcoming`, after the time it is due): a router's
+    /// queue drains in seconds; a minute outlives a queue's wait without keeping stale
+    /// hints.
+    pub ttl_ms: u64,
+    /// The furthest an `in_ms` or an `expect`'s `within_ms` may reach: an agent's tool
+    /// call can take minutes.
+    pub max_ttl_ms: u64,
+    /// Keys and blocks named in one call.
+    pub max_names_per_call: usize,
+    /// Bytes of one call's body (names of up to `kv.max_key_bytes` each fit 4,096 to
+    /// a MiB).
+    pub max_body_bytes: usize,
+    /// Names accepted per second over all calls (a burst of one second's worth);
+    /// beyond, a call is refused with 429 and nothing of it is kept.
+    pub max_names_per_second: u64,
+}
+
+impl Default for HintsConfig {
+    fn default() -> Self {
+        HintsConfig {
+            enabled: true,
+            max_entries: 131_072,
+            ttl_ms: 60_000,
+            max_ttl_ms: 600_000,
+            max_names_per_call: 4_096,
+            max_body_bytes: 1 << 20,
+            max_names_per_second: 100_000,
+        }
+    }
+}
+
+impl HintsConfig {
+    pub fn validate(&self, errs: &mut Vec<String>) {
+        positive(errs, "hints.max_entries", self.max_entries as u64);
+        positive(errs, "hints.ttl_ms", self.ttl_ms);
+        positive(errs, "hints.max_ttl_ms", self.max_ttl_ms);
+        positive(
+            errs,
+            "hints.max_names_per_call",
+            self.max_names_per_call as u64,
+        );
+        positive(errs, "hints.max_body_bytes", self.max_body_bytes as u64);
+        positive(
+            errs,
+            "hints.max_names_per_second",
+            self.max_names_per_second,
+        );
+    }
+}
+
+/// Why a call's hints were not taken. Nothing of a refused call is kept.
+#[derive(Debug, thiserror::Error)]
+pub enum HintError {
+    #[error("hints are off (hints.enabled = false)")]
+    Off,
+    #[error("body over {max} bytes (hints.max_body_bytes)")]
+    BodyTooLarge { max: usize },
+    #[error(transparent)]
+    Parse(#[from] ParseError),
+    #[error("{names} names would pass hints.max_names_per_second ({per_second}); retry later")]
+    Rate { names: usize, per_second: u64 },
+}
+
+impl HintError {
+    /// The one mapping of hint errors to HTTP statuses, for both endpoints.
+    pub fn status(&self) -> u16 {
+        match self {
+            HintError::Off => 404,
+            HintError::BodyTooLarge { .. } | HintError::Parse(ParseError::TooMany { .. }) => 413,
+            HintError::Parse(ParseError::Invalid { .. }) => 400,
+            HintError::Rate { .. } => 429,
+        }
+    }
+
+    /// The `reason` label of `moongate_hints_refused_total`.
+    fn reason(&self) -> usize {
+        match self {
+            HintError::Off => 0,
+            HintError::Parse(ParseError::Invalid { .. }) => 1,
+            HintError::BodyTooLarge { .. } | HintError::Parse(ParseError::TooMany { .. }) => 2,
+            HintError::Rate { .. } => 3,
+        }
+    }
+}
+
+/// `moongate_hints_refused_total` reasons, in index order.
+pub const REFUSED: [&str; 4] = ["off", "invalid", "too_large", "rate"];
+
+/// The section's metric handles.
+pub struct HintsMetrics {
+    /// Names taken, by [`Kind::ALL`] index.
+    pub received: [Counter; 3],
+    /// Calls refused, by [`REFUSED`] index.
+    pub refused: [Counter; 4],
+    /// Live entries pushed out by a full table.
+    pub dropped: Counter,
+    /// Entries in the table now.
+    pub entries: Gauge,
+}
+
+impl HintsMetrics {
+    pub fn register(registry: &mut prometheus_client::registry::Registry) -> HintsMetrics {
+        use prometheus_client::metrics::family::Family;
+        let received = Family::<[(&'static str, &'static str); 1], Counter>::default();
+        let refused = Family::<[(&'static str, &'static str); 1], Counter>::default();
+        registry.register(
+            "moongate_hints_received",
+            "Keys and blocks named by accepted hints, by kind",
+            received.clone(),
+        );
+        registry.register(
+            "moongate_hints_refused",
+            "Hint calls refused (nothing of them kept), by reason",
+            refused.clone(),
+        );
+        let m = HintsMetrics {
+            received: Kind::ALL.map(|k| received.get_or_create(&[("kind", k.name())]).clone()),
+            refused: REFUSED.map(|r| refused.get_or_create(&[("reason", r)]).clone()),
+            dropped: Counter::default(),
+            entries: Gauge::default(),
+        };
+        registry.register(
+            "moongate_hints_dropped",
+            "Live hints pushed out because the table was full (hints.max_entries)",
+            m.dropped.clone(),
+        );
+        registry.register(
+            "moongate_hints_entries",
+            "Hints in the table now",
+            m.entries.clone(),
+        );
+        m
+    }
+}
+
+/// Accepted names per second: a token bucket holding one second's worth.
+#[derive(Debug)]
+struct Rate {
+    per_second: u64,
+    tokens: f64,
+    at: Instant,
+}
+
+impl Rate {
+    fn take(&mut self, n: usize, now: Instant) -> bool {
+        let cap = self.per_second as f64;
+        let refill = now.saturating_duration_since(self.at).as_secs_f64() * cap;
+        self.tokens = (self.tokens + refill).min(cap);
+        self.at = now;
+        if (n as f64) > self.tokens {
+            return false;
+        }
+        self.tokens -= n as f64;
+        true
+    }
+}
+
+/// The hint table and its limits, shared by the kv face, the admin endpoint and the
+/// evictor. Its lock is held for one call's inserts or one read, never across I/O.
+pub struct Hints {
+    cfg: HintsConfig,
+    max_key_bytes: usize,
+    table: Mutex<Table>,
+    rate: Mutex<Rate>,
+    metrics: std::sync::Arc<HintsMetrics>,
+    /// The table's clock: ms since this handle was made.
+    epoch: Instant,
+}
+
+/// What an accepted call did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Accepted {
+    /// Names taken.
+    pub accepted: usize,
+    /// Entries in the table after it.
+    pub entries: usize,
+}
+
+impl Hints {
+    pub fn new(
+        cfg: HintsConfig,
+        max_key_bytes: usize,
+        metrics: std::sync::Arc<HintsMetrics>,
+    ) -> Hints {
+        Hints {
+            table: Mutex::new(Table::new(cfg.max_entries)),
+            rate: Mutex::new(Rate {
+                per_second: cfg.max_names_per_second,
+                tokens: cfg.max_names_per_second as f64,
+                at: Instant::now(),
+            }),
+            cfg,
+            max_key_bytes,
+            metrics,
+            epoch: Instant::now(),
+        }
+    }
+
+    /// The most body bytes a call may send (`hints.max_body_bytes`).
+    pub fn max_body_bytes(&self) -> usize {
+        self.cfg.max_body_bytes
+    }
+
+    /// The table's clock now (ms).
+    pub fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// Counts a call whose body could not be read within `hints.max_body_bytes` (the
+    /// face read it; nothing reached [`Hints::post`]).
+    pub fn refused_body(&self) {
+        self.metrics.refused[2].inc();
+    }
+
+    /// Takes one call's body: every hint in it, or none (the error says why).
+    pub fn post(&self, body: &[u8]) -> Result<Accepted, HintError> {
+        let r = self.take(body);
+        if let Err(e) = &r {
+            self.metrics.refused[e.reason()].inc();
+        }
+        r
+    }
+
+    fn take(&self, body: &[u8]) -> Result<Accepted, HintError> {
+        if !self.cfg.enabled {
+            return Err(HintError::Off);
+        }
+        if body.len() > self.cfg.max_body_bytes {
+            return Err(HintError::BodyTooLarge {
+                max: self.cfg.max_body_bytes,
+            });
+        }
+        let now = self.now_ms();
+        let rules = parse::Rules {
+            max_names: self.cfg.max_names_per_call,
+            max_key_bytes: self.max_key_bytes,
+            ttl_ms: self.cfg.ttl_ms,
+            max_ttl_ms: self.cfg.max_ttl_ms,
+        };
+        let hints = parse::parse(body, &rules, now)?;
+        let taken = self
+            .rate
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take(hints.len(), Instant::now());
+        if !taken {
+            return Err(HintError::Rate {
+                names: hints.len(),
+                per_second: self.cfg.max_names_per_second,
+            });
+        }
+        let accepted = hints.len();
+        let mut by_kind = [0u64; 3];
+        let mut dropped = 0;
+        let entries = {
+            let mut t = self.table.lock().unwrap_or_else(|p| p.into_inner());
+            for (name, hint) in hints {
+                by_kind[hint.kind as usize] += 1;
+                dropped += t.insert(name, hint, now).dropped;
+            }
+            t.len()
+        };
+        for (c, n) in self.metrics.received.iter().zip(by_kind) {
+            if n > 0 {
+                c.inc_by(n);
+            }
+        }
+        if dropped > 0 {
+            self.metrics.dropped.inc_by(dropped);
+        }
+        self.metrics.entries.set(entries as i64);
+        Ok(Accepted { accepted, entries })
+    }
+
+    /// The live hint of each name, in order (`None`: nothing known), read at one time
+    /// under one lock: an eviction round asks for its candidates at once.
+    pub fn lookup<'a>(&self, names: impl Iterator<Item = &'a Name>) -> Vec<Option<Hint>> {
+        let now = self.now_ms();
+        let t = self.table.lock().unwrap_or_else(|p| p.into_inner());
+        names.map(|n| t.get(n, now).cloned()).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hints(cfg: HintsConfig) -> Hints {
+        let mut r = prometheus_client::registry::Registry::default();
+        Hints::new(cfg, 64, std::sync::Arc::new(HintsMetrics::register(&mut r)))
+    }
+
+    fn key(k: &str) -> Name {
+        Name::Key {
+            tenant: bytes::Bytes::from_static(b"default"),
+            key: bytes::Bytes::copy_from_slice(k.as_bytes()),
+        }
+    }
+
+    #[test]
+    fn a_call_is_taken_whole_or_not_at_all() {
+        let h = hints(HintsConfig::default());
+        let ok = br#"{"hints": [{"kind": "upcoming", "keys": ["a", "b"]}, {"kind": "done", "blocks": [9]}]}"#;
+        assert_eq!(
+            h.post(ok).unwrap(),
+            Accepted {
+                accepted: 3,
+                entries: 3
+            }
+        );
+        let bad =
+            br#"{"hints": [{"kind": "done", "keys": ["c"]}, {"kind": "later", "keys": ["d"]}]}"#;
+        let e = h.post(bad).unwrap_err();
+        assert_eq!(e.status(), 400);
+        assert!(e.to_string().starts_with("hints[1].kind:"), "{e}");
+        let got = h.lookup([key("a"), key("c"), Name::Block(9)].iter());
+        assert_eq!(got[0].as_ref().map(|h| h.kind), Some(Kind::Upcoming));
+        assert!(got[1].is_none(), "nothing of a refused call is kept");
+        assert_eq!(got[2].as_ref().map(|h| h.kind), Some(Kind::Done));
+        assert_eq!(h.metrics.received[0].get(), 2);
+        assert_eq!(h.metrics.refused[1].get(), 1);
+    }
+
+    #[test]
+    fn limits_answer_413_and_429_and_off_answers_404() {
+        let h = hints(HintsConfig {
+            max_body_bytes: 64,
+            ..HintsConfig::default()
+        });
+        assert_eq!(h.post(&[b' '; 65]).unwrap_err().status(), 413);
+        let h = hints(HintsConfig {
+            max_names_per_call: 1,
+            ..HintsConfig::default()
+        });
+        let two = br#"{"hints": [{"kind": "done", "keys": ["a", "b"]}]}"#;
+        assert_eq!(h.post(two).unwrap_err().status(), 413);
+        let h = hints(HintsConfig {
+            max_names_per_second: 3,
+            ..HintsConfig::default()
+        });
+        assert!(h.post(two).is_ok());
+        let e = h.post(two).unwrap_err();
+        assert_eq!(e.status(), 429, "{e}");
+        let h = hints(HintsConfig {
+            enabled: false,
+            ..HintsConfig::default()
+        });
+        assert_eq!(h.post(two).unwrap_err().status(), 404);
+    }
+}

@@ -1,0 +1,393 @@
+//! A `POST /v1/hints` body, read into named hints with the field at fault named in every
+//! error. Pure: JSON in, hints out; the time is passed in.
+//!
+//! ```json
+//! {"hints": [
+//!   {"kind": "upcoming", "keys": ["..."], "in_ms": 200, "session": "router-3"},
+//!   {"kind": "done", "blocks": [1234567, "9f1c..."], "tenant": "default"},
+//!   {"kind": "expect", "keys": ["..."], "within_ms": 30000}
+//! ]}
+//! ```
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use serde_json::{Map, Value};
+
+use super::table::{Hint, Kind, Name};
+
+/// The longest block digest a hint may name, in bytes (as the policy host allows).
+pub const MAX_DIGEST: usize = 64;
+/// The longest session or tenant id, in bytes.
+pub const MAX_ID: usize = 256;
+
+/// The limits and times a body is read with.
+#[derive(Debug, Clone, Copy)]
+pub struct Rules {
+    /// Names (keys and blocks) per call.
+    pub max_names: usize,
+    /// Longest key.
+    pub max_key_bytes: usize,
+    /// How long a hint is kept (after its due time, for `upcoming`).
+    pub ttl_ms: u64,
+    /// The furthest an `in_ms` / `within_ms` may reach.
+    pub max_ttl_ms: u64,
+}
+
+/// Why a body was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ParseError {
+    /// A field is missing, of the wrong type, or out of range: `field` names it as a
+    /// path (`hints[2].keys[0]`).
+    #[error("{field}: {why}")]
+    Invalid { field: String, why: String },
+    /// More names than a call may carry.
+    #[error("{names} names in one call; at most {max} (hints.max_names_per_call)")]
+    TooMany { names: usize, max: usize },
+}
+
+fn invalid(field: impl Into<String>, why: impl Into<String>) -> ParseError {
+    ParseError::Invalid {
+        field: field.into(),
+        why: why.into(),
+    }
+}
+
+/// The hints of `body`, each with the name it is about, received at `now_ms`.
+pub fn parse(body: &[u8], rules: &Rules, now_ms: u64) -> Result<Vec<(Name, Hint)>, ParseError> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| invalid("body", e.to_string()))?;
+    let Value::Object(top) = v else {
+        return Err(invalid("body", "expected an object {\"hints\": [...]}"));
+    };
+    if let Some(k) = top.keys().find(|k| *k != "hints") {
+        return Err(invalid(k.as_str(), "unknown field (expected \"hints\")"));
+    }
+    let Some(Value::Array(items)) = top.get("hints") else {
+        return Err(invalid("hints", "expected an array of hints"));
+    };
+    // Count first: a flood is refused before anything is built.
+    let names: usize = items
+        .iter()
+        .filter_map(Value::as_object)
+        .map(|o| {
+            ["keys", "blocks"]
+                .iter()
+                .filter_map(|f| o.get(*f).and_then(Value::as_array))
+                .map(Vec::len)
+                .sum::<usize>()
+        })
+        .sum();
+    if names > rules.max_names {
+        return Err(ParseError::TooMany {
+            names,
+            max: rules.max_names,
+        });
+    }
+    let mut out = Vec::with_capacity(names);
+    for (i, item) in items.iter().enumerate() {
+        let at = format!("hints[{i}]");
+        let Value::Object(o) = item else {
+            return Err(invalid(at, "expected an object"));
+        };
+        one(o, &at, rules, now_ms, &mut out)?;
+    }
+    Ok(out)
+}
+
+const FIELDS: [&str; 7] = [
+    "kind",
+    "keys",
+    "blocks",
+    "tenant",
+    "session",
+    "in_ms",
+    "within_ms",
+];
+
+fn one(
+    o: &Map<String, Value>,
+    at: &str,
+    rules: &Rules,
+    now_ms: u64,
+    out: &mut Vec<(Name, Hint)>,
+) -> Result<(), ParseError> {
+    if let Some(k) = o.keys().find(|k| !FIELDS.contains(&k.as_str())) {
+        return Err(invalid(format!("{at}.{k}"), "unknown field"));
+    }
+    let kind = match o.get("kind").and_then(Value::as_str) {
+        Some("upcoming") => Kind::Upcoming,
+        Some("done") => Kind::Done,
+        Some("expect") => Kind::Expect,
+        Some(other) => {
+            return Err(invalid(
+                format!("{at}.kind"),
+                format!("unknown kind {other:?} (upcoming, done, expect)"),
+            ));
+        }
+        None => {
+            return Err(invalid(
+                format!("{at}.kind"),
+                "missing (upcoming, done, expect)",
+            ));
+        }
+    };
+    let id = |f: &str| -> Result<Option<&str>, ParseError> {
+        match o.get(f) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) if !s.is_empty() && s.len() <= MAX_ID => Ok(Some(s)),
+            Some(_) => Err(invalid(
+                format!("{at}.{f}"),
+                format!("expected a string of 1 to {MAX_ID} bytes"),
+            )),
+        }
+    };
+    let tenant = Bytes::copy_from_slice(id("tenant")?.unwrap_or("default").as_bytes());
+    let session: Option<Arc<str>> = id("session")?.map(Arc::from);
+    let ms = |f: &str| -> Result<Option<u64>, ParseError> {
+        match o.get(f) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => match v.as_u64() {
+                Some(n) if n <= rules.max_ttl_ms => Ok(Some(n)),
+                _ => Err(invalid(
+                    format!("{at}.{f}"),
+                    format!(
+                        "expected milliseconds, 0 to {} (hints.max_ttl_ms)",
+                        rules.max_ttl_ms
+                    ),
+                )),
+            },
+        }
+    };
+    let (in_ms, within_ms) = (ms("in_ms")?, ms("within_ms")?);
+    let (due_ms, expires_ms) = match kind {
+        Kind::Upcoming => {
+            if within_ms.is_some() {
+                return Err(invalid(
+                    format!("{at}.within_ms"),
+                    "belongs to expect; upcoming takes in_ms",
+                ));
+            }
+            let due = now_ms + in_ms.unwrap_or(0);
+            (due, due + rules.ttl_ms)
+        }
+        Kind::Done => {
+            if let Some(f) = ["in_ms", "within_ms"]
+                .into_iter()
+                .find(|f| o.contains_key(*f))
+            {
+                return Err(invalid(format!("{at}.{f}"), "done takes no time"));
+            }
+            (now_ms, now_ms + rules.ttl_ms)
+        }
+        Kind::Expect => {
+            if in_ms.is_some() {
+                return Err(invalid(
+                    format!("{at}.in_ms"),
+                    "belongs to upcoming; expect takes within_ms",
+                ));
+            }
+            let Some(within) = within_ms else {
+                return Err(invalid(
+                    format!("{at}.within_ms"),
+                    "missing: by when the next turn is expected",
+                ));
+            };
+            (now_ms + within, now_ms + within)
+        }
+    };
+    let hint = Hint {
+        kind,
+        at_ms: now_ms,
+        due_ms,
+        expires_ms,
+        session,
+    };
+    let (keys, blocks) = (o.get("keys"), o.get("blocks"));
+    if keys.is_none() && blocks.is_none() {
+        return Err(invalid(at, "names nothing: give keys or blocks"));
+    }
+    if let Some(keys) = keys {
+        let Value::Array(keys) = keys else {
+            return Err(invalid(
+                format!("{at}.keys"),
+                "expected an array of strings",
+            ));
+        };
+        for (j, k) in keys.iter().enumerate() {
+            match k.as_str() {
+                Some(k) if !k.is_empty() && k.len() <= rules.max_key_bytes => out.push((
+                    Name::Key {
+                        tenant: tenant.clone(),
+                        key: Bytes::copy_from_slice(k.as_bytes()),
+                    },
+                    hint.clone(),
+                )),
+                _ => {
+                    return Err(invalid(
+                        format!("{at}.keys[{j}]"),
+                        format!(
+                            "expected a key string of 1 to {} bytes (kv.max_key_bytes)",
+                            rules.max_key_bytes
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    if let Some(blocks) = blocks {
+        let Value::Array(blocks) = blocks else {
+            return Err(invalid(
+                format!("{at}.blocks"),
+                "expected an array of block hashes",
+            ));
+        };
+        for (j, b) in blocks.iter().enumerate() {
+            let name = block(b).ok_or_else(|| {
+                invalid(
+                    format!("{at}.blocks[{j}]"),
+                    format!(
+                        "expected a 64-bit unsigned integer or a hex digest of 1 to {MAX_DIGEST} bytes"
+                    ),
+                )
+            })?;
+            out.push((name, hint.clone()));
+        }
+    }
+    Ok(())
+}
+
+/// A block hash as the events publish it: vLLM's int, or a digest in hex.
+fn block(v: &Value) -> Option<Name> {
+    match v {
+        Value::Number(n) => n.as_u64().map(Name::Block),
+        Value::String(s) => {
+            let s = s.strip_prefix("0x").unwrap_or(s);
+            if s.is_empty() || s.len() % 2 != 0 || s.len() > 2 * MAX_DIGEST {
+                return None;
+            }
+            let bytes: Option<Vec<u8>> = (0..s.len())
+                .step_by(2)
+                .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+                .collect();
+            bytes.map(|b| Name::Digest(Bytes::from(b)))
+        }
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const RULES: Rules = Rules {
+        max_names: 8,
+        max_key_bytes: 16,
+        ttl_ms: 1000,
+        max_ttl_ms: 60_000,
+    };
+
+    fn field_of(body: &str) -> String {
+        match parse(body.as_bytes(), &RULES, 0) {
+            Err(ParseError::Invalid { field, .. }) => field,
+            other => panic!("{body}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn every_kind_reads_with_its_times() {
+        let body = r#"{"hints": [
+            {"kind": "upcoming", "keys": ["a", "b"], "in_ms": 200, "session": "r1"},
+            {"kind": "done", "blocks": [7, "0a0b"], "tenant": "t"},
+            {"kind": "expect", "keys": ["c"], "within_ms": 5000}
+        ]}"#;
+        let h = parse(body.as_bytes(), &RULES, 100).unwrap();
+        assert_eq!(h.len(), 5);
+        assert_eq!(h[0].1.kind, Kind::Upcoming);
+        assert_eq!((h[0].1.due_ms, h[0].1.expires_ms), (300, 1300));
+        assert_eq!(h[0].1.session.as_deref(), Some("r1"));
+        assert_eq!(h[2].0, Name::Block(7));
+        assert_eq!(h[3].0, Name::Digest(Bytes::from_static(&[10, 11])));
+        assert_eq!((h[2].1.kind, h[2].1.expires_ms), (Kind::Done, 1100));
+        assert_eq!((h[4].1.kind, h[4].1.expires_ms), (Kind::Expect, 5100));
+        let Name::Key { tenant, .. } = &h[0].0 else {
+            panic!()
+        };
+        assert_eq!(&tenant[..], b"default");
+    }
+
+    #[test]
+    fn bad_input_names_the_field_at_fault() {
+        for (body, field) in [
+            ("not json", "body"),
+            ("[]", "body"),
+            (r#"{"hint": []}"#, "hint"),
+            (r#"{"hints": 3}"#, "hints"),
+            (r#"{"hints": [3]}"#, "hints[0]"),
+            (r#"{"hints": [{"keys": ["a"]}]}"#, "hints[0].kind"),
+            (
+                r#"{"hints": [{"kind": "soon", "keys": ["a"]}]}"#,
+                "hints[0].kind",
+            ),
+            (r#"{"hints": [{"kind": "done"}]}"#, "hints[0]"),
+            (
+                r#"{"hints": [{"kind": "done", "keys": ["a", ""]}]}"#,
+                "hints[0].keys[1]",
+            ),
+            (
+                r#"{"hints": [{"kind": "done", "keys": ["aaaaaaaaaaaaaaaaaaaa"]}]}"#,
+                "hints[0].keys[0]",
+            ),
+            (
+                r#"{"hints": [{"kind": "done", "keys": "a"}]}"#,
+                "hints[0].keys",
+            ),
+            (
+                r#"{"hints": [{"kind": "done", "blocks": [-1]}]}"#,
+                "hints[0].blocks[0]",
+            ),
+            (
+                r#"{"hints": [{"kind": "done", "blocks": ["abc"]}]}"#,
+                "hints[0].blocks[0]",
+            ),
+            (
+                r#"{"hints": [{"kind": "done", "blocks": ["zz"]}]}"#,
+                "hints[0].blocks[0]",
+            ),
+            (
+                r#"{"hints": [{"kind": "done", "keys": ["a"], "in_ms": 5}]}"#,
+                "hints[0].in_ms",
+            ),
+            (
+                r#"{"hints": [{"kind": "expect", "keys": ["a"]}]}"#,
+                "hints[0].within_ms",
+            ),
+            (
+                r#"{"hints": [{"kind": "expect", "keys": ["a"], "within_ms": 99999999}]}"#,
+                "hints[0].within_ms",
+            ),
+            (
+                r#"{"hints": [{"kind": "upcoming", "keys": ["a"], "session": 5}]}"#,
+                "hints[0].session",
+            ),
+            (
+                r#"{"hints": [{"kind": "done", "keys": ["a"], "colour": 1}]}"#,
+                "hints[0].colour",
+            ),
+        ] {
+            assert_eq!(field_of(body), field, "{body}");
+        }
+    }
+
+    #[test]
+    fn too_many_names_are_refused_before_anything_is_built() {
+        let keys: Vec<String> = (0..9).map(|i| format!("\"k{i}\"")).collect();
+        let body = format!(
+            r#"{{"hints": [{{"kind": "done", "keys": [{}]}}]}}"#,
+            keys.join(",")
+        );
+        assert_eq!(
+            parse(body.as_bytes(), &RULES, 0),
+            Err(ParseError::TooMany { names: 9, max: 8 })
+        );
+    }
+}

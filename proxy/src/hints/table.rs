@@ -1,0 +1,218 @@
+//! The hint table: what the serving stack said of keys and blocks, bounded in entries
+//! and in time. Pure: no clock (times are passed in, in ms), no sockets, no JSON.
+//!
+//! One entry per name (a key in a tenant, or a block hash); a newer hint of a name
+//! replaces the older one, whatever its kind. Entries leave when they expire (checked
+//! on read, swept on write) or, the table full, oldest first.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+/// What a hint names: a key as a client stores it, or a block as the KV events and the
+/// policy's `block-keys` / `block-refs` name it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Name {
+    Key {
+        tenant: Bytes,
+        key: Bytes,
+    },
+    /// A 64-bit block hash (vLLM's int form).
+    Block(u64),
+    /// A block hash of another width (a digest's bytes, 1 to 64).
+    Digest(Bytes),
+}
+
+/// What is known of a name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// It will be read soon (a router has the request queued).
+    Upcoming,
+    /// Its session ended: that session will not read it again.
+    Done,
+    /// A next turn that reads it is expected (an agent waiting on a tool).
+    Expect,
+}
+
+impl Kind {
+    pub const ALL: [Kind; 3] = [Kind::Upcoming, Kind::Done, Kind::Expect];
+
+    /// The `kind` in the API and the metrics' label.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Upcoming => "upcoming",
+            Kind::Done => "done",
+            Kind::Expect => "expect",
+        }
+    }
+}
+
+/// One hint as the table keeps it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hint {
+    pub kind: Kind,
+    /// When it was received (ms, the caller's clock).
+    pub at_ms: u64,
+    /// `upcoming`: when the read is expected; `expect`: by when the next turn comes;
+    /// `done`: when it was said.
+    pub due_ms: u64,
+    /// When the table forgets it.
+    pub expires_ms: u64,
+    /// The session or tenant it was said for, when the caller named one.
+    pub session: Option<Arc<str>>,
+}
+
+/// The table. `cap` entries at most.
+#[derive(Debug)]
+pub struct Table {
+    cap: usize,
+    entries: HashMap<Name, (Hint, u64)>,
+    /// Names in insertion order with the sequence number of that insertion: an entry
+    /// replaced since leaves a stale item here, skipped (and compacted away).
+    order: VecDeque<(u64, Name)>,
+    next: u64,
+}
+
+/// What an insert did besides inserting.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Inserted {
+    /// Live entries pushed out because the table was full.
+    pub dropped: u64,
+    /// Expired entries swept.
+    pub expired: u64,
+}
+
+impl Table {
+    pub fn new(cap: usize) -> Table {
+        Table {
+            cap: cap.max(1),
+            entries: HashMap::new(),
+            order: VecDeque::new(),
+            next: 0,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The live hint of `name` at `now_ms`.
+    pub fn get(&self, name: &Name, now_ms: u64) -> Option<&Hint> {
+        self.entries
+            .get(name)
+            .map(|(h, _)| h)
+            .filter(|h| h.expires_ms > now_ms)
+    }
+
+    /// Records `hint` for `name` (replacing any), sweeping what expired by `now_ms` from
+    /// the oldest end and, when full, pushing out the oldest live entries.
+    pub fn insert(&mut self, name: Name, hint: Hint, now_ms: u64) -> Inserted {
+        let mut out = Inserted::default();
+        // Sweep the oldest end: stale items, and entries already expired.
+        while let Some((seq, front)) = self.order.front() {
+            match self.entries.get(front) {
+                Some((h, s)) if s == seq => {
+                    if h.expires_ms > now_ms {
+                        break;
+                    }
+                    self.entries.remove(front);
+                    out.expired += 1;
+                }
+                _ => {}
+            }
+            self.order.pop_front();
+        }
+        let replacing = self.entries.contains_key(&name);
+        while !replacing && self.entries.len() >= self.cap {
+            let Some((seq, front)) = self.order.pop_front() else {
+                break;
+            };
+            if self.entries.get(&front).is_some_and(|(_, s)| *s == seq) {
+                self.entries.remove(&front);
+                out.dropped += 1;
+            }
+        }
+        let seq = self.next;
+        self.next += 1;
+        self.order.push_back((seq, name.clone()));
+        self.entries.insert(name, (hint, seq));
+        // Replacements leave stale items: keep the queue within twice the table.
+        if self.order.len() > 2 * self.cap {
+            let entries = &self.entries;
+            self.order
+                .retain(|(seq, n)| entries.get(n).is_some_and(|(_, s)| s == seq));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(k: &str) -> Name {
+        Name::Key {
+            tenant: Bytes::from_static(b"default"),
+            key: Bytes::copy_from_slice(k.as_bytes()),
+        }
+    }
+
+    fn hint(kind: Kind, at: u64, ttl: u64) -> Hint {
+        Hint {
+            kind,
+            at_ms: at,
+            due_ms: at,
+            expires_ms: at + ttl,
+            session: None,
+        }
+    }
+
+    #[test]
+    fn a_newer_hint_replaces_an_older_one_and_expired_ones_are_not_read() {
+        let mut t = Table::new(8);
+        t.insert(key("a"), hint(Kind::Upcoming, 0, 100), 0);
+        t.insert(key("a"), hint(Kind::Done, 10, 100), 10);
+        assert_eq!(t.len(), 1);
+        assert_eq!(t.get(&key("a"), 50).map(|h| h.kind), Some(Kind::Done));
+        assert_eq!(t.get(&key("a"), 110), None, "expired at 110");
+        assert_eq!(t.get(&Name::Block(7), 0), None);
+    }
+
+    #[test]
+    fn the_table_stays_within_its_cap_oldest_out_first_and_sweeps_what_expired() {
+        let mut t = Table::new(3);
+        for (i, k) in ["a", "b", "c"].iter().enumerate() {
+            t.insert(key(k), hint(Kind::Upcoming, i as u64, 1000), i as u64);
+        }
+        let r = t.insert(key("d"), hint(Kind::Upcoming, 3, 1000), 3);
+        assert_eq!(r.dropped, 1);
+        assert_eq!(t.len(), 3);
+        assert!(t.get(&key("a"), 3).is_none() && t.get(&key("d"), 3).is_some());
+        // Everything expired by 5000: swept on the next insert, nothing pushed out.
+        let r = t.insert(Name::Block(1), hint(Kind::Done, 5000, 10), 5000);
+        assert_eq!((r.dropped, r.expired), (0, 3));
+        assert_eq!(t.len(), 1);
+    }
+
+    #[test]
+    fn replacing_one_name_many_times_keeps_the_queue_bounded() {
+        let mut t = Table::new(4);
+        for i in 0..1000 {
+            t.insert(key("same"), hint(Kind::Upcoming, i, 1_000_000), i);
+        }
+        assert_eq!(t.len(), 1);
+        assert!(t.order.len() <= 8, "{}", t.order.len());
+        // The replaced items were stale, not live: nothing was pushed out.
+        for k in ["b", "c", "d"] {
+            assert_eq!(
+                t.insert(key(k), hint(Kind::Done, 1000, 10), 1000).dropped,
+                0
+            );
+        }
+    }
+}
