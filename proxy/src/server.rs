@@ -77,6 +77,9 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
         cfg.kv.max_key_bytes,
         metrics.hints.clone(),
     ));
+    if let Some(ev) = &eviction {
+        ev.set_hints(hints.clone());
+    }
     let state = Arc::new(AdminState {
         hints: hints.clone(),
         fleet,

@@ -507,6 +507,57 @@ fn a_plugin_built_for_wit_0_1_2_still_loads_and_the_default_names_vllm_keys() {
     );
 }
 
+/// The contract grew a fourth time (`evict-hinted`, WIT 0.1.4: eviction that reads the
+/// serving stack's hints): a component built for 0.1.3 loads and evicts as before, hints
+/// unseen; `hint-lru` built today puts the `done` block first and the `upcoming` one
+/// last, and `lru` built today (the SDK's default `evict-hinted`) keeps its LRU order.
+#[test]
+fn a_plugin_built_for_wit_0_1_3_still_loads_and_hints_reach_a_plugin_that_reads_them() {
+    let e = engine();
+    let old = std::fs::read(
+        crate::support::repo_root().join("proxy/tests/fixtures/plugins/lru-wit-0.1.3.wasm"),
+    )
+    .unwrap();
+    let p = e.load("lru-0.1.3", &old, b"", None).unwrap();
+    let hint = |kind, age_ms, due_in_ms| wit::CandidateHint {
+        kind,
+        age_ms,
+        due_in_ms,
+    };
+    let call = wit::HintedEvictCall {
+        call: wit::EvictCall {
+            keys: moongate::policy::pack_keys(["a", "b", "c"].iter()),
+            sizes: vec![10, 10, 10],
+            tiers: vec![wit::Tier::Memory; 3],
+            age_ms: vec![900, 500, 100],
+            hits: vec![0; 3],
+            bytes_needed: 30,
+        },
+        on_disk: Vec::new(),
+        hints: vec![
+            hint(wit::HintKind::Upcoming, 10, 50),
+            hint(wit::HintKind::None, 0, 0),
+            hint(wit::HintKind::Done, 50, 0),
+        ],
+    };
+    assert!(!p.reads_hints() && p.evict_hinted(&call).unwrap().is_none());
+    assert_eq!(p.evict(&call.call).unwrap(), [0, 1, 2], "LRU as before");
+    let order = |p: &Plugin| -> Vec<u32> {
+        p.evict_hinted(&call)
+            .unwrap()
+            .expect("built for 0.1.4")
+            .iter()
+            .map(|v| v.index)
+            .collect()
+    };
+    let hinted = load(&e, "hint-lru", "").unwrap();
+    assert!(hinted.reads_hints());
+    assert_eq!(order(&hinted), [2, 1, 0], "done first, upcoming last");
+    let lru = load(&e, "lru", "").unwrap();
+    assert_eq!(order(&lru), [0, 1, 2], "the SDK's default reads no hints");
+    assert!(load(&e, "hint-lru", r#"{"max_wrong_share": 2}"#).is_err());
+}
+
 /// CPU time this thread has used (CLOCK_THREAD_CPUTIME_ID): unlike the wall clock, it
 /// does not grow while other work holds the machine's cores.
 fn thread_cpu() -> Duration {

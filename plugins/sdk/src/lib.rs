@@ -25,7 +25,7 @@
 pub mod bindings {
     wit_bindgen::generate!({
         path: "../../wit",
-        world: "policy-with-digests",
+        world: "policy-with-hints",
         pub_export_macro: true,
         default_bindings_module: "moongate_policy_sdk::bindings",
     });
@@ -33,9 +33,9 @@ pub mod bindings {
 
 pub use bindings::moongate::policy::host;
 pub use bindings::moongate::policy::types::{
-    Admission, Block, BlockHash, BlockRef, BudgetState, EvictCall, EvictScope, Interest,
-    LookupCall, Observation, PackedKeys, PutCall, PutDecision, PutKind, ReplicateConfig,
-    SoftPinAction, SplitCall, Tier, TieredEvictCall, Victim,
+    Admission, Block, BlockHash, BlockRef, BudgetState, CandidateHint, EvictCall, EvictScope,
+    HintKind, HintedEvictCall, Interest, LookupCall, Observation, PackedKeys, PutCall, PutDecision,
+    PutKind, ReplicateConfig, SoftPinAction, SplitCall, Tier, TieredEvictCall, Victim,
 };
 
 /// A policy. One value lives per plugin instance; moongate calls the hooks named in the
@@ -76,6 +76,29 @@ pub trait Policy: Sized + 'static {
                 scope: EvictScope::Memory,
             })
             .collect()
+    }
+
+    /// Eviction victims knowing what the serving stack said of each candidate through
+    /// moongate's hint API (WIT 0.1.4; moongate calls this instead of
+    /// [`Policy::evict_tiered`] / [`Policy::evict`] when any candidate of a round has a
+    /// hint). `call.hints[i]` is candidate `i`'s; `call.on_disk` is empty without an SSD
+    /// tier. Default: hints unread, as [`Policy::evict_tiered`] with an SSD tier and
+    /// [`Policy::evict`] (memory copies) without.
+    fn evict_hinted(&mut self, call: HintedEvictCall) -> Vec<Victim> {
+        if call.on_disk.is_empty() {
+            return self
+                .evict(call.call)
+                .into_iter()
+                .map(|index| Victim {
+                    index,
+                    scope: EvictScope::Memory,
+                })
+                .collect();
+        }
+        self.evict_tiered(TieredEvictCall {
+            call: call.call,
+            on_disk: call.on_disk,
+        })
     }
 
     /// Outcome and latency of a call. Default: ignored.
@@ -369,6 +392,9 @@ macro_rules! export_policy {
                 }
                 fn block_refs(keys: $crate::PackedKeys) -> Vec<Option<$crate::Block>> {
                     with(|p| p.block_refs(keys))
+                }
+                fn evict_hinted(call: $crate::HintedEvictCall) -> Vec<$crate::Victim> {
+                    with(|p| p.evict_hinted(call))
                 }
             }
             $crate::bindings::export!(Export with_types_in $crate::bindings);

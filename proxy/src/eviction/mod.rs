@@ -21,6 +21,7 @@
 //! [`crate::upstream`] only.
 
 pub mod config;
+pub mod hinted;
 pub mod history;
 pub mod metrics;
 pub mod table;
@@ -114,6 +115,9 @@ pub struct Eviction {
     /// The fleet (`[fleet]` on): this moongate frees only its portion of what the pool
     /// or an arm must free, the other members the rest.
     fleet: std::sync::OnceLock<Arc<crate::fleet::Fleet>>,
+    /// What the serving stack said of keys and blocks: read by plugins with
+    /// `evict-hinted` (set when the evictor starts).
+    hints: std::sync::OnceLock<Arc<crate::hints::Hints>>,
 }
 
 impl Eviction {
@@ -136,7 +140,13 @@ impl Eviction {
             events,
             topology: std::sync::OnceLock::new(),
             fleet: std::sync::OnceLock::new(),
+            hints: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Gives the evictor the hint table its plugins' `evict-hinted` reads.
+    pub fn set_hints(&self, hints: Arc<crate::hints::Hints>) {
+        let _ = self.hints.set(hints);
     }
 
     /// Joins the evictor to a fleet: from now on it frees its portion of each need.
@@ -1010,34 +1020,61 @@ impl Eviction {
         policy: &Registry,
         tiered: bool,
     ) -> Vec<(usize, wit::EvictScope)> {
+        let hints: &dyn hinted::HintSource = match self.hints.get() {
+            Some(h) => &**h,
+            None => &hinted::NoHints,
+        };
         victims(
             policy,
             &policy.current(),
             cands,
-            need,
-            self.now_ms(),
-            self.cfg.max_removals_per_interval,
-            tiered,
+            &Round {
+                need,
+                now_ms: self.now_ms(),
+                cap: self.cfg.max_removals_per_interval,
+                tiered,
+                hints,
+            },
         )
     }
 }
 
-/// Victims (indexes into `cands`, least recently used first) covering `need` bytes:
-/// each arm's plugin chooses among the keys its arm put, for its share of the bytes, at
-/// most `cap` in all. The live evictor and the simulator (`crate::sim`) both choose
-/// through here, so a plugin sees the same calls in both. `tiered`: copies may sit on an
-/// owner's SSD (`Entry::on_disk`), and a plugin with `evict-tiered` says per victim
-/// whether its memory copy goes or the whole key; otherwise every victim's scope is
-/// `Memory` (on a key with no other copy, the same as the whole key).
+/// One eviction round's terms, for [`victims`].
+pub struct Round<'a> {
+    /// Bytes to free.
+    pub need: u64,
+    /// The candidates' clock now (their `last_ms` is on it).
+    pub now_ms: u64,
+    /// Victims at most.
+    pub cap: usize,
+    /// Copies may sit on an owner's SSD (`Entry::on_disk`).
+    pub tiered: bool,
+    /// What the serving stack said of the candidates.
+    pub hints: &'a dyn hinted::HintSource,
+}
+
+/// Victims (indexes into `cands`, least recently used first) covering `round.need`
+/// bytes: each arm's plugin chooses among the keys its arm put, for its share of the
+/// bytes, at most `round.cap` in all. The live evictor and the simulator (`crate::sim`)
+/// both choose through here, so a plugin sees the same calls in both. `round.tiered`:
+/// copies may sit on an owner's SSD (`Entry::on_disk`), and a plugin with
+/// `evict-tiered` says per victim whether its memory copy goes or the whole key;
+/// otherwise every victim's scope is `Memory` (on a key with no other copy, the same as
+/// the whole key). With hints for any candidate, a plugin with `evict-hinted` reads
+/// them.
 pub fn victims<K: AsRef<[u8]>>(
     policy: &Registry,
     set: &ActiveSet,
     cands: &[(K, Entry)],
-    need: u64,
-    now: u64,
-    cap: usize,
-    tiered: bool,
+    round: &Round<'_>,
 ) -> Vec<(usize, wit::EvictScope)> {
+    let Round {
+        need,
+        now_ms: now,
+        cap,
+        tiered,
+        hints,
+    } = *round;
     let arms = set.arms.len().max(1);
     let by_arm: Vec<Vec<usize>> = if arms == 1 {
         vec![(0..cands.len()).collect()]
@@ -1084,7 +1121,11 @@ pub fn victims<K: AsRef<[u8]>>(
         let picked = set
             .arms
             .get(a)
-            .and_then(|arm| policy.evict_victims(arm, &call, on_disk.as_deref()))
+            .and_then(|arm| {
+                let tenants: Vec<&Bytes> = idx.iter().map(|&i| &cands[i].1.tenant).collect();
+                let hints = hints.hints(policy, arm, &call.keys, &tenants);
+                policy.evict_victims(arm, &call, on_disk.as_deref(), hints.as_deref())
+            })
             .unwrap_or_else(|| {
                 lru(&call.sizes, share)
                     .into_iter()

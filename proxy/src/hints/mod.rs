@@ -310,11 +310,21 @@ impl Hints {
     }
 
     /// The live hint of each name, in order (`None`: nothing known), read at one time
-    /// under one lock: an eviction round asks for its candidates at once.
-    pub fn lookup<'a>(&self, names: impl Iterator<Item = &'a Name>) -> Vec<Option<Hint>> {
+    /// under one lock (an eviction round asks for its candidates at once), and that time
+    /// on the table's clock.
+    pub fn lookup<'a>(&self, names: impl Iterator<Item = &'a Name>) -> (u64, Vec<Option<Hint>>) {
         let now = self.now_ms();
         let t = self.table.lock().unwrap_or_else(|p| p.into_inner());
-        names.map(|n| t.get(n, now).cloned()).collect()
+        (now, names.map(|n| t.get(n, now).cloned()).collect())
+    }
+
+    /// Entries in the table (expired ones not yet swept included).
+    pub fn len(&self) -> usize {
+        self.table.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
@@ -350,7 +360,7 @@ mod tests {
         let e = h.post(bad).unwrap_err();
         assert_eq!(e.status(), 400);
         assert!(e.to_string().starts_with("hints[1].kind:"), "{e}");
-        let got = h.lookup([key("a"), key("c"), Name::Block(9)].iter());
+        let (_, got) = h.lookup([key("a"), key("c"), Name::Block(9)].iter());
         assert_eq!(got[0].as_ref().map(|h| h.kind), Some(Kind::Upcoming));
         assert!(got[1].is_none(), "nothing of a refused call is kept");
         assert_eq!(got[2].as_ref().map(|h| h.kind), Some(Kind::Done));

@@ -391,11 +391,31 @@ impl Registry {
         arm: &Arm,
         call: &wit::EvictCall,
         on_disk: Option<&[bool]>,
+        hints: Option<&[wit::CandidateHint]>,
     ) -> Option<Vec<(usize, wit::EvictScope)>> {
         if !arm.plugin.interest().contains(Interest::EVICT) {
             return None;
         }
         timed(arm, Hook::Evict, None, |p| {
+            // With hints, a plugin that has `evict-hinted` reads them (and chooses per
+            // tier as `evict-tiered` would).
+            let hinted = match hints {
+                Some(hints) => p
+                    .evict_hinted(&wit::HintedEvictCall {
+                        call: call.clone(),
+                        on_disk: on_disk.map(<[bool]>::to_vec).unwrap_or_default(),
+                        hints: hints.to_vec(),
+                    })
+                    .transpose(),
+                None => None,
+            };
+            if let Some(r) = hinted {
+                return r.map(|v| {
+                    v.into_iter()
+                        .map(|v| (v.index as usize, v.scope))
+                        .collect::<Vec<_>>()
+                });
+            }
             // With copies on an SSD, a plugin that has `evict-tiered` chooses per tier;
             // any other loses victims' memory copies only.
             let tiered = match on_disk {

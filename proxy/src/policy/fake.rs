@@ -16,6 +16,8 @@ pub struct Fake {
     split: Hook<wit::SplitCall, Vec<u32>>,
     /// `block-refs`; `None`: the policy has no such hook.
     blocks: Option<Hook<wit::PackedKeys, Vec<Option<wit::Block>>>>,
+    /// `evict-hinted`; `None`: the policy has no such hook.
+    evict_hinted: Option<Hook<wit::HintedEvictCall, Vec<wit::Victim>>>,
     /// Every `observe` call, in order.
     pub observed: Mutex<Vec<wit::Observation>>,
 }
@@ -41,6 +43,7 @@ impl Fake {
             on_lookup: Box::new(|_| Ok(Vec::new())),
             split: Box::new(|_| Ok(Vec::new())),
             blocks: None,
+            evict_hinted: None,
             observed: Mutex::new(Vec::new()),
         }
     }
@@ -81,6 +84,16 @@ impl Fake {
         + 'static,
     ) -> Fake {
         self.blocks = Some(Box::new(f));
+        self
+    }
+
+    /// Gives it an `evict-hinted` hook (and the `evict` interest).
+    pub fn evict_hinted(
+        mut self,
+        f: impl Fn(&wit::HintedEvictCall) -> Result<Vec<wit::Victim>, CallError> + Send + Sync + 'static,
+    ) -> Fake {
+        self.interest |= Interest::EVICT;
+        self.evict_hinted = Some(Box::new(f));
         self
     }
 
@@ -143,6 +156,15 @@ impl Policy for Fake {
     }
     fn blocks(&self, keys: &wit::PackedKeys) -> Result<Option<Vec<Option<wit::Block>>>, CallError> {
         self.blocks.as_ref().map(|f| f(keys)).transpose()
+    }
+    fn evict_hinted(
+        &self,
+        call: &wit::HintedEvictCall,
+    ) -> Result<Option<Vec<wit::Victim>>, CallError> {
+        self.evict_hinted.as_ref().map(|f| f(call)).transpose()
+    }
+    fn reads_hints(&self) -> bool {
+        self.evict_hinted.is_some()
     }
     fn observe(&self, event: &wit::Observation) -> Result<(), CallError> {
         self.observed

@@ -284,7 +284,7 @@ impl PolicyEngine {
         let mut linker: Linker<HostState> = Linker::new(&self.engine);
         Policy::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)
             .map_err(|e| LoadError::Link(format!("{e:#}")))?;
-        for older in ["0.1.0", "0.1.1", "0.1.2"] {
+        for older in ["0.1.0", "0.1.1", "0.1.2", "0.1.3"] {
             add_host_as(&mut linker, older).map_err(|e| LoadError::Link(format!("{e:#}")))?;
         }
         linker
@@ -294,13 +294,15 @@ impl PolicyEngine {
             .instantiate_pre(&component)
             .map_err(|e| LoadError::Link(format!("{e:#}")))?;
         let pre = PolicyPre::new(pre).map_err(|e| LoadError::Link(format!("{e:#}")))?;
-        // Optional since 0.1.1, 0.1.2 and 0.1.3: looked up by name so that older
+        // Optional since 0.1.1, 0.1.2, 0.1.3 and 0.1.4: looked up by name so that older
         // components still load.
         let block_keys = component.get_export_index(None, "block-keys");
         let evict_tiered = component.get_export_index(None, "evict-tiered");
         let block_refs = component.get_export_index(None, "block-refs");
+        let evict_hinted = component.get_export_index(None, "evict-hinted");
         let plugin = Arc::new(Plugin {
             block_keys,
+            evict_hinted,
             block_refs,
             evict_tiered,
             name: name.to_string(),
@@ -327,7 +329,7 @@ impl PolicyEngine {
 
 /// The `host` interface once more under an older version's name, for components built
 /// before the contract grew (the interface itself did not change). wasmtime would match
-/// 0.1.0 to 0.1.3 by semver, but the trap stubs for unknown (WASI) imports are defined
+/// 0.1.0 to 0.1.4 by semver, but the trap stubs for unknown (WASI) imports are defined
 /// by exact name first and would shadow that match.
 fn add_host_as(linker: &mut Linker<HostState>, version: &str) -> wasmtime::Result<()> {
     use moongate::policy::host::{Host, Level};
@@ -393,6 +395,8 @@ type BlockKeysFn = TypedFunc<(wit::PackedKeys,), (Vec<Option<wit::BlockRef>>,)>;
 type BlockRefsFn = TypedFunc<(wit::PackedKeys,), (Vec<Option<wit::Block>>,)>;
 /// The `evict-tiered` export's signature.
 type EvictTieredFn = TypedFunc<(wit::TieredEvictCall,), (Vec<wit::Victim>,)>;
+/// The `evict-hinted` export's signature.
+type EvictHintedFn = TypedFunc<(wit::HintedEvictCall,), (Vec<wit::Victim>,)>;
 
 struct Live {
     store: Store<HostState>,
@@ -404,6 +408,8 @@ struct Live {
     block_refs: Option<BlockRefsFn>,
     /// Looked up on the first `evict-tiered` call of this instance.
     evict_tiered: Option<EvictTieredFn>,
+    /// Looked up on the first `evict-hinted` call of this instance.
+    evict_hinted: Option<EvictHintedFn>,
 }
 
 /// One loaded plugin generation: its compiled form and its single live instance.
@@ -422,6 +428,8 @@ pub struct Plugin {
     block_refs: Option<ComponentExportIndex>,
     /// The optional `evict-tiered` export (WIT 0.1.2), when the component has it.
     evict_tiered: Option<ComponentExportIndex>,
+    /// The optional `evict-hinted` export (WIT 0.1.4), when the component has it.
+    evict_hinted: Option<ComponentExportIndex>,
     interest: Mutex<Interest>,
     slot: Mutex<Option<Live>>,
     /// The load-time conformance calls run: they get the setup deadline.
@@ -466,6 +474,7 @@ impl Plugin {
             block_keys: self.block_keys,
             block_refs: self.block_refs,
             evict_tiered: self.evict_tiered,
+            evict_hinted: self.evict_hinted,
             interest: Mutex::new(self.interest()),
             slot: Mutex::new(None),
             preflight: AtomicBool::new(false),
@@ -518,6 +527,7 @@ impl Plugin {
             block_keys: None,
             block_refs: None,
             evict_tiered: None,
+            evict_hinted: None,
         });
         Ok(interest)
     }
@@ -727,6 +737,29 @@ impl Plugin {
         Ok(Some(d))
     }
 
+    /// Victims chosen knowing the candidates' hints (`evict-hinted`), or `None` when the
+    /// component has no such export (built for WIT 0.1.0 to 0.1.3).
+    pub fn evict_hinted(
+        &self,
+        call: &wit::HintedEvictCall,
+    ) -> Result<Option<Vec<wit::Victim>>, CallError> {
+        let Some(d) =
+            self.call_optional(self.evict_hinted, |l| &mut l.evict_hinted, call.clone())?
+        else {
+            return Ok(None);
+        };
+        if d.iter().any(|v| v.index as usize >= call.hints.len()) {
+            return Err(CallError::Invalid("victim index out of range".into()));
+        }
+        Ok(Some(d))
+    }
+
+    /// Whether the component has `evict-hinted` (WIT 0.1.4): the evictor looks hints up
+    /// for its candidates only then.
+    pub fn reads_hints(&self) -> bool {
+        self.evict_hinted.is_some()
+    }
+
     /// Conformance: one call of each hook the plugin asked for, on small synthetic input.
     fn conformance(&self) -> Result<(), LoadError> {
         let interest = self.interest();
@@ -788,6 +821,26 @@ impl Plugin {
                 hits: vec![1, 0],
                 bytes_needed: 4096,
             };
+            if self.evict_hinted.is_some() {
+                let hint = |kind, age_ms, due_in_ms| wit::CandidateHint {
+                    kind,
+                    age_ms,
+                    due_in_ms,
+                };
+                let call = wit::HintedEvictCall {
+                    call: call.clone(),
+                    on_disk: vec![true, false],
+                    hints: vec![
+                        hint(wit::HintKind::Done, 5, 0),
+                        hint(wit::HintKind::Upcoming, 1, 100),
+                    ],
+                };
+                self.evict_hinted(&call)
+                    .map_err(|error| LoadError::Conformance {
+                        call: "evict-hinted",
+                        error,
+                    })?;
+            }
             if self.evict_tiered.is_some() {
                 let call = wit::TieredEvictCall {
                     call: call.clone(),
@@ -841,6 +894,15 @@ impl super::Policy for Plugin {
         call: &wit::TieredEvictCall,
     ) -> Result<Option<Vec<wit::Victim>>, CallError> {
         Plugin::evict_tiered(self, call)
+    }
+    fn evict_hinted(
+        &self,
+        call: &wit::HintedEvictCall,
+    ) -> Result<Option<Vec<wit::Victim>>, CallError> {
+        Plugin::evict_hinted(self, call)
+    }
+    fn reads_hints(&self) -> bool {
+        Plugin::reads_hints(self)
     }
 }
 

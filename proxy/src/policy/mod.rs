@@ -80,4 +80,17 @@ pub trait Policy: Send + Sync + std::fmt::Debug {
     ) -> Result<Option<Vec<wit::Victim>>, CallError> {
         Ok(None)
     }
+    /// Victims chosen knowing what the serving stack said of the candidates
+    /// (`evict-hinted`, WIT 0.1.4), called instead of `evict-tiered` / `evict` when a
+    /// round has hints. `Ok(None)`: the policy has no such hook.
+    fn evict_hinted(
+        &self,
+        _call: &wit::HintedEvictCall,
+    ) -> Result<Option<Vec<wit::Victim>>, CallError> {
+        Ok(None)
+    }
+    /// Whether it has `evict-hinted`: only then are a round's hints looked up.
+    fn reads_hints(&self) -> bool {
+        false
+    }
 }

@@ -384,10 +384,21 @@ impl<'a> Store<'a> {
             })
             .collect();
         let set = reg.current();
-        crate::eviction::victims(reg, &set, &cands, need, now_ms, cap, false)
-            .into_iter()
-            .map(|(v, _)| blocks[v])
-            .collect()
+        crate::eviction::victims(
+            reg,
+            &set,
+            &cands,
+            &crate::eviction::Round {
+                need,
+                now_ms,
+                cap,
+                tiered: false,
+                hints: &crate::eviction::hinted::NoHints,
+            },
+        )
+        .into_iter()
+        .map(|(v, _)| blocks[v])
+        .collect()
     }
 
     /// The master's own eviction: `ratio` of its objects, least recently used first,
