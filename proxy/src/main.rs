@@ -311,6 +311,14 @@ struct SimArgs {
     /// How the fleet's requests reach ranks: `random`, or `sticky` (by the first block).
     #[arg(long, value_enum, default_value_t = RouteArg::Random)]
     route: RouteArg,
+    /// Hint streams derived from the trace, given to every plugin (`lru` and `opt` stay
+    /// hint-free): a comma list of `queue:W` (a router announces the next W requests'
+    /// blocks as upcoming), `last:P[@D]` (for a share P of the requests, the blocks the
+    /// trace never reads again are announced done D ms after it), `wrong:F` (a share F of
+    /// the done hints are wrong), `ttl:MS` (done hints kept; default 60000), `seed:N`.
+    /// See docs/policy-science.md.
+    #[arg(long, value_name = "SPEC")]
+    hints: Option<String>,
     /// Write the report as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -393,6 +401,7 @@ fn sim(a: SimArgs) -> Result<(), String> {
         route,
         json,
         plot,
+        hints,
     } = a;
     if ranks == 0 || ranks > 4096 {
         return Err("--ranks must be in 1..=4096".into());
@@ -444,6 +453,11 @@ fn sim(a: SimArgs) -> Result<(), String> {
             RouteArg::Random => sim::baseline::Route::Random,
             RouteArg::Sticky => sim::baseline::Route::Sticky,
         },
+        hints: hints
+            .as_deref()
+            .map(sim::hints::HintSpec::parse)
+            .transpose()
+            .map_err(|e| format!("--hints {e}"))?,
     };
     let report = sim::run(&t, &spec).map_err(|e| e.to_string())?;
     print!("{}", sim::report::table(&report));

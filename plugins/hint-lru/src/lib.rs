@@ -9,15 +9,31 @@
 //! Without hints it is exactly LRU (the `lru` plugin's order).
 //!
 //! Wrong hints are the danger: a `done` block read again is a miss LRU would not have
-//! had. The plugin guards itself: a candidate read after its `done` hint (its age below
-//! the hint's) shows a wrong hint; such a candidate is treated as one nothing is known
-//! of, and once more than `max_wrong_share` of the `done` candidates seen (after
-//! `min_samples`) were wrong, `done` hints are no longer trusted at all until the share
-//! falls back (an exponentially weighted share, so a source that improves is trusted
-//! again).
+//! had. The plugin guards itself by measuring how often it was wrong to trust them:
+//! - a victim it chose first because of its `done` hint that is put again (it was
+//!   read, missed and stored anew) came back: the hint was wrong;
+//! - a candidate read after its `done` hint (its age below the hint's) shows a wrong
+//!   hint too, and is treated as one nothing is known of.
 //!
-//! Config (JSON, optional): `{"max_wrong_share": 0.02, "min_samples": 50,
-//! "trust_done": true}`.
+//! Once more than `max_wrong_share` of its `done`-first victims came back (after
+//! `min_samples` of them; counts decay by half every `window` victims, so the share
+//! follows the source), `done` hints are not trusted and the order is plain LRU for
+//! them, except in one round of `explore_every`: those keep measuring the source, and
+//! trust returns when the share measured since falls back within the bound (after
+//! `min_samples` again). `upcoming` and `expect` are always used: wrong ones only keep
+//! a block longer.
+//!
+//! Config (JSON, optional): `{"max_wrong_share": 0.01, "min_samples": 200,
+//! "window": 5000, "explore_every": 32, "trust_done": true}` (the defaults: the best of
+//! the settings tried in `moongate sim` on the shipped trace; see
+//! docs/policy-science.md).
+
+use std::collections::{HashSet, VecDeque};
+use std::hash::{BuildHasherDefault, DefaultHasher};
+
+/// A set with a fixed hasher: the default one seeds itself from WASI randomness, which
+/// moongate does not give plugins.
+type Set = HashSet<u64, BuildHasherDefault<DefaultHasher>>;
 
 use moongate_policy_sdk::*;
 use serde::Deserialize;
@@ -25,11 +41,15 @@ use serde::Deserialize;
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, default)]
 struct Config {
-    /// The share of `done` candidates found read after their hint beyond which `done`
-    /// hints are not trusted.
+    /// The share of `done`-first victims that came back beyond which `done` hints are
+    /// not trusted.
     max_wrong_share: f64,
-    /// `done` candidates seen before the share is judged.
+    /// Samples before the share is judged.
     min_samples: u64,
+    /// Counts halve every this many samples.
+    window: u64,
+    /// Distrusted, one round in this many still uses `done` hints, to measure them.
+    explore_every: u64,
     /// Off: `done` hints are never used (upcoming and expect still are).
     trust_done: bool,
 }
@@ -37,24 +57,66 @@ struct Config {
 impl Default for Config {
     fn default() -> Self {
         Config {
-            max_wrong_share: 0.02,
-            min_samples: 50,
+            max_wrong_share: 0.01,
+            min_samples: 200,
+            window: 5000,
+            explore_every: 32,
             trust_done: true,
         }
     }
 }
 
-/// The weight of one new sample in the wrong share (about the last 500 samples count).
-const ALPHA: f64 = 1.0 / 500.0;
+/// Victims chosen by their `done` hint remembered (by key hash) to see them come back.
+const REMEMBERED: usize = 1 << 16;
+
+/// A share of samples, halved every `window` samples.
+#[derive(Default, Clone, Copy)]
+struct Share {
+    samples: u64,
+    hits: u64,
+    total: u64,
+}
+
+impl Share {
+    fn add(&mut self, samples: u64, hits: u64, window: u64) {
+        self.samples += samples;
+        self.hits += hits;
+        self.total += samples;
+        if self.samples >= window.max(2) {
+            self.samples /= 2;
+            self.hits /= 2;
+        }
+    }
+
+    fn over(&self, max: f64, min_samples: u64) -> bool {
+        self.total >= min_samples && self.hits as f64 > max * self.samples.max(1) as f64
+    }
+}
 
 struct HintLru {
     cfg: Config,
-    /// `done` candidates seen, and the weighted share of those read after their hint.
-    seen: u64,
-    wrong_share: f64,
-    done_seen: u32,
-    done_wrong: u32,
+    trusted: bool,
+    /// `done`-first victims, and those of them put again.
+    came_back: Share,
+    /// Hinted rounds while distrusted (every `explore_every`-th uses `done` hints).
+    rounds: u64,
+    remembered: Set,
+    order: VecDeque<u64>,
+    metrics: Option<Metrics>,
+}
+
+/// The plugin's own metrics (none in the native unit tests: no host there).
+struct Metrics {
+    by_hint: u32,
+    came_back: u32,
     trusted: u32,
+}
+
+/// FNV-1a of a key.
+fn hash(key: &[u8]) -> u64 {
+    key.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 impl Policy for HintLru {
@@ -67,22 +129,27 @@ impl Policy for HintLru {
         if !(0.0..=1.0).contains(&cfg.max_wrong_share) {
             return Err("hint-lru config: max_wrong_share must be within 0 and 1".into());
         }
-        let p = HintLru {
-            cfg,
-            seen: 0,
-            wrong_share: 0.0,
-            done_seen: host::register_counter(
-                "done_hinted_candidates",
-                "eviction candidates with a done hint",
+        let mut p = HintLru::with(cfg);
+        p.metrics = Some(Metrics {
+            by_hint: host::register_counter(
+                "done_first_victims",
+                "victims chosen first because of a done hint",
             )?,
-            done_wrong: host::register_counter(
-                "done_hints_wrong",
-                "done-hinted candidates read after their hint",
+            came_back: host::register_counter(
+                "done_victims_back",
+                "of those, put again (the hint was wrong)",
             )?,
             trusted: host::register_gauge("done_hints_trusted", "1 while done hints are trusted")?,
-        };
-        host::gauge_set(p.trusted, i64::from(p.cfg.trust_done));
-        Ok((p, Interest::EVICT))
+        });
+        p.report(0, 0);
+        // Puts are watched for victims coming back; they are admitted unchanged.
+        Ok((p, Interest::PUT | Interest::EVICT))
+    }
+
+    fn on_put(&mut self, call: PutCall) -> PutDecision {
+        let back = self.saw_put(&call.keys);
+        self.report(0, back);
+        PutDecision::admit_all()
     }
 
     fn evict(&mut self, call: EvictCall) -> Vec<u32> {
@@ -91,27 +158,72 @@ impl Policy for HintLru {
     }
 
     fn evict_hinted(&mut self, call: HintedEvictCall) -> Vec<Victim> {
-        let (victims, judged) = self.choose(call);
-        host::counter_add(self.done_seen, judged.seen);
-        host::counter_add(self.done_wrong, judged.wrong);
-        host::gauge_set(self.trusted, i64::from(judged.trust));
+        let (victims, by_hint) = self.choose(call);
+        self.report(by_hint, 0);
         victims
     }
 }
 
-/// What a round said of the `done` hints.
-struct Judged {
-    seen: u64,
-    wrong: u64,
-    trust: bool,
-}
-
 impl HintLru {
-    /// The victims of a hinted round (no host calls: the unit tests run it natively).
-    fn choose(&mut self, call: HintedEvictCall) -> (Vec<Victim>, Judged) {
+    fn with(cfg: Config) -> HintLru {
+        HintLru {
+            trusted: cfg.trust_done,
+            cfg,
+            came_back: Share::default(),
+            rounds: 0,
+            remembered: Set::default(),
+            order: VecDeque::new(),
+            metrics: None,
+        }
+    }
+
+    fn report(&self, by_hint: u64, back: u64) {
+        if let Some(m) = &self.metrics {
+            host::counter_add(m.by_hint, by_hint);
+            host::counter_add(m.came_back, back);
+            host::gauge_set(m.trusted, i64::from(self.trusted));
+        }
+    }
+
+    /// Counts the keys of a put that are victims chosen by their `done` hint.
+    fn saw_put(&mut self, keys: &PackedKeys) -> u64 {
+        if self.remembered.is_empty() {
+            return 0;
+        }
+        let back = keys
+            .iter()
+            .filter(|k| self.remembered.remove(&hash(k)))
+            .count() as u64;
+        if back > 0 {
+            self.came_back.add(0, back, self.cfg.window);
+            self.judge();
+        }
+        back
+    }
+
+    /// Whether `done` hints are trusted, from what was measured: distrust starts a
+    /// fresh measure, which brings trust back once it is within the bound.
+    fn judge(&mut self) {
+        let (max, min) = (self.cfg.max_wrong_share, self.cfg.min_samples);
+        let over = self.came_back.over(max, min);
+        if !self.cfg.trust_done {
+            self.trusted = false;
+        } else if self.trusted && over {
+            self.trusted = false;
+            self.came_back = Share::default();
+        } else if !self.trusted && self.came_back.total >= min && !over {
+            self.trusted = true;
+        }
+    }
+
+    /// The victims of a hinted round, and how many were chosen by their `done` hint.
+    fn choose(&mut self, call: HintedEvictCall) -> (Vec<Victim>, u64) {
         let HintedEvictCall { call, hints, .. } = call;
-        let judged = self.judge(&hints, &call.age_ms);
-        let trust = judged.trust;
+        self.judge();
+        let trust = self.trusted || {
+            self.rounds += 1;
+            self.cfg.trust_done && self.rounds.is_multiple_of(self.cfg.explore_every.max(1))
+        };
         let n = call.sizes.len();
         let class = |i: usize| -> u8 {
             let Some(h) = hints.get(i) else { return 1 };
@@ -137,32 +249,31 @@ impl HintLru {
                 .then(call.age_ms[b].cmp(&call.age_ms[a]))
                 .then(call.sizes[b].cmp(&call.sizes[a]))
         });
-        let victims = take(idx, &call.sizes, call.bytes_needed)
+        let chosen = take(idx, &call.sizes, call.bytes_needed);
+        let mut by_hint = 0u64;
+        for &i in &chosen {
+            if class(i as usize) == 0 {
+                by_hint += 1;
+                let h = hash(call.keys.get(i as usize));
+                if self.remembered.insert(h) {
+                    self.order.push_back(h);
+                }
+            }
+        }
+        while self.order.len() > REMEMBERED {
+            if let Some(old) = self.order.pop_front() {
+                self.remembered.remove(&old);
+            }
+        }
+        self.came_back.add(by_hint, 0, self.cfg.window);
+        let victims = chosen
             .into_iter()
             .map(|index| Victim {
                 index,
                 scope: EvictScope::Memory,
             })
             .collect();
-        (victims, judged)
-    }
-
-    /// Counts this round's `done` candidates, how many were read after their hint, and
-    /// says whether `done` hints are trusted.
-    fn judge(&mut self, hints: &[CandidateHint], ages: &[u64]) -> Judged {
-        let (mut seen, mut wrong) = (0u64, 0u64);
-        for (h, &age) in hints.iter().zip(ages) {
-            if h.kind == HintKind::Done {
-                seen += 1;
-                let w = age < h.age_ms;
-                wrong += u64::from(w);
-                self.wrong_share += ALPHA * (f64::from(u8::from(w)) - self.wrong_share);
-            }
-        }
-        self.seen = self.seen.saturating_add(seen);
-        let trust = self.cfg.trust_done
-            && (self.seen < self.cfg.min_samples || self.wrong_share <= self.cfg.max_wrong_share);
-        Judged { seen, wrong, trust }
+        (victims, by_hint)
     }
 }
 
@@ -196,17 +307,6 @@ export_policy!(HintLru);
 mod tests {
     use super::*;
 
-    fn plugin(cfg: Config) -> HintLru {
-        HintLru {
-            cfg,
-            seen: 0,
-            wrong_share: 0.0,
-            done_seen: 0,
-            done_wrong: 0,
-            trusted: 0,
-        }
-    }
-
     fn hint(kind: HintKind, age_ms: u64, due_in_ms: u64) -> CandidateHint {
         CandidateHint {
             kind,
@@ -215,11 +315,16 @@ mod tests {
         }
     }
 
-    fn call(ages: &[u64], need: u64, hints: Vec<CandidateHint>) -> HintedEvictCall {
-        let keys: Vec<String> = (0..ages.len()).map(|i| format!("k{i}")).collect();
+    const NONE: CandidateHint = CandidateHint {
+        kind: HintKind::None,
+        age_ms: 0,
+        due_in_ms: 0,
+    };
+
+    fn call(keys: &[&str], ages: &[u64], need: u64, hints: Vec<CandidateHint>) -> HintedEvictCall {
         HintedEvictCall {
             call: EvictCall {
-                keys: PackedKeys::from_keys(&keys),
+                keys: PackedKeys::from_keys(keys),
                 sizes: vec![10; ages.len()],
                 tiers: vec![Tier::Memory; ages.len()],
                 age_ms: ages.to_vec(),
@@ -235,15 +340,9 @@ mod tests {
         p.choose(c).0.into_iter().map(|v| v.index).collect()
     }
 
-    const NONE: CandidateHint = CandidateHint {
-        kind: HintKind::None,
-        age_ms: 0,
-        due_in_ms: 0,
-    };
-
     #[test]
     fn done_first_then_lru_then_upcoming_due_furthest_first() {
-        let mut p = plugin(Config::default());
+        let mut p = HintLru::with(Config::default());
         let hints = vec![
             hint(HintKind::Upcoming, 5, 100),
             NONE,
@@ -251,42 +350,101 @@ mod tests {
             NONE,
             hint(HintKind::Expect, 5, 9000),
         ];
-        // Ages: the upcoming one is the oldest; the done one the youngest but not read
-        // since its hint (age 20 >= hint age 10).
-        let c = call(&[900, 300, 20, 500, 800], 50, hints);
+        // The done one is the youngest but not read since its hint (20 >= 10).
+        let c = call(
+            &["a", "b", "c", "d", "e"],
+            &[900, 300, 20, 500, 800],
+            50,
+            hints,
+        );
         assert_eq!(victims(&mut p, c), [2, 3, 1, 4, 0]);
     }
 
     #[test]
     fn without_hints_it_is_lru() {
-        let mut p = plugin(Config::default());
-        let ages = [5, 900, 40, 300];
-        let hinted = victims(&mut p, call(&ages, 30, vec![NONE; 4]));
-        let plain = p.evict(call(&ages, 30, Vec::new()).call);
+        let mut p = HintLru::with(Config::default());
+        let (keys, ages) = (["a", "b", "c", "d"], [5, 900, 40, 300]);
+        let hinted = victims(&mut p, call(&keys, &ages, 30, vec![NONE; 4]));
+        let plain = p.evict(call(&keys, &ages, 30, Vec::new()).call);
         assert_eq!(hinted, plain);
         assert_eq!(plain, [1, 3, 2]);
     }
 
     #[test]
-    fn a_done_block_read_after_its_hint_is_not_trusted_and_a_wrong_source_is_dropped() {
-        let mut p = plugin(Config {
-            min_samples: 10,
+    fn a_done_block_read_after_its_hint_is_not_trusted() {
+        let mut p = HintLru::with(Config::default());
+        // Read 5 ms ago, hinted done 50 ms ago: plain LRU for it.
+        let c = call(
+            &["a", "b"],
+            &[5, 100],
+            10,
+            vec![hint(HintKind::Done, 50, 0), NONE],
+        );
+        assert_eq!(victims(&mut p, c), [1]);
+    }
+
+    /// Victims chosen by their hint that come back (put again) stop the trust; done
+    /// candidates that are no longer read after their hint bring it back.
+    #[test]
+    fn a_source_whose_done_victims_come_back_is_distrusted_then_trusted_again() {
+        let mut p = HintLru::with(Config {
+            max_wrong_share: 0.02,
+            min_samples: 20,
+            window: 100,
+            explore_every: 8,
             ..Config::default()
         });
-        // Read 5 ms ago, hinted done 50 ms ago: the hint was wrong; plain LRU for it.
-        let c = call(&[5, 100], 10, vec![hint(HintKind::Done, 50, 0), NONE]);
-        assert_eq!(victims(&mut p, c), [1]);
-        // Many wrong hints: done hints are no longer trusted, even sound-looking ones.
-        for _ in 0..20 {
-            p.judge(&[hint(HintKind::Done, 50, 0)], &[5]);
+        let mut round = 0;
+        while p.trusted {
+            let key = format!("k{round}");
+            let c = call(
+                &[key.as_str(), "old"],
+                &[60, 100],
+                10,
+                vec![hint(HintKind::Done, 50, 0), NONE],
+            );
+            let v = victims(&mut p, c);
+            if !p.trusted {
+                break;
+            }
+            assert_eq!(v, [0], "trusted: the done block first");
+            // One in ten comes back: 10 % wrong, over the 2 % allowed.
+            if round % 10 == 0 {
+                p.saw_put(&PackedKeys::from_keys(&[key.as_str()]));
+            }
+            round += 1;
+            assert!(round < 100, "never distrusted");
         }
-        let c = call(&[60, 100], 10, vec![hint(HintKind::Done, 50, 0), NONE]);
-        assert_eq!(victims(&mut p, c), [1], "LRU order: the older one");
-        // Right hints again bring the trust back.
-        for _ in 0..5000 {
-            p.judge(&[hint(HintKind::Done, 50, 0)], &[60]);
+        assert!(round >= 20, "judged after min_samples only ({round})");
+        let done = |key: &str| {
+            call(
+                &[key, "old"],
+                &[60, 100],
+                10,
+                vec![hint(HintKind::Done, 50, 0), NONE],
+            )
+        };
+        // Distrusted: LRU, except one round in eight that keeps measuring the source.
+        let picks: Vec<Vec<u32>> = (0..8)
+            .map(|i| victims(&mut p, done(&format!("x{i}"))))
+            .collect();
+        assert_eq!(
+            picks.iter().filter(|v| v.as_slice() == [0]).count(),
+            1,
+            "{picks:?}"
+        );
+        // Its explored victims keep coming back: it stays distrusted.
+        for i in 0..400 {
+            let key = format!("y{i}");
+            if victims(&mut p, done(&key)) == [0] {
+                p.saw_put(&PackedKeys::from_keys(&[key.as_str()]));
+            }
         }
-        let c = call(&[60, 100], 10, vec![hint(HintKind::Done, 50, 0), NONE]);
-        assert_eq!(victims(&mut p, c), [0]);
+        assert!(!p.trusted);
+        // They stop coming back: trusted again once enough were measured.
+        for i in 0..4000 {
+            victims(&mut p, done(&format!("z{i}")));
+        }
+        assert!(p.trusted, "a source that improves is trusted again");
     }
 }

@@ -11,6 +11,7 @@
 //! Knows no sockets: it reads a trace and plugin bytes it is given and returns numbers.
 
 pub mod baseline;
+pub mod hints;
 pub mod report;
 pub mod store;
 pub mod trace;
@@ -50,6 +51,12 @@ pub struct Counts {
     /// Mean share of the capacity holding data, sampled as each request arrives, in
     /// parts per million (the store model; the native baselines leave it 0).
     pub occupancy_ppm: u64,
+    /// With `--hints`: blocks announced `upcoming`, `done` (true) and `done` (wrong).
+    pub hints_upcoming: u64,
+    pub hints_done: u64,
+    pub hints_wrong: u64,
+    /// Eviction rounds whose candidates had a hint (the plugin was called with them).
+    pub hinted_rounds: u64,
 }
 
 impl Counts {
@@ -159,6 +166,9 @@ pub struct Spec {
     /// At most [`MAX_PLUGIN_RANKS`] with plugins.
     pub ranks: usize,
     pub route: baseline::Route,
+    /// Hint streams the plugins get (`--hints`); `lru` and `opt` stay hint-free
+    /// references.
+    pub hints: Option<hints::HintSpec>,
 }
 
 /// The most sidecars a plugin's fleet run models: one plugin instance each, every
@@ -199,6 +209,8 @@ pub struct Report {
     pub block_size: u64,
     /// `on-demand` or `live`.
     pub rules: String,
+    /// The hint model the plugins' rows ran with (`null`: none).
+    pub hints: Option<hints::HintSpec>,
     pub results: Vec<Row>,
 }
 
@@ -303,6 +315,7 @@ pub fn run(trace: &Trace, spec: &Spec) -> Result<Report, SimError> {
                 max_candidates: spec.max_candidates,
                 rules: spec.rules.clone(),
                 fleet: None,
+                hints: spec.hints.clone(),
             };
             let t = Instant::now();
             let c = store::run(trace, &model, &[registry(plugin.clone())?], &clock);
@@ -337,6 +350,7 @@ pub fn run(trace: &Trace, spec: &Spec) -> Result<Report, SimError> {
             Rules::OnDemand { .. } => "on-demand".into(),
             Rules::Live(_) => "live".into(),
         },
+        hints: spec.hints.clone(),
         results,
     })
 }

@@ -114,6 +114,8 @@ pub struct Model {
     pub rules: Rules,
     /// A fleet of sidecars on this store; `None`: one moongate.
     pub fleet: Option<Fleet>,
+    /// Hint streams derived from the trace (`--hints`); `None`: no hints.
+    pub hints: Option<super::hints::HintSpec>,
 }
 
 /// A fleet of sidecars, one per rank, in front of one pool.
@@ -172,6 +174,67 @@ struct Store<'a> {
     used: u64,
     tenant: Bytes,
     counts: Counts,
+    hints: Option<std::cell::RefCell<super::hints::HintModel<'a>>>,
+}
+
+/// The hint model as the evictor's hint source: each candidate's block, as the model
+/// knows it at the round's time (what the live table would hold).
+struct SimHints<'m, 't> {
+    model: &'m std::cell::RefCell<super::hints::HintModel<'t>>,
+    now_ms: u64,
+    /// Some candidate had a hint.
+    hinted: std::cell::Cell<bool>,
+}
+
+impl crate::eviction::hinted::HintSource for SimHints<'_, '_> {
+    fn hints(
+        &self,
+        _: &Registry,
+        arm: &crate::policy::active::Arm,
+        keys: &crate::policy::wit::PackedKeys,
+        _: &[&Bytes],
+    ) -> Option<Vec<crate::policy::wit::CandidateHint>> {
+        use super::hints::Known;
+        use crate::policy::wit::{CandidateHint, HintKind};
+        if !arm.plugin.reads_hints() {
+            return None;
+        }
+        let mut m = self.model.borrow_mut();
+        let now = self.now_ms;
+        let mut from = 0usize;
+        let mut any = false;
+        let out = keys
+            .ends
+            .iter()
+            .map(|&end| {
+                let key = keys.bytes.get(from..end as usize).unwrap_or_default();
+                from = end as usize;
+                let known = m.block_of(key).map_or(Known::None, |b| m.known(b, now));
+                any |= known != Known::None;
+                match known {
+                    Known::None => CandidateHint {
+                        kind: HintKind::None,
+                        age_ms: 0,
+                        due_in_ms: 0,
+                    },
+                    // Announced when its request entered the router's queue; its age is
+                    // not modelled (0).
+                    Known::Upcoming { due_ms } => CandidateHint {
+                        kind: HintKind::Upcoming,
+                        age_ms: 0,
+                        due_in_ms: due_ms.saturating_sub(now),
+                    },
+                    Known::Done { at_ms } => CandidateHint {
+                        kind: HintKind::Done,
+                        age_ms: now.saturating_sub(at_ms),
+                        due_in_ms: 0,
+                    },
+                }
+            })
+            .collect();
+        self.hinted.set(self.hinted.get() | any);
+        any.then_some(out)
+    }
 }
 
 /// The client id the simulated puts carry (one client, one arm).
@@ -210,6 +273,10 @@ impl<'a> Store<'a> {
             used: 0,
             tenant: Bytes::from_static(b"default"),
             counts: Counts::default(),
+            hints: model
+                .hints
+                .clone()
+                .map(|s| std::cell::RefCell::new(super::hints::HintModel::new(s, trace))),
         }
     }
 
@@ -384,7 +451,16 @@ impl<'a> Store<'a> {
             })
             .collect();
         let set = reg.current();
-        crate::eviction::victims(
+        let hinted = self.hints.as_ref().map(|model| SimHints {
+            model,
+            now_ms,
+            hinted: Default::default(),
+        });
+        let hints: &dyn crate::eviction::hinted::HintSource = match &hinted {
+            Some(h) => h,
+            None => &crate::eviction::hinted::NoHints,
+        };
+        let chosen = crate::eviction::victims(
             reg,
             &set,
             &cands,
@@ -393,12 +469,13 @@ impl<'a> Store<'a> {
                 now_ms,
                 cap,
                 tiered: false,
-                hints: &crate::eviction::hinted::NoHints,
+                hints,
             },
-        )
-        .into_iter()
-        .map(|(v, _)| blocks[v])
-        .collect()
+        );
+        if hinted.is_some_and(|h| h.hinted.get()) {
+            self.counts.hinted_rounds += 1;
+        }
+        chosen.into_iter().map(|(v, _)| blocks[v]).collect()
     }
 
     /// The master's own eviction: `ratio` of its objects, least recently used first,
@@ -475,6 +552,9 @@ pub fn run(trace: &Trace, model: &Model, regs: &[Arc<Registry>], clock: &Arc<Ato
                 }
             }
         }
+        if let Some(h) = &st.hints {
+            h.borrow_mut().arrive(i, now_ms);
+        }
         let blocks = trace.blocks_of(r);
         let via = match blocks.first() {
             Some(&first) if st.fleet() => routed(route, i, first, st.parts.len()),
@@ -504,6 +584,10 @@ pub fn run(trace: &Trace, model: &Model, regs: &[Arc<Registry>], clock: &Arc<Ato
         st.counts.hits += n as u64;
         for &b in &blocks[..n] {
             st.touch(b, via, now_ms, lease_ms, true);
+        }
+        // Served: what the serving stack then says of its blocks (the put follows).
+        if let Some(h) = &st.hints {
+            h.borrow_mut().served(i, now_ms);
         }
         let rest: Vec<u32> = blocks[n..]
             .iter()
@@ -582,6 +666,14 @@ pub fn run(trace: &Trace, model: &Model, regs: &[Arc<Registry>], clock: &Arc<Ato
             keys: rest.len(),
         });
     }
+    if let Some(h) = &st.hints {
+        let a = h.borrow().announced;
+        (
+            st.counts.hints_upcoming,
+            st.counts.hints_done,
+            st.counts.hints_wrong,
+        ) = (a[0], a[1], a[2]);
+    }
     st.counts.occupancy_ppm =
         (occupancy_sum / trace.requests.len().max(1) as f64 * 1e6).round() as u64;
     st.counts
@@ -655,6 +747,7 @@ mod tests {
             max_candidates: 4096,
             rules,
             fleet: None,
+            hints: None,
         };
         run(trace, &model, &[reg], &Arc::new(AtomicU64::new(0)))
     }
@@ -692,6 +785,7 @@ mod tests {
                 block_size: 1024,
                 max_candidates: 4096,
                 rules: Rules::OnDemand { batch: 0.05 },
+                hints: None,
                 fleet: Some(Fleet {
                     ranks: 4,
                     route: Route::Random,
@@ -725,6 +819,7 @@ mod tests {
             block_size: 1024,
             max_candidates: 16,
             rules: Rules::Live(Live::default()),
+            hints: None,
             fleet: Some(Fleet {
                 ranks: 2,
                 route: Route::Random,

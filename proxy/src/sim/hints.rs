@@ -1,0 +1,371 @@
+//! Hint streams derived from a trace, for `moongate sim --hints SPEC`: what a serving
+//! stack around the store would have told moongate, by a stated model.
+//!
+//! - `queue:W`: a router's queue. When request `i` arrives, the blocks of requests
+//!   `i+1 ..= i+W` are announced `upcoming`, each due when its request arrives. The
+//!   router is assumed to see W requests ahead, no more, no less.
+//! - `last:P[@D]`: ended sessions. For a share `P` of the requests (a seeded draw), the
+//!   blocks of the request that the trace never reads again are announced `done` `D` ms
+//!   (default 0) after the request was served. The trace does not say when a session
+//!   ends; a block never read again is its stand-in for "this session ended", which the
+//!   serving stack knows.
+//! - `wrong:F`: a share `F` of the `done` hints are wrong: for each true one, with
+//!   probability `F / (1 - F)` a block that the trace does read again later is announced
+//!   `done` too, drawn from the last 4,096 such blocks served (a misattributed session
+//!   end: recent, and alive).
+//! - `ttl:MS`: how long a `done` hint is kept (default 60000, the live `hints.ttl_ms`);
+//!   an `upcoming` one lapses when its request arrives (the live table keeps it
+//!   `ttl_ms` longer; read, it no longer matters).
+//! - `seed:N`: the draws' seed (default 1).
+//!
+//! Pure: the trace in, per-block hint state out, on trace time.
+
+use std::collections::VecDeque;
+
+use serde::Serialize;
+
+use super::baseline::mix;
+use super::trace::Trace;
+
+/// A `--hints` SPEC.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct HintSpec {
+    /// `queue:W`: requests ahead the router announces (0: none).
+    pub queue: usize,
+    /// `last:P`: share of requests whose never-read-again blocks are announced done.
+    pub last_share: f64,
+    /// `last:P@D`: delay of those announcements, ms.
+    pub last_delay_ms: u64,
+    /// `wrong:F`: share of done hints that are wrong.
+    pub wrong_share: f64,
+    /// `ttl:MS`: how long a done hint is kept.
+    pub ttl_ms: u64,
+    pub seed: u64,
+}
+
+impl Default for HintSpec {
+    fn default() -> Self {
+        HintSpec {
+            queue: 0,
+            last_share: 0.0,
+            last_delay_ms: 0,
+            wrong_share: 0.0,
+            ttl_ms: 60_000,
+            seed: 1,
+        }
+    }
+}
+
+impl HintSpec {
+    /// Parses `queue:64,last:0.5@100,wrong:0.05`; an error names the part at fault.
+    pub fn parse(s: &str) -> Result<HintSpec, String> {
+        let mut spec = HintSpec::default();
+        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (kind, value) = part
+                .split_once(':')
+                .ok_or_else(|| format!("{part:?}: expected KIND:VALUE"))?;
+            let bad = |why: &str| format!("{part:?}: {why}");
+            let share = |v: &str| -> Result<f64, String> {
+                v.parse::<f64>()
+                    .ok()
+                    .filter(|p| (0.0..=1.0).contains(p))
+                    .ok_or_else(|| bad("a share from 0 to 1"))
+            };
+            match kind {
+                "queue" => {
+                    spec.queue = value.parse().map_err(|_| bad("a number of requests"))?;
+                }
+                "last" => {
+                    let (p, d) = match value.split_once('@') {
+                        Some((p, d)) => (p, Some(d)),
+                        None => (value, None),
+                    };
+                    spec.last_share = share(p)?;
+                    if let Some(d) = d {
+                        spec.last_delay_ms = d.parse().map_err(|_| bad("a delay in ms after @"))?;
+                    }
+                }
+                "wrong" => {
+                    spec.wrong_share = share(value)?;
+                    if spec.wrong_share >= 1.0 {
+                        return Err(bad("a share below 1"));
+                    }
+                }
+                "ttl" => spec.ttl_ms = value.parse().map_err(|_| bad("milliseconds"))?,
+                "seed" => spec.seed = value.parse().map_err(|_| bad("a number"))?,
+                _ => {
+                    return Err(format!(
+                        "{part:?}: unknown hint model {kind:?} (queue, last, wrong, ttl, seed)"
+                    ));
+                }
+            }
+        }
+        Ok(spec)
+    }
+}
+
+/// One block's hint at a moment, as the model knows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Known {
+    None,
+    /// Due at this time.
+    Upcoming {
+        due_ms: u64,
+    },
+    /// Announced at this time.
+    Done {
+        at_ms: u64,
+    },
+}
+
+/// Recently served blocks kept to draw wrong hints from.
+const RECENT: usize = 4096;
+
+/// A draw in `[0, 1)` for `(seed, a, b)`.
+fn draw(seed: u64, a: u64, b: u64) -> f64 {
+    (mix(seed ^ mix(a ^ mix(b))) >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// The hint state of every block, advanced request by request.
+pub struct HintModel<'t> {
+    spec: HintSpec,
+    trace: &'t Trace,
+    /// Per block, the arrival times of queued requests that read it, earliest first.
+    upcoming: Vec<VecDeque<u64>>,
+    /// Per block, when a `done` hint was announced (`u64::MAX`: none).
+    done_at: Vec<u64>,
+    /// Done announcements not yet made: (time, block), in time order.
+    pending: VecDeque<(u64, u32)>,
+    /// Per position in `trace.blocks`: the next request that reads that block
+    /// (`u32::MAX`: none, the trace never reads it again).
+    next_read: Vec<u32>,
+    /// Recently served blocks the trace reads again, with that next read: where wrong
+    /// `done` hints are drawn from.
+    recent: VecDeque<(u32, u32)>,
+    /// Hints announced: upcoming, true done, wrong done.
+    pub announced: [u64; 3],
+    /// The trace's hash -> its dense block number (keys are named after hashes).
+    dense: std::collections::HashMap<u64, u32>,
+}
+
+impl<'t> HintModel<'t> {
+    pub fn new(spec: HintSpec, trace: &'t Trace) -> HintModel<'t> {
+        let n = trace.distinct();
+        // Per block position, the next request that reads that block (backwards: the
+        // last request seen reading each block).
+        let mut next_read = vec![u32::MAX; trace.blocks.len()];
+        let mut last = vec![u32::MAX; n];
+        for (i, r) in trace.requests.iter().enumerate().rev() {
+            let span = r.start as usize..r.end as usize;
+            for (next, &b) in next_read[span.clone()]
+                .iter_mut()
+                .zip(&trace.blocks[span.clone()])
+            {
+                *next = last[b as usize];
+            }
+            for &b in &trace.blocks[span] {
+                last[b as usize] = i as u32;
+            }
+        }
+        HintModel {
+            spec,
+            trace,
+            upcoming: vec![VecDeque::new(); n],
+            done_at: vec![u64::MAX; n],
+            pending: VecDeque::new(),
+            next_read,
+            recent: VecDeque::new(),
+            announced: [0; 3],
+            dense: trace
+                .hashes
+                .iter()
+                .enumerate()
+                .map(|(i, &h)| (h, i as u32))
+                .collect(),
+        }
+    }
+
+    /// The block a simulated key (`all/blk/HASH`) names.
+    pub fn block_of(&self, key: &[u8]) -> Option<u32> {
+        let hash = std::str::from_utf8(key.strip_prefix(b"all/blk/")?)
+            .ok()?
+            .parse::<u64>()
+            .ok()?;
+        self.dense.get(&hash).copied()
+    }
+
+    pub fn spec(&self) -> &HintSpec {
+        &self.spec
+    }
+
+    /// Request `i` arrives at `now_ms`: due announcements are made, and the router's
+    /// queue moves on by one.
+    pub fn arrive(&mut self, i: usize, now_ms: u64) {
+        while let Some(&(at, b)) = self.pending.front() {
+            if at > now_ms {
+                break;
+            }
+            self.done_at[b as usize] = at;
+            self.pending.pop_front();
+        }
+        if self.spec.queue == 0 {
+            return;
+        }
+        let reqs = &self.trace.requests;
+        // At the start the whole window is announced; afterwards the one request that
+        // enters it.
+        let from = if i == 0 { 1 } else { i + self.spec.queue };
+        let to = (i + self.spec.queue).min(reqs.len().saturating_sub(1));
+        for r in reqs.iter().take(to + 1).skip(from) {
+            for &b in self.trace.blocks_of(r) {
+                self.upcoming[b as usize].push_back(r.ts_ms);
+                self.announced[0] += 1;
+            }
+        }
+    }
+
+    /// Request `i` was served at `now_ms`: the `last` model announces its blocks.
+    pub fn served(&mut self, i: usize, now_ms: u64) {
+        if self.spec.last_share <= 0.0 {
+            return;
+        }
+        let r = &self.trace.requests[i];
+        if self.spec.wrong_share > 0.0 {
+            for pos in r.start as usize..r.end as usize {
+                if self.next_read[pos] != u32::MAX {
+                    if self.recent.len() == RECENT {
+                        self.recent.pop_front();
+                    }
+                    self.recent
+                        .push_back((self.trace.blocks[pos], self.next_read[pos]));
+                }
+            }
+        }
+        let seed = self.spec.seed;
+        if draw(seed, i as u64, 0) >= self.spec.last_share {
+            return;
+        }
+        let at = now_ms + self.spec.last_delay_ms;
+        let p_wrong = self.spec.wrong_share / (1.0 - self.spec.wrong_share);
+        for pos in r.start..r.end {
+            if self.next_read[pos as usize] != u32::MAX {
+                continue;
+            }
+            self.pending
+                .push_back((at, self.trace.blocks[pos as usize]));
+            self.announced[1] += 1;
+            if draw(seed, i as u64, u64::from(pos) + 1) < p_wrong
+                && let Some(b) = self.wrong_block(i, pos)
+            {
+                self.pending.push_back((at, b));
+                self.announced[2] += 1;
+            }
+        }
+    }
+
+    /// A recently served block that the trace reads again after request `i` (a few
+    /// draws; `None` when none is found).
+    fn wrong_block(&self, i: usize, pos: u32) -> Option<u32> {
+        if self.recent.is_empty() {
+            return None;
+        }
+        (0..8u64).find_map(|k| {
+            let at =
+                mix(self.spec.seed ^ mix(u64::from(pos) ^ (k << 40))) as usize % self.recent.len();
+            let (b, next) = self.recent[at];
+            (next as usize > i).then_some(b)
+        })
+    }
+
+    /// What is known of block `b` at `now_ms`.
+    pub fn known(&mut self, b: u32, now_ms: u64) -> Known {
+        let q = &mut self.upcoming[b as usize];
+        while q.front().is_some_and(|&due| due < now_ms) {
+            q.pop_front();
+        }
+        if let Some(&due_ms) = q.front() {
+            return Known::Upcoming { due_ms };
+        }
+        let at = self.done_at[b as usize];
+        if at != u64::MAX && now_ms.saturating_sub(at) < self.spec.ttl_ms {
+            return Known::Done { at_ms: at };
+        }
+        Known::None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn trace() -> Trace {
+        // Block 1 (dense 0) is read by all three requests; 2 (dense 1) only by the first;
+        // 3 (dense 2) by the last two.
+        Trace::parse(
+            "{\"timestamp\": 0, \"hash_ids\": [1, 2]}\n\
+             {\"timestamp\": 10, \"hash_ids\": [1, 3]}\n\
+             {\"timestamp\": 20, \"hash_ids\": [1, 3]}\n",
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn the_spec_parses_and_names_what_is_wrong() {
+        let s = HintSpec::parse("queue:64,last:0.5@100,wrong:0.05").unwrap();
+        assert_eq!((s.queue, s.last_share, s.last_delay_ms), (64, 0.5, 100));
+        assert_eq!(s.wrong_share, 0.05);
+        for (bad, says) in [
+            ("queue", "KIND:VALUE"),
+            ("queue:x", "number of requests"),
+            ("last:2", "share"),
+            ("last:0.5@soon", "delay"),
+            ("soon:1", "unknown hint model"),
+            ("wrong:1", "below 1"),
+        ] {
+            let e = HintSpec::parse(bad).unwrap_err();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_queue_announces_the_next_requests_until_they_arrive() {
+        let t = trace();
+        let mut m = HintModel::new(HintSpec::parse("queue:1").unwrap(), &t);
+        m.arrive(0, 0);
+        // Request 1 (blocks 1, 3) is queued: due at 10.
+        assert_eq!(m.known(0, 0), Known::Upcoming { due_ms: 10 });
+        assert_eq!(m.known(2, 5), Known::Upcoming { due_ms: 10 });
+        assert_eq!(m.known(1, 5), Known::None);
+        m.arrive(1, 10);
+        // Request 2 enters the window; request 1's hints lapse after it arrived.
+        assert_eq!(m.known(2, 15), Known::Upcoming { due_ms: 20 });
+        assert_eq!(m.known(2, 21), Known::None);
+        assert_eq!(m.block_of(b"all/blk/3"), Some(2));
+        assert_eq!(m.block_of(b"all/blk/4"), None);
+    }
+
+    #[test]
+    fn last_announces_blocks_never_read_again_and_wrong_adds_some_that_are() {
+        let t = trace();
+        let mut m = HintModel::new(HintSpec::parse("last:1@5,ttl:100").unwrap(), &t);
+        m.arrive(0, 0);
+        m.served(0, 0);
+        assert_eq!(m.known(1, 4), Known::None, "announced 5 ms later");
+        m.arrive(1, 10);
+        assert_eq!(m.known(1, 10), Known::Done { at_ms: 5 });
+        assert_eq!(
+            m.known(0, 10),
+            Known::None,
+            "block 1 is read again: not done"
+        );
+        assert_eq!(m.known(1, 200), Known::None, "expired after the ttl");
+        assert_eq!(m.announced, [0, 1, 0]);
+        // Every true hint brings a wrong one (F / (1 - F) = 0.99 / 0.01 > 1).
+        let mut w = HintModel::new(HintSpec::parse("last:1,wrong:0.99").unwrap(), &t);
+        w.arrive(0, 0);
+        w.served(0, 0);
+        w.arrive(1, 10);
+        assert_eq!(w.announced, [0, 1, 1]);
+        assert_eq!(w.known(0, 10), Known::Done { at_ms: 0 }, "the wrong one");
+    }
+}
