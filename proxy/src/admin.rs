@@ -190,6 +190,16 @@ fn authorized(state: &AdminState, req: &Request<Incoming>, loopback: bool) -> bo
         .is_some_and(|t| t == state.token)
 }
 
+/// The answer to a call [`authorized`] refused: `what` needs the token.
+fn unauthorized(what: &str) -> Response<Full<Bytes>> {
+    error(
+        StatusCode::UNAUTHORIZED,
+        format!(
+            "{what} `Authorization: Bearer <admin.token>` (or a loopback admin address when no token is set)"
+        ),
+    )
+}
+
 fn experiments_view(policy: &Registry) -> serde_json::Value {
     let set = policy.current();
     let arms: Vec<_> = set
@@ -241,10 +251,7 @@ fn key_view(
     loopback: bool,
 ) -> Response<Full<Bytes>> {
     if !authorized(state, req, loopback) {
-        return error(
-            StatusCode::UNAUTHORIZED,
-            "key history needs `Authorization: Bearer <admin.token>` (or a loopback admin address when no token is set)",
-        );
+        return unauthorized("key history needs");
     }
     let Some(ev) = &state.eviction else {
         return error(
@@ -337,10 +344,7 @@ async fn route(
         return text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed here\n");
     }
     if !authorized(&state, &req, loopback) {
-        return error(
-            StatusCode::UNAUTHORIZED,
-            "changing policies needs `Authorization: Bearer <admin.token>` (or a loopback admin address when no token is set)",
-        );
+        return unauthorized("changing policies needs");
     }
     match (method.as_str(), path.as_str()) {
         ("POST", "/plugins") => {
@@ -489,9 +493,6 @@ pub async fn serve(listener: TcpListener, state: Arc<AdminState>, shutdown: Canc
 /// plus one record).
 const MAX_RECORDS_BODY: usize = 64 << 20;
 
-/// `POST /fleet/records`: access records from another member for keys homed here
-/// ([`crate::fleet::records`]). Members authenticate like the changing endpoints. A
-/// batch that does not decode is refused whole with the reason; nothing of it applies.
 /// `POST /hints`: as the kv face's `POST /v1/hints`, for callers that reach the admin
 /// endpoint only (authorized as its other writes).
 async fn hints(
@@ -500,10 +501,7 @@ async fn hints(
     loopback: bool,
 ) -> Response<Full<Bytes>> {
     if !authorized(state, &req, loopback) {
-        return error(
-            StatusCode::UNAUTHORIZED,
-            "hints need `Authorization: Bearer <admin.token>` (or a loopback admin address when no token is set)",
-        );
+        return unauthorized("hints need");
     }
     let max = state.hints.max_body_bytes();
     let body = match Limited::new(req.into_body(), max).collect().await {
@@ -525,16 +523,16 @@ async fn hints(
     }
 }
 
+/// `POST /fleet/records`: access records from another member for keys homed here
+/// ([`crate::fleet::records`]). Members authenticate like the changing endpoints. A
+/// batch that does not decode is refused whole with the reason; nothing of it applies.
 async fn fleet_records(
     state: &AdminState,
     req: Request<Incoming>,
     loopback: bool,
 ) -> Response<Full<Bytes>> {
     if !authorized(state, &req, loopback) {
-        return error(
-            StatusCode::UNAUTHORIZED,
-            "access records need `Authorization: Bearer <admin.token>` (or a loopback admin address when no token is set)",
-        );
+        return unauthorized("access records need");
     }
     let (Some(fleet), Some(ev)) = (&state.fleet, &state.eviction) else {
         return error(

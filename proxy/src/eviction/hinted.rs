@@ -69,7 +69,7 @@ fn int_form(d: &[u8]) -> u64 {
 }
 
 /// Each key of a packed list.
-fn each(keys: &wit::PackedKeys) -> impl Iterator<Item = &[u8]> {
+pub fn each(keys: &wit::PackedKeys) -> impl Iterator<Item = &[u8]> {
     let mut from = 0usize;
     keys.ends.iter().map(move |&end| {
         let end = (end as usize).min(keys.bytes.len());

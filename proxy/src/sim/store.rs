@@ -201,14 +201,9 @@ impl crate::eviction::hinted::HintSource for SimHints<'_, '_> {
         }
         let mut m = self.model.borrow_mut();
         let now = self.now_ms;
-        let mut from = 0usize;
         let mut any = false;
-        let out = keys
-            .ends
-            .iter()
-            .map(|&end| {
-                let key = keys.bytes.get(from..end as usize).unwrap_or_default();
-                from = end as usize;
+        let out = crate::eviction::hinted::each(keys)
+            .map(|key| {
                 let known = m.block_of(key).map_or(Known::None, |b| m.known(b, now));
                 any |= known != Known::None;
                 match known {
