@@ -14,6 +14,15 @@ best first.
   [101, 102, 103]
   {"best": "rank0", "ranks": [{"rank": "rank0", "prefix_blocks": 3, "media": ["MEMORY"]}, ...]}
 
+With `--hints NAME=URL` the index also tells the moongate of the rank it picked that the
+query's blocks will be read soon (moongate's hint API, docs/kv-api.md#hints: `upcoming`
+hints, so its eviction keeps them until the request runs). URL is the kv face's
+`http://HOST:PORT/v1/hints` or the admin endpoint's `http://HOST:PORT/hints`; the answer
+line then says `"hinted": N` (blocks announced) or `"hint_error"`.
+
+  python deploy/examples/kv_router.py --rank rank0=tcp://10.0.0.1:5557,tcp://10.0.0.1:5558 \
+      --hints rank0=http://10.0.0.1:50060/v1/hints
+
 Needs pyzmq and msgspec. The structures are vLLM's (vllm/distributed/kv_events.py), so
 the same index can also read vLLM's own GPU/CPU events: `--encoding map` (default) is
 vLLM's current encoding and moongate's default (`[events] encoding`), `--encoding array`
@@ -24,6 +33,8 @@ import argparse
 import json
 import sys
 import threading
+import urllib.error
+import urllib.request
 from typing import Any, Optional, Union
 
 import msgspec
@@ -186,13 +197,37 @@ def follow(ctx, rank, pub, replay_endpoint, index, caught_up):
         last = seq
 
 
+def send_hints(url, hashes, session, timeout_s=2.0):
+    """Announces `hashes` as upcoming reads to the moongate at `url`: returns how many it
+    accepted, or raises with its answer. Hashes go as the events publish them: integers,
+    or hex for digests."""
+    body = json.dumps({"hints": [{"kind": "upcoming", "blocks": hashes,
+                                  "session": session}]}).encode()
+    req = urllib.request.Request(url, data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return json.loads(r.read())["accepted"]
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"{e.code} {e.read().decode(errors='replace')}") from e
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rank", action="append", required=True,
                    help="NAME=PUB_ENDPOINT,REPLAY_ENDPOINT (one per moongate)")
     p.add_argument("--encoding", choices=["map", "array"], default="map",
                    help="the publishers' [events] encoding (vLLM's map or array layout)")
+    p.add_argument("--hints", action="append", default=[],
+                   help="NAME=URL: announce a query's blocks as upcoming to the picked "
+                        "rank's moongate (its /v1/hints or admin /hints)")
     a = p.parse_args()
+    hint_urls = {}
+    for h in a.hints:
+        name, sep, url = h.partition("=")
+        if not sep or not url.startswith("http://"):
+            p.error(f"--hints {h!r}: expected NAME=http://HOST:PORT/PATH")
+        hint_urls[name] = url
     ctx = zmq.Context()
     index = Index(a.encoding)
     names = []
@@ -206,9 +241,21 @@ def main():
     for _ in names:
         caught_up.acquire()
     print("READY", flush=True)
-    for line in sys.stdin:
-        if line.strip():
-            print(json.dumps(index.query(json.loads(line), names)), flush=True)
+    for n, line in enumerate(sys.stdin):
+        if not line.strip():
+            continue
+        hashes = json.loads(line)
+        answer = index.query(hashes, names)
+        # The request goes to the best rank (any rank when none holds a prefix): its
+        # moongate learns which blocks the request will read.
+        rank = answer["best"] or (names[0] if names else None)
+        url = hint_urls.get(rank)
+        if url and hashes:
+            try:
+                answer["hinted"] = send_hints(url, hashes, f"query-{n}")
+            except (OSError, RuntimeError, ValueError, KeyError) as e:
+                answer["hint_error"] = str(e)
+        print(json.dumps(answer), flush=True)
 
 
 if __name__ == "__main__":

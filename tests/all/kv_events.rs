@@ -181,7 +181,7 @@ fn every_event_of_a_real_workload_reaches_a_vllm_subscriber_and_gaps_replay() {
     let all: Vec<u64> = (1000..1040).collect();
     let leading = all.iter().take_while(|h| found.contains(h)).count();
     let queries = [json!(found), json!(all)];
-    let answers = router_answers(&endpoint, &replay, "array", &queries, &logs);
+    let answers = router_answers(&endpoint, &replay, "array", &queries, None, &logs);
     assert_eq!(answers[0]["best"], "r0", "{answers:?}");
     assert_eq!(
         answers[0]["ranks"][0]["prefix_blocks"],
@@ -273,17 +273,27 @@ fn vllm_connector_keys_publish_vllm_blocks_in_the_map_encoding() {
     );
     // `plain` names no block.
     assert_eq!(mg.metric("moongate_events_unmapped_keys_total"), 1.0);
-    let answers = router_answers(&endpoint, &replay, "map", &[json!(g0)], &logs);
+    // The router also tells the picked rank's moongate that the query's blocks will be
+    // read soon (its admin endpoint's POST /hints).
+    let hints = format!("http://{}/hints", mg.admin);
+    let answers = router_answers(&endpoint, &replay, "map", &[json!(g0)], Some(&hints), &logs);
     assert_eq!(answers[0]["ranks"][0]["prefix_blocks"], 3, "{answers:?}");
+    assert_eq!(answers[0]["hinted"], g0.len(), "{answers:?}");
+    assert_eq!(
+        mg.metric("moongate_hints_received_total{kind=\"upcoming\"}"),
+        g0.len() as f64
+    );
 }
 
 /// Runs `deploy/examples/kv_router.py` against one moongate (rank `r0`, events in
-/// `encoding`) and asks it one query per list of block hashes; returns its answers.
+/// `encoding`, hints to `hints` when given) and asks it one query per list of block
+/// hashes; returns its answers.
 fn router_answers(
     endpoint: &str,
     replay: &str,
     encoding: &str,
     queries: &[Value],
+    hints: Option<&str>,
     logs: &[&Proc],
 ) -> Vec<Value> {
     let dir = tempdir();
@@ -291,6 +301,9 @@ fn router_answers(
     cmd.arg(repo_root().join("deploy/examples/kv_router.py"))
         .args(["--rank", &format!("r0={endpoint},{replay}")])
         .args(["--encoding", encoding]);
+    if let Some(url) = hints {
+        cmd.args(["--hints", &format!("r0={url}")]);
+    }
     let mut router = Background::spawn("router", cmd, dir, logs);
     queries
         .iter()
