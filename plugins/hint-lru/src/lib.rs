@@ -23,8 +23,8 @@
 //! `min_samples` again). `upcoming` and `expect` are always used: wrong ones only keep
 //! a block longer.
 //!
-//! Config (JSON, optional): `{"max_wrong_share": 0.01, "min_samples": 200,
-//! "window": 5000, "explore_every": 32, "trust_done": true}` (the defaults: the best of
+//! Config (JSON, optional): `{"max_wrong_share": 0.02, "min_samples": 200,
+//! "window": 5000, "explore_every": 64, "trust_done": true}` (the defaults: the best of
 //! the settings tried in `moongate sim` on the shipped trace; see
 //! docs/policy-science.md).
 
@@ -57,10 +57,10 @@ struct Config {
 impl Default for Config {
     fn default() -> Self {
         Config {
-            max_wrong_share: 0.01,
+            max_wrong_share: 0.02,
             min_samples: 200,
             window: 5000,
-            explore_every: 32,
+            explore_every: 64,
             trust_done: true,
         }
     }
