@@ -1122,8 +1122,12 @@ pub fn victims<K: AsRef<[u8]>>(
             .arms
             .get(a)
             .and_then(|arm| {
-                let tenants: Vec<&Bytes> = idx.iter().map(|&i| &cands[i].1.tenant).collect();
-                let hints = hints.hints(policy, arm, &call.keys, &tenants);
+                // Only a plugin with `evict-hinted` has its candidates looked up.
+                let hints = arm.plugin.reads_hints().then(|| {
+                    let tenants: Vec<&Bytes> = idx.iter().map(|&i| &cands[i].1.tenant).collect();
+                    hints.hints(policy, arm, &call.keys, &tenants)
+                });
+                let hints = hints.flatten();
                 policy.evict_victims(arm, &call, on_disk.as_deref(), hints.as_deref())
             })
             .unwrap_or_else(|| {

@@ -33,7 +33,7 @@ pub struct HintsConfig {
     /// already put and remove keys.
     pub enabled: bool,
     /// Hints kept at most (keys and blocks alike); a full table drops its oldest.
-    /// 131,072 entries of short keys take ~25 MiB.
+    /// Each entry holds its key (or hash) and ~100 bytes besides (not measured).
     pub max_entries: usize,
     /// How long a hint is kept (for `upcoming`, after the time it is due): a router's
     /// queue drains in seconds; a minute outlives a queue's wait without keeping stale
@@ -44,8 +44,7 @@ pub struct HintsConfig {
     pub max_ttl_ms: u64,
     /// Keys and blocks named in one call.
     pub max_names_per_call: usize,
-    /// Bytes of one call's body (names of up to `kv.max_key_bytes` each fit 4,096 to
-    /// a MiB).
+    /// Bytes of one call's body: a MiB holds 4,096 names of up to ~250 bytes.
     pub max_body_bytes: usize,
     /// Names accepted per second over all calls (a burst of one second's worth);
     /// beyond, a call is refused with 429 and nothing of it is kept.
