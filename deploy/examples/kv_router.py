@@ -23,6 +23,15 @@ line then says `"hinted": N` (blocks announced) or `"hint_error"`.
   python deploy/examples/kv_router.py --rank rank0=tcp://10.0.0.1:5557,tcp://10.0.0.1:5558 \
       --hints rank0=http://10.0.0.1:50060/v1/hints
 
+With `--hints-pub ENDPOINT` the index publishes the same hints instead, on a ZeroMQ socket
+it binds, each message tagged with the picked rank's name (its first frame); each rank's
+moongate subscribes with `[hints] subscribe = ["tcp://ROUTER:PORT"]` and
+`subscribe_topic = "NAME"`. A hint for a rank whose moongate has not subscribed (within
+a second) is not sent: the answer line says `"hint_error"`.
+
+  python deploy/examples/kv_router.py --rank rank0=tcp://10.0.0.1:5557,tcp://10.0.0.1:5558 \
+      --hints-pub tcp://0.0.0.0:5590
+
 Needs pyzmq and msgspec. The structures are vLLM's (vllm/distributed/kv_events.py), so
 the same index can also read vLLM's own GPU/CPU events: `--encoding map` (default) is
 vLLM's current encoding and moongate's default (`[events] encoding`), `--encoding array`
@@ -33,6 +42,7 @@ import argparse
 import json
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from typing import Any, Optional, Union
@@ -212,6 +222,44 @@ def send_hints(url, hashes, session, timeout_s=2.0):
         raise RuntimeError(f"{e.code} {e.read().decode(errors='replace')}") from e
 
 
+class HintPublisher:
+    """Hints on a ZeroMQ socket for subscribing moongates, one topic per rank. An XPUB
+    socket, so the router sees who subscribed: PUB would drop a rank's hints silently
+    when its moongate is not (yet) connected."""
+
+    def __init__(self, ctx, endpoint):
+        self.sock = ctx.socket(zmq.XPUB)
+        self.sock.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self.sock.bind(endpoint)
+        self.topics = {}
+
+    def _take_subscriptions(self, timeout_ms):
+        while self.sock.poll(timeout_ms):
+            timeout_ms = 0
+            msg = self.sock.recv()
+            # 1 + topic subscribes, 0 + topic unsubscribes (one per subscriber).
+            delta = {1: 1, 0: -1}.get(msg[0] if msg else None, 0)
+            self.topics[msg[1:]] = self.topics.get(msg[1:], 0) + delta
+
+    def _subscribed(self, topic):
+        return any(n > 0 and topic.startswith(t) for t, n in self.topics.items())
+
+    def send(self, rank, hashes, session, wait_s=1.0):
+        """Publishes `hashes` as upcoming for `rank`; returns how many were sent."""
+        topic = rank.encode()
+        deadline = time.monotonic() + wait_s
+        self._take_subscriptions(0)
+        while not self._subscribed(topic):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"no moongate subscribed to rank {rank!r}'s hints")
+            self._take_subscriptions(int(left * 1000) + 1)
+        body = json.dumps({"hints": [{"kind": "upcoming", "blocks": hashes,
+                                      "session": session}]}).encode()
+        self.sock.send_multipart([topic, body])
+        return len(hashes)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rank", action="append", required=True,
@@ -221,7 +269,12 @@ def main():
     p.add_argument("--hints", action="append", default=[],
                    help="NAME=URL: announce a query's blocks as upcoming to the picked "
                         "rank's moongate (its /v1/hints or admin /hints)")
+    p.add_argument("--hints-pub", metavar="ENDPOINT",
+                   help="publish those hints on a ZeroMQ socket bound here instead, "
+                        "topic = the rank's name, for moongates' hints.subscribe")
     a = p.parse_args()
+    if a.hints and a.hints_pub:
+        p.error("--hints and --hints-pub: one or the other")
     hint_urls = {}
     for h in a.hints:
         name, sep, url = h.partition("=")
@@ -229,6 +282,7 @@ def main():
             p.error(f"--hints {h!r}: expected NAME=http://HOST:PORT/PATH")
         hint_urls[name] = url
     ctx = zmq.Context()
+    publisher = HintPublisher(ctx, a.hints_pub) if a.hints_pub else None
     index = Index(a.encoding)
     names = []
     caught_up = threading.Semaphore(0)
@@ -250,10 +304,13 @@ def main():
         # moongate learns which blocks the request will read.
         rank = answer["best"] or (names[0] if names else None)
         url = hint_urls.get(rank)
-        if url and hashes:
+        if (url or publisher) and rank and hashes:
             try:
-                answer["hinted"] = send_hints(url, hashes, f"query-{n}")
-            except (OSError, RuntimeError, ValueError, KeyError) as e:
+                if publisher:
+                    answer["hinted"] = publisher.send(rank, hashes, f"query-{n}")
+                else:
+                    answer["hinted"] = send_hints(url, hashes, f"query-{n}")
+            except (OSError, RuntimeError, ValueError, KeyError, zmq.ZMQError) as e:
                 answer["hint_error"] = str(e)
         print(json.dumps(answer), flush=True)
 

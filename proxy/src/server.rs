@@ -80,6 +80,12 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
     if let Some(ev) = &eviction {
         ev.set_hints(hints.clone());
     }
+    crate::hints::subscriber::start(
+        hints.clone(),
+        &cfg.hints.subscribe,
+        &cfg.hints.subscribe_topic,
+        shutdown.clone(),
+    );
     let state = Arc::new(AdminState {
         hints: hints.clone(),
         fleet,

@@ -3,6 +3,8 @@
 //! 400 (naming the field) / 413 / 429 and nothing else changes: the store keeps serving
 //! puts and gets byte-exact.
 
+use std::time::{Duration, Instant};
+
 use crate::support::*;
 
 fn hints_of(n: usize, kind: &str) -> Vec<u8> {
@@ -108,4 +110,82 @@ fn hints_are_taken_bounded_and_change_nothing_else() {
     );
     assert!(sample("moongate_hints_refused_total{reason=\"rate\"}") >= 1.0);
     assert!(sample("moongate_hints_entries") >= 8.0);
+}
+
+/// `hints.subscribe`: moongate connects to a router's PUB socket (before the router is
+/// up, and again after it restarts), takes its own topic's messages as hint calls,
+/// counts a bad one as refused and carries on.
+#[test]
+fn a_subscriber_takes_its_topics_hints_from_a_publisher_and_survives_bad_ones() {
+    use zeromq::{Socket, SocketSend, ZmqMessage};
+    let port = free_port();
+    let mg = Moongate::start_config(&format!(
+        "[master_face]\nupstream = \"127.0.0.1:{}\"\n[hints]\nsubscribe = [\"tcp://127.0.0.1:{port}\"]\n\
+         subscribe_topic = \"r0\"\n",
+        free_port()
+    ));
+    assert_eq!(mg.metric("moongate_hints_publishers"), 0.0);
+    let received =
+        |kind: &str| mg.metric(&format!("moongate_hints_received_total{{kind=\"{kind}\"}}"));
+    let invalid = || mg.metric("moongate_hints_refused_total{reason=\"invalid\"}");
+    let msg = |topic: &str, body: String| {
+        ZmqMessage::try_from(vec![
+            bytes::Bytes::from(topic.to_string()),
+            bytes::Bytes::from(body),
+        ])
+        .unwrap()
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    // Publishes rounds (another rank's hint, a bad body, a good one) until `enough`.
+    let publish_until = |enough: &dyn Fn() -> bool, round0: usize| {
+        rt.block_on(async {
+            let mut publisher = zeromq::PubSocket::new();
+            publisher
+                .bind(&format!("tcp://127.0.0.1:{port}"))
+                .await
+                .unwrap();
+            wait_for(
+                "subscriber connected",
+                Duration::from_secs(30),
+                &[&mg.proc],
+                || mg.metric("moongate_hints_publishers") == 1.0,
+            );
+            let start = Instant::now();
+            let mut round = round0;
+            // A subscription reaches the publisher just after the connection: the first
+            // messages may be dropped by PUB, so rounds repeat until counted.
+            while !enough() {
+                assert!(
+                    start.elapsed() < Duration::from_secs(30),
+                    "{}",
+                    mg.proc.log_text()
+                );
+                let other = format!(r#"{{"hints": [{{"kind": "done", "keys": ["x/{round}"]}}]}}"#);
+                let good =
+                    format!(r#"{{"hints": [{{"kind": "upcoming", "keys": ["z/{round}"]}}]}}"#);
+                publisher.send(msg("r1", other)).await.unwrap();
+                publisher.send(msg("r0", "{not json".into())).await.unwrap();
+                publisher.send(msg("r0", good)).await.unwrap();
+                round += 1;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            round
+        })
+    };
+    let rounds = publish_until(&|| received("upcoming") >= 3.0 && invalid() >= 3.0, 0);
+    // Another rank's hints are not taken; every bad body was followed by a good one.
+    assert_eq!(received("done"), 0.0);
+    assert!(received("upcoming") >= invalid() - 1.0);
+    // The publisher went away (dropped at the end of its block): the gauge says so,
+    // and a new one on the same endpoint is followed again.
+    wait_for(
+        "subscriber disconnected",
+        Duration::from_secs(30),
+        &[&mg.proc],
+        || mg.metric("moongate_hints_publishers") == 0.0,
+    );
+    let before = received("upcoming");
+    publish_until(&|| received("upcoming") >= before + 3.0, rounds);
+    assert_eq!(received("done"), 0.0);
+    assert!(mg.metric("moongate_hints_entries") >= before + 3.0);
 }

@@ -181,7 +181,7 @@ fn every_event_of_a_real_workload_reaches_a_vllm_subscriber_and_gaps_replay() {
     let all: Vec<u64> = (1000..1040).collect();
     let leading = all.iter().take_while(|h| found.contains(h)).count();
     let queries = [json!(found), json!(all)];
-    let answers = router_answers(&endpoint, &replay, "array", &queries, None, &logs);
+    let answers = router_answers(&endpoint, &replay, "array", &queries, &[], &logs);
     assert_eq!(answers[0]["best"], "r0", "{answers:?}");
     assert_eq!(
         answers[0]["ranks"][0]["prefix_blocks"],
@@ -233,10 +233,13 @@ fn received(sub: &mut Background, mg: &Moongate) -> (Value, Vec<Value>) {
 #[test]
 fn vllm_connector_keys_publish_vllm_blocks_in_the_map_encoding() {
     let master = Master::start();
+    // Hints come by POST and, from the router's own socket, by subscription.
+    let hint_pub = format!("tcp://127.0.0.1:{}", free_port());
     let mg = Moongate::start_config(&format!(
         "[master_face]\nupstream = \"{}\"\n\
          [events]\nenabled = true\nendpoint = \"tcp://127.0.0.1:0\"\n\
-         replay_endpoint = \"tcp://127.0.0.1:0\"\n",
+         replay_endpoint = \"tcp://127.0.0.1:0\"\n\
+         [hints]\nsubscribe = [\"{hint_pub}\"]\nsubscribe_topic = \"r0\"\n",
         master.rpc
     ));
     mg.wait_ready(&master);
@@ -275,25 +278,47 @@ fn vllm_connector_keys_publish_vllm_blocks_in_the_map_encoding() {
     assert_eq!(mg.metric("moongate_events_unmapped_keys_total"), 1.0);
     // The router also tells the picked rank's moongate that the query's blocks will be
     // read soon (its admin endpoint's POST /hints).
-    let hints = format!("http://{}/hints", mg.admin);
-    let answers = router_answers(&endpoint, &replay, "map", &[json!(g0)], Some(&hints), &logs);
+    let hints = format!("r0=http://{}/hints", mg.admin);
+    let answers = router_answers(
+        &endpoint,
+        &replay,
+        "map",
+        &[json!(g0)],
+        &["--hints", &hints],
+        &logs,
+    );
     assert_eq!(answers[0]["ranks"][0]["prefix_blocks"], 3, "{answers:?}");
     assert_eq!(answers[0]["hinted"], g0.len(), "{answers:?}");
-    assert_eq!(
-        mg.metric("moongate_hints_received_total{kind=\"upcoming\"}"),
-        g0.len() as f64
+    let upcoming = || mg.metric("moongate_hints_received_total{kind=\"upcoming\"}");
+    assert_eq!(upcoming(), g0.len() as f64);
+    // The same through the router's hint socket: it waits for moongate's subscription,
+    // so the hint is not dropped; moongate takes it shortly after.
+    let answers = router_answers(
+        &endpoint,
+        &replay,
+        "map",
+        &[json!(g0)],
+        &["--hints-pub", &hint_pub],
+        &logs,
+    );
+    assert_eq!(answers[0]["hinted"], g0.len(), "{answers:?}");
+    wait_for(
+        "published hints taken",
+        Duration::from_secs(10),
+        &logs,
+        || upcoming() == 2.0 * g0.len() as f64,
     );
 }
 
 /// Runs `deploy/examples/kv_router.py` against one moongate (rank `r0`, events in
-/// `encoding`, hints to `hints` when given) and asks it one query per list of block
+/// `encoding`, `hint_args` for its hints) and asks it one query per list of block
 /// hashes; returns its answers.
 fn router_answers(
     endpoint: &str,
     replay: &str,
     encoding: &str,
     queries: &[Value],
-    hints: Option<&str>,
+    hint_args: &[&str],
     logs: &[&Proc],
 ) -> Vec<Value> {
     let dir = tempdir();
@@ -301,9 +326,7 @@ fn router_answers(
     cmd.arg(repo_root().join("deploy/examples/kv_router.py"))
         .args(["--rank", &format!("r0={endpoint},{replay}")])
         .args(["--encoding", encoding]);
-    if let Some(url) = hints {
-        cmd.args(["--hints", &format!("r0={url}")]);
-    }
+    cmd.args(hint_args);
     let mut router = Background::spawn("router", cmd, dir, logs);
     queries
         .iter()

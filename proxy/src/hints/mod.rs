@@ -2,7 +2,8 @@
 //! which blocks its queued requests will read (`upcoming`), an application knows when a
 //! session ended (`done`), an agent knows its next turn will come back when a tool
 //! returns (`expect`). They reach the table here through `POST /v1/hints` (the kv face)
-//! or `POST /hints` (the admin endpoint), bounded in size, rate, entries and time.
+//! or `POST /hints` (the admin endpoint), or from a ZeroMQ publisher ([`subscriber`],
+//! `hints.subscribe`), bounded in size, rate, entries and time.
 //!
 //! Hints never change correctness: nothing is stored, refused or answered differently
 //! because of one; they are for the eviction policy to read.
@@ -12,6 +13,7 @@
 //! its errors to HTTP statuses in one place ([`HintError::status`]).
 
 pub mod parse;
+pub mod subscriber;
 pub mod table;
 
 use std::sync::Mutex;
@@ -49,6 +51,14 @@ pub struct HintsConfig {
     /// Names accepted per second over all calls (a burst of one second's worth);
     /// beyond, a call is refused with 429 and nothing of it is kept.
     pub max_names_per_second: u64,
+    /// ZeroMQ PUB endpoints (`tcp://HOST:PORT`) to take hints from, for routers that
+    /// publish rather than POST: each message's last frame is one call's body. Empty (the
+    /// default): no subscriber.
+    pub subscribe: Vec<String>,
+    /// The ZeroMQ topic prefix subscribed to: a router that publishes every rank's hints
+    /// on one socket tags each message with the rank, and each rank's moongate takes its
+    /// own. Empty (the default): every message.
+    pub subscribe_topic: String,
 }
 
 impl Default for HintsConfig {
@@ -61,6 +71,8 @@ impl Default for HintsConfig {
             max_names_per_call: 4_096,
             max_body_bytes: 1 << 20,
             max_names_per_second: 100_000,
+            subscribe: Vec::new(),
+            subscribe_topic: String::new(),
         }
     }
 }
@@ -81,6 +93,21 @@ impl HintsConfig {
             "hints.max_names_per_second",
             self.max_names_per_second,
         );
+        if !self.enabled && !self.subscribe.is_empty() {
+            errs.push("hints.subscribe is set but hints.enabled = false".to_string());
+        }
+        for (i, e) in self.subscribe.iter().enumerate() {
+            // The ZeroMQ build carries the TCP transport only.
+            let ok = e
+                .strip_prefix("tcp://")
+                .and_then(|hp| hp.rsplit_once(':'))
+                .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
+            if !ok {
+                errs.push(format!(
+                    "hints.subscribe[{i}] = {e:?}: expected tcp://HOST:PORT"
+                ));
+            }
+        }
     }
 }
 
@@ -132,6 +159,8 @@ pub struct HintsMetrics {
     pub dropped: Counter,
     /// Entries in the table now.
     pub entries: Gauge,
+    /// `hints.subscribe` publishers connected now.
+    pub publishers: Gauge,
 }
 
 impl HintsMetrics {
@@ -154,6 +183,7 @@ impl HintsMetrics {
             refused: REFUSED.map(|r| refused.get_or_create(&[("reason", r)]).clone()),
             dropped: Counter::default(),
             entries: Gauge::default(),
+            publishers: Gauge::default(),
         };
         registry.register(
             "moongate_hints_dropped",
@@ -164,6 +194,11 @@ impl HintsMetrics {
             "moongate_hints_entries",
             "Hints in the table now",
             m.entries.clone(),
+        );
+        registry.register(
+            "moongate_hints_publishers",
+            "hints.subscribe publishers connected now",
+            m.publishers.clone(),
         );
         m
     }
@@ -392,5 +427,24 @@ mod tests {
             ..HintsConfig::default()
         });
         assert_eq!(h.post(two).unwrap_err().status(), 404);
+    }
+
+    #[test]
+    fn subscribe_endpoints_are_checked_at_start() {
+        let check = |enabled: bool, subscribe: &[&str]| {
+            let mut errs = Vec::new();
+            HintsConfig {
+                enabled,
+                subscribe: subscribe.iter().map(|s| s.to_string()).collect(),
+                ..HintsConfig::default()
+            }
+            .validate(&mut errs);
+            errs
+        };
+        assert!(check(true, &["tcp://127.0.0.1:5590", "tcp://router:1"]).is_empty());
+        let errs = check(true, &["tcp://r:1", "ipc:///tmp/x", "tcp://r", "tcp://:5"]);
+        assert_eq!(errs.len(), 3, "{errs:?}");
+        assert!(errs[0].starts_with("hints.subscribe[1]"), "{errs:?}");
+        assert_eq!(check(false, &["tcp://r:1"]).len(), 1);
     }
 }
