@@ -22,6 +22,18 @@ conversation stays in one arm; half the load each). Within an arm, requests go t
 workers by first block too (--route sticky), or each to a random one (--route random,
 seeded: what a router that does not know the caches does). Without --admin there is one arm, "all".
 
+Hints (--hints SPEC, with --admin): the serving stack's knowledge sent to moongate's
+POST /hints as the replay runs, by the model of `moongate sim --hints` (proxy/src/sim/
+hints.rs): `queue:W` (when request i arrives, the blocks of requests i+1..i+W are
+announced upcoming, due when they arrive), `last:P[@D]` (for a seeded share P of the
+requests, their blocks the trace never reads again are announced done D trace-ms after
+the request arrived), `wrong:F` (a share F of the done announcements name a block that
+the trace does read again, drawn from the last 4,096 such blocks), `seed:N`. The same
+model, not the same draws as the simulator (Python's random, not its mixer). Every
+hint names the block's key in every arm (mirror: the same hints reach every policy; a
+plugin without `evict-hinted` ignores them). Times follow --speed; moongate's
+`hints.ttl_ms` should be the simulator's ttl (60,000 trace-ms) divided by it.
+
 Run through the wrapper `benches/replay` (it picks the project's virtualenv).
 """
 import argparse
@@ -115,6 +127,117 @@ def replay(s, reqs, t0, speed, size, prefix):
                 st["put_bytes"] += len(misses) * size
             else:
                 st["put_failed"][str(rc)] = st["put_failed"].get(str(rc), 0) + 1
+    return st
+
+
+# ---------------------------------------------------------------- hints (--hints)
+
+def parse_hints(spec):
+    h = {"queue": 0, "last": 0.0, "delay_ms": 0.0, "wrong": 0.0, "seed": 1}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        kind, sep, v = part.partition(":")
+        if not sep:
+            raise SystemExit(f"--hints {part!r}: expected KIND:VALUE")
+        try:
+            if kind == "queue":
+                h["queue"] = int(v)
+            elif kind == "last":
+                p_, _, d = v.partition("@")
+                h["last"] = float(p_)
+                h["delay_ms"] = float(d) if d else 0.0
+            elif kind == "wrong":
+                h["wrong"] = float(v)
+            elif kind == "seed":
+                h["seed"] = int(v)
+            else:
+                raise SystemExit(f"--hints {part!r}: unknown model (queue, last, wrong, seed)")
+        except ValueError:
+            raise SystemExit(f"--hints {part!r}: bad value")
+    if not (0 <= h["last"] <= 1 and 0 <= h["wrong"] < 1 and h["queue"] >= 0):
+        raise SystemExit(f"--hints {spec!r}: shares from 0 to 1 (wrong below 1), queue >= 0")
+    return h
+
+
+def hint_schedule(reqs, h):
+    """The hints of the trace, in trace time: [(ms, kind, [block], due_ms)]."""
+    rng = random.Random(h["seed"])
+    # Per request, per block position: the next request that reads that block (None:
+    # never again).
+    last, nxt = {}, [None] * len(reqs)
+    for i in range(len(reqs) - 1, -1, -1):
+        ids = reqs[i][1]
+        nxt[i] = [last.get(b) for b in ids]
+        for b in ids:
+            last[b] = i
+    out, recent = [], []
+    p_wrong = h["wrong"] / (1 - h["wrong"]) if h["wrong"] else 0.0
+    n, w = len(reqs), h["queue"]
+    for i, (ts, ids) in enumerate(reqs):
+        if w:
+            for j in (range(1, min(w, n - 1) + 1) if i == 0 else
+                      ([i + w] if i + w < n else [])):
+                out.append((ts, "upcoming", reqs[j][1], reqs[j][0]))
+        if h["last"] <= 0:
+            continue
+        if h["wrong"]:
+            recent.extend((b, nx) for b, nx in zip(ids, nxt[i]) if nx is not None)
+            del recent[:-4096]
+        if rng.random() >= h["last"]:
+            continue
+        done = [b for b, nx in zip(ids, nxt[i]) if nx is None]
+        wrong = []
+        for _ in done:
+            if recent and rng.random() < p_wrong:
+                for _try in range(8):
+                    b, nx = recent[rng.randrange(len(recent))]
+                    if nx > i:
+                        wrong.append(b)
+                        break
+        if done or wrong:
+            out.append((ts + h["delay_ms"], "done", done + wrong, None))
+            h.setdefault("_wrong", 0)
+            h["_wrong"] += len(wrong)
+    out.sort(key=lambda e: e[0])
+    return out
+
+
+def send_hints(url, schedule, prefixes, t0, speed, stop, max_names=4096):
+    """Posts the schedule on time (trace ms / speed); returns what happened."""
+    import http.client
+    import urllib.parse
+    u = urllib.parse.urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+    st = {"calls": 0, "names": 0, "accepted": 0, "refused": {}, "lag_ms": []}
+    for ms, kind, blocks, due_ms in schedule:
+        if stop.is_set():
+            break
+        due = t0 + ms / 1000.0 / speed
+        now = time.time()
+        if due > now:
+            time.sleep(due - now)
+        else:
+            st["lag_ms"].append((now - due) * 1000)
+        names = [f"{p}/{b}" for p in prefixes for b in blocks]
+        for at in range(0, len(names), max_names):
+            hint = {"kind": kind, "keys": names[at:at + max_names]}
+            if due_ms is not None:
+                hint["in_ms"] = max(0, int((due_ms - ms) / speed))
+            body = json.dumps({"hints": [hint]}).encode()
+            try:
+                conn.request("POST", u.path, body, {"Content-Type": "application/json"})
+                r = conn.getresponse()
+                answer = r.read()
+            except (OSError, http.client.HTTPException) as e:
+                conn.close()
+                st["refused"][type(e).__name__] = st["refused"].get(type(e).__name__, 0) + 1
+                continue
+            st["calls"] += 1
+            st["names"] += len(hint["keys"])
+            if r.status == 200:
+                st["accepted"] += json.loads(answer)["accepted"]
+            else:
+                st["refused"][str(r.status)] = st["refused"].get(str(r.status), 0) + 1
+    conn.close()
     return st
 
 
@@ -221,9 +344,15 @@ def main():
     p.add_argument("--route", choices=["sticky", "random"], default="sticky",
                    help="within an arm: a request goes to the worker its first block picks, "
                         "or to a random one")
+    p.add_argument("--hints", help="send hints by this model (see above) to moongate's "
+                   "admin POST /hints; needs --admin")
     a = p.parse_args()
+    if a.hints and not a.admin:
+        p.error("--hints needs --admin (hints go to its POST /hints)")
+    hint_model = parse_hints(a.hints) if a.hints else None
 
     reqs = load_trace(a.trace, a.limit)
+    schedule = hint_schedule(reqs, hint_model) if hint_model else []
     arms = start_workers(a)
     names = sorted(arms)
     per_worker = {(arm, i): [] for arm in names for i in range(len(arms[arm]))}
@@ -252,6 +381,13 @@ def main():
     for arm in names:
         for i, (proc, conn) in enumerate(arms[arm]):
             conn.send(("run", per_worker[(arm, i)], t0, a.speed, a.value_size, f"{arm}/blk"))
+    hint_result = {}
+    if schedule:
+        def hints_thread():
+            hint_result.update(send_hints(f"http://{a.admin}/hints", schedule,
+                                          [f"{arm}/blk" for arm in names], t0, a.speed, done))
+        hinter = threading.Thread(target=hints_thread, daemon=True)
+        hinter.start()
     results = {arm: [] for arm in names}
     for arm in names:
         for proc, conn in arms[arm]:
@@ -260,6 +396,8 @@ def main():
             proc.join(60)
     wall = time.time() - t0
     done.set()
+    if schedule:
+        hinter.join(30)
     mtext = metrics(a.admin) if a.admin else ""
     report = {"trace": os.path.basename(a.trace), "requests": len(reqs), "split": a.split,
               "route": a.route, "masters": len(a.master.split(",")),
@@ -304,6 +442,16 @@ def main():
                                    and dict(k).get("method") in ("BatchPutStart", "PutStart")
                                    and dict(k).get("kind") == "app")
         report["arms"][arm] = r
+    if hint_model:
+        hr = dict(hint_result)
+        lag = hr.pop("lag_ms", [])
+        hr["lag_p99_ms"] = round(pct(lag, 0.99), 1)
+        hr["spec"] = a.hints
+        hr["wrong_blocks"] = hint_model.get("_wrong", 0)
+        if mtext:
+            hm = samples(mtext, "moongate_hints_matched_total")
+            hr["matched"] = {dict(k)["kind"]: v for k, v in hm.items()}
+        report["hints"] = hr
     if mtext:
         ev = samples(mtext, "moongate_eviction_keys_total")
         report["evictions"] = {dict(k)["result"]: v for k, v in ev.items()}
@@ -347,6 +495,8 @@ def print_table(rep):
         print(f"moongate evictions: {rep['evictions']}")
     if "master" in rep:
         print(f"master: {rep['master']}")
+    if "hints" in rep:
+        print(f"hints: {rep['hints']}")
 
 
 if __name__ == "__main__":

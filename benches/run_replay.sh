@@ -6,7 +6,9 @@
 # Extra args go to benches/replay (e.g. --limit 500 --speed 50 --value-size 16384).
 # Not part of CI (minutes); tests/all/replay_live.rs runs a short slice of it. KEEP=1 keeps
 # the master and moongate logs. PROFILE=release measures a release build. CAPACITY=by-weight
-# gives each arm its own half of the capacity (default: one shared pool).
+# gives each arm its own half of the capacity (default: one shared pool). B=NAME:PLUGIN
+# replaces the second arm (default prefix:prefix-evict); HINTS_TTL_MS sets hints.ttl_ms
+# (for --hints: the simulator's 60,000 trace-ms divided by --speed).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -14,6 +16,7 @@ bash scripts/bootstrap.sh
 profile=${PROFILE:-debug}
 if [ "$profile" = release ]; then cargo build --release --locked --bin moongate; else cargo build --locked --bin moongate; fi
 py=${MOONGATE_PYTHON:-$root/.venv/bin/python}
+b_arm=${B:-prefix:prefix-evict}; b_name=${b_arm%%:*}; b_plugin=${b_arm#*:}
 source scripts/lib.sh
 start_master
 listen=$(free_port); admin=$(free_port)
@@ -34,13 +37,15 @@ max_removals_per_interval = 2000
 name = "lru"
 path = "$root/target/plugins/lru.wasm"
 [[policy.plugins]]
-name = "prefix-evict"
-path = "$root/target/plugins/prefix-evict.wasm"
+name = "$b_plugin"
+path = "$root/target/plugins/$b_plugin.wasm"
 [experiment]
 assign = "client"
 capacity = "${CAPACITY:-shared}"
 arms = [ { name = "lru", plugin = "lru", weight = 50 },
-         { name = "prefix", plugin = "prefix-evict", weight = 50 } ]
+         { name = "$b_name", plugin = "$b_plugin", weight = 50 } ]
+[hints]
+ttl_ms = ${HINTS_TTL_MS:-60000}
 TOML
 RUST_LOG=${RUST_LOG:-info} target/$profile/moongate run --config "$work/moongate.toml" >"$work/moongate.log" 2>&1 &
 pids+=($!)

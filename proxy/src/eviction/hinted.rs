@@ -129,6 +129,7 @@ impl HintSource for Hints {
         if found.iter().all(Option::is_none) {
             return None;
         }
+        self.matched(found.iter().flatten().map(|h| h.kind));
         Some(
             found
                 .iter()

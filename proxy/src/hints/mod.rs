@@ -157,6 +157,8 @@ pub struct HintsMetrics {
     pub refused: [Counter; 4],
     /// Live entries pushed out by a full table.
     pub dropped: Counter,
+    /// Eviction candidates a plugin was given with a hint, by [`Kind::ALL`] index.
+    pub matched: [Counter; 3],
     /// Entries in the table now.
     pub entries: Gauge,
     /// `hints.subscribe` publishers connected now.
@@ -168,6 +170,7 @@ impl HintsMetrics {
         use prometheus_client::metrics::family::Family;
         let received = Family::<[(&'static str, &'static str); 1], Counter>::default();
         let refused = Family::<[(&'static str, &'static str); 1], Counter>::default();
+        let matched = Family::<[(&'static str, &'static str); 1], Counter>::default();
         registry.register(
             "moongate_hints_received",
             "Keys and blocks named by accepted hints, by kind",
@@ -181,10 +184,16 @@ impl HintsMetrics {
         let m = HintsMetrics {
             received: Kind::ALL.map(|k| received.get_or_create(&[("kind", k.name())]).clone()),
             refused: REFUSED.map(|r| refused.get_or_create(&[("reason", r)]).clone()),
+            matched: Kind::ALL.map(|k| matched.get_or_create(&[("kind", k.name())]).clone()),
             dropped: Counter::default(),
             entries: Gauge::default(),
             publishers: Gauge::default(),
         };
+        registry.register(
+            "moongate_hints_matched",
+            "Eviction candidates a plugin was given with a hint, by kind",
+            matched,
+        );
         registry.register(
             "moongate_hints_dropped",
             "Live hints pushed out because the table was full (hints.max_entries)",
@@ -350,6 +359,19 @@ impl Hints {
         let now = self.now_ms();
         let t = self.table.lock().unwrap_or_else(|p| p.into_inner());
         (now, names.map(|n| t.get(n, now).cloned()).collect())
+    }
+
+    /// Counts the hints an eviction round gave a plugin.
+    pub fn matched(&self, kinds: impl Iterator<Item = Kind>) {
+        let mut by_kind = [0u64; 3];
+        for k in kinds {
+            by_kind[k as usize] += 1;
+        }
+        for (c, n) in self.metrics.matched.iter().zip(by_kind) {
+            if n > 0 {
+                c.inc_by(n);
+            }
+        }
     }
 
     /// Entries in the table (expired ones not yet swept included).

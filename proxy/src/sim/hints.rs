@@ -18,7 +18,9 @@
 //!   `ttl_ms` longer; read, it no longer matters).
 //! - `seed:N`: the draws' seed (default 1).
 //!
-//! Pure: the trace in, per-block hint state out, on trace time.
+//! Pure: the trace in, per-block hint state out, on the simulator's clock: trace time
+//! divided by the live rules' `--speed` (the replay's clock), so a due time, a delay and
+//! a ttl given in trace-ms are divided by it too.
 
 use std::collections::VecDeque;
 
@@ -130,6 +132,8 @@ fn draw(seed: u64, a: u64, b: u64) -> f64 {
 pub struct HintModel<'t> {
     spec: HintSpec,
     trace: &'t Trace,
+    /// Trace time over the simulator's clock (1 but with live rules' `--speed`).
+    speed: f64,
     /// Per block, the arrival times of queued requests that read it, earliest first.
     upcoming: Vec<VecDeque<u64>>,
     /// Per block, when a `done` hint was announced (`u64::MAX`: none).
@@ -149,7 +153,7 @@ pub struct HintModel<'t> {
 }
 
 impl<'t> HintModel<'t> {
-    pub fn new(spec: HintSpec, trace: &'t Trace) -> HintModel<'t> {
+    pub fn new(spec: HintSpec, trace: &'t Trace, speed: f64) -> HintModel<'t> {
         let n = trace.distinct();
         // Per block position, the next request that reads that block (backwards: the
         // last request seen reading each block).
@@ -170,6 +174,7 @@ impl<'t> HintModel<'t> {
         HintModel {
             spec,
             trace,
+            speed: speed.max(1e-9),
             upcoming: vec![VecDeque::new(); n],
             done_at: vec![u64::MAX; n],
             pending: VecDeque::new(),
@@ -217,8 +222,9 @@ impl<'t> HintModel<'t> {
         let from = if i == 0 { 1 } else { i + self.spec.queue };
         let to = (i + self.spec.queue).min(reqs.len().saturating_sub(1));
         for r in reqs.iter().take(to + 1).skip(from) {
+            let due = self.clock(r.ts_ms);
             for &b in self.trace.blocks_of(r) {
-                self.upcoming[b as usize].push_back(r.ts_ms);
+                self.upcoming[b as usize].push_back(due);
                 self.announced[0] += 1;
             }
         }
@@ -245,7 +251,7 @@ impl<'t> HintModel<'t> {
         if draw(seed, i as u64, 0) >= self.spec.last_share {
             return;
         }
-        let at = now_ms + self.spec.last_delay_ms;
+        let at = now_ms + self.clock(self.spec.last_delay_ms);
         let p_wrong = self.spec.wrong_share / (1.0 - self.spec.wrong_share);
         for pos in r.start..r.end {
             if self.next_read[pos as usize] != u32::MAX {
@@ -277,6 +283,11 @@ impl<'t> HintModel<'t> {
         })
     }
 
+    /// Trace-ms on the simulator's clock.
+    fn clock(&self, trace_ms: u64) -> u64 {
+        (trace_ms as f64 / self.speed) as u64
+    }
+
     /// What is known of block `b` at `now_ms`.
     pub fn known(&mut self, b: u32, now_ms: u64) -> Known {
         let q = &mut self.upcoming[b as usize];
@@ -287,7 +298,7 @@ impl<'t> HintModel<'t> {
             return Known::Upcoming { due_ms };
         }
         let at = self.done_at[b as usize];
-        if at != u64::MAX && now_ms.saturating_sub(at) < self.spec.ttl_ms {
+        if at != u64::MAX && now_ms.saturating_sub(at) < self.clock(self.spec.ttl_ms) {
             return Known::Done { at_ms: at };
         }
         Known::None
@@ -330,7 +341,7 @@ mod tests {
     #[test]
     fn the_queue_announces_the_next_requests_until_they_arrive() {
         let t = trace();
-        let mut m = HintModel::new(HintSpec::parse("queue:1").unwrap(), &t);
+        let mut m = HintModel::new(HintSpec::parse("queue:1").unwrap(), &t, 1.0);
         m.arrive(0, 0);
         // Request 1 (blocks 1, 3) is queued: due at 10.
         assert_eq!(m.known(0, 0), Known::Upcoming { due_ms: 10 });
@@ -347,7 +358,7 @@ mod tests {
     #[test]
     fn last_announces_blocks_never_read_again_and_wrong_adds_some_that_are() {
         let t = trace();
-        let mut m = HintModel::new(HintSpec::parse("last:1@5,ttl:100").unwrap(), &t);
+        let mut m = HintModel::new(HintSpec::parse("last:1@5,ttl:100").unwrap(), &t, 1.0);
         m.arrive(0, 0);
         m.served(0, 0);
         assert_eq!(m.known(1, 4), Known::None, "announced 5 ms later");
@@ -361,11 +372,38 @@ mod tests {
         assert_eq!(m.known(1, 200), Known::None, "expired after the ttl");
         assert_eq!(m.announced, [0, 1, 0]);
         // Every true hint brings a wrong one (F / (1 - F) = 0.99 / 0.01 > 1).
-        let mut w = HintModel::new(HintSpec::parse("last:1,wrong:0.99").unwrap(), &t);
+        let mut w = HintModel::new(HintSpec::parse("last:1,wrong:0.99").unwrap(), &t, 1.0);
         w.arrive(0, 0);
         w.served(0, 0);
         w.arrive(1, 10);
         assert_eq!(w.announced, [0, 1, 1]);
         assert_eq!(w.known(0, 10), Known::Done { at_ms: 0 }, "the wrong one");
+    }
+
+    /// With live rules' `--speed`, the simulator's clock is trace time over it: a
+    /// queued request's blocks lapse when it arrives on that clock, and a done hint's
+    /// delay and ttl (trace-ms) shrink with it.
+    #[test]
+    fn times_follow_the_speed() {
+        let t = trace();
+        let mut m = HintModel::new(
+            HintSpec::parse("queue:1,last:1@100,ttl:200").unwrap(),
+            &t,
+            10.0,
+        );
+        m.arrive(0, 0);
+        assert_eq!(m.known(0, 0), Known::Upcoming { due_ms: 1 });
+        m.served(0, 0);
+        m.arrive(1, 1);
+        // Request 1's hint lapsed; request 2 (trace 20 ms) is due at 2 ms.
+        assert_eq!(m.known(0, 2), Known::Upcoming { due_ms: 2 });
+        assert_eq!(m.known(0, 3), Known::None);
+        m.arrive(2, 12);
+        assert_eq!(m.known(1, 12), Known::Done { at_ms: 10 });
+        assert_eq!(
+            m.known(1, 31),
+            Known::None,
+            "the ttl is 20 ms on this clock"
+        );
     }
 }

@@ -242,6 +242,11 @@ impl<'a> Store<'a> {
     fn new(model: &'a Model, trace: &'a Trace) -> Store<'a> {
         let ranks = model.fleet.map_or(1, |f| f.ranks.max(1)) as u64;
         let blocks = model.capacity_bytes / model.block_size.max(1);
+        // The hint model's times are on the run's clock (trace time over the speed).
+        let speed = match &model.rules {
+            Rules::OnDemand { .. } => 1.0,
+            Rules::Live(l) => l.speed,
+        };
         let parts = (0..ranks)
             .map(|i| Part {
                 // Whole blocks, the remainder to the first: as the LRU fleet baseline.
@@ -271,7 +276,7 @@ impl<'a> Store<'a> {
             hints: model
                 .hints
                 .clone()
-                .map(|s| std::cell::RefCell::new(super::hints::HintModel::new(s, trace))),
+                .map(|s| std::cell::RefCell::new(super::hints::HintModel::new(s, trace, speed))),
         }
     }
 
