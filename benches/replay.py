@@ -26,8 +26,11 @@ Hints (--hints SPEC, with --admin): the serving stack's knowledge sent to moonga
 POST /hints as the replay runs, by the model of `moongate sim --hints` (proxy/src/sim/
 hints.rs): `queue:W` (when request i arrives, the blocks of requests i+1..i+W are
 announced upcoming, due when they arrive), `last:P[@D]` (for a seeded share P of the
-requests, their blocks the trace never reads again are announced done D trace-ms after
-the request arrived), `wrong:F` (a share F of the done announcements name a block that
+requests, their blocks the trace never reads again are announced done: by the worker
+that served the request, right after it, when D is 0; by the replay D trace-ms after the
+request arrived otherwise), `expect:P[@W]` (for a seeded share P of the requests, their
+blocks the trace reads again within W trace-ms, default 60,000, are announced expect
+within W), `wrong:F` (a share F of the done announcements name a block that
 the trace does read again, drawn from the last 4,096 such blocks), `seed:N`. The same
 model, not the same draws as the simulator (Python's random, not its mixer). Every
 hint names the block's key in every arm (mirror: the same hints reach every policy; a
@@ -75,16 +78,18 @@ def worker(conn, master, metadata, segment_mib):
         return
     msg = conn.recv()
     if msg[0] == "run":
-        _, reqs, t0, speed, size, prefix = msg
-        conn.send(("done", replay(s, reqs, t0, speed, size, prefix)))
+        _, reqs, t0, speed, size, prefix, hints_url = msg
+        conn.send(("done", replay(s, reqs, t0, speed, size, prefix, hints_url)))
     s.close()
 
 
-def replay(s, reqs, t0, speed, size, prefix):
+def replay(s, reqs, t0, speed, size, prefix, hints_url=None):
     st = {"requests": 0, "blocks": 0, "hits": 0, "read_ok": 0, "read_miss": 0,
           "corrupt": 0, "put_keys": 0, "put_calls": 0, "put_failed": {}, "lag_ms": [],
-          "lookup_us": [], "get_us": [], "put_us": [], "read_bytes": 0, "put_bytes": 0}
-    for ts, ids in reqs:
+          "lookup_us": [], "get_us": [], "put_us": [], "read_bytes": 0, "put_bytes": 0,
+          "done_hints": 0, "done_hint_errors": 0}
+    poster = HintPoster(hints_url) if hints_url else None
+    for ts, ids, done in reqs:
         due = t0 + ts / 1000.0 / speed
         now = time.time()
         if due > now:
@@ -127,13 +132,47 @@ def replay(s, reqs, t0, speed, size, prefix):
                 st["put_bytes"] += len(misses) * size
             else:
                 st["put_failed"][str(rc)] = st["put_failed"].get(str(rc), 0) + 1
+        if done and poster:
+            # Served: the session's end is told now (the `last` model with no delay).
+            ok = poster.post({"kind": "done", "keys": [f"{prefix}/{b}" for b in done]})
+            st["done_hints" if ok else "done_hint_errors"] += len(done)
     return st
+
+
+class HintPoster:
+    """POST /hints over one kept-alive connection; reconnects after an error."""
+
+    def __init__(self, url):
+        import urllib.parse
+        self.url = urllib.parse.urlparse(url)
+        self.conn = None
+
+    def post(self, hint):
+        """True when moongate took it (200); the status or error otherwise."""
+        import http.client
+        body = json.dumps({"hints": [hint]}).encode()
+        try:
+            if self.conn is None:
+                self.conn = http.client.HTTPConnection(self.url.hostname, self.url.port,
+                                                       timeout=10)
+            self.conn.request("POST", self.url.path, body,
+                              {"Content-Type": "application/json"})
+            r = self.conn.getresponse()
+            answer = r.read()
+        except (OSError, http.client.HTTPException) as e:
+            if self.conn:
+                self.conn.close()
+            self.conn = None
+            return type(e).__name__
+        return True if r.status == 200 and json.loads(answer).get("accepted") is not None \
+            else str(r.status)
 
 
 # ---------------------------------------------------------------- hints (--hints)
 
 def parse_hints(spec):
-    h = {"queue": 0, "last": 0.0, "delay_ms": 0.0, "wrong": 0.0, "seed": 1}
+    h = {"queue": 0, "last": 0.0, "delay_ms": 0.0, "expect": 0.0, "within_ms": 60000.0,
+         "wrong": 0.0, "seed": 1}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         kind, sep, v = part.partition(":")
         if not sep:
@@ -145,22 +184,30 @@ def parse_hints(spec):
                 p_, _, d = v.partition("@")
                 h["last"] = float(p_)
                 h["delay_ms"] = float(d) if d else 0.0
+            elif kind == "expect":
+                p_, _, w_ = v.partition("@")
+                h["expect"] = float(p_)
+                h["within_ms"] = float(w_) if w_ else 60000.0
             elif kind == "wrong":
                 h["wrong"] = float(v)
             elif kind == "seed":
                 h["seed"] = int(v)
             else:
-                raise SystemExit(f"--hints {part!r}: unknown model (queue, last, wrong, seed)")
+                raise SystemExit(f"--hints {part!r}: unknown model (queue, last, expect, wrong, seed)")
         except ValueError:
             raise SystemExit(f"--hints {part!r}: bad value")
-    if not (0 <= h["last"] <= 1 and 0 <= h["wrong"] < 1 and h["queue"] >= 0):
+    if not (0 <= h["last"] <= 1 and 0 <= h["expect"] <= 1 and 0 <= h["wrong"] < 1
+            and h["queue"] >= 0 and h["within_ms"] > 0):
         raise SystemExit(f"--hints {spec!r}: shares from 0 to 1 (wrong below 1), queue >= 0")
     return h
 
 
 def hint_schedule(reqs, h):
-    """The hints of the trace, in trace time: [(ms, kind, [block], due_ms)]."""
+    """The hints of the trace, in trace time: [(ms, kind, [block], due_ms)], and per
+    request the blocks its worker announces done after serving it (the `last` model
+    without a delay; with one, they are in the schedule)."""
     rng = random.Random(h["seed"])
+    rng_expect = random.Random(h["seed"] + 1)
     # Per request, per block position: the next request that reads that block (None:
     # never again).
     last, nxt = {}, [None] * len(reqs)
@@ -169,7 +216,7 @@ def hint_schedule(reqs, h):
         nxt[i] = [last.get(b) for b in ids]
         for b in ids:
             last[b] = i
-    out, recent = [], []
+    out, recent, after = [], [], [None] * len(reqs)
     p_wrong = h["wrong"] / (1 - h["wrong"]) if h["wrong"] else 0.0
     n, w = len(reqs), h["queue"]
     for i, (ts, ids) in enumerate(reqs):
@@ -177,6 +224,11 @@ def hint_schedule(reqs, h):
             for j in (range(1, min(w, n - 1) + 1) if i == 0 else
                       ([i + w] if i + w < n else [])):
                 out.append((ts, "upcoming", reqs[j][1], reqs[j][0]))
+        if h["expect"] and rng_expect.random() < h["expect"]:
+            soon = [b for b, nx in zip(ids, nxt[i])
+                    if nx is not None and reqs[nx][0] - ts <= h["within_ms"]]
+            if soon:
+                out.append((ts, "expect", soon, ts + h["within_ms"]))
         if h["last"] <= 0:
             continue
         if h["wrong"]:
@@ -194,11 +246,14 @@ def hint_schedule(reqs, h):
                         wrong.append(b)
                         break
         if done or wrong:
-            out.append((ts + h["delay_ms"], "done", done + wrong, None))
+            if h["delay_ms"]:
+                out.append((ts + h["delay_ms"], "done", done + wrong, None))
+            else:
+                after[i] = done + wrong
             h.setdefault("_wrong", 0)
             h["_wrong"] += len(wrong)
     out.sort(key=lambda e: e[0])
-    return out
+    return out, after
 
 
 def send_hints(url, schedule, prefixes, t0, speed, stop, max_names=4096):
@@ -220,8 +275,10 @@ def send_hints(url, schedule, prefixes, t0, speed, stop, max_names=4096):
         names = [f"{p}/{b}" for p in prefixes for b in blocks]
         for at in range(0, len(names), max_names):
             hint = {"kind": kind, "keys": names[at:at + max_names]}
-            if due_ms is not None:
+            if kind == "upcoming":
                 hint["in_ms"] = max(0, int((due_ms - ms) / speed))
+            elif kind == "expect":
+                hint["within_ms"] = max(1, int((due_ms - ms) / speed))
             body = json.dumps({"hints": [hint]}).encode()
             try:
                 conn.request("POST", u.path, body, {"Content-Type": "application/json"})
@@ -352,19 +409,19 @@ def main():
     hint_model = parse_hints(a.hints) if a.hints else None
 
     reqs = load_trace(a.trace, a.limit)
-    schedule = hint_schedule(reqs, hint_model) if hint_model else []
+    schedule, after = hint_schedule(reqs, hint_model) if hint_model else ([], [None] * len(reqs))
     arms = start_workers(a)
     names = sorted(arms)
     per_worker = {(arm, i): [] for arm in names for i in range(len(arms[arm]))}
     rng = random.Random(11)
-    for ts, ids in reqs:
+    for (ts, ids), done in zip(reqs, after):
         first = ids[0] if ids else 0
         targets = names if a.split == "mirror" else [names[first % len(names)]]
         for arm in targets:
             # A conversation stays with one worker: its first block decides.
             n = len(arms[arm])
             i = rng.randrange(n) if a.route == "random" else first % n
-            per_worker[(arm, i)].append((ts, ids))
+            per_worker[(arm, i)].append((ts, ids, done))
     t0 = time.time() + 0.5
     usage, done = [], threading.Event()
     if a.master_metrics:
@@ -380,7 +437,8 @@ def main():
         threading.Thread(target=sample, daemon=True).start()
     for arm in names:
         for i, (proc, conn) in enumerate(arms[arm]):
-            conn.send(("run", per_worker[(arm, i)], t0, a.speed, a.value_size, f"{arm}/blk"))
+            conn.send(("run", per_worker[(arm, i)], t0, a.speed, a.value_size, f"{arm}/blk",
+                       f"http://{a.admin}/hints" if hint_model else None))
     hint_result = {}
     if schedule:
         def hints_thread():
@@ -448,6 +506,8 @@ def main():
         hr["lag_p99_ms"] = round(pct(lag, 0.99), 1)
         hr["spec"] = a.hints
         hr["wrong_blocks"] = hint_model.get("_wrong", 0)
+        for k in ("done_hints", "done_hint_errors"):
+            hr[f"worker_{k}"] = sum(st[k] for rs in results.values() for st in rs)
         if mtext:
             hm = samples(mtext, "moongate_hints_matched_total")
             hr["matched"] = {dict(k)["kind"]: v for k, v in hm.items()}

@@ -314,8 +314,10 @@ struct SimArgs {
     /// Hint streams derived from the trace, given to every plugin (`lru` and `opt` stay
     /// hint-free): a comma list of `queue:W` (a router announces the next W requests'
     /// blocks as upcoming), `last:P[@D]` (for a share P of the requests, the blocks the
-    /// trace never reads again are announced done D ms after it), `wrong:F` (a share F of
-    /// the done hints are wrong), `ttl:MS` (done hints kept; default 60000), `seed:N`.
+    /// trace never reads again are announced done D ms after it), `expect:P[@W]` (for a
+    /// share P of the requests, the blocks read again within W ms, default 60000, are
+    /// announced expected within W), `wrong:F` (a share F of the done hints are wrong),
+    /// `ttl:MS` (done hints kept; default 60000), `seed:N`.
     /// See docs/policy-science.md.
     #[arg(long, value_name = "SPEC")]
     hints: Option<String>,

@@ -69,3 +69,59 @@ fn replay_reports_both_arms_of_an_experiment() {
         "{m}"
     );
 }
+
+/// `benches/replay --hints`: the simulator's hint model sent live (the router's queue
+/// by the replay, ended sessions by the worker that served them) next to an LRU arm:
+/// every hint is taken, the hint-reading arm's eviction rounds see them, and every read
+/// is byte-exact. (What they are worth is measured by benches/hints_live.sh, not here.)
+#[test]
+fn a_replay_sends_hints_and_the_hint_reading_arm_sees_them() {
+    let master = Master::start();
+    let mg = Moongate::start_config(&format!(
+        "[master_face]\nupstream = \"{}\"\n\
+         [eviction]\nenabled = true\nmaster_metrics_url = \"{}\"\n\
+         high_watermark = 0.8\nlow_watermark = 0.7\ninterval_ms = 100\n\
+         [[policy.plugins]]\nname = \"lru\"\npath = \"{}\"\n\
+         [[policy.plugins]]\nname = \"hint-lru\"\npath = \"{}\"\n\
+         [experiment]\nassign = \"client\"\ncapacity = \"by-weight\"\n\
+         arms = [ {{ name = \"lru\", plugin = \"lru\", weight = 50 }},\n\
+                  {{ name = \"hint\", plugin = \"hint-lru\", weight = 50 }} ]\n",
+        master.rpc,
+        master.metrics_url,
+        plugin_path("lru").display(),
+        plugin_path("hint-lru").display(),
+    ));
+    mg.wait_ready(&master);
+    let r = run_replay(
+        &master,
+        &mg,
+        &[
+            "--limit",
+            "200",
+            "--speed",
+            "1000",
+            "--value-size",
+            "16384",
+            "--segment-mib",
+            "16",
+            "--hints",
+            "queue:16,last:1",
+        ],
+        Duration::from_secs(240),
+    );
+    let h = &r["hints"];
+    assert!(h["names"].as_f64().unwrap() > 0.0, "{r}");
+    assert_eq!(h["accepted"], h["names"], "{r}");
+    assert_eq!(h["refused"], serde_json::json!({}), "{r}");
+    assert!(h["worker_done_hints"].as_f64().unwrap() > 0.0, "{r}");
+    assert_eq!(h["worker_done_hint_errors"], 0, "{r}");
+    for arm in ["lru", "hint"] {
+        assert_eq!(r["arms"][arm]["corrupt"], 0, "{r}");
+    }
+    // Only the arm whose plugin reads hints has its candidates looked up.
+    assert!(
+        mg.metric("moongate_hints_matched_total{kind=\"upcoming\"}") > 0.0,
+        "{r}\n{}",
+        mg.metrics()
+    );
+}

@@ -4,7 +4,11 @@
 //! 1. blocks announced `done` (their session ended) go first, oldest first;
 //! 2. then blocks nothing is known of, least recently used first (plain LRU);
 //! 3. blocks a queued request will read (`upcoming`) or an expected turn will
-//!    (`expect`) go last, the one due furthest away first.
+//!    (`expect`) go last, the one due furthest away first, until it is due: then the
+//!    block counts as one nothing is known of (moongate keeps an `upcoming` hint
+//!    `hints.ttl_ms` past its due time; kept protected, a block a request was announced
+//!    to read but did not, its prefix broken before it, cost the live replay most of
+//!    the hints' gain).
 //!
 //! Without hints it is exactly LRU (the `lru` plugin's order).
 //!
@@ -229,7 +233,10 @@ impl HintLru {
             let Some(h) = hints.get(i) else { return 1 };
             match h.kind {
                 HintKind::Done if trust && call.age_ms[i] >= h.age_ms => 0,
-                HintKind::Upcoming | HintKind::Expect => 2,
+                // Protected until due: a queued request's read that did not come
+                // when announced (its prefix broke before this block, or it was
+                // dropped) must not keep the block.
+                HintKind::Upcoming | HintKind::Expect if h.due_in_ms > 0 => 2,
                 _ => 1,
             }
         };
@@ -381,6 +388,24 @@ mod tests {
             vec![hint(HintKind::Done, 50, 0), NONE],
         );
         assert_eq!(victims(&mut p, c), [1]);
+    }
+
+    #[test]
+    fn a_due_upcoming_hint_no_longer_protects_its_block() {
+        let mut p = HintLru::with(Config::default());
+        // a, b: due (read or not): plain LRU. c: not yet due, protected.
+        let c = call(
+            &["a", "b", "c", "d"],
+            &[5, 900, 100, 3],
+            30,
+            vec![
+                hint(HintKind::Upcoming, 50, 0),
+                hint(HintKind::Upcoming, 50, 0),
+                hint(HintKind::Upcoming, 50, 30),
+                NONE,
+            ],
+        );
+        assert_eq!(victims(&mut p, c), [1, 0, 3]);
     }
 
     /// Victims chosen by their hint that come back (put again) stop the trust; done

@@ -358,7 +358,7 @@ impl Hints {
     pub fn lookup<'a>(&self, names: impl Iterator<Item = &'a Name>) -> (u64, Vec<Option<Hint>>) {
         let now = self.now_ms();
         let t = self.table.lock().unwrap_or_else(|p| p.into_inner());
-        (now, names.map(|n| t.get(n, now).cloned()).collect())
+        (now, names.map(|n| t.get(n, now)).collect())
     }
 
     /// Counts the hints an eviction round gave a plugin.

@@ -167,7 +167,8 @@ fn one(
                     "belongs to expect; upcoming takes in_ms",
                 ));
             }
-            let due = now_ms + in_ms.unwrap_or(0);
+            // Without a time: soon, within the ttl (a plugin may protect it until due).
+            let due = now_ms + in_ms.unwrap_or(rules.ttl_ms);
             (due, due + rules.ttl_ms)
         }
         Kind::Done => {

@@ -2,7 +2,11 @@
 //! and in time. Pure: no clock (times are passed in, in ms), no sockets, no JSON.
 //!
 //! One entry per name (a key in a tenant, or a block hash); a newer hint of a name
-//! replaces the older one, whatever its kind. Entries leave when they expire (checked
+//! replaces the older one, whatever its kind, but for one case: a router announces a
+//! block again for each queued request that reads it. A later `upcoming` must not hide
+//! the earlier read still to come, nor the earlier one, once due, the later: the entry
+//! keeps the pending read's due time (and announcement), and once that is due it shows
+//! the latest read announced (the reads in between are not kept). Entries leave when they expire (checked
 //! on read, swept on write) or, the table full, oldest first.
 
 use std::collections::{HashMap, VecDeque};
@@ -67,7 +71,9 @@ pub struct Hint {
 #[derive(Debug)]
 pub struct Table {
     cap: usize,
-    entries: HashMap<Name, (Hint, u64)>,
+    /// Per name: its hint, the sequence number of its insertion, and for `upcoming` the
+    /// latest read announced (its `due_ms` otherwise).
+    entries: HashMap<Name, (Hint, u64, u64)>,
     /// Names in insertion order with the sequence number of that insertion: an entry
     /// replaced since leaves a stale item here, skipped (and compacted away).
     order: VecDeque<(u64, Name)>,
@@ -101,22 +107,41 @@ impl Table {
         self.entries.is_empty()
     }
 
-    /// The live hint of `name` at `now_ms`.
-    pub fn get(&self, name: &Name, now_ms: u64) -> Option<&Hint> {
-        self.entries
-            .get(name)
-            .map(|(h, _)| h)
-            .filter(|h| h.expires_ms > now_ms)
+    /// The live hint of `name` at `now_ms`: an `upcoming` one whose pending read is due
+    /// shows the latest read announced, if one is still to come.
+    pub fn get(&self, name: &Name, now_ms: u64) -> Option<Hint> {
+        let (h, _, then) = self.entries.get(name)?;
+        if h.expires_ms <= now_ms {
+            return None;
+        }
+        let mut h = h.clone();
+        if h.kind == Kind::Upcoming && h.due_ms <= now_ms && *then > now_ms {
+            h.due_ms = *then;
+        }
+        Some(h)
     }
 
     /// Records `hint` for `name` (replacing any), sweeping what expired by `now_ms` from
     /// the oldest end and, when full, pushing out the oldest live entries.
-    pub fn insert(&mut self, name: Name, hint: Hint, now_ms: u64) -> Inserted {
+    pub fn insert(&mut self, name: Name, mut hint: Hint, now_ms: u64) -> Inserted {
         let mut out = Inserted::default();
+        let mut then = hint.due_ms;
+        if hint.kind == Kind::Upcoming
+            && let Some((old, _, old_then)) = self.entries.get(&name)
+            && old.kind == Kind::Upcoming
+            && old.expires_ms > now_ms
+        {
+            then = then.max(*old_then);
+            if old.due_ms > now_ms && old.due_ms < hint.due_ms {
+                hint.due_ms = old.due_ms;
+                hint.at_ms = old.at_ms;
+            }
+            hint.expires_ms = hint.expires_ms.max(old.expires_ms);
+        }
         // Sweep the oldest end: stale items, and entries already expired.
         while let Some((seq, front)) = self.order.front() {
             match self.entries.get(front) {
-                Some((h, s)) if s == seq => {
+                Some((h, s, _)) if s == seq => {
                     if h.expires_ms > now_ms {
                         break;
                     }
@@ -132,7 +157,7 @@ impl Table {
             let Some((seq, front)) = self.order.pop_front() else {
                 break;
             };
-            if self.entries.get(&front).is_some_and(|(_, s)| *s == seq) {
+            if self.entries.get(&front).is_some_and(|(_, s, _)| *s == seq) {
                 self.entries.remove(&front);
                 out.dropped += 1;
             }
@@ -140,12 +165,12 @@ impl Table {
         let seq = self.next;
         self.next += 1;
         self.order.push_back((seq, name.clone()));
-        self.entries.insert(name, (hint, seq));
+        self.entries.insert(name, (hint, seq, then));
         // Replacements leave stale items: keep the queue within twice the table.
         if self.order.len() > 2 * self.cap {
             let entries = &self.entries;
             self.order
-                .retain(|(seq, n)| entries.get(n).is_some_and(|(_, s)| s == seq));
+                .retain(|(seq, n)| entries.get(n).is_some_and(|(_, s, _)| s == seq));
         }
         out
     }
@@ -181,6 +206,31 @@ mod tests {
         assert_eq!(t.get(&key("a"), 50).map(|h| h.kind), Some(Kind::Done));
         assert_eq!(t.get(&key("a"), 110), None, "expired at 110");
         assert_eq!(t.get(&Name::Block(7), 0), None);
+    }
+
+    #[test]
+    fn a_later_upcoming_read_keeps_the_pending_ones_due_time() {
+        let mut t = Table::new(8);
+        let up = |at: u64, due: u64| Hint {
+            due_ms: due,
+            ..hint(Kind::Upcoming, at, due - at + 100)
+        };
+        t.insert(key("a"), up(0, 50), 0);
+        t.insert(key("a"), up(10, 80), 10);
+        let h = t.get(&key("a"), 20).unwrap();
+        assert_eq!((h.at_ms, h.due_ms, h.expires_ms), (0, 50, 180));
+        // The pending read is due: the later one shows (announced as the first).
+        let h = t.get(&key("a"), 50).unwrap();
+        assert_eq!((h.at_ms, h.due_ms), (0, 80));
+        // Past every read announced: due (kept until it expires).
+        assert_eq!(t.get(&key("a"), 100).unwrap().due_ms, 50);
+        // Once the pending read is due, a new announcement takes its place.
+        t.insert(key("a"), up(60, 90), 60);
+        let h = t.get(&key("a"), 60).unwrap();
+        assert_eq!((h.at_ms, h.due_ms), (60, 90));
+        // Any other kind replaces it at once.
+        t.insert(key("a"), hint(Kind::Done, 70, 100), 70);
+        assert_eq!(t.get(&key("a"), 70).map(|h| h.kind), Some(Kind::Done));
     }
 
     #[test]

@@ -9,6 +9,13 @@
 //!   (default 0) after the request was served. The trace does not say when a session
 //!   ends; a block never read again is its stand-in for "this session ended", which the
 //!   serving stack knows.
+//! - `expect:P[@W]`: expected next turns. For a share `P` of the requests (a seeded
+//!   draw of its own), the blocks of the request that the trace reads again within `W`
+//!   ms (default 60000) are announced `expect`, within `W`, when the request was served:
+//!   an agent that calls a tool knows its next turn comes back with the same prefix
+//!   when the tool returns. The trace does not say which turns wait on a tool; a block
+//!   read again within `W` is the stand-in. The hint lasts `W` (the live table keeps an
+//!   `expect` until its `within_ms`), read again or not.
 //! - `wrong:F`: a share `F` of the `done` hints are wrong: for each true one, with
 //!   probability `F / (1 - F)` a block that the trace does read again later is announced
 //!   `done` too, drawn from the last 4,096 such blocks served (a misattributed session
@@ -38,6 +45,11 @@ pub struct HintSpec {
     pub last_share: f64,
     /// `last:P@D`: delay of those announcements, ms.
     pub last_delay_ms: u64,
+    /// `expect:P`: share of requests whose blocks read again within `expect_within_ms`
+    /// are announced expected.
+    pub expect_share: f64,
+    /// `expect:P@W`: how far ahead an expected turn reaches, ms.
+    pub expect_within_ms: u64,
     /// `wrong:F`: share of done hints that are wrong.
     pub wrong_share: f64,
     /// `ttl:MS`: how long a done hint is kept.
@@ -51,6 +63,8 @@ impl Default for HintSpec {
             queue: 0,
             last_share: 0.0,
             last_delay_ms: 0,
+            expect_share: 0.0,
+            expect_within_ms: 60_000,
             wrong_share: 0.0,
             ttl_ms: 60_000,
             seed: 1,
@@ -87,6 +101,20 @@ impl HintSpec {
                         spec.last_delay_ms = d.parse().map_err(|_| bad("a delay in ms after @"))?;
                     }
                 }
+                "expect" => {
+                    let (p, w) = match value.split_once('@') {
+                        Some((p, w)) => (p, Some(w)),
+                        None => (value, None),
+                    };
+                    spec.expect_share = share(p)?;
+                    if let Some(w) = w {
+                        spec.expect_within_ms = w
+                            .parse()
+                            .ok()
+                            .filter(|&w| w > 0)
+                            .ok_or_else(|| bad("a positive time in ms after @"))?;
+                    }
+                }
                 "wrong" => {
                     spec.wrong_share = share(value)?;
                     if spec.wrong_share >= 1.0 {
@@ -97,7 +125,7 @@ impl HintSpec {
                 "seed" => spec.seed = value.parse().map_err(|_| bad("a number"))?,
                 _ => {
                     return Err(format!(
-                        "{part:?}: unknown hint model {kind:?} (queue, last, wrong, ttl, seed)"
+                        "{part:?}: unknown hint model {kind:?} (queue, last, expect, wrong, ttl, seed)"
                     ));
                 }
             }
@@ -118,7 +146,15 @@ pub enum Known {
     Done {
         at_ms: u64,
     },
+    /// An expected turn, announced at `at_ms`, due by `due_ms`.
+    Expect {
+        at_ms: u64,
+        due_ms: u64,
+    },
 }
+
+/// Mixed into the seed for the `expect` draw, so it is independent of `last`'s.
+const EXPECT_STREAM: u64 = 0x6578_7065_6374;
 
 /// Recently served blocks kept to draw wrong hints from.
 const RECENT: usize = 4096;
@@ -138,6 +174,8 @@ pub struct HintModel<'t> {
     upcoming: Vec<VecDeque<u64>>,
     /// Per block, when a `done` hint was announced (`u64::MAX`: none).
     done_at: Vec<u64>,
+    /// Per block, the latest `expect` hint: (announced, due); `(0, 0)`: none.
+    expect: Vec<(u64, u64)>,
     /// Done announcements not yet made: (time, block), in time order.
     pending: VecDeque<(u64, u32)>,
     /// Per position in `trace.blocks`: the next request that reads that block
@@ -146,8 +184,8 @@ pub struct HintModel<'t> {
     /// Recently served blocks the trace reads again, with that next read: where wrong
     /// `done` hints are drawn from.
     recent: VecDeque<(u32, u32)>,
-    /// Hints announced: upcoming, true done, wrong done.
-    pub announced: [u64; 3],
+    /// Hints announced: upcoming, true done, wrong done, expect.
+    pub announced: [u64; 4],
     /// The trace's hash -> its dense block number (keys are named after hashes).
     dense: std::collections::HashMap<u64, u32>,
 }
@@ -177,10 +215,11 @@ impl<'t> HintModel<'t> {
             speed: speed.max(1e-9),
             upcoming: vec![VecDeque::new(); n],
             done_at: vec![u64::MAX; n],
+            expect: vec![(0, 0); n],
             pending: VecDeque::new(),
             next_read,
             recent: VecDeque::new(),
-            announced: [0; 3],
+            announced: [0; 4],
             dense: trace
                 .hashes
                 .iter()
@@ -230,8 +269,10 @@ impl<'t> HintModel<'t> {
         }
     }
 
-    /// Request `i` was served at `now_ms`: the `last` model announces its blocks.
+    /// Request `i` was served at `now_ms`: the `last` and `expect` models announce its
+    /// blocks.
     pub fn served(&mut self, i: usize, now_ms: u64) {
+        self.expected(i, now_ms);
         if self.spec.last_share <= 0.0 {
             return;
         }
@@ -269,6 +310,28 @@ impl<'t> HintModel<'t> {
         }
     }
 
+    /// The `expect` model: request `i`'s blocks read again within the window, when the
+    /// draw picks it.
+    fn expected(&mut self, i: usize, now_ms: u64) {
+        let within = self.spec.expect_within_ms;
+        if self.spec.expect_share <= 0.0
+            || draw(self.spec.seed ^ EXPECT_STREAM, i as u64, 0) >= self.spec.expect_share
+        {
+            return;
+        }
+        let reqs = &self.trace.requests;
+        let r = &reqs[i];
+        let due = now_ms + self.clock(within);
+        for pos in r.start as usize..r.end as usize {
+            let next = self.next_read[pos];
+            if next == u32::MAX || reqs[next as usize].ts_ms.saturating_sub(r.ts_ms) > within {
+                continue;
+            }
+            self.expect[self.trace.blocks[pos] as usize] = (now_ms, due);
+            self.announced[3] += 1;
+        }
+    }
+
     /// A recently served block that the trace reads again after request `i` (a few
     /// draws; `None` when none is found).
     fn wrong_block(&self, i: usize, pos: u32) -> Option<u32> {
@@ -296,6 +359,10 @@ impl<'t> HintModel<'t> {
         }
         if let Some(&due_ms) = q.front() {
             return Known::Upcoming { due_ms };
+        }
+        let (at_ms, due_ms) = self.expect[b as usize];
+        if due_ms > now_ms {
+            return Known::Expect { at_ms, due_ms };
         }
         let at = self.done_at[b as usize];
         if at != u64::MAX && now_ms.saturating_sub(at) < self.clock(self.spec.ttl_ms) {
@@ -370,13 +437,13 @@ mod tests {
             "block 1 is read again: not done"
         );
         assert_eq!(m.known(1, 200), Known::None, "expired after the ttl");
-        assert_eq!(m.announced, [0, 1, 0]);
+        assert_eq!(m.announced, [0, 1, 0, 0]);
         // Every true hint brings a wrong one (F / (1 - F) = 0.99 / 0.01 > 1).
         let mut w = HintModel::new(HintSpec::parse("last:1,wrong:0.99").unwrap(), &t, 1.0);
         w.arrive(0, 0);
         w.served(0, 0);
         w.arrive(1, 10);
-        assert_eq!(w.announced, [0, 1, 1]);
+        assert_eq!(w.announced, [0, 1, 1, 0]);
         assert_eq!(w.known(0, 10), Known::Done { at_ms: 0 }, "the wrong one");
     }
 
@@ -405,5 +472,26 @@ mod tests {
             Known::None,
             "the ttl is 20 ms on this clock"
         );
+    }
+
+    #[test]
+    fn expect_announces_blocks_read_again_within_the_window() {
+        let t = trace();
+        let mut m = HintModel::new(HintSpec::parse("expect:1@15").unwrap(), &t, 1.0);
+        m.arrive(0, 0);
+        m.served(0, 0);
+        // Block 1 (dense 0) is read again at 10 (within 15); block 2 never.
+        assert_eq!(
+            m.known(0, 5),
+            Known::Expect {
+                at_ms: 0,
+                due_ms: 15
+            }
+        );
+        assert_eq!(m.known(1, 5), Known::None);
+        assert_eq!(m.known(0, 15), Known::None, "lapsed at its due time");
+        assert_eq!(m.announced, [0, 0, 0, 1]);
+        let e = HintSpec::parse("expect:0.5@0").unwrap_err();
+        assert!(e.contains("positive"), "{e}");
     }
 }

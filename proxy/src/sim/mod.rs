@@ -51,10 +51,12 @@ pub struct Counts {
     /// Mean share of the capacity holding data, sampled as each request arrives, in
     /// parts per million (the store model; the native baselines leave it 0).
     pub occupancy_ppm: u64,
-    /// With `--hints`: blocks announced `upcoming`, `done` (true) and `done` (wrong).
+    /// With `--hints`: blocks announced `upcoming`, `done` (true), `done` (wrong) and
+    /// `expect`.
     pub hints_upcoming: u64,
     pub hints_done: u64,
     pub hints_wrong: u64,
+    pub hints_expect: u64,
     /// Eviction rounds whose candidates had a hint (the plugin was called with them).
     pub hinted_rounds: u64,
 }

@@ -224,6 +224,11 @@ impl crate::eviction::hinted::HintSource for SimHints<'_, '_> {
                         age_ms: now.saturating_sub(at_ms),
                         due_in_ms: 0,
                     },
+                    Known::Expect { at_ms, due_ms } => CandidateHint {
+                        kind: HintKind::Expect,
+                        age_ms: now.saturating_sub(at_ms),
+                        due_in_ms: due_ms.saturating_sub(now),
+                    },
                 }
             })
             .collect();
@@ -672,7 +677,8 @@ pub fn run(trace: &Trace, model: &Model, regs: &[Arc<Registry>], clock: &Arc<Ato
             st.counts.hints_upcoming,
             st.counts.hints_done,
             st.counts.hints_wrong,
-        ) = (a[0], a[1], a[2]);
+            st.counts.hints_expect,
+        ) = (a[0], a[1], a[2], a[3]);
     }
     st.counts.occupancy_ppm =
         (occupancy_sum / trace.requests.len().max(1) as f64 * 1e6).round() as u64;
