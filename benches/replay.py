@@ -83,6 +83,15 @@ def worker(conn, master, metadata, segment_mib):
     s.close()
 
 
+def wait_until(due, lag_ms):
+    """Sleeps until `due` (wall clock), or notes how late it already is."""
+    now = time.time()
+    if due > now:
+        time.sleep(due - now)
+    else:
+        lag_ms.append((now - due) * 1000)
+
+
 def replay(s, reqs, t0, speed, size, prefix, hints_url=None):
     st = {"requests": 0, "blocks": 0, "hits": 0, "read_ok": 0, "read_miss": 0,
           "corrupt": 0, "put_keys": 0, "put_calls": 0, "put_failed": {}, "lag_ms": [],
@@ -90,12 +99,7 @@ def replay(s, reqs, t0, speed, size, prefix, hints_url=None):
           "done_hints": 0, "done_hint_errors": 0}
     poster = HintPoster(hints_url) if hints_url else None
     for ts, ids, done in reqs:
-        due = t0 + ts / 1000.0 / speed
-        now = time.time()
-        if due > now:
-            time.sleep(due - now)
-        else:
-            st["lag_ms"].append((now - due) * 1000)
+        wait_until(t0 + ts / 1000.0 / speed, st["lag_ms"])
         keys = [f"{prefix}/{i}" for i in ids]
         st["requests"] += 1
         st["blocks"] += len(keys)
@@ -258,20 +262,12 @@ def hint_schedule(reqs, h):
 
 def send_hints(url, schedule, prefixes, t0, speed, stop, max_names=4096):
     """Posts the schedule on time (trace ms / speed); returns what happened."""
-    import http.client
-    import urllib.parse
-    u = urllib.parse.urlparse(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+    poster = HintPoster(url)
     st = {"calls": 0, "names": 0, "accepted": 0, "refused": {}, "lag_ms": []}
     for ms, kind, blocks, due_ms in schedule:
         if stop.is_set():
             break
-        due = t0 + ms / 1000.0 / speed
-        now = time.time()
-        if due > now:
-            time.sleep(due - now)
-        else:
-            st["lag_ms"].append((now - due) * 1000)
+        wait_until(t0 + ms / 1000.0 / speed, st["lag_ms"])
         names = [f"{p}/{b}" for p in prefixes for b in blocks]
         for at in range(0, len(names), max_names):
             hint = {"kind": kind, "keys": names[at:at + max_names]}
@@ -279,22 +275,13 @@ def send_hints(url, schedule, prefixes, t0, speed, stop, max_names=4096):
                 hint["in_ms"] = max(0, int((due_ms - ms) / speed))
             elif kind == "expect":
                 hint["within_ms"] = max(1, int((due_ms - ms) / speed))
-            body = json.dumps({"hints": [hint]}).encode()
-            try:
-                conn.request("POST", u.path, body, {"Content-Type": "application/json"})
-                r = conn.getresponse()
-                answer = r.read()
-            except (OSError, http.client.HTTPException) as e:
-                conn.close()
-                st["refused"][type(e).__name__] = st["refused"].get(type(e).__name__, 0) + 1
-                continue
+            ok = poster.post(hint)
             st["calls"] += 1
             st["names"] += len(hint["keys"])
-            if r.status == 200:
-                st["accepted"] += json.loads(answer)["accepted"]
+            if ok is True:
+                st["accepted"] += len(hint["keys"])
             else:
-                st["refused"][str(r.status)] = st["refused"].get(str(r.status), 0) + 1
-    conn.close()
+                st["refused"][ok] = st["refused"].get(ok, 0) + 1
     return st
 
 

@@ -1,29 +1,38 @@
 //! `benches/replay` end to end on a slice of the shipped trace: two experiment arms
 //! (lru and prefix-evict eviction, by client) with moongate-driven eviction, the real
-//! client in worker processes, every read checked byte for byte, a per-arm report.
+//! client in worker processes, every read checked byte for byte, a per-arm report; and
+//! the same with hints sent (lru and hint-lru).
 
 use std::time::Duration;
 
 use crate::support::*;
 
-#[test]
-fn replay_reports_both_arms_of_an_experiment() {
-    let master = Master::start();
+/// moongate with moongate-driven eviction and an experiment by client: arm `lru` and
+/// arm `second` (name, plugin), with `capacity` shares; ready.
+fn two_arms(master: &Master, second: (&str, &str), capacity: &str) -> Moongate {
+    let (arm, plugin) = second;
     let mg = Moongate::start_config(&format!(
         "[master_face]\nupstream = \"{}\"\n\
          [eviction]\nenabled = true\nmaster_metrics_url = \"{}\"\n\
          high_watermark = 0.8\nlow_watermark = 0.7\ninterval_ms = 100\n\
          [[policy.plugins]]\nname = \"lru\"\npath = \"{}\"\n\
-         [[policy.plugins]]\nname = \"prefix-evict\"\npath = \"{}\"\n\
-         [experiment]\nassign = \"client\"\n\
+         [[policy.plugins]]\nname = \"{plugin}\"\npath = \"{}\"\n\
+         [experiment]\nassign = \"client\"\ncapacity = \"{capacity}\"\n\
          arms = [ {{ name = \"lru\", plugin = \"lru\", weight = 50 }},\n\
-                  {{ name = \"prefix\", plugin = \"prefix-evict\", weight = 50 }} ]\n",
+                  {{ name = \"{arm}\", plugin = \"{plugin}\", weight = 50 }} ]\n",
         master.rpc,
         master.metrics_url,
         plugin_path("lru").display(),
-        plugin_path("prefix-evict").display(),
+        plugin_path(plugin).display(),
     ));
-    mg.wait_ready(&master);
+    mg.wait_ready(master);
+    mg
+}
+
+#[test]
+fn replay_reports_both_arms_of_an_experiment() {
+    let master = Master::start();
+    let mg = two_arms(&master, ("prefix", "prefix-evict"), "shared");
     let r = run_replay(
         &master,
         &mg,
@@ -77,21 +86,7 @@ fn replay_reports_both_arms_of_an_experiment() {
 #[test]
 fn a_replay_sends_hints_and_the_hint_reading_arm_sees_them() {
     let master = Master::start();
-    let mg = Moongate::start_config(&format!(
-        "[master_face]\nupstream = \"{}\"\n\
-         [eviction]\nenabled = true\nmaster_metrics_url = \"{}\"\n\
-         high_watermark = 0.8\nlow_watermark = 0.7\ninterval_ms = 100\n\
-         [[policy.plugins]]\nname = \"lru\"\npath = \"{}\"\n\
-         [[policy.plugins]]\nname = \"hint-lru\"\npath = \"{}\"\n\
-         [experiment]\nassign = \"client\"\ncapacity = \"by-weight\"\n\
-         arms = [ {{ name = \"lru\", plugin = \"lru\", weight = 50 }},\n\
-                  {{ name = \"hint\", plugin = \"hint-lru\", weight = 50 }} ]\n",
-        master.rpc,
-        master.metrics_url,
-        plugin_path("lru").display(),
-        plugin_path("hint-lru").display(),
-    ));
-    mg.wait_ready(&master);
+    let mg = two_arms(&master, ("hint", "hint-lru"), "by-weight");
     let r = run_replay(
         &master,
         &mg,

@@ -92,20 +92,14 @@ impl HintSpec {
                     spec.queue = value.parse().map_err(|_| bad("a number of requests"))?;
                 }
                 "last" => {
-                    let (p, d) = match value.split_once('@') {
-                        Some((p, d)) => (p, Some(d)),
-                        None => (value, None),
-                    };
+                    let (p, d) = at(value);
                     spec.last_share = share(p)?;
                     if let Some(d) = d {
                         spec.last_delay_ms = d.parse().map_err(|_| bad("a delay in ms after @"))?;
                     }
                 }
                 "expect" => {
-                    let (p, w) = match value.split_once('@') {
-                        Some((p, w)) => (p, Some(w)),
-                        None => (value, None),
-                    };
+                    let (p, w) = at(value);
                     spec.expect_share = share(p)?;
                     if let Some(w) = w {
                         spec.expect_within_ms = w
@@ -131,6 +125,14 @@ impl HintSpec {
             }
         }
         Ok(spec)
+    }
+}
+
+/// `P@T` as `(P, Some(T))`, `P` as `(P, None)`.
+fn at(value: &str) -> (&str, Option<&str>) {
+    match value.split_once('@') {
+        Some((p, t)) => (p, Some(t)),
+        None => (value, None),
     }
 }
 
