@@ -17,7 +17,6 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::CancellationToken;
 
@@ -40,33 +39,122 @@ pub async fn next(
     }
 }
 
-/// The open connections of one listener, at most `max`. A connection over the cap is
-/// closed at once (counted in `refused`): a flood costs one accept and one close per
-/// connection, never a task or a buffer.
+/// The open connections of one listener, at most `max`. At the cap, a newcomer makes
+/// room by shedding the open connection that has made the least progress (moved no byte
+/// for longest), if that one has moved none for `shed_after` (counted in `shed`; it is
+/// closed by its task, see [`Slot::stopped`]); otherwise the newcomer is closed at once
+/// (counted in `refused`). So stalled connections cannot lock good clients out, and a
+/// flood costs one accept and one close per connection, never a task or a buffer.
+/// Connections being shed still hold their descriptor for the moment their task takes
+/// to see it: at most `max` of them, so never more than twice `max` open.
 #[derive(Clone)]
 pub struct ConnLimit {
-    permits: Arc<Semaphore>,
+    shared: Arc<Shared>,
     refused: Counter,
+    shed: Counter,
     open: Gauge,
+}
+
+struct Shared {
+    max: usize,
+    /// 0: never shed.
+    shed_after_ms: u64,
+    epoch: std::time::Instant,
+    conns: std::sync::Mutex<Conns>,
+}
+
+#[derive(Default)]
+struct Conns {
+    next: u64,
+    /// Admitted and not being shed.
+    live: std::collections::HashMap<u64, (Progress, CancellationToken)>,
+    /// Every admitted connection whose slot is not dropped yet (shed ones included).
+    held: usize,
+}
+
+/// When a connection last moved a byte: ms since its listener's epoch, shared by the
+/// connection's [`Idle`] wrapper (which writes it) and its [`ConnLimit`] (which reads it).
+#[derive(Clone)]
+pub struct Progress {
+    at_ms: Arc<std::sync::atomic::AtomicU64>,
+    epoch: std::time::Instant,
+}
+
+impl Progress {
+    fn touch(&self, now: std::time::Instant) {
+        let ms = now.saturating_duration_since(self.epoch).as_millis() as u64;
+        self.at_ms.store(ms, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn at_ms(&self) -> u64 {
+        self.at_ms.load(std::sync::atomic::Ordering::Relaxed)
+    }
 }
 
 /// One admitted connection's place under its listener's cap; freed on drop.
 pub struct Slot {
-    _permit: OwnedSemaphorePermit,
+    shared: Arc<Shared>,
+    id: u64,
+    progress: Progress,
+    stop: CancellationToken,
     open: Gauge,
+}
+
+impl Slot {
+    /// Resolves when a newcomer shed this connection: its task stops serving it.
+    pub fn stopped(&self) -> tokio_util::sync::WaitForCancellationFuture<'_> {
+        self.stop.cancelled()
+    }
+
+    /// The connection's progress, for its [`Idle`] wrapper to update.
+    pub fn progress(&self) -> Progress {
+        self.progress.clone()
+    }
+
+    /// Never shed this connection: its progress cannot be seen on the socket (a
+    /// shared-memory connection moves its bytes through memory).
+    pub fn keep(&self) {
+        self.progress
+            .at_ms
+            .store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
+        let mut c = self.shared.lock();
+        c.live.remove(&self.id);
+        c.held = c.held.saturating_sub(1);
+        drop(c);
         self.open.dec();
     }
 }
 
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Conns> {
+        self.conns.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
 impl ConnLimit {
-    pub fn new(max: usize, refused: Counter, open: Gauge) -> ConnLimit {
+    /// `shed_after`: how long a connection must have moved no byte before a newcomer
+    /// may shed it; zero: never shed (the newcomer is refused).
+    pub fn new(
+        max: usize,
+        shed_after: Duration,
+        refused: Counter,
+        shed: Counter,
+        open: Gauge,
+    ) -> ConnLimit {
         ConnLimit {
-            permits: Arc::new(Semaphore::new(max.min(Semaphore::MAX_PERMITS))),
+            shared: Arc::new(Shared {
+                max: max.max(1),
+                shed_after_ms: shed_after.as_millis() as u64,
+                epoch: std::time::Instant::now(),
+                conns: Default::default(),
+            }),
             refused,
+            shed,
             open,
         }
     }
@@ -76,22 +164,52 @@ impl ConnLimit {
         self.refused.inc();
     }
 
-    /// A place for one more connection, or `None` (counted as refused) when the
-    /// listener already holds its cap.
+    /// A place for one more connection, shedding the least progressed one at the cap
+    /// when it stalled long enough; `None` (counted as refused) when none did.
     pub fn admit(&self) -> Option<Slot> {
-        match self.permits.clone().try_acquire_owned() {
-            Ok(p) => {
-                self.open.inc();
-                Some(Slot {
-                    _permit: p,
-                    open: self.open.clone(),
+        let sh = &self.shared;
+        let now = std::time::Instant::now();
+        let mut c = sh.lock();
+        if c.live.len() >= sh.max {
+            let now_ms = now.saturating_duration_since(sh.epoch).as_millis() as u64;
+            let victim = (sh.shed_after_ms > 0 && c.held < 2 * sh.max)
+                .then(|| {
+                    c.live
+                        .iter()
+                        .map(|(id, (p, _))| (p.at_ms(), *id))
+                        .filter(|(at, _)| now_ms.saturating_sub(*at) >= sh.shed_after_ms)
+                        .min()
                 })
-            }
-            Err(_) => {
+                .flatten();
+            let Some((_, id)) = victim else {
+                drop(c);
                 self.refused.inc();
-                None
+                return None;
+            };
+            if let Some((_, stop)) = c.live.remove(&id) {
+                stop.cancel();
             }
+            self.shed.inc();
         }
+        let progress = Progress {
+            at_ms: Default::default(),
+            epoch: sh.epoch,
+        };
+        progress.touch(now);
+        let stop = CancellationToken::new();
+        let id = c.next;
+        c.next += 1;
+        c.live.insert(id, (progress.clone(), stop.clone()));
+        c.held += 1;
+        drop(c);
+        self.open.inc();
+        Some(Slot {
+            shared: sh.clone(),
+            id,
+            progress,
+            stop,
+            open: self.open.clone(),
+        })
     }
 }
 
@@ -104,6 +222,8 @@ pub struct Idle<S> {
     limit: Duration,
     last: Instant,
     timer: Pin<Box<Sleep>>,
+    /// Where the listener's cap reads this connection's progress, when it sheds.
+    progress: Option<Progress>,
 }
 
 impl<S> Idle<S> {
@@ -114,6 +234,21 @@ impl<S> Idle<S> {
             limit,
             last: now,
             timer: Box::pin(tokio::time::sleep_until(now + limit)),
+            progress: None,
+        }
+    }
+
+    /// Also records each byte moved in `progress` (its [`Slot`]'s), so that a stalled
+    /// connection can be shed at the listener's cap.
+    pub fn tracking(mut self, progress: Progress) -> Idle<S> {
+        self.progress = Some(progress);
+        self
+    }
+
+    fn moved(&mut self) {
+        self.last = Instant::now();
+        if let Some(p) = &self.progress {
+            p.touch(self.last.into_std());
         }
     }
 
@@ -148,7 +283,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for Idle<S> {
         match Pin::new(&mut this.io).poll_read(cx, buf) {
             Poll::Ready(r) => {
                 if buf.filled().len() > before {
-                    this.last = Instant::now();
+                    this.moved();
                 }
                 Poll::Ready(r)
             }
@@ -168,7 +303,7 @@ impl<S> Idle<S> {
         match r {
             Poll::Ready(r) => {
                 if matches!(r, Ok(n) if n > 0) {
-                    self.last = Instant::now();
+                    self.moved();
                 }
                 Poll::Ready(r)
             }
@@ -218,15 +353,48 @@ mod tests {
 
     #[test]
     fn the_cap_refuses_and_counts_and_frees_on_drop() {
-        let (refused, open) = (Counter::default(), Gauge::default());
-        let l = ConnLimit::new(2, refused.clone(), open.clone());
+        let (refused, shed, open) = (Counter::default(), Counter::default(), Gauge::default());
+        let l = ConnLimit::new(
+            2,
+            Duration::ZERO,
+            refused.clone(),
+            shed.clone(),
+            open.clone(),
+        );
         let a = l.admit().expect("first");
         let _b = l.admit().expect("second");
         assert!(l.admit().is_none());
-        assert_eq!((refused.get(), open.get()), (1, 2));
+        assert_eq!((refused.get(), shed.get(), open.get()), (1, 0, 2));
         drop(a);
         assert_eq!(open.get(), 1);
         assert!(l.admit().is_some());
+    }
+
+    #[test]
+    fn at_the_cap_a_newcomer_sheds_the_connection_stalled_longest() {
+        let (refused, shed, open) = (Counter::default(), Counter::default(), Gauge::default());
+        let l = ConnLimit::new(
+            2,
+            Duration::from_millis(50),
+            refused.clone(),
+            shed.clone(),
+            open,
+        );
+        let a = l.admit().expect("first");
+        let b = l.admit().expect("second");
+        // Both just moved: none has stalled long enough, the newcomer is refused.
+        assert!(l.admit().is_none());
+        std::thread::sleep(Duration::from_millis(80));
+        b.progress().touch(std::time::Instant::now());
+        // a stalled 80 ms, b just moved: a goes.
+        let c = l.admit().expect("sheds a");
+        assert!(a.stop.is_cancelled() && !b.stop.is_cancelled());
+        assert_eq!((refused.get(), shed.get()), (1, 1));
+        // a is shed but its task has not let go yet: it is not shed twice, and the
+        // fresh c is not sheddable.
+        assert!(l.admit().is_none());
+        drop((a, b, c));
+        assert_eq!(l.shared.lock().held, 0);
     }
 
     #[tokio::test(start_paused = true)]

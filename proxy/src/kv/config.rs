@@ -69,6 +69,12 @@ pub struct KvConfig {
     /// Connections each API listener (TCP, Unix) holds open at most; more are closed
     /// at once. Default 1024: far above an engine's pool, far below the fd limit.
     pub max_connections: usize,
+    /// At a TCP or Unix listener's cap (API or segment), a new connection sheds the open
+    /// one that moved no byte for longest, if that one moved none for this long (ms);
+    /// otherwise the newcomer is closed. Default 1000: a request in progress moves
+    /// bytes far more often, and a stalled body or an idle keep-alive connection must
+    /// not lock a restarting engine out. 0: never shed (newcomers are refused at the cap).
+    pub shed_after_ms: u64,
     /// Connections the own segment's TE-TCP listener holds open at most (each costs up
     /// to a 256 KiB copy buffer while it moves bytes). Default 512.
     pub segment_max_connections: usize,
@@ -138,6 +144,7 @@ impl Default for KvConfig {
             quic_client_ca: String::new(),
             segment_tcp: true,
             max_connections: 1024,
+            shed_after_ms: 1000,
             segment_max_connections: 512,
             quic_max_connections: 64,
             idle_timeout_ms: 60_000,

@@ -1,6 +1,8 @@
 //! The kv face's metrics: requests by op and status, transfers by transport and
 //! direction, the byte budget, the replica cache, batch parts.
 
+use std::time::Duration;
+
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -153,6 +155,7 @@ pub struct KvMetrics {
     /// `[Listener]`: connections open, and connections closed at once over the cap.
     connections: [Gauge; 5],
     connections_refused: [Counter; 5],
+    connections_shed: [Counter; 5],
     /// Request bodies that did not arrive within `kv.timeout_ms`.
     pub body_timeouts: Counter,
     /// Master calls refused busy: every one of `kv.master_connections` stayed in use.
@@ -233,6 +236,13 @@ impl KvMetrics {
              (kv.max_connections, kv.segment_max_connections, kv.quic_max_connections)",
             refused.clone(),
         );
+        let shed = Family::<ListenerLabel, Counter>::default();
+        registry.register(
+            "moongate_kv_connections_shed",
+            "Connections closed to make room for a new one at their listener's cap: each \
+             had moved no byte for kv.shed_after_ms, the longest of its listener",
+            shed.clone(),
+        );
         let body_timeouts = Counter::default();
         registry.register(
             "moongate_kv_body_timeouts",
@@ -303,6 +313,12 @@ impl KvMetrics {
                     })
                     .clone()
             }),
+            connections_shed: Listener::ALL.map(|l| {
+                shed.get_or_create(&ListenerLabel {
+                    listener: l.label(),
+                })
+                .clone()
+            }),
             body_timeouts,
             master_busy,
             shm_calls: [
@@ -339,10 +355,19 @@ impl KvMetrics {
     }
 
     /// The connection cap of one listener, counted under its label.
-    pub fn conn_limit(&self, l: Listener, max: usize) -> crate::accept::ConnLimit {
+    /// The cap of listener `l`: `max` connections, shedding one stalled `shed_after`
+    /// (zero: never) to make room.
+    pub fn conn_limit(
+        &self,
+        l: Listener,
+        max: usize,
+        shed_after: Duration,
+    ) -> crate::accept::ConnLimit {
         crate::accept::ConnLimit::new(
             max,
+            shed_after,
             self.connections_refused[l as usize].clone(),
+            self.connections_shed[l as usize].clone(),
             self.connections[l as usize].clone(),
         )
     }

@@ -95,6 +95,7 @@ pub async fn start(
         .ok_or_else(|| StartError::MetadataUrl(cfg.metadata_url.clone()))?
         .with_ttl(Duration::from_millis(cfg.metadata_ttl_ms));
     let idle = Duration::from_millis(cfg.idle_timeout_ms);
+    let shed_after = Duration::from_millis(cfg.shed_after_ms);
     let rdma = transport::rdma::detect();
     metrics.rdma_devices.set(rdma.device_count() as i64);
     tracing::info!(reason = %rdma.fallback_reason(),
@@ -177,16 +178,17 @@ pub async fn start(
             path,
             state.clone(),
             shm,
-            metrics.conn_limit(Listener::Unix, cfg.max_connections),
+            metrics.conn_limit(Listener::Unix, cfg.max_connections, shed_after),
             idle,
             shutdown.clone(),
         ));
     }
     if !cfg.api_quic_listen.is_empty() {
-        let limit = metrics.conn_limit(Listener::QuicApi, cfg.quic_max_connections);
+        // QUIC connections are not shed: quinn closes idle ones itself.
+        let limit = metrics.conn_limit(Listener::QuicApi, cfg.quic_max_connections, Duration::ZERO);
         api_quic(cfg, state.clone(), limit, shutdown.clone())?;
     }
-    let limit = metrics.conn_limit(Listener::Http, cfg.max_connections);
+    let limit = metrics.conn_limit(Listener::Http, cfg.max_connections, shed_after);
     tokio::spawn(api::http::serve(listener, state, limit, idle, shutdown));
     Ok(Kv { segment_task })
 }
@@ -243,7 +245,11 @@ async fn own_segment(
         0x7e00_0000_0000,
         cfg.segment_bytes,
     ));
-    let tcp_limit = metrics.conn_limit(Listener::SegmentTcp, cfg.segment_max_connections);
+    let tcp_limit = metrics.conn_limit(
+        Listener::SegmentTcp,
+        cfg.segment_max_connections,
+        Duration::from_millis(cfg.shed_after_ms),
+    );
     if cfg.segment_tcp {
         let idle = Duration::from_millis(cfg.idle_timeout_ms);
         tokio::spawn(own::segment::serve(
@@ -276,7 +282,11 @@ async fn own_segment(
             .map_err(|e| StartError::Segment(e.to_string()))?;
         tracing::info!(quic = %bound, client_certs = !cfg.quic_client_ca.is_empty(),
             "own segment served over QUIC");
-        let limit = metrics.conn_limit(Listener::SegmentQuic, cfg.quic_max_connections);
+        let limit = metrics.conn_limit(
+            Listener::SegmentQuic,
+            cfg.quic_max_connections,
+            Duration::ZERO,
+        );
         tokio::spawn(transport::quic::serve(
             ep,
             mem.clone(),

@@ -365,7 +365,8 @@ async fn route(state: Arc<KvState>, req: Request<Incoming>) -> Response<Body> {
 
 /// Serves the kv face on TCP until shutdown; each connection is its own task, so a bad
 /// request or a broken connection affects only itself. At most `limit` connections are
-/// open at once (more are closed at once), and each closes after `idle` without bytes.
+/// open at once (a newcomer sheds a stalled one, or is closed at once), and each closes
+/// after `idle` without bytes.
 pub async fn serve(
     listener: TcpListener,
     state: Arc<KvState>,
@@ -383,7 +384,11 @@ pub async fn serve(
         let _ = sock.set_nodelay(true);
         let state = state.clone();
         tokio::spawn(async move {
-            serve_conn(Idle::new(sock, idle), state).await;
+            let io = Idle::new(sock, idle).tracking(slot.progress());
+            tokio::select! {
+                _ = serve_conn(io, state) => {}
+                _ = slot.stopped() => tracing::debug!("kv connection shed at the cap"),
+            }
             drop(slot);
         });
     }
@@ -418,11 +423,18 @@ pub async fn serve_unix(
         };
         let (state, shm) = (state.clone(), shm.clone());
         tokio::spawn(async move {
-            match shm {
-                Some(limits) if super::shm::starts_with_magic(&sock, idle).await => {
-                    super::shm::serve_conn(sock, state, limits, idle).await
+            let serve = async {
+                match shm {
+                    Some(limits) if super::shm::starts_with_magic(&sock, idle).await => {
+                        slot.keep();
+                        super::shm::serve_conn(sock, state, limits, idle).await
+                    }
+                    _ => serve_conn(Idle::new(sock, idle).tracking(slot.progress()), state).await,
                 }
-                _ => serve_conn(Idle::new(sock, idle), state).await,
+            };
+            tokio::select! {
+                _ = serve => {}
+                _ = slot.stopped() => tracing::debug!("kv unix connection shed at the cap"),
             }
             drop(slot);
         });

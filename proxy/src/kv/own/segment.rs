@@ -100,8 +100,12 @@ pub async fn serve(
         let _ = sock.set_nodelay(true);
         let mem = mem.clone();
         tokio::spawn(async move {
-            if let Err(e) = serve_conn(Idle::new(sock, idle), &mem).await {
-                tracing::debug!(%peer, error = %e, "segment connection closed");
+            let io = Idle::new(sock, idle).tracking(slot.progress());
+            tokio::select! {
+                r = serve_conn(io, &mem) => if let Err(e) = r {
+                    tracing::debug!(%peer, error = %e, "segment connection closed");
+                },
+                _ = slot.stopped() => tracing::debug!(%peer, "segment connection shed at the cap"),
             }
             drop(slot);
         });

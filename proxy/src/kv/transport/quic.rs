@@ -670,9 +670,11 @@ mod tests {
         let ep = server("127.0.0.1:0".parse().unwrap(), &id, "").unwrap();
         let addr = ep.local_addr().unwrap();
         let stop = CancellationToken::new();
-        let limit = crate::metrics::Metrics::new()
-            .kv
-            .conn_limit(crate::kv::metrics::Listener::SegmentQuic, 4);
+        let limit = crate::metrics::Metrics::new().kv.conn_limit(
+            crate::kv::metrics::Listener::SegmentQuic,
+            4,
+            Duration::ZERO,
+        );
         tokio::spawn(serve(ep, mem.clone(), limit, stop.clone()));
         let pool = QuicPool::new(Duration::from_secs(5), 4).unwrap();
         let peer = QuicPeer {
