@@ -370,7 +370,8 @@ fn stalled_bodies_at_the_cap_are_shed_for_new_clients() {
         &master,
         dir.path(),
         64 << 20,
-        &format!("max_connections = {CAP}\nshed_after_ms = 500\n"),
+        // No body-rate floor here: the flood must stay stalled, not be answered 408.
+        &format!("max_connections = {CAP}\nshed_after_ms = 500\nmin_body_bytes_per_second = 0\n"),
     );
     let open = |l: &str| mg.metric(&format!("moongate_kv_connections{{listener=\"{l}\"}}"));
     let shed = |l: &str| {
@@ -448,6 +449,71 @@ fn stalled_bodies_at_the_cap_are_shed_for_new_clients() {
         (CAP - shed("unix") as usize) as f64 + 0.0_f64.max(0.0)
     );
     drop(flood);
+}
+
+/// A buffered body that stalls is answered 408 once it falls below
+/// `kv.min_body_bytes_per_second` (after its grace), long before `kv.timeout_ms`, and
+/// gives its reserved bytes back; a slow but steady body is taken.
+#[test]
+fn a_body_below_the_minimum_rate_is_answered_408_and_a_steady_one_is_taken() {
+    let master = Master::start();
+    let (mg, kv) = kv_moongate(
+        &master,
+        "segment_bytes = 16777216\ntimeout_ms = 60000\nmin_body_bytes_per_second = 65536\n\
+         min_body_grace_ms = 1000\n",
+    );
+    wait_segment_mounted(&mg);
+    let mut stalled = stalled_puts(1, || TcpStream::connect(&kv).unwrap()).remove(0);
+    let started = Instant::now();
+    stalled
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let mut answer = Vec::new();
+    let _ = stalled.read_to_end(&mut answer);
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("min_body_bytes_per_second"), "{answer}");
+    // Not a speed check: the floor, not kv.timeout_ms (60 s), answered it.
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
+    );
+    wait_for(
+        "the budget given back",
+        Duration::from_secs(10),
+        &[&mg.proc],
+        || mg.metric("moongate_kv_inflight_bytes") == 0.0,
+    );
+    let (st, _) = http(&kv, "GET", &enc("stalled/0"), &[]).unwrap();
+    assert_eq!(st, 404, "nothing of the stalled put was stored");
+
+    // 32 KiB every 100 ms (about 320 KiB/s) for 2 s: slow, above the floor.
+    let mut steady = TcpStream::connect(&kv).unwrap();
+    write!(
+        steady,
+        "PUT {} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n",
+        enc("steady")
+    )
+    .unwrap();
+    let piece = vec![3u8; 32 << 10];
+    for _ in 0..20 {
+        write!(steady, "{:x}\r\n", piece.len()).unwrap();
+        steady.write_all(&piece).unwrap();
+        steady.write_all(b"\r\n").unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    steady.write_all(b"0\r\n\r\n").unwrap();
+    let mut answer = Vec::new();
+    steady.read_to_end(&mut answer).unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        answer.starts_with("HTTP/1.1 201"),
+        "{answer}\n{}",
+        mg.proc.log_text()
+    );
+    let (st, got) = http_bytes(&kv, "GET", &enc("steady"), &[]).unwrap();
+    assert!(st == 200 && got == vec![3u8; 20 * (32 << 10)], "{st}");
 }
 
 #[test]

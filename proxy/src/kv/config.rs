@@ -75,6 +75,14 @@ pub struct KvConfig {
     /// bytes far more often, and a stalled body or an idle keep-alive connection must
     /// not lock a restarting engine out. 0: never shed (newcomers are refused at the cap).
     pub shed_after_ms: u64,
+    /// A buffered request body (a PUT under 1 MiB or unannounced, a key list) must
+    /// arrive at this many bytes a second on average once `kv.min_body_grace_ms` has
+    /// passed, or it is answered 408 and its reserved bytes given back. Default 65536: an
+    /// engine sends at hundreds of MB/s; a body that stalls must not hold its share of
+    /// `kv.max_inflight_bytes` until `kv.timeout_ms`. 0: no floor.
+    pub min_body_bytes_per_second: u64,
+    /// How long a body may take before the floor applies (ms). Default 1000.
+    pub min_body_grace_ms: u64,
     /// Connections the own segment's TE-TCP listener holds open at most (each costs up
     /// to a 256 KiB copy buffer while it moves bytes). Default 512.
     pub segment_max_connections: usize,
@@ -145,6 +153,8 @@ impl Default for KvConfig {
             segment_tcp: true,
             max_connections: 1024,
             shed_after_ms: 1000,
+            min_body_bytes_per_second: 65_536,
+            min_body_grace_ms: 1000,
             segment_max_connections: 512,
             quic_max_connections: 64,
             idle_timeout_ms: 60_000,

@@ -154,6 +154,10 @@ pub async fn start(
         max_batch_keys: cfg.max_batch_keys,
         max_key_bytes: cfg.max_key_bytes,
         batch_part_bytes: cfg.batch_part_bytes,
+        min_body_rate: api::body::MinRate {
+            per_second: cfg.min_body_bytes_per_second,
+            grace: Duration::from_millis(cfg.min_body_grace_ms),
+        },
         policy,
         metrics: metrics.clone(),
         hints,

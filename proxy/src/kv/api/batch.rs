@@ -377,6 +377,10 @@ mod tests {
             max_batch_keys: 100,
             max_key_bytes: 64,
             batch_part_bytes: part_bytes,
+            min_body_rate: crate::kv::api::body::MinRate {
+                per_second: 0,
+                grace: Duration::ZERO,
+            },
             policy: Registry::with_policies(
                 PolicyConfig::default(),
                 None,

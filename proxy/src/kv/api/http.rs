@@ -97,11 +97,16 @@ async fn body_of(
         what,
         &state.store,
         timeout,
+        state.min_body_rate,
     )
     .await
     .map_err(|e| match e {
         BodyError::TooLarge { .. } => error(StatusCode::PAYLOAD_TOO_LARGE, e),
         BodyError::Short { .. } => error(StatusCode::BAD_REQUEST, e),
+        BodyError::TooSlow { .. } => {
+            state.metrics.body_timeouts.inc();
+            error(StatusCode::REQUEST_TIMEOUT, e)
+        }
         BodyError::Store(e) => {
             if matches!(e, StoreError::BodyTimeout(_)) {
                 state.metrics.body_timeouts.inc();

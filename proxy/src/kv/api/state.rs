@@ -25,6 +25,8 @@ pub struct KvState {
     pub max_key_bytes: usize,
     /// Value bytes per part of a batch call (see [`super::batch`]).
     pub batch_part_bytes: u64,
+    /// The rate a buffered request body must keep (`kv.min_body_bytes_per_second`).
+    pub min_body_rate: super::body::MinRate,
     /// The policies that decide placement and admission of puts, as on the master face.
     pub policy: Arc<crate::policy::registry::Registry>,
     pub metrics: Arc<crate::kv::metrics::KvMetrics>,
