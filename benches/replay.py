@@ -207,9 +207,10 @@ def parse_hints(spec):
 
 
 def hint_schedule(reqs, h):
-    """The hints of the trace, in trace time: [(ms, kind, [block], due_ms)], and per
+    """The hints of the trace, in trace time: [(ms, kind, [block], due_ms)]; per
     request the blocks its worker announces done after serving it (the `last` model
-    without a delay; with one, they are in the schedule)."""
+    without a delay; with one, they are in the schedule); and how many of the done
+    blocks are wrong ones."""
     rng = random.Random(h["seed"])
     rng_expect = random.Random(h["seed"] + 1)
     # Per request, per block position: the next request that reads that block (None:
@@ -220,7 +221,7 @@ def hint_schedule(reqs, h):
         nxt[i] = [last.get(b) for b in ids]
         for b in ids:
             last[b] = i
-    out, recent, after = [], [], [None] * len(reqs)
+    out, recent, after, wrong_blocks = [], [], [None] * len(reqs), 0
     p_wrong = h["wrong"] / (1 - h["wrong"]) if h["wrong"] else 0.0
     n, w = len(reqs), h["queue"]
     for i, (ts, ids) in enumerate(reqs):
@@ -254,10 +255,9 @@ def hint_schedule(reqs, h):
                 out.append((ts + h["delay_ms"], "done", done + wrong, None))
             else:
                 after[i] = done + wrong
-            h.setdefault("_wrong", 0)
-            h["_wrong"] += len(wrong)
+            wrong_blocks += len(wrong)
     out.sort(key=lambda e: e[0])
-    return out, after
+    return out, after, wrong_blocks
 
 
 def send_hints(url, schedule, prefixes, t0, speed, stop, max_names=4096):
@@ -396,7 +396,8 @@ def main():
     hint_model = parse_hints(a.hints) if a.hints else None
 
     reqs = load_trace(a.trace, a.limit)
-    schedule, after = hint_schedule(reqs, hint_model) if hint_model else ([], [None] * len(reqs))
+    schedule, after, wrong_blocks = (hint_schedule(reqs, hint_model) if hint_model
+                                     else ([], [None] * len(reqs), 0))
     arms = start_workers(a)
     names = sorted(arms)
     per_worker = {(arm, i): [] for arm in names for i in range(len(arms[arm]))}
@@ -492,7 +493,7 @@ def main():
         lag = hr.pop("lag_ms", [])
         hr["lag_p99_ms"] = round(pct(lag, 0.99), 1)
         hr["spec"] = a.hints
-        hr["wrong_blocks"] = hint_model.get("_wrong", 0)
+        hr["wrong_blocks"] = wrong_blocks
         for k in ("done_hints", "done_hint_errors"):
             hr[f"worker_{k}"] = sum(st[k] for rs in results.values() for st in rs)
         if mtext:
