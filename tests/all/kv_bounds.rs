@@ -451,9 +451,10 @@ fn stalled_bodies_at_the_cap_are_shed_for_new_clients() {
     drop(flood);
 }
 
-/// A buffered body that stalls is answered 408 once it falls below
+/// A body that stalls is answered 408 once it falls below
 /// `kv.min_body_bytes_per_second` (after its grace), long before `kv.timeout_ms`, and
-/// gives its reserved bytes back; a slow but steady body is taken.
+/// gives its reserved bytes back: buffered, streamed (1 MiB and more) and batch puts
+/// alike; a batch keeps the records that arrived whole. A slow but steady body is taken.
 #[test]
 fn a_body_below_the_minimum_rate_is_answered_408_and_a_steady_one_is_taken() {
     let master = Master::start();
@@ -487,6 +488,70 @@ fn a_body_below_the_minimum_rate_is_answered_408_and_a_steady_one_is_taken() {
     );
     let (st, _) = http(&kv, "GET", &enc("stalled/0"), &[]).unwrap();
     assert_eq!(st, 404, "nothing of the stalled put was stored");
+
+    // The same floor for a streamed PUT (announced 4 MiB: passed on to the replicas as
+    // it arrives) that stops after 256 KiB: 408, the put revoked, the budget back.
+    let mut streamed = TcpStream::connect(&kv).unwrap();
+    write!(
+        streamed,
+        "PUT {} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n",
+        enc("streamed-stall"),
+        4 << 20
+    )
+    .unwrap();
+    streamed.write_all(&vec![5u8; 256 << 10]).unwrap();
+    streamed
+        .set_read_timeout(Some(Duration::from_secs(40)))
+        .unwrap();
+    let mut answer = Vec::new();
+    let _ = streamed.read_to_end(&mut answer);
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        answer.starts_with("HTTP/1.1 408") && answer.contains("min_body_bytes_per_second"),
+        "{answer}"
+    );
+    // And for a batch put: the first record whole, then the second stops halfway.
+    // The first is stored (what arrived whole is kept), the break answered 408.
+    let first = value_of("batch-stall/0", 100_000);
+    let mut body = moongate::kv::api::records::put_record(b"batch-stall/0", &first);
+    let second = moongate::kv::api::records::put_record(b"batch-stall/1", &[6u8; 200_000]);
+    body.extend_from_slice(&second[..100_000]);
+    let mut batch = TcpStream::connect(&kv).unwrap();
+    write!(
+        batch,
+        "POST /v1/kv/batch/put HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n",
+        body.len()
+    )
+    .unwrap();
+    batch.write_all(&body).unwrap();
+    batch.write_all(b"\r\n").unwrap();
+    batch
+        .set_read_timeout(Some(Duration::from_secs(40)))
+        .unwrap();
+    let mut answer = Vec::new();
+    let _ = batch.read_to_end(&mut answer);
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        answer.starts_with("HTTP/1.1 408") && answer.contains("min_body_bytes_per_second"),
+        "{answer}"
+    );
+    let (st, got) = http_bytes(&kv, "GET", &enc("batch-stall/0"), &[]).unwrap();
+    assert!(
+        st == 200 && got == first,
+        "the whole record was stored: {st}"
+    );
+    let (st, _) = http(&kv, "GET", &enc("streamed-stall"), &[]).unwrap();
+    assert_eq!(st, 404, "nothing of the stalled streamed put was stored");
+    wait_for(
+        "the budget given back",
+        Duration::from_secs(10),
+        &[&mg.proc],
+        || mg.metric("moongate_kv_inflight_bytes") == 0.0,
+    );
+    assert_eq!(
+        mg.metric("moongate_kv_bodies_shed_total{reason=\"min_rate\"}"),
+        3.0
+    );
 
     // 32 KiB every 100 ms (about 320 KiB/s) for 2 s: slow, above the floor.
     let mut steady = TcpStream::connect(&kv).unwrap();

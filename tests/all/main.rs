@@ -11,6 +11,7 @@
 //!   free loopback ports ([`support`] starts, probes and stops them): [`real_mooncake`],
 //!   [`master_face_failures`], [`policy_live`], [`eviction_live`], [`replay_live`],
 //!   [`kv_face`], [`kv_quic`], [`kv_bounds`] (hostile peers against every kv-face bound),
+//!   [`kv_flood`] (2,000 stalled bodies while a new client is served),
 //!   [`arm_shares`] (experiment arms held to their capacity shares), [`owner_topology`]
 //!   (vLLM's owner with an SSD tier and requester-only ranks: served tiers, offload,
 //!   eviction that keeps the SSD, ranks in arms, a disk budget at lookup).
@@ -39,6 +40,7 @@ mod kv_bounds;
 mod kv_c_abi;
 mod kv_events;
 mod kv_face;
+mod kv_flood;
 mod kv_quic;
 mod kv_shm;
 mod master_face_failures;

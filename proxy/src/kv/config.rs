@@ -71,18 +71,27 @@ pub struct KvConfig {
     pub max_connections: usize,
     /// At a TCP or Unix listener's cap (API or segment), a new connection sheds the open
     /// one that moved no byte for longest, if that one moved none for this long (ms);
-    /// otherwise the newcomer is closed. Default 1000: a request in progress moves
-    /// bytes far more often, and a stalled body or an idle keep-alive connection must
-    /// not lock a restarting engine out. 0: never shed (newcomers are refused at the cap).
+    /// otherwise the newcomer is closed. And when a reservation finds
+    /// `kv.max_inflight_bytes` full, request bodies that have waited this long for their
+    /// next byte are stopped (408), longest first, until their bytes cover it. Default
+    /// 1000: a request in progress moves bytes far more often, and a stalled body or an
+    /// idle keep-alive connection must not lock a restarting engine out. 0: never shed.
     pub shed_after_ms: u64,
-    /// A buffered request body (a PUT under 1 MiB or unannounced, a key list) must
-    /// arrive at this many bytes a second on average once `kv.min_body_grace_ms` has
-    /// passed, or it is answered 408 and its reserved bytes given back. Default 65536: an
-    /// engine sends at hundreds of MB/s; a body that stalls must not hold its share of
+    /// Every request body (a PUT, streamed or not, a batch put, a key list) must arrive
+    /// at this many bytes a second on average once `kv.min_body_grace_ms` has passed, or
+    /// it is answered 408 and its reserved bytes given back. Default 65536: an engine
+    /// sends at hundreds of MB/s; a body that stalls must not hold its share of
     /// `kv.max_inflight_bytes` until `kv.timeout_ms`. 0: no floor.
     pub min_body_bytes_per_second: u64,
     /// How long a body may take before the floor applies (ms). Default 1000.
     pub min_body_grace_ms: u64,
+    /// Bytes of `kv.max_inflight_bytes` the request bodies of one connection (its
+    /// HTTP/2 streams, a batch put's parts) may hold at once; a body that would take it
+    /// past this is answered 503. A connection with a single body may still take more
+    /// (a value as large as `kv.max_value_bytes` must fit). Default 268435456 (a quarter
+    /// of the default budget): one client cannot hold the whole node's budget. 0: no
+    /// bound.
+    pub max_body_bytes_per_connection: u64,
     /// Connections the own segment's TE-TCP listener holds open at most (each costs up
     /// to a 256 KiB copy buffer while it moves bytes). Default 512.
     pub segment_max_connections: usize,
@@ -155,6 +164,7 @@ impl Default for KvConfig {
             shed_after_ms: 1000,
             min_body_bytes_per_second: 65_536,
             min_body_grace_ms: 1000,
+            max_body_bytes_per_connection: 256 << 20,
             segment_max_connections: 512,
             quic_max_connections: 64,
             idle_timeout_ms: 60_000,

@@ -114,6 +114,11 @@ struct ResultLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ListenerLabel {
     listener: &'static str,
 }
@@ -156,8 +161,13 @@ pub struct KvMetrics {
     connections: [Gauge; 5],
     connections_refused: [Counter; 5],
     connections_shed: [Counter; 5],
-    /// Request bodies that did not arrive within `kv.timeout_ms`.
+    /// Request bodies answered 408: not within `kv.timeout_ms`, below the rate floor,
+    /// or shed while the budget was full.
     pub body_timeouts: Counter,
+    /// Request bodies stopped, by reason: `[min_rate, budget]`.
+    pub bodies_shed: [Counter; 2],
+    /// Requests refused because their connection held its share of the budget.
+    pub share_refused: Counter,
     /// Master calls refused busy: every one of `kv.master_connections` stayed in use.
     pub master_busy: Counter,
     /// Shared-memory calls `[op - 1][ok, error]` (register, release, get_into,
@@ -246,8 +256,24 @@ impl KvMetrics {
         let body_timeouts = Counter::default();
         registry.register(
             "moongate_kv_body_timeouts",
-            "kv request bodies that did not arrive within kv.timeout_ms (answered 408)",
+            "kv request bodies answered 408: not whole within kv.timeout_ms, below \
+             kv.min_body_bytes_per_second, or shed while the byte budget was full",
             body_timeouts.clone(),
+        );
+        let bodies_shed = Family::<ReasonLabel, Counter>::default();
+        registry.register(
+            "moongate_kv_bodies_shed",
+            "kv request bodies stopped before they ended, by reason: min_rate (below \
+             kv.min_body_bytes_per_second), budget (waiting for bytes for kv.shed_after_ms \
+             or more while the byte budget was full)",
+            bodies_shed.clone(),
+        );
+        let share_refused = Counter::default();
+        registry.register(
+            "moongate_kv_connection_share_refused",
+            "kv requests answered 503 because their connection already held \
+             kv.max_body_bytes_per_connection of the byte budget",
+            share_refused.clone(),
         );
         let master_busy = Counter::default();
         registry.register(
@@ -320,6 +346,9 @@ impl KvMetrics {
                 .clone()
             }),
             body_timeouts,
+            bodies_shed: ["min_rate", "budget"]
+                .map(|reason| bodies_shed.get_or_create(&ReasonLabel { reason }).clone()),
+            share_refused,
             master_busy,
             shm_calls: [
                 "register",

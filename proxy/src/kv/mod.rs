@@ -146,6 +146,18 @@ pub async fn start(
         store.xfer.set_own_segment(name, mem);
         segment_task = Some(task);
     }
+    let intake = api::intake::Intake::new(
+        api::intake::Rules {
+            min_rate: api::intake::MinRate {
+                per_second: cfg.min_body_bytes_per_second,
+                grace: Duration::from_millis(cfg.min_body_grace_ms),
+            },
+            shed_after,
+            per_connection: cfg.max_body_bytes_per_connection,
+        },
+        metrics.clone(),
+    );
+    store.set_reclaim(intake.clone());
     tracing::info!(kv = %cfg.listen, client_id = %store.client_id(),
         metadata = %cfg.metadata_url, "kv face listening");
     let state = Arc::new(api::KvState {
@@ -154,10 +166,7 @@ pub async fn start(
         max_batch_keys: cfg.max_batch_keys,
         max_key_bytes: cfg.max_key_bytes,
         batch_part_bytes: cfg.batch_part_bytes,
-        min_body_rate: api::body::MinRate {
-            per_second: cfg.min_body_bytes_per_second,
-            grace: Duration::from_millis(cfg.min_body_grace_ms),
-        },
+        intake,
         policy,
         metrics: metrics.clone(),
         hints,

@@ -15,10 +15,11 @@ use std::sync::Arc;
 use bytes::Bytes;
 use hyper::StatusCode;
 
+use super::intake::RoomError;
 use super::records::{self, PutReader, RecordError};
 use super::state::{KvState, code_of, decide, status_of};
 use crate::codec::Method;
-use crate::kv::client::{BATCH_CONCURRENCY, Reserved, Source, StoreError};
+use crate::kv::client::{BATCH_CONCURRENCY, Source, StoreError};
 use crate::policy::{self, Sending};
 
 /// The outcome of one key of a batch.
@@ -147,7 +148,7 @@ struct Part {
     at: Vec<usize>,
     values: Vec<(Bytes, Bytes)>,
     bytes: u64,
-    room: Vec<Reserved>,
+    room: Vec<super::intake::Room>,
 }
 
 /// Stores a part through the policy host (placement rewrite or per-key denial, exactly
@@ -231,17 +232,23 @@ pub struct PutAnswer {
     pub broken: Option<(StatusCode, String)>,
 }
 
-/// Reads put records from `body` and stores them part by part.
-pub async fn put_parts<B>(state: &KvState, body: B) -> PutAnswer
+/// Reads put records from `body` (under the intake's rules for connection `conn`) and
+/// stores them part by part.
+pub async fn put_parts<B>(state: &KvState, conn: &super::intake::Conn, body: B) -> PutAnswer
 where
     B: hyper::body::Body<Data = Bytes> + Unpin,
     B::Error: std::fmt::Display,
 {
+    let (body, tracked) = conn.body(body);
     let mut reader = PutReader::new(body).with_stall_limit(state.store.call_timeout());
     let mut out: Vec<Option<Outcome>> = Vec::new();
     let mut part = Part::default();
     let mut busy: Option<String> = None;
-    let part_limit = state.batch_part_bytes.min(state.store.budget_bytes());
+    // A part also fits the connection's share, so a batch alone is never refused by it.
+    let part_limit = state
+        .batch_part_bytes
+        .min(state.store.budget_bytes())
+        .min(state.intake.per_connection());
     let broken = loop {
         let (key, len) = match reader.next_head().await {
             Ok(Some(h)) => h,
@@ -285,9 +292,17 @@ where
         if part.bytes.saturating_add(len) > part_limit {
             flush(state, &mut part, &mut out).await;
         }
-        let room = match state.store.reserve(len).await {
+        let room = match conn.reserve(&state.store, &tracked, len).await {
             Ok(r) => r,
-            Err(e) => {
+            // Shed while it waited with earlier records' room held: the body ends here.
+            Err(RoomError::Stopped(why)) => {
+                out[i] = Some(Outcome::Failed(
+                    StatusCode::REQUEST_TIMEOUT,
+                    why.to_string(),
+                ));
+                break Some((StatusCode::REQUEST_TIMEOUT, why.to_string()));
+            }
+            Err(RoomError::Store(e)) => {
                 busy = Some(e.to_string());
                 out[i] = Some(Outcome::of(&e));
                 if let Err(e) = reader.skip(len).await {
@@ -308,6 +323,15 @@ where
         part.bytes += len;
         part.room.push(room);
     };
+    // The intake's reason when it stopped the body (the reader saw only a broken body).
+    let broken = broken.map(|b| match tracked.stopped() {
+        Some(why) => {
+            state.metrics.body_timeouts.inc();
+            (StatusCode::REQUEST_TIMEOUT, why.to_string())
+        }
+        None => b,
+    });
+    drop(tracked);
     // Whatever was read whole is stored even when the body broke off later.
     flush(state, &mut part, &mut out).await;
     PutAnswer {
@@ -377,10 +401,17 @@ mod tests {
             max_batch_keys: 100,
             max_key_bytes: 64,
             batch_part_bytes: part_bytes,
-            min_body_rate: crate::kv::api::body::MinRate {
-                per_second: 0,
-                grace: Duration::ZERO,
-            },
+            intake: crate::kv::api::intake::Intake::new(
+                crate::kv::api::intake::Rules {
+                    min_rate: crate::kv::api::intake::MinRate {
+                        per_second: 0,
+                        grace: Duration::ZERO,
+                    },
+                    shed_after: Duration::ZERO,
+                    per_connection: 0,
+                },
+                all.kv.clone(),
+            ),
             policy: Registry::with_policies(
                 PolicyConfig::default(),
                 None,
@@ -421,7 +452,7 @@ mod tests {
         body.extend(records::put_record(b"b", b""));
         body.extend(records::put_record(b"c", &[9u8; 70_000]));
         body.extend(records::put_record(b"d", b"4"));
-        let a = put_parts(&st, Full::new(Bytes::from(body))).await;
+        let a = put_parts(&st, &st.intake.conn(), Full::new(Bytes::from(body))).await;
         assert!(a.broken.is_none());
         let statuses: Vec<u64> = a
             .outcomes

@@ -1,16 +1,17 @@
 //! Request bodies read whole, under the node's byte budget and a deadline: the bytes a
 //! body may occupy are reserved before they are buffered (the announced length up
 //! front; an unannounced body reserves as it grows), so slow or lying clients cannot
-//! hold more memory than the budget, nor hold it longer than `kv.timeout_ms`; and once
-//! its grace has passed a body must keep arriving at `kv.min_body_bytes_per_second`, so
-//! one that stalls gives its bytes back in seconds, not at the deadline.
+//! hold more memory than the budget, nor hold it longer than `kv.timeout_ms`; and the
+//! intake's rules hold while it arrives ([`super::intake`]: the rate floor, the
+//! connection's share, shedding when the budget is full).
 
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt;
 
-use crate::kv::client::{Reserved, Store, StoreError};
+use super::intake::{Conn, IntakeError, Room, RoomError};
+use crate::kv::client::{Store, StoreError};
 
 /// Why a body was not read.
 #[derive(Debug, thiserror::Error)]
@@ -19,43 +20,29 @@ pub enum BodyError {
     TooLarge { limit: usize, what: &'static str },
     #[error("body shorter than its announced {announced} bytes")]
     Short { announced: u64 },
-    #[error(
-        "body arriving slower than {per_second} bytes/s (kv.min_body_bytes_per_second): \
-         {got} bytes in {secs:.1} s"
-    )]
-    TooSlow {
-        per_second: u64,
-        got: usize,
-        secs: f64,
-    },
+    /// Below the rate floor, or shed: answered 408.
+    #[error(transparent)]
+    Stopped(IntakeError),
     #[error(transparent)]
     Store(#[from] StoreError),
+}
+
+impl From<RoomError> for BodyError {
+    fn from(e: RoomError) -> BodyError {
+        match e {
+            RoomError::Store(e) => BodyError::Store(e),
+            RoomError::Stopped(e) => BodyError::Stopped(e),
+        }
+    }
 }
 
 /// Grows an unannounced body's reservation in steps of this many bytes, so a body of
 /// many small frames costs few semaphore operations.
 const STEP: u64 = 64 << 10;
 
-/// The least a body must keep up: after `grace`, `per_second` bytes a second on average
-/// since it started (0: no floor).
-#[derive(Debug, Clone, Copy)]
-pub struct MinRate {
-    pub per_second: u64,
-    pub grace: Duration,
-}
-
-impl MinRate {
-    /// When a body that has `got` bytes after starting at `start` falls below the rate.
-    fn deadline(&self, start: tokio::time::Instant, got: usize) -> Option<tokio::time::Instant> {
-        (self.per_second > 0).then(|| {
-            start + self.grace + Duration::from_secs_f64(got as f64 / self.per_second as f64)
-        })
-    }
-}
-
 /// Reads `body` whole: at most `limit` bytes (`what` names the limit in the error),
-/// within `timeout` and at `min` rate, with its bytes reserved in `store`'s budget
-/// before they are held.
+/// within `timeout` and under the intake's rules for connection `conn`, with its bytes
+/// reserved in `store`'s budget before they are held.
 /// The reservation is returned with the bytes: the caller keeps it while the value is
 /// in memory.
 pub async fn read<B>(
@@ -63,10 +50,10 @@ pub async fn read<B>(
     announced: Option<u64>,
     limit: usize,
     what: &'static str,
+    conn: &Conn,
     store: &Store,
     timeout: Duration,
-    min: MinRate,
-) -> Result<(Bytes, Reserved), BodyError>
+) -> Result<(Bytes, Room), BodyError>
 where
     B: hyper::body::Body<Data = Bytes> + Unpin,
     B::Error: std::fmt::Display,
@@ -74,28 +61,18 @@ where
     if announced.is_some_and(|n| n > limit as u64) {
         return Err(BodyError::TooLarge { limit, what });
     }
+    let (mut body, tracked) = conn.body(body);
     // An unannounced body starts with one step and grows as it arrives.
-    let mut room = store.reserve(announced.unwrap_or(STEP).max(1)).await?;
+    let mut room = conn
+        .reserve(store, &tracked, announced.unwrap_or(STEP).max(1))
+        .await?;
     let reading = async {
-        let mut body = body;
-        let mut buf = BytesMut::with_capacity(announced.unwrap_or(0) as usize);
-        let start = tokio::time::Instant::now();
-        loop {
-            let next = match min.deadline(start, buf.len()) {
-                Some(at) => tokio::select! {
-                    f = body.frame() => f,
-                    _ = tokio::time::sleep_until(at) => {
-                        return Err(BodyError::TooSlow {
-                            per_second: min.per_second,
-                            got: buf.len(),
-                            secs: start.elapsed().as_secs_f64(),
-                        });
-                    }
-                },
-                None => body.frame().await,
-            };
-            let Some(frame) = next else { break };
-            let frame = frame.map_err(|e| StoreError::Body(e.to_string()))?;
+        let mut buf = Gather::new(announced);
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| match e {
+                IntakeError::Body(m) => BodyError::Store(StoreError::Body(m)),
+                stopped => BodyError::Stopped(stopped),
+            })?;
             let Ok(data) = frame.into_data() else {
                 continue;
             };
@@ -105,20 +82,102 @@ where
             }
             if len as u64 > room.bytes() {
                 let more = (len as u64 - room.bytes()).max(STEP);
-                store.grow(&mut room, more).await?;
+                conn.grow(store, &mut room, more).await?;
             }
-            buf.extend_from_slice(&data);
+            buf.push(data);
         }
         if let Some(n) = announced
             && (buf.len() as u64) < n
         {
             return Err(BodyError::Short { announced: n });
         }
-        Ok(buf.freeze())
+        Ok(buf.finish())
     };
     match tokio::time::timeout(timeout, reading).await {
         Ok(Ok(b)) => Ok((b, room)),
         Ok(Err(e)) => Err(e),
         Err(_) => Err(StoreError::BodyTimeout(timeout).into()),
+    }
+}
+
+/// A body's bytes as they arrive. An announced body is copied into one buffer of its
+/// size. An unannounced one keeps its frames as they came (each a slice of the
+/// connection's read buffer, no copy) and is joined once at the end: growing one buffer
+/// by doubling left every smaller step behind as a heap hole, and a thousand stalled
+/// uploads growing in lockstep cost twice their bytes. Frames under [`SMALL`] bytes are
+/// copied into a small tail instead, so a trickle of tiny frames cannot each pin a
+/// whole read buffer.
+enum Gather {
+    Sized(BytesMut),
+    Frames {
+        frames: Vec<Bytes>,
+        tail: BytesMut,
+        len: usize,
+    },
+}
+
+/// Frames shorter than this are copied (see [`Gather`]); also the tail's capacity.
+const SMALL: usize = 4 << 10;
+
+impl Gather {
+    fn new(announced: Option<u64>) -> Gather {
+        match announced {
+            Some(n) => Gather::Sized(BytesMut::with_capacity(n as usize)),
+            None => Gather::Frames {
+                frames: Vec::new(),
+                tail: BytesMut::new(),
+                len: 0,
+            },
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Gather::Sized(b) => b.len(),
+            Gather::Frames { len, .. } => *len,
+        }
+    }
+
+    fn push(&mut self, data: Bytes) {
+        match self {
+            Gather::Sized(b) => b.extend_from_slice(&data),
+            Gather::Frames { frames, tail, len } => {
+                *len += data.len();
+                if tail.len() + data.len() > SMALL && !tail.is_empty() {
+                    frames.push(std::mem::take(tail).freeze());
+                }
+                if data.len() >= SMALL {
+                    frames.push(data);
+                } else {
+                    if tail.capacity() == 0 {
+                        tail.reserve(SMALL);
+                    }
+                    tail.extend_from_slice(&data);
+                }
+            }
+        }
+    }
+
+    fn finish(self) -> Bytes {
+        match self {
+            Gather::Sized(b) => b.freeze(),
+            Gather::Frames {
+                mut frames,
+                tail,
+                len,
+            } => {
+                if !tail.is_empty() {
+                    frames.push(tail.freeze());
+                }
+                if frames.len() == 1 {
+                    return frames.pop().unwrap_or_default();
+                }
+                let mut out = BytesMut::with_capacity(len);
+                for f in frames {
+                    out.extend_from_slice(&f);
+                }
+                out.freeze()
+            }
+        }
     }
 }

@@ -16,9 +16,10 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use super::body::BodyError;
+use super::intake::{Conn, IntakeError, Room, RoomError};
 use super::state::{KvState, decided_put, status_of};
 use crate::accept::{ConnLimit, Idle};
-use crate::kv::client::{Reserved, StoreError, Value};
+use crate::kv::client::{StoreError, Value};
 
 /// The chunks of a streamed value as HTTP body frames.
 fn tokio_stream_of(
@@ -81,13 +82,15 @@ fn form_urlencoded_decode(s: &str) -> Option<Vec<u8>> {
     Some(out)
 }
 
-/// A body read under the budget ([`super::body`]), or the answer that refuses it.
+/// A body read under the budget and the intake's rules ([`super::body`]), or the
+/// answer that refuses it.
 async fn body_of(
     state: &KvState,
+    conn: &Conn,
     req: Request<Incoming>,
     limit: usize,
     what: &'static str,
-) -> Result<(Bytes, Reserved), Response<Body>> {
+) -> Result<(Bytes, Room), Response<Body>> {
     let announced = announced_len(&req);
     let timeout = state.store.call_timeout();
     super::body::read(
@@ -95,18 +98,15 @@ async fn body_of(
         announced,
         limit,
         what,
+        conn,
         &state.store,
         timeout,
-        state.min_body_rate,
     )
     .await
     .map_err(|e| match e {
         BodyError::TooLarge { .. } => error(StatusCode::PAYLOAD_TOO_LARGE, e),
         BodyError::Short { .. } => error(StatusCode::BAD_REQUEST, e),
-        BodyError::TooSlow { .. } => {
-            state.metrics.body_timeouts.inc();
-            error(StatusCode::REQUEST_TIMEOUT, e)
-        }
+        BodyError::Stopped(e) => stopped(state, e),
         BodyError::Store(e) => {
             if matches!(e, StoreError::BodyTimeout(_)) {
                 state.metrics.body_timeouts.inc();
@@ -114,6 +114,12 @@ async fn body_of(
             error(status_of(&e), e)
         }
     })
+}
+
+/// The answer to a body the intake stopped (below the rate floor, or shed).
+fn stopped(state: &KvState, e: IntakeError) -> Response<Body> {
+    state.metrics.body_timeouts.inc();
+    error(StatusCode::REQUEST_TIMEOUT, e)
 }
 
 fn announced_len<B>(req: &Request<B>) -> Option<u64> {
@@ -124,7 +130,7 @@ fn announced_len<B>(req: &Request<B>) -> Option<u64> {
 }
 
 /// Counts the answer by op and status class.
-async fn counted(state: Arc<KvState>, req: Request<Incoming>) -> Response<Body> {
+async fn counted(state: Arc<KvState>, conn: Arc<Conn>, req: Request<Incoming>) -> Response<Body> {
     use crate::kv::metrics::Op;
     let op = match (req.method(), req.uri().path()) {
         (&Method::GET, _) => Op::Get,
@@ -135,14 +141,14 @@ async fn counted(state: Arc<KvState>, req: Request<Incoming>) -> Response<Body> 
         _ => Op::Exists,
     };
     let metrics = state.metrics.clone();
-    let r = route(state, req).await;
+    let r = route(state, &conn, req).await;
     metrics.request(op, r.status().as_u16());
     r
 }
 
 /// `PUT /v1/kv/{key}`: a body announced at [`STREAM_PUT_FROM`] bytes or more is passed
 /// on to the replicas as it arrives; smaller or unannounced ones are read whole first.
-async fn put(state: &KvState, key: Bytes, req: Request<Incoming>) -> Response<Body> {
+async fn put(state: &KvState, conn: &Conn, key: Bytes, req: Request<Incoming>) -> Response<Body> {
     let announced = announced_len(&req);
     if announced.is_some_and(|n| n > state.max_value_bytes as u64) {
         return error(
@@ -155,26 +161,48 @@ async fn put(state: &KvState, key: Bytes, req: Request<Incoming>) -> Response<Bo
     }
     let done = match announced {
         Some(len) if len >= STREAM_PUT_FROM => {
-            let body = req.into_body();
-            decided_put(state, key.clone(), len, |start| {
+            let (body, tracked) = conn.body(req.into_body());
+            let room = match conn.reserve(&state.store, &tracked, len).await {
+                Ok(r) => r,
+                Err(RoomError::Store(e)) => return error(status_of(&e), e),
+                Err(RoomError::Stopped(e)) => return stopped(state, e),
+            };
+            let done = decided_put(state, key.clone(), len, |start| {
                 state.store.put_streamed(key, len, body, start)
             })
-            .await
+            .await;
+            drop(room);
+            // The put reports the break as its own; the intake knows why it broke.
+            if done.is_err()
+                && let Some(why) = tracked.stopped()
+            {
+                return stopped(state, why);
+            }
+            done
         }
         _ => {
-            let (value, room) =
-                match body_of(state, req, state.max_value_bytes, "kv.max_value_bytes").await {
-                    Ok(b) => b,
-                    Err(r) => return r,
-                };
+            let (value, room) = match body_of(
+                state,
+                conn,
+                req,
+                state.max_value_bytes,
+                "kv.max_value_bytes",
+            )
+            .await
+            {
+                Ok(b) => b,
+                Err(r) => return r,
+            };
             if value.is_empty() {
                 return error(StatusCode::BAD_REQUEST, "empty value");
             }
             let len = value.len() as u64;
-            decided_put(state, key.clone(), len, |start| {
-                state.store.put(key, value, start, room)
+            let done = decided_put(state, key.clone(), len, |start| {
+                state.store.put(key, value, start)
             })
-            .await
+            .await;
+            drop(room);
+            done
         }
     };
     match done {
@@ -189,13 +217,24 @@ const STREAM_PUT_FROM: u64 = 1 << 20;
 /// The JSON array of keys a batch call asks about, at most `kv.max_batch_keys` of at
 /// most `kv.max_key_bytes` each; its body is capped to fit them (and read under the
 /// budget, released once the keys are parsed).
-async fn keys_of(state: &KvState, req: Request<Incoming>) -> Result<Vec<Bytes>, Response<Body>> {
+async fn keys_of(
+    state: &KvState,
+    conn: &Conn,
+    req: Request<Incoming>,
+) -> Result<Vec<Bytes>, Response<Body>> {
     // Room for every key written with a few escapes, its quotes and a comma.
     let limit = state
         .max_batch_keys
         .saturating_mul(state.max_key_bytes.saturating_add(8))
         .saturating_add(2);
-    let (raw, _room) = body_of(state, req, limit, "kv.max_batch_keys x kv.max_key_bytes").await?;
+    let (raw, _room) = body_of(
+        state,
+        conn,
+        req,
+        limit,
+        "kv.max_batch_keys x kv.max_key_bytes",
+    )
+    .await?;
     let keys: Vec<String> = serde_json::from_slice(&raw).map_err(|e| {
         error(
             StatusCode::BAD_REQUEST,
@@ -229,9 +268,9 @@ async fn keys_of(state: &KvState, req: Request<Incoming>) -> Result<Vec<Bytes>, 
 
 /// `POST /v1/hints`: what the caller knows of the future, into the hint table (every
 /// hint of the call, or none: 400 naming the field, 413, 429).
-async fn hints(state: &KvState, req: Request<Incoming>) -> Response<Body> {
+async fn hints(state: &KvState, conn: &Conn, req: Request<Incoming>) -> Response<Body> {
     let limit = state.hints.max_body_bytes();
-    let (raw, _room) = match body_of(state, req, limit, "hints.max_body_bytes").await {
+    let (raw, _room) = match body_of(state, conn, req, limit, "hints.max_body_bytes").await {
         Ok(b) => b,
         Err(r) => {
             if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
@@ -253,8 +292,8 @@ async fn hints(state: &KvState, req: Request<Incoming>) -> Response<Body> {
     }
 }
 
-async fn exists(state: &KvState, req: Request<Incoming>) -> Response<Body> {
-    let keys = match keys_of(state, req).await {
+async fn exists(state: &KvState, conn: &Conn, req: Request<Incoming>) -> Response<Body> {
+    let keys = match keys_of(state, conn, req).await {
         Ok(k) if k.is_empty() => return reply(StatusCode::OK, "[]", "application/json"),
         Ok(k) => k,
         Err(r) => return r,
@@ -271,8 +310,8 @@ async fn exists(state: &KvState, req: Request<Incoming>) -> Response<Body> {
 
 /// `POST /v1/kv/batch/get`: one `BatchGetReplicaList`, then the values streamed as
 /// records in key order, part by part under the byte budget ([`super::batch`]).
-async fn batch_get(state: Arc<KvState>, req: Request<Incoming>) -> Response<Body> {
-    let keys = match keys_of(&state, req).await {
+async fn batch_get(state: Arc<KvState>, conn: &Conn, req: Request<Incoming>) -> Response<Body> {
+    let keys = match keys_of(&state, conn, req).await {
         Ok(k) if k.is_empty() => return reply(StatusCode::OK, "", super::records::CONTENT_TYPE),
         Ok(k) => k,
         Err(r) => return r,
@@ -299,8 +338,8 @@ async fn batch_get(state: Arc<KvState>, req: Request<Incoming>) -> Response<Body
 /// `POST /v1/kv/batch/put`: records read as they arrive and stored part by part; one
 /// outcome per record. A body that breaks off is answered with its status, and the
 /// outcomes of the records before the break (those were handled).
-async fn batch_put(state: &KvState, req: Request<Incoming>) -> Response<Body> {
-    let a = super::batch::put_parts(state, req.into_body()).await;
+async fn batch_put(state: &KvState, conn: &Conn, req: Request<Incoming>) -> Response<Body> {
+    let a = super::batch::put_parts(state, conn, req.into_body()).await;
     match a.broken {
         None => reply(
             StatusCode::OK,
@@ -315,15 +354,15 @@ async fn batch_put(state: &KvState, req: Request<Incoming>) -> Response<Body> {
     }
 }
 
-async fn route(state: Arc<KvState>, req: Request<Incoming>) -> Response<Body> {
+async fn route(state: Arc<KvState>, conn: &Conn, req: Request<Incoming>) -> Response<Body> {
     let path = req.uri().path().to_string();
     let method = req.method().clone();
     if method == Method::POST {
         match path.as_str() {
-            "/v1/kv/exists" => return exists(&state, req).await,
-            "/v1/kv/batch/get" => return batch_get(state, req).await,
-            "/v1/kv/batch/put" => return batch_put(&state, req).await,
-            "/v1/hints" => return hints(&state, req).await,
+            "/v1/kv/exists" => return exists(&state, conn, req).await,
+            "/v1/kv/batch/get" => return batch_get(state, conn, req).await,
+            "/v1/kv/batch/put" => return batch_put(&state, conn, req).await,
+            "/v1/hints" => return hints(&state, conn, req).await,
             _ => {}
         }
     }
@@ -358,7 +397,7 @@ async fn route(state: Arc<KvState>, req: Request<Incoming>) -> Response<Body> {
             Ok(None) => error(StatusCode::NOT_FOUND, "no such key"),
             Err(e) => error(status_of(&e), e),
         },
-        Method::PUT => put(&state, key, req).await,
+        Method::PUT => put(&state, conn, key, req).await,
         Method::DELETE => match state.store.remove(key).await {
             Ok(true) => reply(StatusCode::NO_CONTENT, "", "text/plain"),
             Ok(false) => error(StatusCode::NOT_FOUND, "no such key"),
@@ -447,19 +486,29 @@ pub async fn serve_unix(
     let _ = std::fs::remove_file(&path);
 }
 
+/// hyper's HTTP/1 read buffer at most (its default is ~400 KiB).
+const HTTP1_MAX_BUF: usize = 64 << 10;
+
 /// One connection, HTTP/1.1 or HTTP/2 (prior knowledge), until it ends.
 pub(super) async fn serve_conn<S>(io: S, state: Arc<KvState>)
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
+    // One view of the intake per connection: its bodies' share of the budget.
+    let conn = Arc::new(state.intake.conn());
     let svc = service_fn(move |req| {
-        let state = state.clone();
-        async move { Ok::<_, Infallible>(counted(state, req).await) }
+        let (state, conn) = (state.clone(), conn.clone());
+        async move { Ok::<_, Infallible>(counted(state, conn, req).await) }
     });
     let mut b = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    // hyper's read buffer grows to ~400 KiB per connection while a peer sends faster
+    // than its body is taken (a body waiting for budget room): a thousand stalled
+    // uploads held 400 MiB beyond the byte budget. 64 KiB keeps reads large enough for
+    // full speed and the flood's cost to 64 MiB at the connection cap.
     b.http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(Duration::from_secs(10));
+        .header_read_timeout(Duration::from_secs(10))
+        .max_buf_size(HTTP1_MAX_BUF);
     if let Err(e) = b.serve_connection(TokioIo::new(io), svc).await {
         tracing::debug!(error = %e, "kv connection ended with an error");
     }

@@ -25,8 +25,8 @@ pub struct KvState {
     pub max_key_bytes: usize,
     /// Value bytes per part of a batch call (see [`super::batch`]).
     pub batch_part_bytes: u64,
-    /// The rate a buffered request body must keep (`kv.min_body_bytes_per_second`).
-    pub min_body_rate: super::body::MinRate,
+    /// Request bodies in progress: rate floor, per-connection share, shedding.
+    pub intake: Arc<super::intake::Intake>,
     /// The policies that decide placement and admission of puts, as on the master face.
     pub policy: Arc<crate::policy::registry::Registry>,
     pub metrics: Arc<crate::kv::metrics::KvMetrics>,
@@ -37,9 +37,10 @@ pub struct KvState {
 /// The one place store errors become HTTP statuses.
 pub fn status_of(e: &StoreError) -> StatusCode {
     match e {
-        StoreError::Busy(_) | StoreError::MasterBusy | StoreError::NoLeader => {
-            StatusCode::SERVICE_UNAVAILABLE
-        }
+        StoreError::Busy(_)
+        | StoreError::MasterBusy
+        | StoreError::NoLeader
+        | StoreError::ConnectionShare { .. } => StatusCode::SERVICE_UNAVAILABLE,
         StoreError::Body(_) => StatusCode::BAD_REQUEST,
         StoreError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
         StoreError::Refused(ErrorCode::NO_AVAILABLE_HANDLE) => StatusCode::INSUFFICIENT_STORAGE,

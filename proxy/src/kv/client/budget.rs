@@ -1,8 +1,12 @@
 //! The node's in-flight byte budget (`kv.max_inflight_bytes`): every get and put
 //! reserves its value bytes before they move, and waits at most `kv.busy_wait_ms` for
-//! room; then it is refused busy (503) instead of queueing without bound.
+//! room; then it is refused busy (503) instead of queueing without bound. A reservation
+//! that finds the budget full first asks the budget's [`Reclaim`] (the API's stalled
+//! request bodies) to give bytes back, so stalled peers cannot hold the room others wait
+//! for.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use super::StoreError;
@@ -14,6 +18,14 @@ pub struct Budget {
     pub max_inflight_bytes: u64,
     /// How long a request waits for room before it is answered busy.
     pub busy_wait: Duration,
+}
+
+/// What can give budget bytes back when a reservation finds the budget full: asked
+/// (synchronously, without waiting) to free at least `need` bytes; returns how many it
+/// will free. The bytes come back when the holders drop their reservations, which the
+/// waiting reservation then takes within `kv.busy_wait_ms`.
+pub trait Reclaim: Send + Sync {
+    fn reclaim(&self, need: u64) -> u64;
 }
 
 /// Budget permits of a transfer in progress; returned on drop (a streamed value holds
@@ -43,6 +55,33 @@ pub struct ByteBudget {
     kib: u32,
     busy_wait: Duration,
     metrics: Arc<KvMetrics>,
+    reclaim: OnceLock<Arc<dyn Reclaim>>,
+    /// KiB the reservations waiting for room ask for.
+    waiting_kib: AtomicU64,
+}
+
+/// How often a reservation waiting for room asks the reclaimer again.
+const RECLAIM_EVERY: Duration = Duration::from_millis(100);
+
+/// A reservation's KiB counted as waiting while it is queued (also when its future is
+/// dropped mid-wait).
+struct Queued<'a> {
+    waiting: &'a AtomicU64,
+    kib: u64,
+}
+
+impl<'a> Queued<'a> {
+    fn new(waiting: &'a AtomicU64, kib: u32) -> Queued<'a> {
+        let kib = u64::from(kib);
+        waiting.fetch_add(kib, Ordering::Relaxed);
+        Queued { waiting, kib }
+    }
+}
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        self.waiting.fetch_sub(self.kib, Ordering::Relaxed);
+    }
 }
 
 impl ByteBudget {
@@ -53,7 +92,15 @@ impl ByteBudget {
             kib,
             busy_wait: b.busy_wait,
             metrics,
+            reclaim: OnceLock::new(),
+            waiting_kib: AtomicU64::new(0),
         }
+    }
+
+    /// Who is asked for bytes when the budget is full (set once; later calls are
+    /// ignored).
+    pub fn set_reclaim(&self, r: Arc<dyn Reclaim>) {
+        let _ = self.reclaim.set(r);
     }
 
     /// Value bytes in flight now (reserved by gets and puts in progress).
@@ -73,12 +120,46 @@ impl ByteBudget {
     }
 
     async fn permits(&self, kib: u32) -> Result<tokio::sync::OwnedSemaphorePermit, StoreError> {
+        match self.permits.clone().try_acquire_many_owned(kib) {
+            Ok(p) => return Ok(p),
+            Err(tokio::sync::TryAcquireError::NoPermits) => self.ask_reclaim(kib),
+            Err(tokio::sync::TryAcquireError::Closed) => {}
+        }
+        let _queued = Queued::new(&self.waiting_kib, kib);
         let wait = self.permits.clone().acquire_many_owned(kib);
-        match tokio::time::timeout(self.busy_wait, wait).await {
-            Ok(Ok(p)) => Ok(p),
-            _ => {
-                self.metrics.busy.inc();
-                Err(StoreError::Busy(self.inflight_bytes()))
+        tokio::pin!(wait);
+        let deadline = tokio::time::Instant::now() + self.busy_wait;
+        loop {
+            // Ask again while waiting (keeping the place in the queue): a body may
+            // become stalled long enough to be shed after this wait began.
+            let next = deadline.min(tokio::time::Instant::now() + RECLAIM_EVERY);
+            tokio::select! {
+                r = &mut wait => match r {
+                    Ok(p) => return Ok(p),
+                    Err(_) => break,
+                },
+                _ = tokio::time::sleep_until(next) => {
+                    if next >= deadline {
+                        break;
+                    }
+                    // Queued now: its own KiB are among the waiting ones.
+                    self.ask_reclaim(0);
+                }
+            }
+        }
+        self.metrics.busy.inc();
+        Err(StoreError::Busy(self.inflight_bytes()))
+    }
+
+    /// Asks the reclaimer for the room `kib` (not queued yet) lacks. The semaphore
+    /// serves waiters in order, so this one is served once those queued before it are:
+    /// their room too.
+    fn ask_reclaim(&self, kib: u32) {
+        if let Some(r) = self.reclaim.get() {
+            let wanted = u64::from(kib) + self.waiting_kib.load(Ordering::Relaxed);
+            let short = wanted.saturating_sub(self.permits.available_permits() as u64);
+            if short > 0 {
+                r.reclaim(short * 1024);
             }
         }
     }

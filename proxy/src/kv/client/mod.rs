@@ -68,6 +68,11 @@ pub enum StoreError {
     Busy(u64),
     #[error("busy: every master connection is in use (kv.master_connections); retry")]
     MasterBusy,
+    #[error(
+        "busy: this connection's bodies hold {held} bytes of the byte budget, at most {max} \
+         (kv.max_body_bytes_per_connection); retry when one has ended"
+    )]
+    ConnectionShare { held: u64, max: u64 },
     #[error("no master leader (HA failover in progress); retry")]
     NoLeader,
     #[error("the request body: {0}")]
@@ -211,6 +216,11 @@ impl Store {
     /// Reserves `bytes` of the in-flight budget, waiting at most `kv.busy_wait_ms`.
     pub async fn reserve(&self, bytes: u64) -> Result<Reserved, StoreError> {
         self.budget.reserve(bytes).await
+    }
+
+    /// Who gives budget bytes back when a reservation finds the budget full.
+    pub fn set_reclaim(&self, r: Arc<dyn budget::Reclaim>) {
+        self.budget.set_reclaim(r);
     }
 
     /// Adds `more` bytes to a reservation, waiting at most `kv.busy_wait_ms`.
@@ -411,15 +421,9 @@ impl Store {
     }
 
     /// Stores `value` under `key` with the given `PutStart` (from [`Store::put_start`],
-    /// possibly rewritten by a policy); `_room` is the budget the value was read under,
-    /// held until the put has ended.
-    pub async fn put(
-        &self,
-        key: Bytes,
-        value: Bytes,
-        start: Request,
-        _room: Reserved,
-    ) -> Result<(), StoreError> {
+    /// possibly rewritten by a policy). The caller holds the budget the value was read
+    /// under until this returns.
+    pub async fn put(&self, key: Bytes, value: Bytes, start: Request) -> Result<(), StoreError> {
         let resp = self.call(start).await?;
         let replicas = match resp {
             Response::PutStart(Ok(r)) => r,
@@ -572,7 +576,8 @@ impl Store {
     /// Stores a value of `len` bytes that arrives in `body`, passing each chunk on to
     /// every memory replica as it comes (no whole-value buffer; the caller's upload and
     /// the writes overlap). The whole transfer is bounded by `kv.timeout_ms`; a body
-    /// that breaks off or lies about its length revokes the put.
+    /// that breaks off or lies about its length revokes the put. The caller holds the
+    /// value's reservation in the byte budget until this returns.
     pub async fn put_streamed<B>(
         &self,
         key: Bytes,
@@ -584,7 +589,6 @@ impl Store {
         B: hyper::body::Body<Data = Bytes> + Unpin,
         B::Error: std::fmt::Display,
     {
-        let _room = self.reserve(len).await?;
         let replicas = match self.call(start).await? {
             Response::PutStart(Ok(r)) => r,
             Response::PutStart(Err(e)) => return Err(StoreError::Refused(e)),
