@@ -8,8 +8,9 @@
 //! beside it, or a registry reference), `POST /plugins/NAME/activate`, `POST /plugins/rollback`, `PUT /experiments`.
 //!
 //! `/ready` is 200 only while the upstream master (with HA masters: the current leader)
-//! answers `ServiceReady`, probed in the background by [`ready_probe`]; a sidecar whose
-//! master is gone must not take traffic.
+//! answers `ServiceReady`, probed in the background by [`ready_probe`] (a sidecar whose
+//! master is gone must not take traffic), and no client connection has had every data
+//! call refused for release skew (`master_face.bridge` off: its clients cannot work).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -79,6 +80,10 @@ impl AdminConfig {
 /// The request header carrying an uploaded plugin's minisign signature (base64 of the
 /// `.minisig` file's text).
 pub const SIGNATURE_HEADER: &str = "x-moongate-signature";
+
+/// How long a client whose every data call was refused for release skew keeps `/ready`
+/// at 503 after its last refused call (one that gave up or exited stops counting).
+const SKEW_STUCK_WITHIN: Duration = Duration::from_secs(30);
 
 /// State the admin endpoint reads.
 pub struct AdminState {
@@ -289,13 +294,23 @@ async fn route(
         return match path.as_str() {
             "/live" => text(StatusCode::OK, "live\n"),
             "/ready" => {
-                if state.ready.load(Ordering::Relaxed) {
-                    text(StatusCode::OK, "ready\n")
-                } else {
+                let skewed = state.topology.skew_stuck(SKEW_STUCK_WITHIN);
+                if !state.ready.load(Ordering::Relaxed) {
                     text(
                         StatusCode::SERVICE_UNAVAILABLE,
                         "not ready: the upstream master does not answer ServiceReady\n",
                     )
+                } else if skewed > 0 {
+                    text(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        format!(
+                            "not ready: {skewed} client process(es) of another Mooncake \
+                             release than the master's had every data call refused \
+                             (master_face.bridge is off)\n"
+                        ),
+                    )
+                } else {
+                    text(StatusCode::OK, "ready\n")
                 }
             }
             "/metrics" => {

@@ -195,7 +195,7 @@ fn the_dashboard_and_alerts_work_on_a_real_prometheus() {
     });
     let rules = prom.api("/api/v1/rules");
     let rs = rules["data"]["groups"][0]["rules"].as_array().unwrap();
-    assert_eq!(rs.len(), 11, "{rules}");
+    assert_eq!(rs.len(), 12, "{rules}");
     for r in rs {
         assert_eq!(r["health"], "ok", "{r}");
     }

@@ -24,6 +24,7 @@
 mod support;
 
 mod arm_shares;
+mod bridge;
 mod cli;
 mod codec_errors;
 mod codec_fixtures;

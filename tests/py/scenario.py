@@ -38,8 +38,10 @@ Roles:
   steps   mount --segment-mib of memory, print "READY <endpoint>", then do what each
           stdin line says and answer "READY <json>": `put PREFIX N SIZE` (one put per
           key; the return codes that were not 0), `get PREFIX N SIZE` (byte-exact
-          reads; the indices that failed), `exist PREFIX N` (batch_is_exist; the
-          indices missing); any shorter line closes.
+          reads; the indices that failed), `check PREFIX N SIZE` (reads where a miss
+          is allowed: "bad" the indices read back wrong, "missing" those absent),
+          `exist PREFIX N` (batch_is_exist; the indices missing); any shorter line
+          closes.
   place   put each of --count keys (--prefix) one call at a time (so a per-key policy
           decides each), then report every put's return code and where each replica
           landed (segment endpoint, from batch_get_replica_desc).
@@ -455,6 +457,14 @@ def steps(run):
         elif cmd[0] == "get":
             size = int(cmd[3])
             bad = [i for i, k in enumerate(keys) if s.get(k) != value(k, size)]
+        elif cmd[0] == "check":
+            # A miss is allowed (the value may be gone); a wrong value never is.
+            size = int(cmd[3])
+            got = [bytes(s.get(k)) for k in keys]
+            print("READY " + json.dumps({
+                "bad": [i for i, (k, g) in enumerate(zip(keys, got)) if g and g != value(k, size)],
+                "missing": [i for i, g in enumerate(got) if not g]}), flush=True)
+            continue
         elif cmd[0] == "exist":
             bad = [i for i, e in enumerate(s.batch_is_exist(keys)) if e != 1]
         else:

@@ -44,6 +44,49 @@ impl Request {
     pub fn lost_in(&self, schema: Schema) -> Vec<&'static str> {
         older::lost_in(self, schema)
     }
+
+    /// The tenant the call names (`None` for methods without one). A 0.3.11 call has
+    /// none on the wire and decodes with an empty one.
+    pub fn tenant_mut(&mut self) -> Option<&mut Bytes> {
+        Some(match self {
+            Request::PutStart(a) | Request::UpsertStart(a) => &mut a.tenant_id,
+            Request::PutEnd(a) | Request::UpsertEnd(a) => &mut a.tenant_id,
+            Request::PutRevoke(a) => &mut a.tenant_id,
+            Request::BatchPutStart(a) | Request::BatchUpsertStart(a) => &mut a.tenant_id,
+            Request::BatchPutEnd(a) => &mut a.tenant_id,
+            Request::BatchPutRevoke(a) => &mut a.tenant_id,
+            Request::BatchUpsertEnd(a) => &mut a.tenant_id,
+            Request::GetReplicaList(a) | Request::ExistKey(a) => &mut a.tenant_id,
+            Request::BatchGetReplicaList(a) | Request::BatchExistKey(a) => &mut a.tenant_id,
+            Request::Remove(a) => &mut a.tenant_id,
+            Request::RemoveAll(a) => &mut a.tenant_id,
+            _ => return None,
+        })
+    }
+}
+
+impl Response {
+    /// Whether the answer names a replica only 0.3.13 and later can describe (a DFS
+    /// replica: the fifth descriptor alternative), so it cannot be written in an older
+    /// client's layout without losing it.
+    pub fn needs_0_3_13(&self) -> bool {
+        use super::types::ReplicaLocation;
+        let dfs = |v: &[super::types::ReplicaDescriptor]| {
+            v.iter()
+                .any(|d| matches!(d.location, ReplicaLocation::DistributedFs(_)))
+        };
+        match self {
+            Response::PutStart(Ok(v)) | Response::UpsertStart(Ok(v)) => dfs(v),
+            Response::BatchPutStart(v) | Response::BatchUpsertStart(v) => {
+                v.iter().any(|e| e.as_ref().is_ok_and(|v| dfs(v)))
+            }
+            Response::GetReplicaList(Ok(r)) => dfs(&r.replicas),
+            Response::BatchGetReplicaList(v) => {
+                v.iter().any(|e| e.as_ref().is_ok_and(|r| dfs(&r.replicas)))
+            }
+            _ => false,
+        }
+    }
 }
 
 impl Response {

@@ -12,6 +12,7 @@
 //! - [`method`]: the 64 registered methods and their function ids.
 //! - [`generic`]: literal-driven decoding of any body.
 //! - [`keys`]: a batch's keys, kept in the bytes they arrived in.
+//! - [`release`]: which release a master is, from its answer to one probe call.
 
 pub mod error;
 pub mod frame;
@@ -22,6 +23,7 @@ pub mod message;
 pub mod method;
 pub mod older;
 pub mod pack;
+pub mod release;
 pub mod types;
 
 pub use error::{DecodeError, FrameError};

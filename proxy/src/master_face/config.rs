@@ -53,6 +53,23 @@ pub struct MasterFaceConfig {
     /// scheduler counts its hits: a key a budget refuses is a miss before a load is
     /// planned, not a failed load. Both calls grant the same read lease.
     pub steer_exists: bool,
+    /// Translate between releases: when a client's calls are in another release's
+    /// layout than the master's, each call is re-encoded in the master's layout and
+    /// each answer in the client's (docs/operations.md, "Upgrading Mooncake through
+    /// moongate"). Default true: without it such a pair fails every call whose layout
+    /// changed. `false`: relayed as received (counted, and logged once per connection).
+    pub bridge: bool,
+    /// The master's release: `auto` (default: asked of each new upstream connection
+    /// with one lookup of a key no client writes, one round trip) or `0.3.11`,
+    /// `0.3.12`, `0.3.13`, `0.3.14` (no probe; for a master behind something that
+    /// answers the probe for it).
+    pub upstream_release: String,
+    /// What a client connection runs before its calls tell (`auto`: the release of
+    /// the call itself). A 0.3.12 client's lookups have 0.3.13's layout, so until it
+    /// puts (or mounts) it cannot be told from a 0.3.13 client, but their answers
+    /// differ: set this to the fleet's older release while it is being upgraded, so a
+    /// reader that never put still gets answers it can read. Default `auto`.
+    pub client_release: String,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
@@ -77,6 +94,9 @@ impl Default for MasterFaceConfig {
             reencode: Reencode::OnChange,
             max_batch_keys: 0,
             steer_exists: true,
+            bridge: true,
+            upstream_release: "auto".into(),
+            client_release: "auto".into(),
         }
     }
 }
@@ -114,6 +134,32 @@ impl MasterFaceConfig {
             "master_face.connect_timeout_ms",
             self.connect_timeout_ms,
         );
+        if self.client_release != "auto"
+            && crate::codec::release::MasterRelease::parse(&self.client_release).is_none()
+        {
+            errs.push(format!(
+                "master_face.client_release: {:?} is not auto, 0.3.11, 0.3.12, 0.3.13 or 0.3.14",
+                self.client_release
+            ));
+        }
+        if self.upstream_release != "auto"
+            && crate::codec::release::MasterRelease::parse(&self.upstream_release).is_none()
+        {
+            errs.push(format!(
+                "master_face.upstream_release: {:?} is not auto, 0.3.11, 0.3.12, 0.3.13 or 0.3.14",
+                self.upstream_release
+            ));
+        }
+    }
+
+    /// The configured release of not-yet-identified clients, when not `auto`.
+    pub fn fixed_client_schema(&self) -> Option<crate::codec::Schema> {
+        crate::codec::release::MasterRelease::parse(&self.client_release).map(|r| r.schema())
+    }
+
+    /// The configured master release, when not `auto`.
+    pub fn fixed_release(&self) -> Option<crate::codec::release::MasterRelease> {
+        crate::codec::release::MasterRelease::parse(&self.upstream_release)
     }
     /// The etcd endpoints `upstream` names, when it is `etcd://...`.
     pub fn upstream_etcd(&self) -> Option<Vec<String>> {

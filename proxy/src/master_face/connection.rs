@@ -124,6 +124,58 @@ async fn identify(client: &TcpStream, peer: std::net::SocketAddr, shared: &Arc<S
     Joined(topo.join(key), topo)
 }
 
+/// The sequence number of the release probe: answered before any client call is
+/// relayed, so it cannot be confused with one.
+const PROBE_SEQ: u32 = u32::MAX;
+
+/// Asks the master its release ([`crate::codec::release`]) before the connection
+/// carries the client's calls: one round trip, within `connect_timeout_ms`. `None`
+/// (logged) when the answer tells none: calls are then relayed as received.
+async fn probe_release(
+    up: &mut TcpStream,
+    shared: &Shared,
+) -> Option<crate::codec::release::MasterRelease> {
+    use crate::codec::release;
+    let max = shared.cfg.max_frame_bytes;
+    shared.metrics.release_probes.inc();
+    let ask = async {
+        up.write_all(&release::probe(PROBE_SEQ)).await?;
+        let mut buf = BytesMut::with_capacity(1024);
+        loop {
+            match check_response(&buf, max) {
+                Ok(Some(h)) => {
+                    let (f, _) = ResponseFrame::split(&mut buf, h);
+                    return Ok(release::classify(&f));
+                }
+                Ok(None) => {}
+                Err(e) => return Err(std::io::Error::other(e.to_string())),
+            }
+            if up.read_buf(&mut buf).await? == 0 {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+        }
+    };
+    match tokio::time::timeout(shared.cfg.connect_timeout(), ask).await {
+        Ok(Ok(Some(r))) => Some(r),
+        Ok(Ok(None)) => {
+            tracing::warn!(
+                "the master's answer to the release probe names no known release; calls relayed as received"
+            );
+            None
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "release probe failed; calls relayed as received");
+            None
+        }
+        Err(_) => {
+            tracing::warn!(
+                "release probe unanswered within connect_timeout_ms; calls relayed as received"
+            );
+            None
+        }
+    }
+}
+
 /// Serves one accepted client connection until either side closes, it idles out, or
 /// shutdown drains it.
 pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Shared>) {
@@ -169,11 +221,16 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
     shared.metrics.upstream_connections_open.inc();
     tracing::debug!(%peer, "client connected");
 
+    let mut upstream = upstream;
+    let release = match cfg.fixed_release() {
+        Some(r) => Some(r),
+        None => probe_release(&mut upstream, &shared).await,
+    };
     let who = identify(&client, peer, &shared).await;
     let (cr, cw) = client.into_split();
     let (ur, uw) = upstream.into_split();
     let shell = Arc::new(Shell {
-        session: Mutex::new(Session::new(shared.clone(), who.0.clone())),
+        session: Mutex::new(Session::new(shared.clone(), who.0.clone()).with_master(release)),
         room: Notify::new(),
         local: Notify::new(),
     });

@@ -10,6 +10,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use crate::codec::method::METHOD_COUNT;
+use crate::codec::release::MasterRelease;
 use crate::codec::{Method, Schema};
 use crate::per_method::{ERROR_KINDS, ErrorLabels, LATENCY_BUCKETS, MethodLabel, MethodMetrics};
 
@@ -146,6 +147,20 @@ pub struct MasterFaceMetrics {
     /// Fields a policy set that a client's release cannot carry (left out).
     fields_dropped: Family<DroppedLabels, Counter>,
     warned_fields: std::sync::Mutex<std::collections::HashSet<(&'static str, Schema)>>,
+    /// Connections by the release of each side: `[client schema]`, `[master release]`.
+    peer_client: [Gauge; 3],
+    peer_master: [Gauge; 4],
+    /// Calls re-encoded from the client's release to the master's (answers back).
+    pub bridged: Counter,
+    /// Release probes sent (one `GetReplicaList` per upstream connection).
+    pub release_probes: Counter,
+    /// Calls refused because their layout differs from the master's and
+    /// `master_face.bridge` is off, by method.
+    skew_refused: Family<BridgeMethodLabel, Counter>,
+
+    /// Answers that the client's release cannot carry, by method (answered with an
+    /// error instead).
+    untranslatable: Family<BridgeMethodLabel, Counter>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -157,6 +172,17 @@ struct UnknownCodeLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct SchemaLabel {
     schema: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BridgeMethodLabel {
+    method: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PeerReleaseLabels {
+    side: &'static str,
+    release: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -342,7 +368,66 @@ impl MasterFaceMetrics {
              0.3.13 layout, without the section",
             compat_sections_dropped.clone(),
         );
+        let peer = Family::<PeerReleaseLabels, Gauge>::default();
+        registry.register(
+            "moongate_peer_release",
+            "Master-face connections by the Mooncake release of each side: side=client (from \
+             its calls' layouts, once one identified it; 0.3.13 includes 0.3.14) and \
+             side=master (probed at connect, or master_face.upstream_release)",
+            peer.clone(),
+        );
+        let peer_client = Schema::ALL.map(|s| {
+            peer.get_or_create(&PeerReleaseLabels {
+                side: "client",
+                release: s.label(),
+            })
+            .clone()
+        });
+        let peer_master = MasterRelease::ALL.map(|r| {
+            peer.get_or_create(&PeerReleaseLabels {
+                side: "master",
+                release: r.label(),
+            })
+            .clone()
+        });
+        let release_probes = Counter::default();
+        registry.register(
+            "moongate_master_release_probes",
+            "Release probes sent to the master: one GetReplicaList of a key no client \
+             writes per upstream connection (master_face.upstream_release = auto); the \
+             master counts them among its GetReplicaList calls",
+            release_probes.clone(),
+        );
+        let bridged = Counter::default();
+        registry.register(
+            "moongate_bridge_translated",
+            "Calls re-encoded from the client's Mooncake release to the master's (and their \
+             answers back): the two sides' releases differ and master_face.bridge is on",
+            bridged.clone(),
+        );
+        let skew_refused = Family::<BridgeMethodLabel, Counter>::default();
+        registry.register(
+            "moongate_bridge_skew_refused",
+            "Calls answered with an error because the client's release lays them (or their \
+             answers) out differently from the master's and master_face.bridge is off, by \
+             method (relayed, the master would fail them without a word to either side)",
+            skew_refused.clone(),
+        );
+
+        let untranslatable = Family::<BridgeMethodLabel, Counter>::default();
+        registry.register(
+            "moongate_bridge_untranslatable",
+            "Master answers the client's release cannot carry without losing meaning (a DFS \
+             replica for a client before 0.3.13), answered with an error instead, by method",
+            untranslatable.clone(),
+        );
         MasterFaceMetrics {
+            release_probes,
+            peer_client,
+            peer_master,
+            bridged,
+            skew_refused,
+            untranslatable,
             compat_sections_dropped,
             unknown_codes,
             warned_codes: Default::default(),
@@ -387,14 +472,44 @@ impl MasterFaceMetrics {
     pub fn schema_seen(&self, before: Option<Schema>, now: Schema) {
         if let Some(b) = before {
             self.schema_connections[b as usize].dec();
+            self.peer_client[b as usize].dec();
         }
         self.schema_connections[now as usize].inc();
+        self.peer_client[now as usize].inc();
         self.schema_identified[now as usize].inc();
     }
 
     /// A connection identified as `s` closed.
     pub fn schema_gone(&self, s: Schema) {
         self.schema_connections[s as usize].dec();
+        self.peer_client[s as usize].dec();
+    }
+
+    /// A connection's master is `r` (until [`Self::master_gone`]).
+    pub fn master_seen(&self, r: MasterRelease) {
+        self.peer_master[r as usize].inc();
+    }
+
+    pub fn master_gone(&self, r: MasterRelease) {
+        self.peer_master[r as usize].dec();
+    }
+
+    /// Counts a call of `method` refused for release skew.
+    pub fn skew_refused(&self, method: Method) {
+        self.skew_refused
+            .get_or_create(&BridgeMethodLabel {
+                method: method.name(),
+            })
+            .inc();
+    }
+
+    /// Counts an answer of `method` the client's release cannot carry.
+    pub fn untranslatable(&self, method: Method) {
+        self.untranslatable
+            .get_or_create(&BridgeMethodLabel {
+                method: method.name(),
+            })
+            .inc();
     }
 
     /// Client connections per identified release, in [`Schema::ALL`] order: open now,

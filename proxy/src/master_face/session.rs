@@ -39,6 +39,7 @@ use crate::calls::{self, AnswerExt, CallExt, Tracked};
 use crate::codec::frame::errc;
 use crate::codec::keys::Keys;
 use crate::codec::message::{Request, Response, RpcError, is_typed};
+use crate::codec::release::MasterRelease;
 use crate::codec::types::Uuid;
 use crate::codec::{
     BodyStyle, DecodeError, Method, RequestFrame, RequestHeader, ResponseFrame, ResponseHeader,
@@ -71,6 +72,9 @@ pub struct Entry {
     /// An existence check sent as the replica lookup of its keys (for the arm's
     /// plugin to steer): the client's method, whose answer it gets.
     pub exist: Option<Method>,
+    /// The call was translated into the master's release: its answer goes back in
+    /// this (the client's) style.
+    pub client_style: Option<BodyStyle>,
 }
 
 /// A request not yet answered to the client, in request order.
@@ -102,6 +106,12 @@ pub struct Session {
     client: Option<Uuid>,
     /// The Mooncake release this connection's calls identified, once one did.
     schema: Option<Schema>,
+    /// The master's release, when known (probed at connect, or configured).
+    master: Option<MasterRelease>,
+    /// The releases differ and that was logged (once per connection).
+    skew_logged: bool,
+    /// `master_face.client_release`, parsed once: what an unidentified client runs.
+    client_default: Option<Schema>,
     merge: Merge,
     to_master: BytesMut,
     to_client: BytesMut,
@@ -112,17 +122,24 @@ impl Drop for Session {
         if let Some(s) = self.schema {
             self.shared.metrics.schema_gone(s);
         }
+        if let Some(r) = self.master {
+            self.shared.metrics.master_gone(r);
+        }
     }
 }
 
 impl Session {
     pub fn new(shared: Arc<Shared>, peer: Arc<Peer>) -> Session {
+        let client_default = shared.cfg.fixed_client_schema();
         Session {
             shared,
             peer,
             queue: VecDeque::new(),
             client: None,
             schema: None,
+            master: None,
+            skew_logged: false,
+            client_default,
             merge: Merge::default(),
             to_master: BytesMut::with_capacity(64 << 10),
             to_client: BytesMut::with_capacity(64 << 10),
@@ -130,6 +147,16 @@ impl Session {
     }
 
     /// Whether another request may be handed in (the in-flight bound).
+    /// The master's release (calls and answers are translated when a client's
+    /// differs, `master_face.bridge`).
+    pub fn with_master(mut self, r: Option<MasterRelease>) -> Session {
+        if let Some(r) = r {
+            self.shared.metrics.master_seen(r);
+        }
+        self.master = r;
+        self
+    }
+
     pub fn has_room(&self) -> bool {
         self.queue.len() < self.shared.cfg.max_inflight_per_connection
     }
@@ -186,10 +213,12 @@ impl Session {
             &self.shared,
             &mut self.to_master,
             (&self.peer, &mut self.client, &mut self.schema),
+            (self.master, self.client_default, &mut self.skew_logged),
             frame,
             raw,
             method,
         );
+        let refused = matches!(next, Next::Refused(_));
         self.queue.push_back(match next {
             Next::Relayed => upstream(None, None),
             Next::Offload(call) => upstream(None, Some(call)),
@@ -203,7 +232,16 @@ impl Session {
             },
             Next::Forwarded(entry) => upstream(Some(entry), None),
             Next::Answered(bytes) => InFlight::Local(bytes),
+            Next::Refused(bytes) => {
+                self.shared.topology.skew_refused(&self.peer);
+                InFlight::Local(bytes)
+            }
         });
+        // Only a data call that went through shows the client works (its Pings and
+        // ServiceReady pass whatever the releases).
+        if !refused && method.is_some_and(moves_data) {
+            self.peer.data_call_passed();
+        }
         // A local answer with nothing before it goes out at once.
         self.drain_local();
     }
@@ -335,6 +373,8 @@ enum Next {
     Forwarded(Entry),
     /// Answered by moongate: these bytes go to the client when its turn comes.
     Answered(Bytes),
+    /// Refused for release skew (`master_face.bridge` off): answered like `Answered`.
+    Refused(Bytes),
 }
 
 /// Decodes, decides and forwards one request (what goes upstream is appended to `out`).
@@ -342,6 +382,7 @@ fn on_request(
     shared: &Shared,
     out: &mut BytesMut,
     (peer, client, schema): (&Peer, &mut Option<Uuid>, &mut Option<Schema>),
+    (master, client_default, skew_logged): (Option<MasterRelease>, Option<Schema>, &mut bool),
     frame: &RequestFrame,
     raw: &Bytes,
     method: Option<Method>,
@@ -361,8 +402,34 @@ fn on_request(
     {
         shared.metrics.schema_seen(*schema, s);
         *schema = Some(s);
+        peer.saw_release(s);
     }
-    let got = Received { frame, raw, style };
+    let (up, answer_style) = match bridge(
+        shared,
+        (&req, style, &frame.body),
+        master,
+        schema.or_else(|| peer.release()).or(client_default),
+        skew_logged,
+    ) {
+        Bridge::Same => (None, None),
+        Bridge::Translate { up, answer } => (Some(up), Some(answer)),
+        Bridge::Refuse { client, master } => {
+            shared.metrics.skew_refused(req.method());
+            m.error(ErrorKind::rpc, 1);
+            return Next::Refused(skew_refusal(
+                frame.header.seq_num,
+                req.method(),
+                client,
+                master,
+            ));
+        }
+    };
+    let got = Received {
+        frame,
+        raw,
+        style,
+        up,
+    };
     if let Some(id) = req.client_id() {
         *client = Some(id);
         peer.saw_client(id);
@@ -404,12 +471,14 @@ fn on_request(
                     frame: &frame,
                     raw,
                     style,
+                    up,
                 };
                 forward(shared, out, &got, lookup, true, &ticket)
             }
             None => forward(shared, out, &got, &req, false, &ticket),
         };
         let mut e = entry(shared, ticket, None, parts, &req);
+        e.client_style = answer_style;
         e.exist = as_lookup.as_ref().map(|_| req.method());
         if is_lookup || as_lookup.is_some() {
             // The decoded request is done with: its keys move, uncloned.
@@ -442,7 +511,9 @@ fn on_request(
             // Tracked from what went upstream: the table records the master's answer
             // to it, before denied keys are merged back (moongate's denials are not
             // memory pressure).
-            Next::Forwarded(entry(shared, ticket, fixup, parts, &request))
+            let mut e = entry(shared, ticket, fixup, parts, &request);
+            e.client_style = answer_style;
+            Next::Forwarded(e)
         }
         Sending::Answered { answer, .. } => {
             let denied = answer.error_count() as u64;
@@ -501,6 +572,7 @@ fn entry(
             .and_then(|_| Tracked::of(sent))
             .map(Box::new),
         exist: None,
+        client_style: None,
     }
 }
 
@@ -527,6 +599,159 @@ struct Received<'a> {
     frame: &'a RequestFrame,
     raw: &'a Bytes,
     style: BodyStyle,
+    /// The master's layout, when the call is translated into it (the releases differ).
+    up: Option<BodyStyle>,
+}
+
+/// Calls that store, find or remove values (not the connection's own upkeep).
+fn moves_data(m: Method) -> bool {
+    use Method::*;
+    matches!(
+        m,
+        PutStart
+            | PutEnd
+            | PutRevoke
+            | BatchPutStart
+            | BatchPutEnd
+            | BatchPutRevoke
+            | UpsertStart
+            | UpsertEnd
+            | BatchUpsertStart
+            | BatchUpsertEnd
+            | GetReplicaList
+            | BatchGetReplicaList
+            | ExistKey
+            | BatchExistKey
+            | Remove
+    )
+}
+
+/// What the two sides' releases mean for one call.
+#[derive(Clone, Copy)]
+enum Bridge {
+    /// Same layouts (or the master's release unknown): as usual.
+    Same,
+    /// Re-encoded in `up` (the master's style); the answer goes back in `answer`.
+    Translate { up: BodyStyle, answer: BodyStyle },
+    /// The layouts differ and `master_face.bridge` is off: refused with this message.
+    Refuse {
+        client: Schema,
+        master: MasterRelease,
+    },
+}
+
+/// Whether the releases' layouts differ for this call: its own (by type code: the
+/// call encoded in the master's layout keeps its code, or not) or its answer's (the
+/// answers naming replicas changed at 0.3.13).
+fn layouts_differ(req: &Request, style: BodyStyle, body: &Bytes, c: Schema, m: Schema) -> bool {
+    let answer_changed = matches!(
+        req.method(),
+        Method::PutStart
+            | Method::UpsertStart
+            | Method::BatchPutStart
+            | Method::BatchUpsertStart
+            | Method::GetReplicaList
+            | Method::BatchGetReplicaList
+    ) && ((c == Schema::V0_3_13) != (m == Schema::V0_3_13));
+    if answer_changed || style.schema == m {
+        return answer_changed;
+    }
+    let mut out = BytesMut::new();
+    req.encode_body(BodyStyle { schema: m, ..style }, &mut out);
+    older::code_of(&out) != older::code_of(body)
+}
+
+/// What to do with a call in `style` from a client known as `client` (what its
+/// connection or process identified, else `master_face.client_release`); logs a
+/// difference once per connection.
+fn bridge(
+    shared: &Shared,
+    (req, style, body): (&Request, BodyStyle, &Bytes),
+    master: Option<MasterRelease>,
+    client: Option<Schema>,
+    logged: &mut bool,
+) -> Bridge {
+    let Some(m) = master else {
+        return Bridge::Same;
+    };
+    // A call in 0.3.13's layout may come from a 0.3.12 client (lookups did not change):
+    // its process, or the configured fleet release, says which answer it reads; else it
+    // is taken to run the master's release (as without moongate: no translation), or
+    // 0.3.13 against a 0.3.11 master (whose layout it is not).
+    let c = match style.schema {
+        Schema::V0_3_13 if older::identifies(req.method(), style.schema).is_some() => {
+            Schema::V0_3_13
+        }
+        Schema::V0_3_13 => client.unwrap_or(match m.schema() {
+            Schema::V0_3_11 => Schema::V0_3_13,
+            same => same,
+        }),
+        s => s,
+    };
+    if m.schema() == c {
+        return Bridge::Same;
+    }
+    if !*logged {
+        *logged = true;
+        if shared.cfg.bridge {
+            tracing::info!(
+                client = c.label(),
+                master = m.label(),
+                "client and master releases differ: calls and answers translated"
+            );
+        } else {
+            tracing::warn!(
+                client = c.label(),
+                master = m.label(),
+                "client and master releases differ and master_face.bridge is off: calls whose layouts differ are refused"
+            );
+        }
+    }
+    if !shared.cfg.bridge {
+        return if layouts_differ(req, style, body, c, m.schema()) {
+            Bridge::Refuse {
+                client: c,
+                master: m,
+            }
+        } else {
+            Bridge::Same
+        };
+    }
+    shared.metrics.bridged.inc();
+    Bridge::Translate {
+        up: BodyStyle {
+            schema: m.schema(),
+            compat: false,
+            ..style
+        },
+        answer: BodyStyle { schema: c, ..style },
+    }
+}
+
+/// The answer to a call refused for release skew: the whole call fails with a
+/// message the client logs (`invalid_rpc_arguments`, as the master would answer it,
+/// but saying why).
+fn skew_refusal(seq: u32, method: Method, client: Schema, master: MasterRelease) -> Bytes {
+    let msg = format!(
+        "moongate: {method} from a Mooncake {} client cannot go to the {} master as it is \
+         (their layouts differ) and master_face.bridge is off",
+        client.label(),
+        master.label()
+    );
+    let mut body = BytesMut::new();
+    RpcError {
+        code: u16::from(errc::INVALID_RPC_ARGUMENTS),
+        message: Bytes::from(msg),
+    }
+    .encode_body(BodyStyle::MOONCAKE, &mut body);
+    let mut out = BytesMut::with_capacity(16 + body.len());
+    ResponseFrame {
+        header: ResponseHeader::new(seq, errc::INVALID_RPC_ARGUMENTS, body.len() as u32),
+        body: body.freeze(),
+        attachment: Bytes::new(),
+    }
+    .write(&mut out);
+    out.freeze()
 }
 
 /// Sends `req` upstream: as received, re-encoded (`changed`, or `reencode = "always"`),
@@ -539,7 +764,30 @@ fn forward(
     changed: bool,
     ticket: &Ticket,
 ) -> usize {
-    let Received { frame, raw, style } = *got;
+    let Received {
+        frame,
+        raw,
+        style,
+        up,
+    } = *got;
+    // Translated: written in the master's layout, a 0.3.11 call given the tenant its
+    // Python client names in later releases.
+    let translated;
+    let (req, style, changed) = match up {
+        Some(up) => {
+            translated = match (style.schema, req.clone()) {
+                (Schema::V0_3_11, mut r) => {
+                    if let Some(t) = r.tenant_mut().filter(|t| t.is_empty()) {
+                        *t = Bytes::from_static(b"default");
+                    }
+                    r
+                }
+                (_, r) => r,
+            };
+            (&translated, up, true)
+        }
+        None => (req, style, changed),
+    };
     // An attachment cannot be cut with the keys; batch calls never carry one.
     if frame.attachment.is_empty() {
         let points = split::points(
@@ -688,6 +936,50 @@ impl<'a> Answering<'a> {
         self.reply(resp, style, frame.header, &frame.attachment, Some(raw), out);
     }
 
+    /// An answer the client's release cannot carry: the call fails as a whole with a
+    /// message the client logs, counted, instead of bytes it would misread.
+    fn untranslatable(
+        &self,
+        method: Method,
+        client: BodyStyle,
+        header: ResponseHeader,
+        out: &mut BytesMut,
+    ) {
+        self.shared.metrics.untranslatable(method);
+        self.m.error(ErrorKind::rpc, 1);
+        if let Some(e) = self.entry {
+            e.ticket.finish(&Outcome {
+                method: method.name(),
+                code: -900,
+                failed: true,
+                latency: Some(self.latency),
+                keys: 0,
+            });
+        }
+        let msg = format!(
+            "moongate: the master's answer to {method} names a DFS replica, which a Mooncake \
+             {} client cannot read",
+            client.schema.label()
+        );
+        tracing::warn!(%method, client = client.schema.label(), "answer untranslatable to the client's release");
+        let mut body = BytesMut::new();
+        RpcError {
+            code: u16::from(errc::RPC_THROW_EXCEPTION),
+            message: Bytes::from(msg),
+        }
+        .encode_body(BodyStyle::MOONCAKE, &mut body);
+        ResponseFrame {
+            header: ResponseHeader::new(
+                header.seq_num,
+                errc::RPC_THROW_EXCEPTION,
+                body.len() as u32,
+            ),
+            body: body.freeze(),
+            attachment: Bytes::new(),
+        }
+        .write(out);
+    }
+
     /// The master (or a part of a split call) failed the call as a whole.
     fn transport_error(&self, err_code: u8, body: &Bytes) {
         self.m.error(ErrorKind::rpc, 1);
@@ -744,6 +1036,18 @@ impl<'a> Answering<'a> {
                 .steer_lookup(e.ticket.arm(), keys, &mut resp);
         }
         let mut style = style;
+        // A translated call's answer goes back in the client's release.
+        let bridged = entry.and_then(|e| e.client_style);
+        if let Some(cs) = bridged {
+            if cs.schema != Schema::V0_3_13 && resp.needs_0_3_13() {
+                self.untranslatable(resp.method(), cs, header, out);
+                return;
+            }
+            style = BodyStyle {
+                compat: false,
+                ..cs
+            };
+        }
         if entry.is_some_and(|e| e.exist.is_some()) {
             // An existence check sent as a lookup: the client gets its own answer.
             resp = match calls::exist::from_lookup(resp) {
@@ -786,7 +1090,10 @@ impl<'a> Answering<'a> {
         }
         match raw {
             Some(raw)
-                if fixup.is_none() && !steered && self.shared.cfg.reencode != Reencode::Always =>
+                if fixup.is_none()
+                    && !steered
+                    && bridged.is_none()
+                    && self.shared.cfg.reencode != Reencode::Always =>
             {
                 out.extend_from_slice(raw)
             }
@@ -816,7 +1123,10 @@ mod tests {
     use super::*;
     use crate::codec::frame::{check_request, check_response};
     use crate::codec::message::{BatchPutStartArgs, KeyArgs, KeysArgs, PutStartArgs};
-    use crate::codec::types::{ErrorCode, ReplicateConfig};
+    use crate::codec::types::{
+        BufferDescriptor, DfsDescriptor, ErrorCode, MemoryDescriptor, ReplicaDescriptor,
+        ReplicaLocation, ReplicaStatus, ReplicateConfig,
+    };
     use crate::codec::{RequestHeader, ResponseHeader};
     use crate::master_face::config::MasterFaceConfig;
     use crate::metrics::Metrics;
@@ -1025,6 +1335,142 @@ mod tests {
         assert!(s.poll_to_master().is_none());
         assert_eq!(replies(s.poll_to_client())[0].0, 9);
         assert_eq!(s.in_flight(), 0);
+    }
+
+    /// A request in `schema`'s layout.
+    fn request_in(seq: u32, req: &Request, schema: Schema) -> (RequestFrame, Bytes) {
+        let mut body = BytesMut::new();
+        let style = BodyStyle {
+            schema,
+            ..BodyStyle::MOONCAKE
+        };
+        req.encode_body(style, &mut body);
+        let mut raw = BytesMut::new();
+        RequestHeader::new(seq, req.method().function_id(), body.len() as u32).write(&mut raw);
+        raw.extend_from_slice(&body);
+        let h = check_request(&raw, 1 << 20).unwrap().unwrap();
+        RequestFrame::split(&mut raw, h)
+    }
+
+    /// A master answer in `schema`'s layout.
+    fn answer_in(seq: u32, resp: &Response, schema: Schema) -> (ResponseFrame, Bytes) {
+        let mut body = BytesMut::new();
+        let style = BodyStyle {
+            schema,
+            ..BodyStyle::MOONCAKE
+        };
+        resp.encode_body(style, &mut body);
+        frame(ResponseHeader::new(seq, errc::OK, body.len() as u32), body)
+    }
+
+    fn replica(location: ReplicaLocation) -> ReplicaDescriptor {
+        ReplicaDescriptor {
+            id: 1,
+            location,
+            status: ReplicaStatus::COMPLETE,
+        }
+    }
+
+    fn memory() -> ReplicaLocation {
+        ReplicaLocation::Memory(MemoryDescriptor {
+            buffer_descriptor: BufferDescriptor {
+                size: 10,
+                buffer_address: 4096,
+                protocol: key("tcp"),
+                transport_endpoint: key("127.0.0.1:1"),
+            },
+        })
+    }
+
+    #[test]
+    fn a_call_to_a_master_of_another_release_goes_in_its_layout_and_comes_back_in_the_clients() {
+        let (s, shared) = session(Arc::new(Fake::new("p")));
+        let mut s = s.with_master(Some(MasterRelease::V0_3_12));
+        let now = Instant::now();
+        // A 0.3.13 put to a 0.3.12 master: the master's layout upstream.
+        let (f, raw) = request(1, &put("k"));
+        s.handle_request(&f, &raw, now);
+        let mut up = BytesMut::from(&s.poll_to_master().unwrap()[..]);
+        let h = check_request(&up, 1 << 20).unwrap().unwrap();
+        let (upf, _) = RequestFrame::split(&mut up, h);
+        let (req, style) = Request::decode(Method::PutStart, &upf.body)
+            .unwrap()
+            .unwrap();
+        assert_eq!(style.schema, Schema::V0_3_12);
+        assert_eq!(req, put("k"));
+        // Its answer in the 0.3.12 layout goes back in the client's (0.3.13).
+        let resp = Response::PutStart(Ok(vec![replica(memory())]));
+        let (f, raw) = answer_in(1, &resp, Schema::V0_3_12);
+        s.handle_response(&f, &raw, now);
+        let out = replies(s.poll_to_client());
+        let (back, style) = Response::decode(Method::PutStart, &out[0].2.body)
+            .unwrap()
+            .unwrap();
+        assert_eq!((back, style.schema), (resp, Schema::V0_3_13));
+        assert_eq!(shared.metrics.bridged.get(), 1);
+    }
+
+    #[test]
+    fn an_answer_an_older_client_cannot_read_fails_the_call_with_a_reason() {
+        let all = Metrics::new();
+        let (s, _) = session_in(MasterFaceConfig::default(), Arc::new(Fake::new("p")), &all);
+        let mut s = s.with_master(Some(MasterRelease::V0_3_13));
+        let now = Instant::now();
+        // A 0.3.12 put whose replica the 0.3.13 master puts on a DFS.
+        let (f, raw) = request_in(3, &put("k"), Schema::V0_3_12);
+        s.handle_request(&f, &raw, now);
+        assert_eq!(sent(s.poll_to_master()).len(), 1);
+        let dfs = ReplicaLocation::DistributedFs(DfsDescriptor {
+            file_path: key("/dfs/k"),
+            offset: 0,
+            object_size: 10,
+            aligned_size: 4096,
+            shard_idx: 0,
+        });
+        let (f, raw) = answer(3, &Response::PutStart(Ok(vec![replica(dfs)])));
+        s.handle_response(&f, &raw, now);
+        let out = replies(s.poll_to_client());
+        assert_eq!((out[0].0, out[0].1), (3, errc::RPC_THROW_EXCEPTION));
+        let (e, _) = RpcError::decode(out[0].1, &out[0].2.body).unwrap();
+        assert!(
+            String::from_utf8_lossy(&e.message).contains("DFS replica"),
+            "{e:?}"
+        );
+        assert!(
+            all.encode()
+                .contains("moongate_bridge_untranslatable_total{method=\"PutStart\"} 1")
+        );
+    }
+
+    #[test]
+    fn with_the_bridge_off_a_call_whose_layouts_differ_is_refused_and_one_that_matches_goes() {
+        let cfg = MasterFaceConfig {
+            bridge: false,
+            ..Default::default()
+        };
+        let all = Metrics::new();
+        let (s, _) = session_in(cfg, Arc::new(Fake::new("p")), &all);
+        let mut s = s.with_master(Some(MasterRelease::V0_3_12));
+        let now = Instant::now();
+        // A 0.3.13 put: refused here, nothing upstream.
+        let (f, raw) = request(1, &put("k"));
+        s.handle_request(&f, &raw, now);
+        assert!(s.poll_to_master().is_none_or(|b| b.is_empty()));
+        let out = replies(s.poll_to_client());
+        assert_eq!(out[0].1, errc::INVALID_RPC_ARGUMENTS);
+        let (e, _) = RpcError::decode(out[0].1, &out[0].2.body).unwrap();
+        assert!(
+            String::from_utf8_lossy(&e.message).contains("master_face.bridge is off"),
+            "{e:?}"
+        );
+        // An existence check has one layout and one answer in both: it goes.
+        let (f, raw) = request(2, &exist("k"));
+        s.handle_request(&f, &raw, now);
+        assert_eq!(sent(s.poll_to_master()).len(), 1);
+        assert!(
+            all.encode()
+                .contains("moongate_bridge_skew_refused_total{method=\"PutStart\"} 1")
+        );
     }
 
     #[test]

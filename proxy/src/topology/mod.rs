@@ -83,7 +83,20 @@ pub struct Peer {
     recent: Mutex<HashMap<u64, u64, foldhash::fast::RandomState>>,
     /// Last time a connection of this peer closed (ms), for pruning.
     left_ms: AtomicU64,
+    /// The Mooncake release its calls identified (1 + [`Schema`] index; 0: not yet),
+    /// for its later connections: a process runs one release, and a reconnected
+    /// client's first calls (lookups) may not tell it again. Process peers only: an
+    /// address may be several processes.
+    release: std::sync::atomic::AtomicU8,
+    /// Release skew with `master_face.bridge` off: [`SKEW_STUCK`] once a call was
+    /// refused before any data call went through, [`SKEW_WORKS`] once one did.
+    skew: std::sync::atomic::AtomicU8,
+    /// When (ms on the topology's clock) a call of it was last refused for skew.
+    skew_at_ms: AtomicU64,
 }
+
+const SKEW_STUCK: u8 = 1;
+const SKEW_WORKS: u8 = 2;
 
 impl Peer {
     fn new(key: PeerKey) -> Peer {
@@ -106,6 +119,9 @@ impl Peer {
             lookups: AtomicU64::new(0),
             recent: Mutex::new(HashMap::default()),
             left_ms: AtomicU64::new(0),
+            release: Default::default(),
+            skew: Default::default(),
+            skew_at_ms: AtomicU64::new(0),
         }
     }
 
@@ -121,6 +137,28 @@ impl Peer {
 
     /// Remembers the client id a call carried (the first one is kept: a process runs one
     /// Mooncake client; an owner's dummies' calls carry the owner's).
+    /// A data call of it went through: it works, whatever was refused before.
+    pub fn data_call_passed(&self) {
+        if self.skew.load(Ordering::Relaxed) == SKEW_STUCK {
+            self.skew.store(SKEW_WORKS, Ordering::Relaxed);
+        }
+    }
+
+    /// Its calls identified release `s`.
+    pub fn saw_release(&self, s: crate::codec::Schema) {
+        if self.assign.is_some() {
+            self.release.store(1 + s as u8, Ordering::Relaxed);
+        }
+    }
+
+    /// The release an earlier connection of this process identified.
+    pub fn release(&self) -> Option<crate::codec::Schema> {
+        match self.release.load(Ordering::Relaxed) {
+            0 => None,
+            n => crate::codec::Schema::ALL.get(usize::from(n - 1)).copied(),
+        }
+    }
+
     pub fn saw_client(&self, id: Uuid) {
         if id == Uuid::default() || self.client_known.load(Ordering::Relaxed) {
             return;
@@ -202,6 +240,28 @@ impl Topology {
 
     fn now_ms(&self) -> u64 {
         self.clock.elapsed().as_millis() as u64
+    }
+
+    /// A call of `peer` was refused for release skew (`master_face.bridge` off).
+    pub fn skew_refused(&self, peer: &Peer) {
+        let _ = peer
+            .skew
+            .compare_exchange(0, SKEW_STUCK, Ordering::Relaxed, Ordering::Relaxed);
+        peer.skew_at_ms.store(self.now_ms(), Ordering::Relaxed);
+    }
+
+    /// Peers whose every data call was refused for release skew, the last within
+    /// `within` (a client that gave up, or exited, stops counting after it).
+    pub fn skew_stuck(&self, within: std::time::Duration) -> usize {
+        let now = self.now_ms();
+        let within = within.as_millis() as u64;
+        lock(&self.peers)
+            .values()
+            .filter(|p| {
+                p.skew.load(Ordering::Relaxed) == SKEW_STUCK
+                    && now.saturating_sub(p.skew_at_ms.load(Ordering::Relaxed)) < within
+            })
+            .count()
     }
 
     /// The identity of a new connection's peer (`ours`: the address it reached,
