@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::real_mooncake::{assert_all_data_ok, scenario_on};
+use crate::real_mooncake::{assert_all_data_ok, decode_errors, scenario_on};
 use crate::support::*;
 
 fn release(name: &'static str) -> Option<Release> {
@@ -90,10 +90,7 @@ fn pair_works_through_moongate(client: &'static str, master: &'static str, extra
         "{}",
         mg.proc.log_text()
     );
-    let decode_errors: Vec<&str> = metrics
-        .lines()
-        .filter(|l| l.contains("kind=\"decode\"}") && !l.ends_with(" 0"))
-        .collect();
+    let decode_errors = decode_errors(&metrics);
     assert!(decode_errors.is_empty(), "{c} -> {mr}: {decode_errors:?}");
     assert!(
         !metrics.contains("moongate_bridge_untranslatable_total{"),

@@ -307,40 +307,6 @@ fn a_connection_flood_on_every_listener_is_capped_and_real_clients_are_served() 
     );
 }
 
-/// Bodies and key lists a hostile client sends: slow (408 after kv.timeout_ms, its
-/// reservation given back), announced huge (413 before a byte is read), endless key
-/// lists (413 at the cap), unannounced bodies beyond the byte budget (503 past it, the
-/// budget never exceeded), keys too long (400), idle connections (closed); a
-/// well-behaved client is served throughout.
-/// One HTTP/1.1 request with a body on a stream (`Connection: close`): the status and
-/// the answer's body (the answers here carry a Content-Length).
-fn request_over<S: Read + Write>(
-    mut s: S,
-    method: &str,
-    path: &str,
-    body: &[u8],
-) -> (u16, Vec<u8>) {
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    )
-    .unwrap();
-    s.write_all(body).unwrap();
-    let mut out = Vec::new();
-    s.read_to_end(&mut out).unwrap();
-    let head_end = out
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .map_or(out.len(), |p| p + 4);
-    let status = String::from_utf8_lossy(&out[..head_end])
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    (status, out[head_end..].to_vec())
-}
-
 /// Opens `n` connections with `open` and starts on each a chunked PUT whose body never
 /// finishes (one 16 KiB piece, then nothing): what a stalled or malicious client holds.
 fn stalled_puts<S: Write>(n: usize, mut open: impl FnMut() -> S) -> Vec<S> {
@@ -395,7 +361,7 @@ fn stalled_bodies_at_the_cap_are_shed_for_new_clients() {
         let started = Instant::now();
         // A new connection each round (the GETs' client keeps its own).
         let path = format!("/v1/kv/shed%2Fv{round}");
-        let (st, _) = request_over(TcpStream::connect(&kv).unwrap(), "PUT", &path, &value);
+        let (st, _) = request_over(TcpStream::connect(&kv).unwrap(), "PUT", &path, &value).unwrap();
         assert_eq!(st, 201, "round {round}\n{}", mg.proc.log_text());
         let (st, got) = http_bytes(&kv, "GET", &format!("/v1/kv/shed%2Fv{round}"), &[]).unwrap();
         assert!(st == 200 && got == value, "round {round}: {st}");
@@ -434,9 +400,11 @@ fn stalled_bodies_at_the_cap_are_shed_for_new_clients() {
     let small = value_of("shed/u", 100_000);
     for round in 0..3 {
         let path = format!("/v1/kv/shed%2Fu{round}");
-        let (st, _) = request_over(UnixStream::connect(&unix).unwrap(), "PUT", &path, &small);
+        let (st, _) =
+            request_over(UnixStream::connect(&unix).unwrap(), "PUT", &path, &small).unwrap();
         assert_eq!(st, 201, "round {round}\n{}", mg.proc.log_text());
-        let (st, got) = request_over(UnixStream::connect(&unix).unwrap(), "GET", &path, &[]);
+        let (st, got) =
+            request_over(UnixStream::connect(&unix).unwrap(), "GET", &path, &[]).unwrap();
         assert!(
             st == 200 && got == small,
             "round {round}: {st}, {} bytes",
@@ -581,6 +549,11 @@ fn a_body_below_the_minimum_rate_is_answered_408_and_a_steady_one_is_taken() {
     assert!(st == 200 && got == vec![3u8; 20 * (32 << 10)], "{st}");
 }
 
+/// Bodies and key lists a hostile client sends: slow (408 after kv.timeout_ms, its
+/// reservation given back), announced huge (413 before a byte is read), endless key
+/// lists (413 at the cap), unannounced bodies beyond the byte budget (503 past it, the
+/// budget never exceeded), keys too long (400), idle connections (closed); a
+/// well-behaved client is served throughout.
 #[test]
 fn hostile_bodies_are_bounded_and_a_well_behaved_client_is_served() {
     let master = Master::start();

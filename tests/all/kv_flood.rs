@@ -11,7 +11,6 @@
 //! good client's value sheds the stalled bodies it needs room from. (Shedding at the
 //! connection cap has its own test in `kv_bounds`.)
 
-use std::io::{Read, Write};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -74,32 +73,6 @@ impl Target {
             ),
         }
     }
-}
-
-fn request_over<S: Read + Write>(
-    mut s: S,
-    method: &str,
-    path: &str,
-    body: &[u8],
-) -> std::io::Result<(u16, Vec<u8>)> {
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    )?;
-    s.write_all(body)?;
-    let mut out = Vec::new();
-    s.read_to_end(&mut out)?;
-    let head_end = out
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .map_or(out.len(), |p| p + 4);
-    let status = String::from_utf8_lossy(&out[..head_end])
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    Ok((status, out[head_end..].to_vec()))
 }
 
 /// What the flood saw: connections that sent their whole 256 KiB, and those closed or

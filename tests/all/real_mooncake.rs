@@ -30,6 +30,14 @@ pub(crate) fn scenario_on(
     (owner_res, reader)
 }
 
+/// The master-face decode-error samples of a metrics page that are not 0.
+pub(crate) fn decode_errors(metrics: &str) -> Vec<&str> {
+    metrics
+        .lines()
+        .filter(|l| l.contains("kind=\"decode\"}") && !l.ends_with(" 0"))
+        .collect()
+}
+
 pub(crate) fn assert_all_data_ok(v: &Value) {
     // every {"ok": ...} in the results must be true (byte-for-byte checks)
     match v {

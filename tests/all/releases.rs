@@ -162,10 +162,7 @@ fn scenario_matches_the_direct_run(release: &'static str) {
     assert_eq!(via.1, direct.1, "{release}: reader results differ");
     assert_eq!(via.0, direct.0, "{release}: owner results differ");
     let m = mg.metrics();
-    let decode_errors: Vec<&str> = m
-        .lines()
-        .filter(|l| l.contains("kind=\"decode\"}") && !l.ends_with(" 0"))
-        .collect();
+    let decode_errors = crate::real_mooncake::decode_errors(&m);
     assert!(decode_errors.is_empty(), "{release}: {decode_errors:?}");
     assert!(
         !m.contains("moongate_master_unknown_type_codes_total{"),

@@ -929,3 +929,31 @@ impl Etcd {
         self.proc = Etcd::spawn(&self.cmd, &self.dir, &self.endpoint, "etcd-restarted.log");
     }
 }
+
+/// One HTTP/1.1 request with a body on a stream (`Connection: close`): the status and
+/// the answer's body (the kv face's answers carry a Content-Length or end the stream).
+pub fn request_over<S: std::io::Read + std::io::Write>(
+    mut s: S,
+    method: &str,
+    path: &str,
+    body: &[u8],
+) -> std::io::Result<(u16, Vec<u8>)> {
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    )?;
+    s.write_all(body)?;
+    let mut out = Vec::new();
+    s.read_to_end(&mut out)?;
+    let head_end = out
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map_or(out.len(), |p| p + 4);
+    let status = String::from_utf8_lossy(&out[..head_end])
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    Ok((status, out[head_end..].to_vec()))
+}

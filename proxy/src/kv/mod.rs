@@ -167,6 +167,7 @@ pub async fn start(
         max_key_bytes: cfg.max_key_bytes,
         batch_part_bytes: cfg.batch_part_bytes,
         intake,
+        http1_read_buffer: cfg.http1_read_buffer_bytes,
         policy,
         metrics: metrics.clone(),
         hints,

@@ -412,6 +412,7 @@ mod tests {
                 },
                 all.kv.clone(),
             ),
+            http1_read_buffer: 64 << 10,
             policy: Registry::with_policies(
                 PolicyConfig::default(),
                 None,

@@ -486,9 +486,6 @@ pub async fn serve_unix(
     let _ = std::fs::remove_file(&path);
 }
 
-/// hyper's HTTP/1 read buffer at most (its default is ~400 KiB).
-const HTTP1_MAX_BUF: usize = 64 << 10;
-
 /// One connection, HTTP/1.1 or HTTP/2 (prior knowledge), until it ends.
 pub(super) async fn serve_conn<S>(io: S, state: Arc<KvState>)
 where
@@ -496,19 +493,19 @@ where
 {
     // One view of the intake per connection: its bodies' share of the budget.
     let conn = Arc::new(state.intake.conn());
+    let read_buffer = state.http1_read_buffer;
     let svc = service_fn(move |req| {
         let (state, conn) = (state.clone(), conn.clone());
         async move { Ok::<_, Infallible>(counted(state, conn, req).await) }
     });
     let mut b = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-    // hyper's read buffer grows to ~400 KiB per connection while a peer sends faster
-    // than its body is taken (a body waiting for budget room): a thousand stalled
-    // uploads held 400 MiB beyond the byte budget. 64 KiB keeps reads large enough for
-    // full speed and the flood's cost to 64 MiB at the connection cap.
+    // hyper's read buffer grows to ~400 KiB per connection (its default) while a peer
+    // sends faster than its body is taken (a body waiting for budget room): a thousand
+    // stalled uploads held 400 MiB beyond the byte budget (kv.http1_read_buffer_bytes).
     b.http1()
         .timer(TokioTimer::new())
         .header_read_timeout(Duration::from_secs(10))
-        .max_buf_size(HTTP1_MAX_BUF);
+        .max_buf_size(read_buffer);
     if let Err(e) = b.serve_connection(TokioIo::new(io), svc).await {
         tracing::debug!(error = %e, "kv connection ended with an error");
     }

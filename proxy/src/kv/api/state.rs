@@ -27,6 +27,8 @@ pub struct KvState {
     pub batch_part_bytes: u64,
     /// Request bodies in progress: rate floor, per-connection share, shedding.
     pub intake: Arc<super::intake::Intake>,
+    /// hyper's HTTP/1 read buffer per connection at most (`kv.http1_read_buffer_bytes`).
+    pub http1_read_buffer: usize,
     /// The policies that decide placement and admission of puts, as on the master face.
     pub policy: Arc<crate::policy::registry::Registry>,
     pub metrics: Arc<crate::kv::metrics::KvMetrics>,
