@@ -27,7 +27,8 @@ With `--hints-pub ENDPOINT` the index publishes the same hints instead, on a Zer
 it binds, each message tagged with the picked rank's name (its first frame); each rank's
 moongate subscribes with `[hints] subscribe = ["tcp://ROUTER:PORT"]` and
 `subscribe_topic = "NAME"`. A hint for a rank whose moongate has not subscribed (within
-a second) is not sent: the answer line says `"hint_error"`.
+`--hints-wait-s`, 5 s by default: a moongate reconnects within a second, longer on a
+busy host) is not sent: the answer line says `"hint_error"`.
 
   python deploy/examples/kv_router.py --rank rank0=tcp://10.0.0.1:5557,tcp://10.0.0.1:5558 \
       --hints-pub tcp://0.0.0.0:5590
@@ -244,7 +245,7 @@ class HintPublisher:
     def _subscribed(self, topic):
         return any(n > 0 and topic.startswith(t) for t, n in self.topics.items())
 
-    def send(self, rank, hashes, session, wait_s=1.0):
+    def send(self, rank, hashes, session, wait_s):
         """Publishes `hashes` as upcoming for `rank`; returns how many were sent."""
         topic = rank.encode()
         deadline = time.monotonic() + wait_s
@@ -272,6 +273,9 @@ def main():
     p.add_argument("--hints-pub", metavar="ENDPOINT",
                    help="publish those hints on a ZeroMQ socket bound here instead, "
                         "topic = the rank's name, for moongates' hints.subscribe")
+    p.add_argument("--hints-wait-s", type=float, default=5.0,
+                   help="with --hints-pub: how long a hint waits for its rank's moongate "
+                        "to subscribe before it is reported as hint_error")
     a = p.parse_args()
     if a.hints and a.hints_pub:
         p.error("--hints and --hints-pub: one or the other")
@@ -307,7 +311,8 @@ def main():
         if (url or publisher) and rank and hashes:
             try:
                 if publisher:
-                    answer["hinted"] = publisher.send(rank, hashes, f"query-{n}")
+                    answer["hinted"] = publisher.send(rank, hashes, f"query-{n}",
+                                                      a.hints_wait_s)
                 else:
                     answer["hinted"] = send_hints(url, hashes, f"query-{n}")
             except (OSError, RuntimeError, ValueError, KeyError, zmq.ZMQError) as e:
