@@ -12,10 +12,14 @@
 #   - A Python virtualenv in .venv with the pinned Mooncake wheel, which ships the real
 #     `mooncake_master` binary and the real store client.
 #   - One virtualenv per other supported release (.venv-0.3.11.post1,
-#     .venv-0.3.12.post1: masters and clients; .venv-0.3.14: its master), for the
-#     per-release tests. The
-#     0.3.12.post1 "non-cuda" wheel links libcudart.so.12, which PyPI's
-#     nvidia-cuda-runtime-cu12 supplies (the tests put it on LD_LIBRARY_PATH).
+#     .venv-0.3.12.post1, .venv-0.3.14: masters and clients), for the per-release and
+#     version-bridge tests. The 0.3.12.post1 "non-cuda" wheel links libcudart.so.12,
+#     which PyPI's nvidia-cuda-runtime-cu12 supplies (the tests put it on
+#     LD_LIBRARY_PATH). 0.3.14 exists only as a CUDA 13 wheel: its master runs as is;
+#     its client links libcudart.so.13 (PyPI's nvidia-cuda-runtime), the NVIDIA
+#     driver's libcuda.so.1 (no package ships it: a stand-in that answers "no device"
+#     is built, scripts/cuda_driver_stand_in.sh) and libmlx5 (Debian's
+#     ibverbs-providers).
 #
 # Env: MOONGATE_VENV overrides the virtualenv path.
 set -euo pipefail
@@ -24,7 +28,7 @@ venv=${MOONGATE_VENV:-$root/.venv}
 MOONCAKE_PKG="mooncake-transfer-engine-non-cuda==0.3.13.post1"
 
 need_apt=()
-for p in libibverbs1 librdmacm1 curl protobuf-compiler etcd-server prometheus \
+for p in libibverbs1 librdmacm1 ibverbs-providers curl protobuf-compiler etcd-server prometheus \
          docker-registry minisign systemd valgrind cmake g++; do
   dpkg -s "$p" >/dev/null 2>&1 || need_apt+=("$p")
 done
@@ -71,13 +75,27 @@ older_release() {
 }
 older_release 0.3.11.post1
 older_release 0.3.12.post1 "nvidia-cuda-runtime-cu12==12.9.79"
-# 0.3.14: only a CUDA 13 wheel exists; its master runs without CUDA (its client needs
-# the NVIDIA driver), so it is installed without dependencies, for its master alone.
+# 0.3.14: only a CUDA 13 wheel exists, installed without its dependencies (the
+# client's Python imports need none of them for the store API the tests use).
 v14="$root/.venv-0.3.14"
-if [ ! -x "$v14/lib/python3.11/site-packages/mooncake/mooncake_master" ]; then
-  echo "bootstrap: installing the 0.3.14 master (mooncake-transfer-engine-cuda13==0.3.14, no deps)"
+v14site="$v14/lib/python3.11/site-packages"
+if [ ! -x "$v14site/mooncake/mooncake_master" ]; then
+  echo "bootstrap: installing Mooncake 0.3.14 (mooncake-transfer-engine-cuda13==0.3.14, no deps)"
   [ -x "$v14/bin/python" ] || python3 -m venv "$v14"
   "$v14/bin/pip" install -q --disable-pip-version-check --no-deps "mooncake-transfer-engine-cuda13==0.3.14"
+fi
+if [ ! -e "$v14site/nvidia/cu13/lib/libcudart.so.13" ]; then
+  echo "bootstrap: installing the CUDA 13 runtime for the 0.3.14 client (nvidia-cuda-runtime==13.5.37)"
+  "$v14/bin/pip" install -q --disable-pip-version-check --no-deps "nvidia-cuda-runtime==13.5.37"
+fi
+if [ ! -e "$v14/cuda-stand-in/libcuda.so.1" ]; then
+  bash "$root/scripts/cuda_driver_stand_in.sh" "$v14site/mooncake" "$v14/cuda-stand-in"
+fi
+if ! LD_LIBRARY_PATH="$v14/cuda-stand-in:$v14site/nvidia/cu13/lib" \
+     "$v14/bin/python" -c "import mooncake.store" >/dev/null 2>&1; then
+  echo "bootstrap: the 0.3.14 client does not import with its stand-ins:" >&2
+  LD_LIBRARY_PATH="$v14/cuda-stand-in:$v14site/nvidia/cu13/lib" "$v14/bin/python" -c "import mooncake.store" >&2 || true
+  exit 1
 fi
 
 master=$("$venv/bin/python" - <<'PY'

@@ -55,14 +55,16 @@ pub fn master_binary() -> PathBuf {
 #[derive(Clone, Debug)]
 pub struct Release {
     pub python: PathBuf,
-    /// Where the release's wheel finds the CUDA runtime it links (0.3.12.post1's
-    /// "non-cuda" wheel links libcudart.so.12; bootstrap installs it from PyPI).
-    pub lib_path: Option<PathBuf>,
+    /// Where the release's wheel finds the libraries it links that are not on the
+    /// system: 0.3.12.post1's "non-cuda" wheel links libcudart.so.12; 0.3.14's CUDA 13
+    /// wheel links libcudart.so.13 and the driver's libcuda.so.1, for which bootstrap
+    /// builds a stand-in (scripts/cuda_driver_stand_in.sh).
+    pub lib_path: Vec<PathBuf>,
 }
 
 impl Release {
-    /// The release installed in `.venv-<name>` (`0.3.11.post1`, `0.3.12.post1`; `0.3.14`:
-    /// its master only).
+    /// The release installed in `.venv-<name>` (`0.3.11.post1`, `0.3.12.post1`,
+    /// `0.3.14`).
     pub fn older(name: &'static str) -> Release {
         let venv = repo_root().join(format!(".venv-{name}"));
         let python = venv.join("bin/python");
@@ -71,17 +73,23 @@ impl Release {
             "{} not found: run scripts/bootstrap.sh (the test command does)",
             python.display()
         );
-        let lib = venv.join("lib/python3.11/site-packages/nvidia/cuda_runtime/lib");
-        Release {
-            python,
-            lib_path: lib.exists().then_some(lib),
-        }
+        let site = venv.join("lib/python3.11/site-packages");
+        let lib_path = [
+            venv.join("cuda-stand-in"),
+            site.join("nvidia/cuda_runtime/lib"),
+            site.join("nvidia/cu13/lib"),
+        ]
+        .into_iter()
+        .filter(|p| p.exists())
+        .collect();
+        Release { python, lib_path }
     }
 
     /// Sets what the release's processes need in their environment.
     pub fn apply(&self, cmd: &mut Command) {
-        if let Some(l) = &self.lib_path {
-            cmd.env("LD_LIBRARY_PATH", l);
+        if !self.lib_path.is_empty() {
+            let joined = std::env::join_paths(&self.lib_path).expect("library paths");
+            cmd.env("LD_LIBRARY_PATH", joined);
         }
     }
 
