@@ -229,7 +229,8 @@ impl Parts<'_> {
         let (cfg, metrics) = (self.cfg, self.metrics);
         match cfg.master_face.upstream_spec() {
             Ok(crate::upstream::UpstreamSpec::Etcd { endpoints, key }) => {
-                let u = crate::upstream::Upstream::unknown();
+                let u = crate::upstream::Upstream::unknown()
+                    .with_release(cfg.master_face.fixed_release());
                 tracing::info!(?endpoints, %key, "following the master leader through etcd");
                 tokio::spawn(crate::upstream::leader::follow_etcd(
                     endpoints,
@@ -244,6 +245,7 @@ impl Parts<'_> {
             _ => {
                 metrics.upstream.fixed(&cfg.master_face.upstream);
                 crate::upstream::Upstream::fixed(&cfg.master_face.upstream)
+                    .with_release(cfg.master_face.fixed_release())
             }
         }
     }

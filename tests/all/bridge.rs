@@ -357,3 +357,71 @@ fn a_rolling_upgrade_of_the_master_reads_no_wrong_value() {
         assert_eq!(record(&closed, "close"), Some(&Value::from(0)), "{closed}");
     }
 }
+
+/// moongate's own calls (the kv face's puts and gets, its own segment's mount) go in
+/// the layout of the master's release: against a master of each release, values put
+/// through the kv face land in moongate's own segment and read back byte-exact, a
+/// client of that release reads them and writes values the kv face reads, and a
+/// removal goes through. (Before: against 0.3.11 the segment never mounted, against
+/// 0.3.12 every put failed with transport error 4.)
+fn kv_face_works_against(master: &'static str) {
+    let m = master_of(master);
+    let (mg, kv) = kv_moongate(&m, "segment_bytes = 67108864\n");
+    let logs = [&m.proc, &mg.proc];
+    wait_segment_mounted(&mg);
+    for (key, size) in [("own/small", 5000), ("own/big", (3 << 20) + 7)] {
+        let path = format!("/v1/kv/{}", key.replace('/', "%2F"));
+        let (st, b) = http(&kv, "PUT", &path, &value_of(key, size)).unwrap();
+        assert_eq!(st, 201, "{master}: {key}: {b}\n{}", mg.proc.log_text());
+        let (st, body) = http_bytes(&kv, "GET", &path, &[]).unwrap();
+        assert!(
+            st == 200 && body == value_of(key, size),
+            "{master}: {key}: {st}"
+        );
+    }
+    let r = run_role_on(
+        release(master).as_ref(),
+        "guest",
+        &mg.listen,
+        &m.metadata,
+        &[],
+        &logs,
+    );
+    assert_eq!(result(&r, "get own/small")["ok"], true, "{master}: {r}");
+    assert_eq!(result(&r, "get own/big")["ok"], true, "{master}: {r}");
+    assert_eq!(result(&r, "put py/x"), 0, "{master}: {r}");
+    assert_eq!(result(&r, "put py/big"), 0, "{master}: {r}");
+    for (key, size) in [("py/x", 70000), ("py/big", (5 << 20) + 1)] {
+        let path = format!("/v1/kv/{}", key.replace('/', "%2F"));
+        let (st, body) = http_bytes(&kv, "GET", &path, &[]).unwrap();
+        assert!(
+            st == 200 && body == value_of(key, size),
+            "{master}: {key}: {st}"
+        );
+    }
+    // A key never read (a read grants a lease, and a leased key cannot be removed).
+    let (st, b) = http(&kv, "PUT", "/v1/kv/own%2Fgone", b"soon gone").unwrap();
+    assert_eq!(st, 201, "{master}: {b}");
+    let (st, b) = http(&kv, "DELETE", "/v1/kv/own%2Fgone", &[]).unwrap();
+    assert_eq!(st, 204, "{master}: {b}");
+    let (st, _) = http(&kv, "GET", "/v1/kv/own%2Fgone", &[]).unwrap();
+    assert_eq!(st, 404, "{master}");
+    let metrics = mg.metrics();
+    let errors = decode_errors(&metrics);
+    assert!(errors.is_empty(), "{master}: {errors:?}");
+}
+
+#[test]
+fn the_kv_face_works_against_a_0_3_11_master() {
+    kv_face_works_against("0.3.11.post1");
+}
+
+#[test]
+fn the_kv_face_works_against_a_0_3_12_master() {
+    kv_face_works_against("0.3.12.post1");
+}
+
+#[test]
+fn the_kv_face_works_against_a_0_3_14_master() {
+    kv_face_works_against("0.3.14");
+}

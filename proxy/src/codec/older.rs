@@ -397,8 +397,28 @@ pub fn code_of(body: &[u8]) -> Option<u32> {
 
 /// The older schema a request body of `method` with type code `code` uses, if any.
 pub fn request_schema(method: Method, code: u32) -> Option<Schema> {
+    let (v11, v12) = older_codes(method)?;
+    if code == v11 {
+        Some(Schema::V0_3_11)
+    } else if Some(code) == v12 {
+        Some(Schema::V0_3_12)
+    } else {
+        None
+    }
+}
+
+/// Whether some release lays `method`'s call out differently from 0.3.13 (and so, for
+/// the put and lookup families, its answer): a caller must know the master's release
+/// to send it. Ping, ServiceReady, UnmountSegment and the like have one layout.
+pub fn varies(method: Method) -> bool {
+    older_codes(method).is_some()
+}
+
+/// The type codes of `method`'s 0.3.11 and (where it differs from 0.3.13's) 0.3.12
+/// argument layouts.
+fn older_codes(method: Method) -> Option<(u32, Option<u32>)> {
     use Method::*;
-    let (v11, v12): (u32, Option<u32>) = match method {
+    Some(match method {
         PutStart | UpsertStart => (
             schema!(PutStartArgs11).code,
             Some(schema!(PutStartArgs12).code),
@@ -426,14 +446,7 @@ pub fn request_schema(method: Method, code: u32) -> Option<Schema> {
         MountSegment => (schema!(MountSegmentArgs11).code, None),
         ReMountSegment => (schema!(ReMountSegmentArgs11).code, None),
         _ => return None,
-    };
-    if code == v11 {
-        Some(Schema::V0_3_11)
-    } else if Some(code) == v12 {
-        Some(Schema::V0_3_12)
-    } else {
-        None
-    }
+    })
 }
 
 /// Decodes a request body in an older `schema` into the internal model.

@@ -766,7 +766,7 @@ impl Eviction {
         if conn.as_ref().is_none_or(|(a, _)| *a != addr) {
             *conn = Some((
                 addr.clone(),
-                Conn::connect(&addr, self.call_timeout()).await?,
+                Conn::connect(&addr, self.call_timeout(), upstream.release()).await?,
             ));
         }
         let Some((_, c)) = conn.as_mut() else {

@@ -85,6 +85,9 @@ impl UpstreamSpec {
 pub struct Upstream {
     rx: watch::Receiver<Option<Leader>>,
     tx: Arc<watch::Sender<Option<Leader>>>,
+    /// The Mooncake release the master runs, when configured
+    /// (`master_face.upstream_release`); `None`: asked of each connection that needs it.
+    release: Option<crate::codec::release::MasterRelease>,
 }
 
 impl Upstream {
@@ -106,7 +109,19 @@ impl Upstream {
         Upstream {
             rx,
             tx: Arc::new(tx),
+            release: None,
         }
+    }
+
+    /// The master's release is `r` (configured), not asked.
+    pub fn with_release(mut self, r: Option<crate::codec::release::MasterRelease>) -> Upstream {
+        self.release = r;
+        self
+    }
+
+    /// The configured release of the master, if any.
+    pub fn release(&self) -> Option<crate::codec::release::MasterRelease> {
+        self.release
     }
 
     /// The master in force, if any.

@@ -1,6 +1,11 @@
 //! moongate's own calls to the master over coro_rpc, on connections of its own (never a
 //! client's: seq numbers are per connection): the readiness probe, and pipelined typed
 //! calls (the evictor's removals, the kv face's client core, the own segment's mount).
+//!
+//! Typed calls go in the layout of the master's Mooncake release: configured, or asked
+//! once per connection (the release probe of [`crate::codec::release`]) before the
+//! first call whose layout some release changed; calls with one layout in every
+//! release (Ping, ServiceReady, ...) never wait for it.
 
 use std::time::Duration;
 
@@ -11,7 +16,8 @@ use tokio::net::TcpStream;
 
 use crate::codec::frame::{RESPONSE_HEADER_LEN, ResponseHeader, errc};
 use crate::codec::message::Response;
-use crate::codec::{Method, RequestHeader};
+use crate::codec::release::MasterRelease;
+use crate::codec::{BodyStyle, Method, RequestHeader, Schema};
 
 #[derive(Debug, Error)]
 pub enum ProbeError {
@@ -78,6 +84,8 @@ pub enum CallError {
     OutOfOrder { want: u32, got: u32 },
     #[error("no master leader (HA failover in progress)")]
     NoLeader,
+    #[error("the master's answer to the release probe was transport error {0}")]
+    ProbeRefused(u8),
 }
 
 /// One call's outcome: the decoded answer, or the transport error code the master sent.
@@ -90,6 +98,8 @@ pub struct Conn {
     s: TcpStream,
     seq: u32,
     buf: BytesMut,
+    /// The master's layout, once configured or asked; `None` until a call needs it.
+    schema: Option<Schema>,
 }
 
 /// Largest answer accepted on moongate's own connections (a 5,000-key batch answer is
@@ -97,7 +107,13 @@ pub struct Conn {
 const OWN_MAX_FRAME: u64 = 64 << 20;
 
 impl Conn {
-    pub async fn connect(upstream: &str, timeout: Duration) -> Result<Conn, CallError> {
+    /// A connection to the master at `upstream`, whose release is `release` (as
+    /// configured; `None`: asked when a call first needs it).
+    pub async fn connect(
+        upstream: &str,
+        timeout: Duration,
+        release: Option<MasterRelease>,
+    ) -> Result<Conn, CallError> {
         let s = tokio::time::timeout(timeout, TcpStream::connect(upstream))
             .await
             .map_err(|_| CallError::Timeout(timeout))??;
@@ -106,7 +122,47 @@ impl Conn {
             s,
             seq: 0,
             buf: BytesMut::with_capacity(64 << 10),
+            schema: release.map(MasterRelease::schema),
         })
+    }
+
+    /// Asks the master its release (one round trip). An answer that names none leaves
+    /// 0.3.13's layout, the pinned release's (logged).
+    async fn learn_release(&mut self) -> Result<Schema, CallError> {
+        let seq = self.seq;
+        self.seq = self.seq.wrapping_add(1);
+        self.s.write_all(&crate::codec::release::probe(seq)).await?;
+        let h = loop {
+            if let Some(h) = crate::codec::frame::check_response(&self.buf, OWN_MAX_FRAME)? {
+                break h;
+            }
+            if self.s.read_buf(&mut self.buf).await? == 0 {
+                return Err(CallError::Closed(1));
+            }
+        };
+        let (frame, _) = crate::codec::ResponseFrame::split(&mut self.buf, h);
+        if h.seq_num != seq {
+            return Err(CallError::OutOfOrder {
+                want: seq,
+                got: h.seq_num,
+            });
+        }
+        let schema = match crate::codec::release::classify(&frame) {
+            Some(r) => {
+                tracing::debug!(release = r.label(), "master release (own connection)");
+                r.schema()
+            }
+            None if h.err_code != errc::OK => return Err(CallError::ProbeRefused(h.err_code)),
+            None => {
+                tracing::warn!(
+                    "the master's answer to the release probe names no known release; \
+                     moongate's own calls use 0.3.13's layouts"
+                );
+                Schema::V0_3_13
+            }
+        };
+        self.schema = Some(schema);
+        Ok(schema)
     }
 
     /// Sends `reqs` pipelined and returns their answers in order.
@@ -124,11 +180,22 @@ impl Conn {
         &mut self,
         reqs: &[crate::codec::message::Request],
     ) -> Result<Vec<Answer>, CallError> {
+        let schema = match self.schema {
+            Some(s) => s,
+            None if reqs.iter().any(|r| crate::codec::older::varies(r.method())) => {
+                self.learn_release().await?
+            }
+            None => Schema::V0_3_13,
+        };
+        let style = BodyStyle {
+            schema,
+            ..BodyStyle::MOONCAKE
+        };
         let mut out = BytesMut::new();
         let first = self.seq;
         for r in reqs {
             let mut body = BytesMut::new();
-            r.encode_body(crate::codec::BodyStyle::MOONCAKE, &mut body);
+            r.encode_body(style, &mut body);
             RequestHeader::new(self.seq, r.method().function_id(), body.len() as u32)
                 .write(&mut out);
             out.extend_from_slice(&body);
@@ -204,16 +271,102 @@ mod tests {
     #[tokio::test]
     async fn an_answer_with_another_seq_is_an_error_not_a_misattribution() {
         let t = Duration::from_secs(5);
-        let mut c = Conn::connect(&scripted(0).await, t).await.unwrap();
+        let mut c = Conn::connect(&scripted(0).await, t, None).await.unwrap();
         let reqs = [Request::ServiceReady(NoArgs), Request::ServiceReady(NoArgs)];
         let a = c.call_all(&reqs, t).await.unwrap();
         assert_eq!(a.len(), 2);
         assert!(a.iter().all(|r| matches!(r, Err(1))));
 
-        let mut c = Conn::connect(&scripted(5).await, t).await.unwrap();
+        let mut c = Conn::connect(&scripted(5).await, t, None).await.unwrap();
         assert!(matches!(
             c.call_all(&reqs, t).await,
             Err(CallError::OutOfOrder { want: 0, got: 5 })
         ));
+    }
+
+    /// A master that answers the release probe (a GetReplicaList of the probe key) with
+    /// transport error `probe_err` (0.3.11 answers 4, invalid arguments), and every
+    /// other call with transport error 1; it reports each request's method id and body.
+    async fn of_release(
+        probe_err: u8,
+    ) -> (String, tokio::sync::mpsc::UnboundedReceiver<(u32, Vec<u8>)>) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            loop {
+                let mut h = [0u8; REQUEST_HEADER_LEN];
+                if s.read_exact(&mut h).await.is_err() {
+                    return;
+                }
+                let id = u32::from_le_bytes(h[8..12].try_into().unwrap());
+                let seq = u32::from_le_bytes(h[4..8].try_into().unwrap());
+                let len = u32::from_le_bytes(h[12..16].try_into().unwrap());
+                let mut body = vec![0u8; len as usize];
+                s.read_exact(&mut body).await.unwrap();
+                let probe = body
+                    .windows(crate::codec::release::PROBE_KEY.len())
+                    .any(|w| w == crate::codec::release::PROBE_KEY);
+                let _ = tx.send((id, body));
+                let mut out = BytesMut::new();
+                ResponseHeader::new(seq, if probe { probe_err } else { 1 }, 0).write(&mut out);
+                s.write_all(&out).await.unwrap();
+            }
+        });
+        (addr, rx)
+    }
+
+    /// Against a 0.3.11 master (it refuses the probe's layout), a put goes in 0.3.11's
+    /// layout; calls with one layout in every release are sent without asking.
+    #[tokio::test]
+    async fn calls_go_in_the_layout_of_the_master_s_release() {
+        use crate::codec::message::PutStartArgs;
+        use crate::codec::types::ReplicateConfig;
+        let t = Duration::from_secs(5);
+        let (addr, mut seen) = of_release(errc::INVALID_RPC_ARGUMENTS).await;
+        let mut c = Conn::connect(&addr, t, None).await.unwrap();
+        c.call_all(&[Request::ServiceReady(NoArgs)], t)
+            .await
+            .unwrap();
+        assert_eq!(
+            seen.recv().await.unwrap().0,
+            Method::ServiceReady.function_id()
+        );
+        let put = Request::PutStart(PutStartArgs {
+            client_id: Default::default(),
+            key: bytes::Bytes::from_static(b"k"),
+            slice_length: 5,
+            config: ReplicateConfig::default(),
+            tenant_id: bytes::Bytes::from_static(b"default"),
+        });
+        let a = c.call_all(std::slice::from_ref(&put), t).await.unwrap();
+        assert!(matches!(a[..], [Err(1)]));
+        let (probe, _) = seen.recv().await.unwrap();
+        assert_eq!(probe, Method::GetReplicaList.function_id());
+        let (id, body) = seen.recv().await.unwrap();
+        assert_eq!(id, Method::PutStart.function_id());
+        let code = crate::codec::older::code_of(&body).unwrap();
+        assert_eq!(
+            crate::codec::older::request_schema(Method::PutStart, code),
+            Some(Schema::V0_3_11)
+        );
+        // Asked once per connection.
+        c.call_all(std::slice::from_ref(&put), t).await.unwrap();
+        assert_eq!(seen.recv().await.unwrap().0, Method::PutStart.function_id());
+
+        // Configured: not asked.
+        let (addr, mut seen) = of_release(errc::INVALID_RPC_ARGUMENTS).await;
+        let mut c = Conn::connect(&addr, t, Some(MasterRelease::V0_3_12))
+            .await
+            .unwrap();
+        c.call_all(std::slice::from_ref(&put), t).await.unwrap();
+        let (id, body) = seen.recv().await.unwrap();
+        assert_eq!(id, Method::PutStart.function_id());
+        let code = crate::codec::older::code_of(&body).unwrap();
+        assert_eq!(
+            crate::codec::older::request_schema(Method::PutStart, code),
+            Some(Schema::V0_3_12)
+        );
     }
 }

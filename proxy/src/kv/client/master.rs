@@ -64,7 +64,7 @@ impl MasterConns {
         };
         let mut c = match pooled {
             Some((_, c)) => c,
-            None => Conn::connect(&addr, self.call_timeout).await?,
+            None => Conn::connect(&addr, self.call_timeout, self.upstream.release()).await?,
         };
         let mut answers = c
             .call_all(std::slice::from_ref(&req), self.call_timeout)

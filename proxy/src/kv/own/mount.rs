@@ -118,7 +118,7 @@ impl Registration {
             .upstream
             .addr()
             .ok_or_else(|| MountError::Master("no master leader".into()))?;
-        let mut c = Conn::connect(&addr, self.timeout)
+        let mut c = Conn::connect(&addr, self.timeout, self.upstream.release())
             .await
             .map_err(|e| MountError::Master(e.to_string()))?;
         let mut a = c
