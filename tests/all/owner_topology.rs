@@ -319,6 +319,15 @@ fn served_tiers_offload_and_an_ssd_eviction_keeps_on_older_releases() {
     }
 }
 
+/// The same on 0.3.14 (its master, its owner and its clients, with the stand-ins
+/// scripts/bootstrap.sh builds for a machine without a GPU).
+#[test]
+fn served_tiers_offload_and_an_ssd_eviction_keeps_on_0_3_14() {
+    let t = Topology::start_on(Some(Release::older("0.3.14")), TWO_ARMS);
+    let (reader, _) = served_offload_and_eviction(&t);
+    let _ = reader.finish();
+}
+
 /// Writes, reads with vLLM's tier log, and checks served tiers, offload and eviction;
 /// returns the reader (a requester-only rank) for more, and what its read found.
 fn served_offload_and_eviction(t: &Topology) -> (Background, serde_json::Value) {

@@ -132,6 +132,13 @@ pack_struct! {
     pub struct ReplicaClearArgs { pub keys: Vec<Bytes>, pub client_id: Uuid, pub segment_name: Bytes }
 }
 pack_struct! {
+    /// 0.3.14's `BatchReplicaClear(object_keys, client_id, segment_name, tenant_id)`: a
+    /// 0.3.14 master refuses the 0.3.13 layout (found by trial against its master:
+    /// `(vector<string>, UUID, string, string)` is accepted, the three-argument tuple is
+    /// `invalid_rpc_arguments`).
+    pub struct ReplicaClearArgs14 { pub keys: Vec<Bytes>, pub client_id: Uuid, pub segment_name: Bytes, pub tenant_id: Bytes }
+}
+pack_struct! {
     /// `RemoveAll(force, tenant_id)`.
     pub struct RemoveAllArgs { pub force: bool, pub tenant_id: Bytes }
 }

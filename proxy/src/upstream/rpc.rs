@@ -17,7 +17,7 @@ use tokio::net::TcpStream;
 use crate::codec::frame::{RESPONSE_HEADER_LEN, ResponseHeader, errc};
 use crate::codec::message::Response;
 use crate::codec::release::MasterRelease;
-use crate::codec::{BodyStyle, Method, RequestHeader, Schema};
+use crate::codec::{Method, RequestHeader};
 
 #[derive(Debug, Error)]
 pub enum ProbeError {
@@ -98,8 +98,8 @@ pub struct Conn {
     s: TcpStream,
     seq: u32,
     buf: BytesMut,
-    /// The master's layout, once configured or asked; `None` until a call needs it.
-    schema: Option<Schema>,
+    /// The master's release, once configured or asked; `None` until a call needs it.
+    release: Option<MasterRelease>,
 }
 
 /// Largest answer accepted on moongate's own connections (a 5,000-key batch answer is
@@ -122,13 +122,13 @@ impl Conn {
             s,
             seq: 0,
             buf: BytesMut::with_capacity(64 << 10),
-            schema: release.map(MasterRelease::schema),
+            release,
         })
     }
 
     /// Asks the master its release (one round trip). An answer that names none leaves
-    /// 0.3.13's layout, the pinned release's (logged).
-    async fn learn_release(&mut self) -> Result<Schema, CallError> {
+    /// 0.3.13's layouts, the pinned release's (logged).
+    async fn learn_release(&mut self) -> Result<MasterRelease, CallError> {
         let seq = self.seq;
         self.seq = self.seq.wrapping_add(1);
         self.s.write_all(&crate::codec::release::probe(seq)).await?;
@@ -147,10 +147,10 @@ impl Conn {
                 got: h.seq_num,
             });
         }
-        let schema = match crate::codec::release::classify(&frame) {
+        let release = match crate::codec::release::classify(&frame) {
             Some(r) => {
                 tracing::debug!(release = r.label(), "master release (own connection)");
-                r.schema()
+                r
             }
             None if h.err_code != errc::OK => return Err(CallError::ProbeRefused(h.err_code)),
             None => {
@@ -158,11 +158,11 @@ impl Conn {
                     "the master's answer to the release probe names no known release; \
                      moongate's own calls use 0.3.13's layouts"
                 );
-                Schema::V0_3_13
+                MasterRelease::V0_3_13
             }
         };
-        self.schema = Some(schema);
-        Ok(schema)
+        self.release = Some(release);
+        Ok(release)
     }
 
     /// Sends `reqs` pipelined and returns their answers in order.
@@ -180,22 +180,21 @@ impl Conn {
         &mut self,
         reqs: &[crate::codec::message::Request],
     ) -> Result<Vec<Answer>, CallError> {
-        let schema = match self.schema {
-            Some(s) => s,
-            None if reqs.iter().any(|r| crate::codec::older::varies(r.method())) => {
+        let release = match self.release {
+            Some(r) => r,
+            None if reqs
+                .iter()
+                .any(|r| crate::codec::layout::depends_on_release(r.method())) =>
+            {
                 self.learn_release().await?
             }
-            None => Schema::V0_3_13,
-        };
-        let style = BodyStyle {
-            schema,
-            ..BodyStyle::MOONCAKE
+            None => MasterRelease::V0_3_13,
         };
         let mut out = BytesMut::new();
         let first = self.seq;
         for r in reqs {
             let mut body = BytesMut::new();
-            r.encode_body(style, &mut body);
+            r.encode_for(release, &mut body);
             RequestHeader::new(self.seq, r.method().function_id(), body.len() as u32)
                 .write(&mut out);
             out.extend_from_slice(&body);
@@ -321,6 +320,7 @@ mod tests {
     /// layout; calls with one layout in every release are sent without asking.
     #[tokio::test]
     async fn calls_go_in_the_layout_of_the_master_s_release() {
+        use crate::codec::Schema;
         use crate::codec::message::PutStartArgs;
         use crate::codec::types::ReplicateConfig;
         let t = Duration::from_secs(5);
