@@ -55,6 +55,16 @@ fn direct_reader(client: Option<&Release>, master: &'static str) -> Value {
     r
 }
 
+/// The scenario with `client`'s clients against their own release's master, every
+/// value read back byte-exact: what each pair is compared with.
+fn reference(rc: Option<&Release>, client: &'static str) -> (Value, Value) {
+    let own = master_of(client);
+    let r = scenario_on(rc, &own.rpc, &own.metadata, &[&own.proc]);
+    assert_all_data_ok(&r.0);
+    assert_all_data_ok(&r.1);
+    r
+}
+
 /// One record of a scenario result (`[[name, value], ...]`).
 fn record<'a>(v: &'a Value, name: &str) -> Option<&'a Value> {
     v.as_array()?.iter().find(|r| r[0] == name).map(|r| &r[1])
@@ -66,11 +76,7 @@ fn record<'a>(v: &'a Value, name: &str) -> Option<&'a Value> {
 /// every call translated.
 fn pair_works_through_moongate(client: &'static str, master: &'static str, extra: &str) {
     let rc = release(client);
-    let own = master_of(client);
-    let reference = scenario_on(rc.as_ref(), &own.rpc, &own.metadata, &[&own.proc]);
-    assert_all_data_ok(&reference.0);
-    assert_all_data_ok(&reference.1);
-    drop(own);
+    let reference = reference(rc.as_ref(), client);
 
     // Directly, beside an owner of the master's own release (so the store has room and
     // values, and a failure can only be the skew), the reader's calls fail as RPC_FAIL
@@ -153,11 +159,7 @@ pairs! {
 /// scripts/bootstrap.sh (no NVIDIA driver here).
 fn compatible_pair_works_both_ways(client: &'static str, master: &'static str) {
     let rc = release(client);
-    let own = master_of(client);
-    let reference = scenario_on(rc.as_ref(), &own.rpc, &own.metadata, &[&own.proc]);
-    assert_all_data_ok(&reference.0);
-    assert_all_data_ok(&reference.1);
-    drop(own);
+    let reference = reference(rc.as_ref(), client);
 
     let m = master_of(master);
     let direct = scenario_on(rc.as_ref(), &m.rpc, &m.metadata, &[&m.proc]);

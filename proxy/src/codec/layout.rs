@@ -15,14 +15,8 @@ use super::error::DecodeError;
 use super::message::{ReplicaClearArgs14, Request, Response, is_typed};
 use super::method::Method;
 use super::older;
-use super::pack::{BodyStyle, RootSchema, Schema, encode_message};
+use super::pack::{BodyStyle, Schema, encode_message};
 use super::release::MasterRelease;
-
-/// The schema of 0.3.14's `BatchReplicaClear` arguments.
-fn clear14() -> &'static RootSchema {
-    static S: std::sync::OnceLock<RootSchema> = std::sync::OnceLock::new();
-    S.get_or_init(RootSchema::of::<ReplicaClearArgs14>)
-}
 
 /// Whether a caller must know the master's release to send a `method` call: some
 /// release lays it (or its answer) out differently. Ping, ServiceReady, UnmountSegment
@@ -42,7 +36,7 @@ impl Request {
         let code = older::code_of(body);
         // 0.3.14's BatchReplicaClear (with a tenant) is not modelled: relayed as it came
         // (moongate only ever sends it, never changes a client's).
-        if method == Method::BatchReplicaClear && code == Some(clear14().code) {
+        if method == Method::BatchReplicaClear && code == Some(schema!(ReplicaClearArgs14).code) {
             return None;
         }
         match code.and_then(|c| older::request_schema(method, c)) {
@@ -66,7 +60,7 @@ impl Request {
                 segment_name: a.segment_name.clone(),
                 tenant_id: Bytes::from_static(b"default"),
             };
-            encode_message(&v, clear14(), style, out);
+            encode_message(&v, schema!(ReplicaClearArgs14), style, out);
             return;
         }
         self.encode_body(style, out);
@@ -177,7 +171,7 @@ mod tests {
         let mut b14 = BytesMut::new();
         req.encode_for(MasterRelease::V0_3_14, &mut b14);
         let b14 = b14.freeze();
-        assert_eq!(older::code_of(&b14), Some(clear14().code));
+        assert_eq!(older::code_of(&b14), Some(schema!(ReplicaClearArgs14).code));
         assert!(Request::decode(Method::BatchReplicaClear, &b14).is_none());
         assert!(depends_on_release(Method::BatchReplicaClear));
         assert!(depends_on_release(Method::PutStart));

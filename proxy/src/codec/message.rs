@@ -6,8 +6,6 @@
 //! all arguments in C++ declaration order (spec §4.1); the tuples are the `*Args`
 //! structs below, which encode exactly like a `std::tuple`.
 
-use std::sync::OnceLock;
-
 use bytes::{Bytes, BytesMut};
 
 use super::error::DecodeError;
@@ -141,14 +139,6 @@ pack_struct! {
 pack_struct! {
     /// `RemoveAll(force, tenant_id)`.
     pub struct RemoveAllArgs { pub force: bool, pub tenant_id: Bytes }
-}
-
-/// One static schema per concrete root type, built on first use.
-macro_rules! schema {
-    ($t:ty) => {{
-        static S: OnceLock<RootSchema> = OnceLock::new();
-        S.get_or_init(RootSchema::of::<$t>)
-    }};
 }
 
 macro_rules! typed_methods {

@@ -14,6 +14,15 @@
 //! - [`keys`]: a batch's keys, kept in the bytes they arrived in.
 //! - [`release`]: which release a master is, from its answer to one probe call.
 
+/// One static schema per concrete root type, built on first use (for the codec's
+/// modules; declared before them so each sees it).
+macro_rules! schema {
+    ($t:ty) => {{
+        static S: std::sync::OnceLock<$crate::codec::pack::RootSchema> = std::sync::OnceLock::new();
+        S.get_or_init($crate::codec::pack::RootSchema::of::<$t>)
+    }};
+}
+
 pub mod error;
 pub mod frame;
 pub mod generic;

@@ -21,9 +21,7 @@ use super::error::DecodeError;
 use super::keys::Keys;
 use super::message::*;
 use super::method::Method;
-use super::pack::{
-    BodyStyle, Pack, Reader, RootSchema, Schema, Writer, decode_message, encode_message,
-};
+use super::pack::{BodyStyle, Pack, Reader, Schema, Writer, decode_message, encode_message};
 use super::types::*;
 use crate::pack_struct;
 
@@ -372,14 +370,6 @@ pack_struct! {
 pack_struct! {
     /// `ReMountSegment` of 0.3.11.
     pub struct ReMountSegmentArgs11 { pub segments: Vec<Segment11>, pub client_id: Uuid }
-}
-
-/// One static schema per concrete root type, built on first use.
-macro_rules! schema {
-    ($t:ty) => {{
-        static S: std::sync::OnceLock<RootSchema> = std::sync::OnceLock::new();
-        S.get_or_init(RootSchema::of::<$t>)
-    }};
 }
 
 fn meta(key: Bytes) -> ObjectMeta {

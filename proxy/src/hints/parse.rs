@@ -16,8 +16,9 @@ use serde_json::{Map, Value};
 
 use super::table::{Hint, Kind, Name};
 
-/// The longest block digest a hint may name, in bytes (as the policy host allows).
-pub const MAX_DIGEST: usize = 64;
+/// The longest block digest a hint may name, in bytes: what the policy host allows a
+/// plugin's mapping to produce.
+pub use crate::policy::host::MAX_DIGEST;
 /// The longest session or tenant id, in bytes.
 pub const MAX_ID: usize = 256;
 

@@ -357,8 +357,9 @@ fn add_host_as(linker: &mut Linker<HostState>, version: &str) -> wasmtime::Resul
 }
 
 /// The widest block digest a plugin may name: sha512's 64 bytes. A longer one is a
-/// plugin bug, and a router would have to store it per block.
-const MAX_DIGEST: usize = 64;
+/// plugin bug, and a router would have to store it per block. Hints name blocks by the
+/// same digests, so the hint parser takes the same bound.
+pub const MAX_DIGEST: usize = 64;
 
 fn digest_len(h: &wit::BlockHash) -> usize {
     match h {

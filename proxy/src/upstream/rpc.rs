@@ -243,11 +243,17 @@ mod tests {
     use crate::codec::frame::REQUEST_HEADER_LEN;
     use crate::codec::message::{NoArgs, Request};
 
-    /// A master that answers each request with `seq + shift` (transport error 1, so no
-    /// body is decoded).
-    async fn scripted(shift: u32) -> String {
+    /// A master that answers each request with `seq + shift` and transport error 1 (so
+    /// no body is decoded), and the release probe (a GetReplicaList of the probe key)
+    /// with transport error `probe_err` (0.3.11 answers 4, invalid arguments); it
+    /// reports each request's method id and body.
+    async fn fake_master(
+        shift: u32,
+        probe_err: u8,
+    ) -> (String, tokio::sync::mpsc::UnboundedReceiver<(u32, Vec<u8>)>) {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap().to_string();
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(async move {
             let (mut s, _) = l.accept().await.unwrap();
             loop {
@@ -256,15 +262,25 @@ mod tests {
                     return;
                 }
                 let seq = u32::from_le_bytes(h[4..8].try_into().unwrap());
+                let id = u32::from_le_bytes(h[8..12].try_into().unwrap());
                 let len = u32::from_le_bytes(h[12..16].try_into().unwrap());
                 let mut body = vec![0u8; len as usize];
                 s.read_exact(&mut body).await.unwrap();
+                let probe = body
+                    .windows(crate::codec::release::PROBE_KEY.len())
+                    .any(|w| w == crate::codec::release::PROBE_KEY);
+                let _ = tx.send((id, body));
                 let mut out = BytesMut::new();
-                ResponseHeader::new(seq.wrapping_add(shift), 1, 0).write(&mut out);
+                let err = if probe { probe_err } else { 1 };
+                ResponseHeader::new(seq.wrapping_add(shift), err, 0).write(&mut out);
                 s.write_all(&out).await.unwrap();
             }
         });
-        addr
+        (addr, rx)
+    }
+
+    async fn scripted(shift: u32) -> String {
+        fake_master(shift, 1).await.0
     }
 
     #[tokio::test]
@@ -283,39 +299,6 @@ mod tests {
         ));
     }
 
-    /// A master that answers the release probe (a GetReplicaList of the probe key) with
-    /// transport error `probe_err` (0.3.11 answers 4, invalid arguments), and every
-    /// other call with transport error 1; it reports each request's method id and body.
-    async fn of_release(
-        probe_err: u8,
-    ) -> (String, tokio::sync::mpsc::UnboundedReceiver<(u32, Vec<u8>)>) {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap().to_string();
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        tokio::spawn(async move {
-            let (mut s, _) = l.accept().await.unwrap();
-            loop {
-                let mut h = [0u8; REQUEST_HEADER_LEN];
-                if s.read_exact(&mut h).await.is_err() {
-                    return;
-                }
-                let id = u32::from_le_bytes(h[8..12].try_into().unwrap());
-                let seq = u32::from_le_bytes(h[4..8].try_into().unwrap());
-                let len = u32::from_le_bytes(h[12..16].try_into().unwrap());
-                let mut body = vec![0u8; len as usize];
-                s.read_exact(&mut body).await.unwrap();
-                let probe = body
-                    .windows(crate::codec::release::PROBE_KEY.len())
-                    .any(|w| w == crate::codec::release::PROBE_KEY);
-                let _ = tx.send((id, body));
-                let mut out = BytesMut::new();
-                ResponseHeader::new(seq, if probe { probe_err } else { 1 }, 0).write(&mut out);
-                s.write_all(&out).await.unwrap();
-            }
-        });
-        (addr, rx)
-    }
-
     /// Against a 0.3.11 master (it refuses the probe's layout), a put goes in 0.3.11's
     /// layout; calls with one layout in every release are sent without asking.
     #[tokio::test]
@@ -324,7 +307,7 @@ mod tests {
         use crate::codec::message::PutStartArgs;
         use crate::codec::types::ReplicateConfig;
         let t = Duration::from_secs(5);
-        let (addr, mut seen) = of_release(errc::INVALID_RPC_ARGUMENTS).await;
+        let (addr, mut seen) = fake_master(0, errc::INVALID_RPC_ARGUMENTS).await;
         let mut c = Conn::connect(&addr, t, None).await.unwrap();
         c.call_all(&[Request::ServiceReady(NoArgs)], t)
             .await
@@ -356,7 +339,7 @@ mod tests {
         assert_eq!(seen.recv().await.unwrap().0, Method::PutStart.function_id());
 
         // Configured: not asked.
-        let (addr, mut seen) = of_release(errc::INVALID_RPC_ARGUMENTS).await;
+        let (addr, mut seen) = fake_master(0, errc::INVALID_RPC_ARGUMENTS).await;
         let mut c = Conn::connect(&addr, t, Some(MasterRelease::V0_3_12))
             .await
             .unwrap();
