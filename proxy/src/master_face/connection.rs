@@ -112,16 +112,33 @@ async fn identify(client: &TcpStream, peer: std::net::SocketAddr, shared: &Arc<S
     let key = match client.local_addr() {
         Ok(ours) => {
             let t = topo.clone();
-            let found = tokio::task::spawn_blocking(move || t.identify(ours, peer));
+            let found = tokio::task::spawn_blocking(move || {
+                let key = t.identify(ours, peer);
+                // A process seen before keeps what it showed; a new one is read once.
+                let release = match key {
+                    PeerKey::Process { pid, .. } if t.release_of(key).is_none() => {
+                        crate::topology::identify::mooncake_release(pid)
+                    }
+                    _ => None,
+                };
+                (key, release)
+            });
             match tokio::time::timeout(IDENTIFY_WITHIN, found).await {
                 Ok(Ok(k)) => k,
-                _ => PeerKey::Addr(peer.ip()),
+                _ => (PeerKey::Addr(peer.ip()), None),
             }
         }
-        Err(_) => PeerKey::Addr(peer.ip()),
+        Err(_) => (PeerKey::Addr(peer.ip()), None),
     };
-    tracing::debug!(%peer, who = %key, "client identified");
-    Joined(topo.join(key), topo)
+    let (key, release) = key;
+    tracing::debug!(%peer, who = %key, release = release.map(|r| r.label()), "client identified");
+    let joined = topo.join(key);
+    if let Some(r) = release
+        && joined.release().is_none()
+    {
+        joined.saw_release(r.schema());
+    }
+    Joined(joined, topo)
 }
 
 /// The sequence number of the release probe: answered before any client call is

@@ -334,7 +334,9 @@ impl MasterFaceMetrics {
         registry.register(
             "moongate_master_connections_by_schema",
             "Client connections by the Mooncake release their calls' layouts identify \
-             (0.3.13 includes 0.3.14; a connection counts once it sent an identifying call)",
+             (0.3.13 includes 0.3.14; a connection counts once it sent an identifying call, \
+             or from the start when its process showed it: an earlier connection's calls, \
+             or the wheel it loaded)",
             by_schema.clone(),
         );
         let schema_connections = Schema::ALL.map(|s| {
@@ -345,7 +347,8 @@ impl MasterFaceMetrics {
         let identified = Family::<SchemaLabel, Counter>::default();
         registry.register(
             "moongate_master_connections_identified",
-            "Client connections whose calls identified a Mooncake release, since start",
+            "Client connections whose calls (or process) identified a Mooncake release, \
+             since start",
             identified.clone(),
         );
         let schema_identified = Schema::ALL.map(|s| {

@@ -131,12 +131,18 @@ impl Drop for Session {
 impl Session {
     pub fn new(shared: Arc<Shared>, peer: Arc<Peer>) -> Session {
         let client_default = shared.cfg.fixed_client_schema();
+        // What the process showed before (an earlier connection's calls, or the wheel
+        // it loaded) counts this connection under its release from the start.
+        let schema = peer.release();
+        if let Some(s) = schema {
+            shared.metrics.schema_seen(None, s);
+        }
         Session {
             shared,
             peer,
             queue: VecDeque::new(),
             client: None,
-            schema: None,
+            schema,
             master: None,
             skew_logged: false,
             client_default,

@@ -134,6 +134,50 @@ fn start_time(pid: u32) -> Option<u64> {
     rest.split_whitespace().nth(19)?.parse().ok()
 }
 
+/// The Mooncake release a local process runs, from the wheel its store module was
+/// loaded from: `/proc/PID/maps` names the module's file (a `.so` under a `mooncake/`
+/// package directory), and the `mooncake_transfer_engine*.dist-info/METADATA` beside
+/// that package says the version. `None` for anything else (a client not installed
+/// from a wheel, a C++ engine, a process that cannot be read): its calls tell it then,
+/// or `master_face.client_release`. Lookups have one layout in 0.3.12 and 0.3.13 while
+/// their answers differ, so a reader that never writes is known only this way.
+pub fn mooncake_release(pid: u32) -> Option<crate::codec::release::MasterRelease> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
+    let site = site_packages_in_maps(&maps)?;
+    let dir = std::fs::read_dir(site).ok()?;
+    for e in dir.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with("mooncake_transfer_engine") && name.ends_with(".dist-info") {
+            let meta = std::fs::read_to_string(e.path().join("METADATA")).ok()?;
+            return release_of_metadata(&meta);
+        }
+    }
+    None
+}
+
+/// The directory holding the `mooncake` package whose module a maps table shows loaded.
+pub fn site_packages_in_maps(maps: &str) -> Option<&str> {
+    maps.lines().find_map(|line| {
+        let path = line.split_whitespace().nth(5)?;
+        let (site, file) = path.rsplit_once("/mooncake/")?;
+        (file.ends_with(".so") && !file.contains('/')).then_some(site)
+    })
+}
+
+/// The release a wheel's `METADATA` names (`Version: 0.3.12.post1` is 0.3.12).
+pub fn release_of_metadata(meta: &str) -> Option<crate::codec::release::MasterRelease> {
+    use crate::codec::release::MasterRelease;
+    let v = meta
+        .lines()
+        .find_map(|l| l.strip_prefix("Version:"))?
+        .trim();
+    MasterRelease::ALL.into_iter().find(|r| {
+        v.strip_prefix(r.label())
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -189,5 +233,42 @@ mod tests {
             identify(ours, remote, &[]),
             PeerKey::Addr("10.1.2.3".parse().unwrap())
         );
+    }
+
+    #[test]
+    fn a_process_s_mooncake_release_is_read_from_its_wheel() {
+        use crate::codec::release::MasterRelease;
+        let maps = "\
+7f0000000000-7f0000001000 r-xp 00000000 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6
+7f0000002000-7f0000003000 r-xp 00000000 08:01 2 /v/lib/python3.11/site-packages/mooncake/store.cpython-311-x86_64-linux-gnu.so
+7f0000004000-7f0000005000 rw-p 00000000 00:00 0
+";
+        assert_eq!(
+            site_packages_in_maps(maps),
+            Some("/v/lib/python3.11/site-packages")
+        );
+        // A `.so` in a subdirectory of the package, or no package at all: not it.
+        assert_eq!(
+            site_packages_in_maps(
+                "1-2 r-xp 0 0:0 1 /x/mooncake/sub/a.so\n1-2 r-xp 0 0:0 1 /x/y.so\n"
+            ),
+            None
+        );
+        let meta = |v: &str| format!("Metadata-Version: 2.1\nName: x\nVersion: {v}\n");
+        assert_eq!(
+            release_of_metadata(&meta("0.3.12.post1")),
+            Some(MasterRelease::V0_3_12)
+        );
+        assert_eq!(
+            release_of_metadata(&meta("0.3.14")),
+            Some(MasterRelease::V0_3_14)
+        );
+        assert_eq!(
+            release_of_metadata(&meta("0.3.11.post1")),
+            Some(MasterRelease::V0_3_11)
+        );
+        assert_eq!(release_of_metadata(&meta("0.3.130")), None);
+        assert_eq!(release_of_metadata(&meta("0.4.0")), None);
+        assert_eq!(release_of_metadata("Name: x\n"), None);
     }
 }

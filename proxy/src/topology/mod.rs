@@ -277,6 +277,11 @@ impl Topology {
         identify::identify(ours, theirs, &known)
     }
 
+    /// The release a known peer's calls (or its wheel) showed, if any.
+    pub fn release_of(&self, key: PeerKey) -> Option<crate::codec::Schema> {
+        lock(&self.peers).get(&key).and_then(|p| p.release())
+    }
+
     /// The peer for `key`, counted as one more connection.
     pub fn join(&self, key: PeerKey) -> Arc<Peer> {
         let mut peers = lock(&self.peers);
