@@ -239,11 +239,17 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
     tracing::debug!(%peer, "client connected");
 
     let mut upstream = upstream;
-    let release = match cfg.fixed_release() {
-        Some(r) => Some(r),
-        None => probe_release(&mut upstream, &shared).await,
-    };
-    let who = identify(&client, peer, &shared).await;
+    // Both before the first call is relayed, at once: a master round trip, and up to
+    // IDENTIFY_WITHIN reading /proc.
+    let (release, who) = tokio::join!(
+        async {
+            match cfg.fixed_release() {
+                Some(r) => Some(r),
+                None => probe_release(&mut upstream, &shared).await,
+            }
+        },
+        identify(&client, peer, &shared)
+    );
     let (cr, cw) = client.into_split();
     let (ur, uw) = upstream.into_split();
     let shell = Arc::new(Shell {
