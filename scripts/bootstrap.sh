@@ -21,15 +21,30 @@
 #     is built, scripts/cuda_driver_stand_in.sh) and libmlx5 (Debian's
 #     ibverbs-providers).
 #
+# `bootstrap.sh --demo` installs only what `scripts/demo.sh` needs: the two RDMA
+# libraries the wheel links, protobuf-compiler (the build), curl, the pinned wheel in
+# .venv and the wasm32-wasip2 target; none of the test servers or other releases.
+#
 # Env: MOONGATE_VENV overrides the virtualenv path.
 set -euo pipefail
+demo=false
+case "${1:-}" in
+  --demo) demo=true ;;
+  "") ;;
+  *) echo "usage: bootstrap.sh [--demo]" >&2; exit 2 ;;
+esac
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv=${MOONGATE_VENV:-$root/.venv}
 MOONCAKE_PKG="mooncake-transfer-engine-non-cuda==0.3.13.post1"
 
 need_apt=()
-for p in libibverbs1 librdmacm1 ibverbs-providers curl protobuf-compiler etcd-server prometheus \
-         docker-registry minisign systemd valgrind cmake g++; do
+if $demo; then
+  want=(libibverbs1 librdmacm1 curl protobuf-compiler)
+else
+  want=(libibverbs1 librdmacm1 ibverbs-providers curl protobuf-compiler etcd-server prometheus
+        docker-registry minisign systemd valgrind cmake g++)
+fi
+for p in "${want[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || need_apt+=("$p")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then
@@ -48,6 +63,18 @@ if ! "$venv/bin/python" -c "import mooncake.store" >/dev/null 2>&1 \
   echo "bootstrap: installing $MOONCAKE_PKG"
   "$venv/bin/pip" install -q --disable-pip-version-check "$MOONCAKE_PKG"
 fi
+finish() {
+  if ! rustup target list --installed 2>/dev/null | grep -qx wasm32-wasip2; then
+    echo "bootstrap: adding the wasm32-wasip2 target (policy plugins)"
+    rustup target add wasm32-wasip2
+  fi
+}
+if $demo; then
+  finish
+  echo "bootstrap: ok for the demo (python: $venv/bin/python)"
+  exit 0
+fi
+
 # The KV-events test subscribes as vLLM's example subscriber does (pyzmq + msgspec).
 # deploy/k8s/ is validated against the Kubernetes API schemas (bundled by this package);
 # the registry-login test writes the registry's htpasswd file with bcrypt.
@@ -107,8 +134,5 @@ if [ ! -x "$master" ]; then
   echo "bootstrap: mooncake_master not found at $master" >&2
   exit 1
 fi
-if ! rustup target list --installed 2>/dev/null | grep -qx wasm32-wasip2; then
-  echo "bootstrap: adding the wasm32-wasip2 target (policy plugins)"
-  rustup target add wasm32-wasip2
-fi
+finish
 echo "bootstrap: ok (python: $venv/bin/python, master: $master)"

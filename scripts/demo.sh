@@ -6,7 +6,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
-bash scripts/bootstrap.sh
+bash scripts/bootstrap.sh --demo
 cargo build --locked --bin moongate
 py=${MOONGATE_PYTHON:-$root/.venv/bin/python}
 source scripts/lib.sh
