@@ -109,7 +109,7 @@ impl Drop for Joined {
 /// The process (or address) behind a connection, found off the runtime.
 async fn identify(client: &TcpStream, peer: std::net::SocketAddr, shared: &Arc<Shared>) -> Joined {
     let topo = shared.topology.clone();
-    let key = match client.local_addr() {
+    let (key, release) = match client.local_addr() {
         Ok(ours) => {
             let t = topo.clone();
             let found = tokio::task::spawn_blocking(move || {
@@ -130,7 +130,6 @@ async fn identify(client: &TcpStream, peer: std::net::SocketAddr, shared: &Arc<S
         }
         Err(_) => (PeerKey::Addr(peer.ip()), None),
     };
-    let (key, release) = key;
     tracing::debug!(%peer, who = %key, release = release.map(|r| r.label()), "client identified");
     let joined = topo.join(key);
     if let Some(r) = release

@@ -299,6 +299,16 @@ mod tests {
         ));
     }
 
+    /// The older layout the next call the fake master saw was in; it must be a PutStart.
+    async fn put_layout(
+        seen: &mut tokio::sync::mpsc::UnboundedReceiver<(u32, Vec<u8>)>,
+    ) -> Option<crate::codec::Schema> {
+        let (id, body) = seen.recv().await.unwrap();
+        assert_eq!(id, Method::PutStart.function_id());
+        let code = crate::codec::older::code_of(&body).unwrap();
+        crate::codec::older::request_schema(Method::PutStart, code)
+    }
+
     /// Against a 0.3.11 master (it refuses the probe's layout), a put goes in 0.3.11's
     /// layout; calls with one layout in every release are sent without asking.
     #[tokio::test]
@@ -327,13 +337,7 @@ mod tests {
         assert!(matches!(a[..], [Err(1)]));
         let (probe, _) = seen.recv().await.unwrap();
         assert_eq!(probe, Method::GetReplicaList.function_id());
-        let (id, body) = seen.recv().await.unwrap();
-        assert_eq!(id, Method::PutStart.function_id());
-        let code = crate::codec::older::code_of(&body).unwrap();
-        assert_eq!(
-            crate::codec::older::request_schema(Method::PutStart, code),
-            Some(Schema::V0_3_11)
-        );
+        assert_eq!(put_layout(&mut seen).await, Some(Schema::V0_3_11));
         // Asked once per connection.
         c.call_all(std::slice::from_ref(&put), t).await.unwrap();
         assert_eq!(seen.recv().await.unwrap().0, Method::PutStart.function_id());
@@ -344,12 +348,6 @@ mod tests {
             .await
             .unwrap();
         c.call_all(std::slice::from_ref(&put), t).await.unwrap();
-        let (id, body) = seen.recv().await.unwrap();
-        assert_eq!(id, Method::PutStart.function_id());
-        let code = crate::codec::older::code_of(&body).unwrap();
-        assert_eq!(
-            crate::codec::older::request_schema(Method::PutStart, code),
-            Some(Schema::V0_3_12)
-        );
+        assert_eq!(put_layout(&mut seen).await, Some(Schema::V0_3_12));
     }
 }
