@@ -62,6 +62,18 @@ def wait_http(url, secs=30):
     raise SystemExit(f"{url} not ready")
 
 
+def wait_port(port, secs=30):
+    """Waits until something accepts TCP connections on 127.0.0.1:port."""
+    end = time.time() + secs
+    while time.time() < end:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit(f"127.0.0.1:{port} not accepting")
+
+
 def pct(v, q):
     v = sorted(v)
     return v[min(len(v) - 1, int(q * len(v)))]

@@ -10,8 +10,12 @@ PutEnd through the embedded default policy), counts instructions only while that
 workload runs, and prints instructions per call and the ratio between the builds.
 
   python benches/cpu_per_call.py --moongate target/release/moongate \
-      [--baseline OTHER_BUILD] [--calls 2000] [--extra-config 'TOML'] [--misses] \
-      [--max-per-call N]
+      [--baseline OTHER_BUILD] [--relay BARE_RELAY] [--calls 2000] \
+      [--extra-config 'TOML'] [--misses] [--max-per-call N]
+
+--relay counts the bare byte relay (`proxy/examples/bare_relay.rs`, built with the same
+profile) under the same workload: the floor any hop pays (tokio's reads, writes and
+wake-ups), so what moongate adds over a hop is the difference of the two lines.
 
 --extra-config appends TOML to moongate's config (`\n` for new lines), e.g.
 '[eviction]\nenabled = true' to price the key table and miss classification;
@@ -31,7 +35,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import free_port, master_cmd, run, stop_all, wait_http, work_dir  # noqa: E402
+from benchlib import free_port, master_cmd, run, stop_all, wait_http, wait_port, work_dir  # noqa: E402
 
 MiB = 1 << 20
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
@@ -79,15 +83,22 @@ def measure(binary, label, rpc, metadata, calls, work, extra_config="", misses=F
     cfg = os.path.join(work, f"{label}.toml")
     with open(cfg, "w") as f:
         f.write("[policy]\nmax_instances = 1\n" + extra_config.replace("\\n", "\n") + "\n")
+    if label == "relay":
+        args = [binary, f"127.0.0.1:{listen}", f"127.0.0.1:{rpc}"]
+    else:
+        args = [binary, "run", "--config", cfg, "--listen", f"127.0.0.1:{listen}",
+                "--upstream", f"127.0.0.1:{rpc}", "--admin", f"127.0.0.1:{admin}"]
     mg = subprocess.Popen(
-        ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
-         binary, "run", "--config", cfg, "--listen", f"127.0.0.1:{listen}", "--upstream", f"127.0.0.1:{rpc}",
-         "--admin", f"127.0.0.1:{admin}"],
+        ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
+        + args,
         stdout=open(os.path.join(work, f"{label}.log"), "w"), stderr=subprocess.STDOUT,
         env={**os.environ, "RUST_LOG": "warn"})
     client = None
     try:
-        wait_http(f"http://127.0.0.1:{admin}/ready", secs=300)
+        if label == "relay":
+            wait_port(listen, secs=300)
+        else:
+            wait_http(f"http://127.0.0.1:{admin}/ready", secs=300)
         client = subprocess.Popen(
             [sys.executable, __file__, "--role", "client", "--master", f"127.0.0.1:{listen}",
              "--metadata", metadata, "--calls", str(calls), "--tag", label]
@@ -134,6 +145,7 @@ def main():
                    help="rounds of the workload (5 master-face calls each)")
     p.add_argument("--moongate", default="target/release/moongate")
     p.add_argument("--baseline", default="")
+    p.add_argument("--relay", default="", help="the bare relay's binary, counted alike")
     p.add_argument("--extra-config", default="", help="TOML appended to this build's config")
     p.add_argument("--baseline-extra-config", default=None,
                    help="TOML appended to the baseline's config; without --baseline the "
@@ -162,6 +174,8 @@ def main():
             runs.append(("baseline", a.baseline or a.moongate,
                          a.baseline_extra_config if a.baseline_extra_config is not None
                          else a.extra_config))
+        if a.relay:
+            runs.append(("relay", a.relay, ""))
         for label, binary, extra in runs:
             results[label] = measure(binary, label, rpc, metadata, a.calls, work, extra,
                                      a.misses, a.only)
@@ -181,6 +195,8 @@ def main():
         print(f"{label:<10} {total:>14} {total / calls:>10.0f}")
     if results.get("baseline"):
         print(f"this / baseline: {results['this'] / results['baseline']:.3f}")
+    if results.get("relay"):
+        print(f"this over the relay: {(results['this'] - results['relay']) / calls:.0f} per call")
     if a.max_per_call:
         per_call = results["this"] / calls
         if not results["this"]:
