@@ -14,9 +14,12 @@
 //! Both halves read whatever is available and forward all complete frames in one write,
 //! so pipelined requests stay pipelined.
 //!
-//! Three tasks per connection, so a wake-up polls only what woke: the client half (in the
-//! connection's own task), the master half, and the watches (idle, unanswered calls, a
-//! new master leader), which wake on their timers alone.
+//! Four tasks per connection, so a wake-up polls only what woke: the client half, the
+//! master half, the watches (idle, unanswered calls, a new master leader), which wake
+//! on their timers alone, and the connection's own task, which waits for shutdown and
+//! for the first of them to end (never woken by traffic). The halves hear from each
+//! other through [`Flag`]s, which cost an atomic load per poll where a `Notify` takes a
+//! lock.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -27,11 +30,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::Notify;
-use tokio_util::sync::CancellationToken;
 
 use super::Shared;
 use super::metrics::{CloseReason, FrameErrorKind, Side};
 use super::session::Session;
+use super::signal::Flag;
 use crate::codec::frame::{check_request, check_response};
 use crate::codec::{FrameError, RequestFrame, ResponseFrame};
 use crate::topology::{Peer, PeerKey};
@@ -45,10 +48,27 @@ const ANSWER_BEFORE_CLOSE: Duration = Duration::from_secs(5);
 /// The session and the wake-ups between the two halves.
 struct Shell {
     session: Mutex<Session>,
-    /// The master half popped entries: the client half may hand in more requests.
+    /// The master half popped entries: the client half may hand in more requests
+    /// (waited on only when the in-flight queue is full).
     room: Notify,
-    /// The client half left bytes for the client (a local answer).
-    local: Notify,
+    /// A pulse to the master half: the client half left bytes for the client (a local
+    /// answer), or ended.
+    to_client: Flag,
+    /// The client half ended (the master half drains what is in flight, then ends).
+    client_gone: Flag,
+    /// Shutdown: the client half stops reading requests (raised by the connection's
+    /// task, so the halves never poll the process-wide token).
+    stop: Flag,
+}
+
+/// Raised when the client half's task ends, however it ends (aborted included).
+struct ClientGone(Arc<Shell>);
+
+impl Drop for ClientGone {
+    fn drop(&mut self) {
+        self.0.client_gone.raise();
+        self.0.to_client.raise();
+    }
 }
 
 impl Shell {
@@ -254,10 +274,11 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
     let shell = Arc::new(Shell {
         session: Mutex::new(Session::new(shared.clone(), who.0.clone()).with_master(release)),
         room: Notify::new(),
-        local: Notify::new(),
+        to_client: Flag::default(),
+        client_gone: Flag::default(),
+        stop: Flag::default(),
     });
     let activity = Arc::new(Activity::default());
-    let client_done = CancellationToken::new();
 
     // The watches run in their own task: they wake on their timers, not on every
     // chunk of traffic (polled beside the halves, they cost a timer and a watch check
@@ -295,40 +316,53 @@ pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Sh
         }
     };
 
-    let c2s = async {
-        let _done = client_done.clone().drop_guard();
-        client_to_master(cr, uw, &shell, &shared, &activity).await
-    };
-    // The master half is its own task: an answer wakes only it, a request only the
-    // client half (one task polled both halves and their futures on every wake-up).
+    // Each half is its own task: a request wakes only the client half, an answer only
+    // the master half (this task, polled with both, cost every wake-up a poll of all).
+    let c2s = AbortOnDrop(tokio::spawn({
+        let (shell, shared, activity) = (shell.clone(), shared.clone(), activity.clone());
+        async move {
+            let _gone = ClientGone(shell.clone());
+            client_to_master(cr, uw, &shell, &shared, &activity).await
+        }
+    }));
     let s2c = AbortOnDrop(tokio::spawn({
         let (shell, shared, activity) = (shell.clone(), shared.clone(), activity.clone());
-        let client_done = client_done.clone();
-        async move { master_to_client(ur, cw, &shell, &shared, &activity, &client_done).await }
+        async move { master_to_client(ur, cw, &shell, &shared, &activity).await }
     }));
-    let s2c = async {
-        let mut s2c = s2c;
-        match (&mut s2c.0).await {
-            Ok(e) => e,
-            Err(e) => End::UpstreamIo(std::io::Error::other(format!("master half ended: {e}"))),
-        }
+    let half = |r: Result<End, tokio::task::JoinError>, which: &str| {
+        r.unwrap_or_else(|e| {
+            End::UpstreamIo(std::io::Error::other(format!("{which} half ended: {e}")))
+        })
     };
-    tokio::pin!(c2s, s2c, watched);
+    let (mut c2s, mut s2c) = (c2s, s2c);
+    let s2c_end = async {
+        let r = (&mut s2c.0).await;
+        half(r, "master")
+    };
+    let shutdown = shared.shutdown.cancelled();
+    tokio::pin!(s2c_end, watched, shutdown);
 
-    let end = tokio::select! {
-        e = &mut c2s => match e {
-            // Shutdown: answers of forwarded calls still reach the client; the server
-            // bounds the whole drain by the grace period.
-            End::Draining => tokio::select! { e = &mut s2c => e, e = &mut watched => e },
-            // Like the master, answer what came before the bad frame, then close.
-            End::ClientFrame(err) => {
-                let _ = tokio::time::timeout(ANSWER_BEFORE_CLOSE, &mut s2c).await;
-                End::ClientFrame(err)
+    let mut stopping = false;
+    let end = loop {
+        tokio::select! {
+            _ = &mut shutdown, if !stopping => {
+                stopping = true;
+                shell.stop.raise();
             }
-            e => e,
-        },
-        e = &mut s2c => e,
-        e = &mut watched => e,
+            r = &mut c2s.0 => break match half(r, "client") {
+                // Shutdown: answers of forwarded calls still reach the client; the server
+                // bounds the whole drain by the grace period.
+                End::Draining => tokio::select! { e = &mut s2c_end => e, e = &mut watched => e },
+                // Like the master, answer what came before the bad frame, then close.
+                End::ClientFrame(err) => {
+                    let _ = tokio::time::timeout(ANSWER_BEFORE_CLOSE, &mut s2c_end).await;
+                    End::ClientFrame(err)
+                }
+                e => e,
+            },
+            e = &mut s2c_end => break e,
+            e = &mut watched => break e,
+        }
     };
     shared.metrics.upstream_connections_open.dec();
     shared.metrics.closed(end.reason());
@@ -435,13 +469,10 @@ async fn client_to_master(
 ) -> End {
     let cfg = &shared.cfg;
     let mut buf = BytesMut::with_capacity(READ_CHUNK);
-    // Made once: a fresh future per read would register and unregister a waiter each time.
-    let shutdown = shared.shutdown.cancelled();
-    tokio::pin!(shutdown);
     loop {
         let n = tokio::select! {
             biased;
-            _ = &mut shutdown => return End::Draining,
+            _ = shell.stop.raised() => return End::Draining,
             r = cr.read_buf(&mut buf) => match r {
                 Ok(0) => return End::ClientClosed,
                 Ok(n) => n,
@@ -474,7 +505,7 @@ async fn client_to_master(
                 }
                 tokio::select! {
                     _ = shell.room.notified() => {}
-                    _ = shared.shutdown.cancelled() => return End::Drained,
+                    _ = shell.stop.raised() => return End::Drained,
                 }
             }
             let (frame, raw) = RequestFrame::split(&mut buf, h);
@@ -484,7 +515,7 @@ async fn client_to_master(
                 s.has_output_for_client()
             };
             if local {
-                shell.local.notify_one();
+                shell.to_client.raise();
             }
         }
         let pending = shell.lock().poll_to_master();
@@ -516,16 +547,13 @@ async fn master_to_client(
     shell: &Shell,
     shared: &Shared,
     activity: &Activity,
-    client_done: &CancellationToken,
 ) -> End {
     let cfg = &shared.cfg;
     let mut buf = BytesMut::with_capacity(READ_CHUNK);
-    let mut client_gone = false;
-    // Made once, re-armed only after they fire (see `client_to_master`).
-    let gone = client_done.cancelled();
-    let local = shell.local.notified();
-    tokio::pin!(gone, local);
     loop {
+        // Looked at before the flush: anything the client half gathered before it ended
+        // goes out in this round.
+        let client_gone = shell.client_gone.is_raised();
         let (out, pending) = {
             let mut s = shell.lock();
             (s.poll_to_client(), s.in_flight())
@@ -538,14 +566,9 @@ async fn master_to_client(
             return End::Drained;
         }
         tokio::select! {
-            _ = &mut gone, if !client_gone => {
-                client_gone = true;
-                continue;
-            }
-            _ = &mut local => {
-                local.set(shell.local.notified());
-                continue;
-            }
+            biased;
+            // Also raised once the client half ends.
+            _ = shell.to_client.taken() => continue,
             r = ur.read_buf(&mut buf) => match r {
                 Ok(0) => {
                     let pending = shell.lock().in_flight();
@@ -652,7 +675,7 @@ mod tests {
             upstream: crate::upstream::Upstream::fixed(&cfg.upstream),
             cfg,
             metrics: all.master.clone(),
-            shutdown: CancellationToken::new(),
+            shutdown: tokio_util::sync::CancellationToken::new(),
             policy: Registry::with_policies(
                 Default::default(),
                 None,

@@ -10,6 +10,7 @@ pub mod config;
 pub mod connection;
 pub mod metrics;
 pub mod session;
+mod signal;
 pub mod split;
 
 use std::sync::Arc;
