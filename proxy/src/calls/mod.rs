@@ -238,6 +238,9 @@ pub trait AnswerExt: Sized {
     /// Number of application-level (`ErrorCode`) errors in the reply: 0 or 1 for single
     /// calls, one per failed key for batch calls.
     fn error_count(&self) -> usize;
+    /// [`error_count`](Self::error_count) and [`first_error`](Self::first_error) in one
+    /// pass over the results (the answer path wants both, per batch of 64 keys).
+    fn errors(&self) -> (usize, Option<ErrorCode>);
     /// Appends the per-key results of `part` (the answer to the next sub-request of a
     /// split batch) to this one; the merged reply is the master's answer to the unsplit
     /// batch. `Err(part)` when the two are not answers of the same batch method.
@@ -310,12 +313,17 @@ impl AnswerExt for Response {
     }
 
     fn error_count(&self) -> usize {
-        let mut n = 0;
-        visit_errors(self, |_| {
+        self.errors().0
+    }
+
+    fn errors(&self) -> (usize, Option<ErrorCode>) {
+        let (mut n, mut first) = (0, None);
+        visit_errors(self, |e| {
             n += 1;
+            first.get_or_insert(e);
             true
         });
-        n
+        (n, first)
     }
 
     fn append(&mut self, part: Response) -> Result<(), Response> {
@@ -567,6 +575,7 @@ mod tests {
             (mixed.error_count(), mixed.first_error()),
             (2, Some(ErrorCode(-704)))
         );
+        assert_eq!(mixed.errors(), (2, Some(ErrorCode(-704))));
         assert_eq!(Response::RemoveAll(3).first_error(), None);
     }
 

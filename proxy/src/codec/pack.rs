@@ -591,10 +591,8 @@ impl Prefix {
             }
             width = SizeWidth::from_code(m >> 3);
             if m & META_LITERAL != 0 {
-                let end = body[pos..]
-                    .iter()
-                    .position(|&b| b == 0)
-                    .ok_or(DecodeError::UnterminatedLiteral)?;
+                let end =
+                    memchr::memchr(0, &body[pos..]).ok_or(DecodeError::UnterminatedLiteral)?;
                 literal = Some(body.slice(pos..pos + end));
                 pos += end + 1;
             }

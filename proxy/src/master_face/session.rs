@@ -1080,7 +1080,8 @@ impl<'a> Answering<'a> {
                 e.ticket.arm().metrics.add_tally(&tally);
             }
         }
-        let errors = resp.error_count() as u64;
+        let (errors, first_error) = resp.errors();
+        let errors = errors as u64;
         self.m.error(ErrorKind::app, errors);
         if let Some(am) = self.am {
             am.error(ErrorKind::app, errors);
@@ -1088,7 +1089,7 @@ impl<'a> Answering<'a> {
         if let Some(e) = entry {
             e.ticket.finish(&Outcome {
                 method: resp.method().name(),
-                code: resp.first_error().map_or(0, |e| e.0),
+                code: first_error.map_or(0, |e| e.0),
                 failed: errors > 0,
                 latency: Some(self.latency),
                 keys: resp.key_count(),
