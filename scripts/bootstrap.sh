@@ -78,14 +78,16 @@ fi
 # The KV-events test subscribes as vLLM's example subscriber does (pyzmq + msgspec).
 # deploy/k8s/ is validated against the Kubernetes API schemas (bundled by this package);
 # the registry-login test writes the registry's htpasswd file with bcrypt.
-if ! "$venv/bin/python" -c "import kubernetes_validate, bcrypt" >/dev/null 2>&1; then
-  echo "bootstrap: installing kubernetes-validate and bcrypt"
-  "$venv/bin/pip" install -q --disable-pip-version-check "kubernetes-validate==1.37.0" "bcrypt==4.3.0"
-fi
-if ! "$venv/bin/python" -c "import zmq, msgspec" >/dev/null 2>&1; then
-  echo "bootstrap: installing pyzmq and msgspec"
-  "$venv/bin/pip" install -q --disable-pip-version-check "pyzmq==27.3.0" "msgspec==0.23.0"
-fi
+test_extras() {
+  if ! "$venv/bin/python" -c "import kubernetes_validate, bcrypt" >/dev/null 2>&1; then
+    echo "bootstrap: installing kubernetes-validate and bcrypt"
+    "$venv/bin/pip" install -q --disable-pip-version-check "kubernetes-validate==1.37.0" "bcrypt==4.3.0"
+  fi
+  if ! "$venv/bin/python" -c "import zmq, msgspec" >/dev/null 2>&1; then
+    echo "bootstrap: installing pyzmq and msgspec"
+    "$venv/bin/pip" install -q --disable-pip-version-check "pyzmq==27.3.0" "msgspec==0.23.0"
+  fi
+}
 
 older_release() {
   local v=$1 extra=${2:-} dir="$root/.venv-$1"
@@ -100,28 +102,44 @@ older_release() {
     "$dir/bin/pip" install -q --disable-pip-version-check "mooncake-transfer-engine-non-cuda==$v" $extra
   fi
 }
-older_release 0.3.11.post1
-older_release 0.3.12.post1 "nvidia-cuda-runtime-cu12==12.9.79"
 # 0.3.14: only a CUDA 13 wheel exists, installed without its dependencies (the
 # client's Python imports need none of them for the store API the tests use).
 v14="$root/.venv-0.3.14"
 v14site="$v14/lib/python3.11/site-packages"
-if [ ! -x "$v14site/mooncake/mooncake_master" ]; then
-  echo "bootstrap: installing Mooncake 0.3.14 (mooncake-transfer-engine-cuda13==0.3.14, no deps)"
-  [ -x "$v14/bin/python" ] || python3 -m venv "$v14"
-  "$v14/bin/pip" install -q --disable-pip-version-check --no-deps "mooncake-transfer-engine-cuda13==0.3.14"
-fi
-if [ ! -e "$v14site/nvidia/cu13/lib/libcudart.so.13" ]; then
-  echo "bootstrap: installing the CUDA 13 runtime for the 0.3.14 client (nvidia-cuda-runtime==13.5.37)"
-  "$v14/bin/pip" install -q --disable-pip-version-check --no-deps "nvidia-cuda-runtime==13.5.37"
-fi
-if [ ! -e "$v14/cuda-stand-in/libcuda.so.1" ]; then
-  bash "$root/scripts/cuda_driver_stand_in.sh" "$v14site/mooncake" "$v14/cuda-stand-in"
-fi
-if ! LD_LIBRARY_PATH="$v14/cuda-stand-in:$v14site/nvidia/cu13/lib" \
-     "$v14/bin/python" -c "import mooncake.store" >/dev/null 2>&1; then
-  echo "bootstrap: the 0.3.14 client does not import with its stand-ins:" >&2
-  LD_LIBRARY_PATH="$v14/cuda-stand-in:$v14site/nvidia/cu13/lib" "$v14/bin/python" -c "import mooncake.store" >&2 || true
+release_0_3_14() {
+  if [ ! -x "$v14site/mooncake/mooncake_master" ]; then
+    echo "bootstrap: installing Mooncake 0.3.14 (mooncake-transfer-engine-cuda13==0.3.14, no deps)"
+    [ -x "$v14/bin/python" ] || python3 -m venv "$v14"
+    "$v14/bin/pip" install -q --disable-pip-version-check --no-deps "mooncake-transfer-engine-cuda13==0.3.14"
+  fi
+  if [ ! -e "$v14site/nvidia/cu13/lib/libcudart.so.13" ]; then
+    echo "bootstrap: installing the CUDA 13 runtime for the 0.3.14 client (nvidia-cuda-runtime==13.5.37)"
+    "$v14/bin/pip" install -q --disable-pip-version-check --no-deps "nvidia-cuda-runtime==13.5.37"
+  fi
+  if [ ! -e "$v14/cuda-stand-in/libcuda.so.1" ]; then
+    bash "$root/scripts/cuda_driver_stand_in.sh" "$v14site/mooncake" "$v14/cuda-stand-in"
+  fi
+  if ! LD_LIBRARY_PATH="$v14/cuda-stand-in:$v14site/nvidia/cu13/lib" \
+       "$v14/bin/python" -c "import mooncake.store" >/dev/null 2>&1; then
+    echo "bootstrap: the 0.3.14 client does not import with its stand-ins:" >&2
+    LD_LIBRARY_PATH="$v14/cuda-stand-in:$v14site/nvidia/cu13/lib" "$v14/bin/python" -c "import mooncake.store" >&2 || true
+    return 1
+  fi
+}
+# Separate virtualenvs (and the main one's extras) install at once: pip spends most of
+# its time downloading and unpacking, and one after another took ~3 minutes on a fresh
+# machine.
+jobs_=()
+test_extras & jobs_+=($!)
+older_release 0.3.11.post1 & jobs_+=($!)
+older_release 0.3.12.post1 "nvidia-cuda-runtime-cu12==12.9.79" & jobs_+=($!)
+release_0_3_14 & jobs_+=($!)
+failed=0
+for j in "${jobs_[@]}"; do
+  wait "$j" || failed=1
+done
+if [ "$failed" != 0 ]; then
+  echo "bootstrap: installing the test virtualenvs failed (see above)" >&2
   exit 1
 fi
 
