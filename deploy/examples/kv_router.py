@@ -228,8 +228,11 @@ class HintPublisher:
     socket, so the router sees who subscribed: PUB would drop a rank's hints silently
     when its moongate is not (yet) connected."""
 
-    def __init__(self, ctx, endpoint):
-        self.sock = ctx.socket(zmq.XPUB)
+    def __init__(self, endpoint):
+        # A context of its own, so closing can wait for this socket alone (the event
+        # followers' sockets live in other threads).
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.XPUB)
         self.sock.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.sock.bind(endpoint)
         self.topics = {}
@@ -260,6 +263,14 @@ class HintPublisher:
         self.sock.send_multipart([topic, body])
         return len(hashes)
 
+    def close(self, linger_ms=5000):
+        """Delivers what is still queued (for up to `linger_ms`), then closes. Without
+        it, hints published just before the router exits are lost: pyzmq does not
+        terminate contexts at interpreter exit, so queued messages die with the process
+        (seen as a moongate that subscribed and then lost the publisher, hint unread)."""
+        self.sock.close(linger=linger_ms)
+        self.ctx.term()
+
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -286,7 +297,7 @@ def main():
             p.error(f"--hints {h!r}: expected NAME=http://HOST:PORT/PATH")
         hint_urls[name] = url
     ctx = zmq.Context()
-    publisher = HintPublisher(ctx, a.hints_pub) if a.hints_pub else None
+    publisher = HintPublisher(a.hints_pub) if a.hints_pub else None
     index = Index(a.encoding)
     names = []
     caught_up = threading.Semaphore(0)
@@ -318,6 +329,8 @@ def main():
             except (OSError, RuntimeError, ValueError, KeyError, zmq.ZMQError) as e:
                 answer["hint_error"] = str(e)
         print(json.dumps(answer), flush=True)
+    if publisher:
+        publisher.close()
 
 
 if __name__ == "__main__":
