@@ -93,7 +93,8 @@ for _ in $(seq 3 "$n_busy"); do
   busy+=($!)
 done
 # The subshells' own children (a build, or the `yes` they became) go with them.
-trap 'for p in "${busy[@]}"; do pkill -P "$p" 2>/dev/null; done; kill "${busy[@]}" 2>/dev/null || true' EXIT
+# (`|| true` on each: under set -e a pkill that matches nothing would end the trap.)
+trap 'for p in "${busy[@]}"; do pkill -P "$p" 2>/dev/null || true; done; kill "${busy[@]}" 2>/dev/null || true' EXIT
 cargo test --workspace --locked -- --test-threads="${MOONGATE_TEST_THREADS:-2}"
 # Plain `yes` first; the builds may still be running: let them finish, then stop them.
 [ "${#busy[@]}" -le 2 ] || kill "${busy[@]:2}" 2>/dev/null || true
