@@ -157,10 +157,13 @@ impl Eviction {
     /// What this member adds to its fleet record: keys and bytes per arm of its table,
     /// bytes it evicted, pool-wide rounds it called as leader.
     pub fn fleet_record(&self, set: &ActiveSet) -> crate::fleet::Record {
+        let (done_by, done_seq) = self.fleet.get().map(|f| f.round_done()).unwrap_or_default();
         crate::fleet::Record {
             keys: self.table.len() as u64,
             evicted_bytes: self.metrics.removed_bytes.get(),
             rounds_called: self.fleet.get().map_or(0, |f| f.rounds_called()),
+            round_done_by: done_by,
+            round_done_seq: done_seq,
             ..crate::fleet::Record::of_arms(set, &self.table.arm_bytes())
         }
     }
@@ -320,8 +323,18 @@ impl Eviction {
                 None => self.table.complete(tenant, keys.iter(), |_, _| {}),
             },
             Seen::Found(keys) => {
-                self.table
-                    .hit(tenant, keys.iter().map(|(k, tier)| (k, *tier)), now)
+                let found = keys.iter().map(|(k, tier)| (k, *tier));
+                match &self.events {
+                    // A key served from its SSD copy lost its memory copy to the
+                    // master's own eviction: announced when seen, as a miss is.
+                    Some(ev) => {
+                        let mut c = Changes::new(What::Removed);
+                        self.table
+                            .hit(tenant, found, now, |k, e, was| c.push(e.arm, Some(was), k));
+                        c.send(ev);
+                    }
+                    None => self.table.hit(tenant, found, now, |_, _, _| {}),
+                }
             }
             Seen::Missed(keys) => self.missed(tenant, &keys, arm_name, now),
             Seen::Removed(keys) => {
@@ -329,8 +342,10 @@ impl Eviction {
                     Some(ev) => {
                         let mut c = Changes::new(What::Removed);
                         for k in &keys {
-                            let e = self.table.take(tenant, k);
-                            c.push(e.as_ref().map_or(arm8, |e| e.arm), e.map(|e| e.tier), k);
+                            match self.table.take(tenant, k) {
+                                Some(e) => announce_gone(&mut c, k, &e),
+                                None => c.push(arm8, None, k),
+                            }
                         }
                         c.send(ev);
                     }
@@ -523,6 +538,9 @@ impl Eviction {
                     )
                     .await;
                 }
+                if let Some(f) = self.fleet.get() {
+                    f.round_freed(&round);
+                }
                 continue;
             }
             let mut usage_need = 0u64;
@@ -571,13 +589,21 @@ impl Eviction {
                 // of it and frees its portion at once); alone, all of the excess.
                 match self.fleet.get() {
                     None => need = usage_need,
-                    // A round called in the last two intervals may still be under
-                    // way at the other members (delivered through etcd, then their
-                    // removals): the usage read now may not show it yet, and calling
-                    // again would free its excess twice (seen once in five runs of
-                    // 16 members: the pool fell to 0.625).
+                    // The last round may still be under way at the other members
+                    // (delivered through etcd, then their removals): the usage read
+                    // now may not show it yet, and calling again would free its
+                    // excess twice (a fixed wait of two intervals was not enough on a
+                    // busy machine: 16 members took the pool to 0.598). The next round
+                    // waits for every member's word that it freed its portion, at
+                    // least two intervals, at most ROUND_WAIT_INTERVALS.
                     Some(f)
-                        if f.leads() && called_at.is_none_or(|t| t.elapsed() >= 2 * interval) =>
+                        if f.leads()
+                            && called_at.is_none_or(|t| {
+                                let waited = t.elapsed();
+                                waited >= 2 * interval
+                                    && (f.last_round_done()
+                                        || waited >= crate::fleet::ROUND_WAIT_INTERVALS * interval)
+                            }) =>
                     {
                         called_at = Some(tokio::time::Instant::now());
                         let pool = capacity.map_or(0, |(_, allocated)| allocated);
@@ -835,13 +861,6 @@ impl Eviction {
             .collect();
         let mut removed = Vec::new();
         let mut gone = self.events.as_ref().map(|_| Changes::new(What::Removed));
-        // A key on an SSD loses both copies: one event per medium.
-        let announce = |c: &mut Changes, k: &Bytes, e: &Entry| {
-            c.push(e.arm, Some(e.tier), k);
-            if e.on_disk && e.tier != Tier::LocalDisk {
-                c.push(e.arm, Some(Tier::LocalDisk), k);
-            }
-        };
         for (chunk, entries) in reqs.chunks(CHUNK).zip(chosen.chunks(CHUNK)) {
             let answers = c
                 .call_all(chunk, self.call_timeout())
@@ -867,7 +886,7 @@ impl Eviction {
                         }
                         removed.push((e.tenant.clone(), k.clone()));
                         if let Some(c) = &mut gone {
-                            announce(c, k, e);
+                            announce_gone(c, k, e);
                         }
                         Victim::Removed
                     }
@@ -876,7 +895,7 @@ impl Eviction {
                         // Already gone (the master evicted it): gone all the same.
                         removed.push((e.tenant.clone(), k.clone()));
                         if let Some(c) = &mut gone {
-                            announce(c, k, e);
+                            announce_gone(c, k, e);
                         }
                         Victim::NotFound
                     }
@@ -1228,6 +1247,15 @@ fn lru(sizes: &[u64], need: u64) -> Vec<usize> {
         out.push(i);
     }
     out
+}
+
+/// A whole key gone (removed by a client or by moongate): one event per medium it had,
+/// its SSD copy included.
+fn announce_gone(c: &mut Changes, k: &Bytes, e: &Entry) {
+    c.push(e.arm, Some(e.tier), k);
+    if e.on_disk && e.tier != Tier::LocalDisk {
+        c.push(e.arm, Some(Tier::LocalDisk), k);
+    }
 }
 
 #[cfg(test)]

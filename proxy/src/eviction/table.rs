@@ -246,11 +246,15 @@ impl KeyTable {
     }
 
     /// Records lookups that found these keys (`tier` when the answer named one).
+    /// `left` sees each key found served from its SSD copy while the table held it in
+    /// another tier, with that tier: readers take memory before disk, so that copy is
+    /// gone (the master evicted it without moongate).
     pub fn hit<'a>(
         &self,
         tenant: &Bytes,
         found: impl Iterator<Item = (&'a Bytes, Option<Tier>)>,
         now_ms: u64,
+        mut left: impl FnMut(&Bytes, &Entry, Tier),
     ) {
         let mut t = self.lock();
         for (key, tier) in found {
@@ -259,7 +263,10 @@ impl KeyTable {
                 e.hits = e.hits.saturating_add(1);
                 e.leased_until_ms = now_ms + self.lease_ms;
                 if let Some(tier) = tier {
-                    e.tier = tier;
+                    let was = std::mem::replace(&mut e.tier, tier);
+                    if tier == Tier::LocalDisk && was != Tier::LocalDisk {
+                        left(key, e, was);
+                    }
                 }
             }
         }
@@ -528,7 +535,7 @@ mod tests {
             },
         );
         from.complete(&d, [k("a")].iter(), |_, _| {});
-        from.hit(&d, [(&k("a"), None)].into_iter(), 400);
+        from.hit(&d, [(&k("a"), None)].into_iter(), 400, |_, _, _| {});
         let moved = from.drain_where(|_, key| &key[..] == b"a");
         assert_eq!(
             (moved.len(), from.len(), from.arm_bytes()),
@@ -594,6 +601,7 @@ mod tests {
             &d,
             [(&k("a"), Some(Tier::Disk)), (&k("zz"), None)].into_iter(),
             5,
+            |_, _, _| panic!("no key is served from its SSD copy"),
         );
         let c = t.candidates(10, 5);
         let order: Vec<&[u8]> = c.iter().map(|(k, _)| &k[..]).collect();
@@ -618,10 +626,39 @@ mod tests {
             0,
         );
         t.complete(&k("t"), [k("a"), k("b")].iter(), |_, _| {});
-        t.hit(&k("t"), [(&k("a"), None)].into_iter(), 10);
+        t.hit(&k("t"), [(&k("a"), None)].into_iter(), 10, |_, _, _| {});
         let keys = |now| -> Vec<Bytes> { t.candidates(10, now).into_iter().map(|c| c.0).collect() };
         assert_eq!(keys(50), [k("b")]);
         assert_eq!(keys(110), [k("b"), k("a")]);
+    }
+
+    #[test]
+    fn a_key_found_on_its_ssd_copy_has_lost_its_memory_copy() {
+        let t = KeyTable::new(100, 0);
+        let d = k("t");
+        t.put(
+            &d,
+            &[(k("a"), 10, Tier::Memory), (k("b"), 10, Tier::Memory)],
+            0,
+            1,
+        );
+        t.complete(&d, [k("a"), k("b")].iter(), |_, _| {});
+        let mut left = Vec::new();
+        let found = [
+            (&k("a"), Some(Tier::LocalDisk)),
+            (&k("b"), Some(Tier::Memory)),
+        ];
+        t.hit(&d, found.into_iter(), 5, |k, e, was| {
+            left.push((k.clone(), e.tier, was))
+        });
+        assert_eq!(left, [(k("a"), Tier::LocalDisk, Tier::Memory)]);
+        // Found on disk again: nothing more left memory.
+        t.hit(
+            &d,
+            [(&k("a"), Some(Tier::LocalDisk))].into_iter(),
+            6,
+            |_, _, _| panic!("announced twice"),
+        );
     }
 
     #[test]
@@ -639,7 +676,12 @@ mod tests {
         // b's removal, miss or clear leaves a's key alone.
         t.forget(&b, [k("x")].iter());
         t.clear(&b);
-        t.hit(&b, [(&k("x"), Some(Tier::Disk))].into_iter(), 9);
+        t.hit(
+            &b,
+            [(&k("x"), Some(Tier::Disk))].into_iter(),
+            9,
+            |_, _, _| {},
+        );
         assert_eq!(t.len(), 1);
         let c = t.candidates(10, 10);
         assert_eq!(

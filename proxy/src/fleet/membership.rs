@@ -3,7 +3,8 @@
 //! ones the leader calls. The only file of the fleet that talks to etcd.
 //!
 //! Per member and interval: one lease renewal, and one write only when the record
-//! changed. Every write reaches every watching member, so a fleet of N members whose
+//! changed; one more per pool-wide round the member frees its portion of (at once, so
+//! the leader hears it). Every write reaches every watching member, so a fleet of N members whose
 //! records all change each interval delivers N writes and N x N watch events per
 //! interval (`docs/operations.md`, "Running a fleet"). The leader adds one write per
 //! round it calls (N deliveries).
@@ -61,6 +62,7 @@ async fn session(
     let key = format!("{prefix}{}", fleet.me);
     let round_key = super::round_key(&fleet.cfg.cluster);
     let mut called = fleet.rounds_called_rx();
+    let mut freed = fleet.rounds_done_rx();
     let ttl = fleet.cfg.lease_ttl_s as i64;
     let lease = client.lease_grant(ttl, None).await?.id();
     let (mut keeper, mut acks) = client.lease_keep_alive(lease).await?;
@@ -89,6 +91,11 @@ async fn session(
             }
             _ = tick.tick() => {
                 keeper.keep_alive().await?;
+                publish(&mut client, fleet, &key, lease, snapshot, &mut last).await?;
+            }
+            // A portion freed: the leader waits for it before its next round.
+            Ok(()) = freed.changed() => {
+                freed.borrow_and_update();
                 publish(&mut client, fleet, &key, lease, snapshot, &mut last).await?;
             }
             Ok(()) = called.changed() => {

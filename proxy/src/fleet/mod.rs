@@ -57,6 +57,13 @@ pub struct Record {
     /// Pool-wide eviction rounds this member called as the fleet's leader, since it
     /// started.
     pub rounds_called: u64,
+    /// The last pool-wide round this member freed its portion of: the leader that
+    /// called it (`""`: none yet) and the round's `seq`. Published at once when a
+    /// portion is freed: the leader calls its next round only when every member has
+    /// freed its portion of the last (or after [`ROUND_WAIT_INTERVALS`] intervals), so
+    /// no excess is freed twice however slowly rounds travel.
+    pub round_done_by: String,
+    pub round_done_seq: u64,
     /// The experiment's control arm on this member (the only arm without one).
     pub control: String,
     /// Per experiment arm (by name; every member runs the same arms).
@@ -162,6 +169,16 @@ impl View {
     /// too when no member before it is known (alone, or before its own record is seen).
     pub fn leads(&self, me: &str) -> bool {
         !self.members.keys().any(|m| m.as_str() < me)
+    }
+
+    /// Whether every other member has freed its portion of round `seq` that `me`
+    /// called (a member that joined after it has not, and is waited for until the
+    /// leader's bound).
+    pub fn round_done(&self, me: &str, seq: u64) -> bool {
+        self.members
+            .iter()
+            .filter(|(m, _)| m.as_str() != me)
+            .all(|(_, r)| r.round_done_by == me && r.round_done_seq >= seq)
     }
 
     /// The fleet's bytes for arm `arm`: the others' as last published, plus `mine`.
@@ -295,7 +312,16 @@ pub struct Fleet {
     /// The last round this member called as leader (to the membership task, which
     /// writes it to etcd).
     called: tokio::sync::watch::Sender<Option<Round>>,
+    /// The last round this member freed its portion of, (leader, seq): the membership
+    /// task publishes it at once.
+    done: tokio::sync::watch::Sender<(String, u64)>,
 }
+
+/// How long a leader waits, in eviction intervals, for every member to free its
+/// portion of its last round before it calls the next one anyway (a member that never
+/// answers, an older release that does not publish `round_done_*`): then an excess may
+/// be freed twice, as without the wait.
+pub const ROUND_WAIT_INTERVALS: u32 = 20;
 
 impl Fleet {
     /// `token`: the admin token, which access records carry to the other members.
@@ -325,6 +351,7 @@ impl Fleet {
             records,
             heard: tokio::sync::watch::Sender::new(None),
             called: tokio::sync::watch::Sender::new(None),
+            done: tokio::sync::watch::Sender::new((String::new(), 0)),
         })
     }
 
@@ -354,6 +381,28 @@ impl Fleet {
     /// Pool-wide rounds called since start (this member's record).
     pub fn rounds_called(&self) -> u64 {
         self.metrics.rounds[0].get()
+    }
+
+    /// This member freed its portion of `r` (the evictor, after its removals).
+    pub fn round_freed(&self, r: &Round) {
+        self.done.send_replace((r.by.clone(), r.seq));
+    }
+
+    /// The last round this member freed its portion of (its record).
+    pub fn round_done(&self) -> (String, u64) {
+        self.done.borrow().clone()
+    }
+
+    /// Rounds freed, as they happen, for the membership task to publish.
+    fn rounds_done_rx(&self) -> tokio::sync::watch::Receiver<(String, u64)> {
+        self.done.subscribe()
+    }
+
+    /// Whether every other member has freed its portion of the last round this member
+    /// called (true before any).
+    pub fn last_round_done(&self) -> bool {
+        let seq = self.rounds_called();
+        seq == 0 || self.view().round_done(&self.me, seq)
     }
 
     /// The rounds other members call, as they arrive.
@@ -420,6 +469,35 @@ mod tests {
                 ..Default::default()
             },
         )
+    }
+
+    #[test]
+    fn a_round_is_done_when_every_other_member_freed_its_portion() {
+        let mut v = View {
+            members: [rec("a", 0, &[]), rec("b", 0, &[]), rec("c", 0, &[])]
+                .into_iter()
+                .collect(),
+        };
+        assert!(!v.round_done("a", 1), "nobody has freed anything yet");
+        for m in ["b", "c"] {
+            let r = v.members.get_mut(m).unwrap();
+            (r.round_done_by, r.round_done_seq) = ("a".into(), 1);
+        }
+        assert!(
+            v.round_done("a", 1),
+            "the leader's own record does not count"
+        );
+        assert!(!v.round_done("a", 2), "round 2 is not round 1");
+        assert!(
+            !v.round_done("b", 1),
+            "another leader's round of that number"
+        );
+        v.members.get_mut("c").unwrap().round_done_seq = 3;
+        v.members.get_mut("b").unwrap().round_done_seq = 2;
+        assert!(
+            v.round_done("a", 2),
+            "a later round freed covers an earlier one"
+        );
     }
 
     #[test]
