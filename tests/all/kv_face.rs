@@ -10,8 +10,14 @@ use crate::support::*;
 
 #[test]
 fn values_cross_between_the_python_client_and_the_kv_face_bit_exact() {
-    let master = Master::start();
-    let (mg, kv) = kv_moongate(&master, "replica_cache_ms = 5000\n");
+    // Leases long enough that no step outlives one on a busy machine: the cached
+    // replica list of py/big (half the lease) must still be held when the peer leaves,
+    // and the lease of py/small when the removal below is refused.
+    let master = Master::start_with(MasterOpts {
+        extra: vec!["--default_kv_lease_ttl=120000".into()],
+        ..Default::default()
+    });
+    let (mg, kv) = kv_moongate(&master, "replica_cache_ms = 60000\n");
     let logs = [&master.proc, &mg.proc];
     let mut peer = Background::start("kvpeer", &master.rpc, &master.metadata, &logs);
     let log = || format!("{}\n{}", mg.proc.log_text(), peer_log(&peer.proc));
