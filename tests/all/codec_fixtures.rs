@@ -357,4 +357,7 @@ fn tier_tallies_from_captured_answers() {
         .unwrap();
     let t = Tally::of(&resp);
     assert_eq!((t.hits, t.misses), (3, 1));
+    // Counted from the bytes, as the master face counts an answer it only relays.
+    let c = moongate::codec::message::ExistCounts::of_batch(&f.body).unwrap();
+    assert_eq!((c.found, c.absent, c.errors), (3, 1, 0));
 }

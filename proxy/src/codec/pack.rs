@@ -624,6 +624,17 @@ pub fn decode_message<T: Pack>(
     body: &Bytes,
     schema: &RootSchema,
 ) -> Result<(T, BodyStyle), DecodeError> {
+    decode_message_with(body, schema, T::decode)
+}
+
+/// As [`decode_message`], with the payload read by `read` rather than built as the
+/// root type: for a caller that needs a summary of the payload, not its values. The
+/// same checks (type code, literal, payload consumed exactly).
+pub fn decode_message_with<T>(
+    body: &Bytes,
+    schema: &RootSchema,
+    read: impl FnOnce(&mut Reader) -> Result<T, DecodeError>,
+) -> Result<(T, BodyStyle), DecodeError> {
     let prefix = Prefix::parse(body)?;
     if prefix.hash_head >> 1 != schema.code >> 1 {
         return Err(DecodeError::TypeMismatch {
@@ -637,7 +648,7 @@ pub fn decode_message<T: Pack>(
         return Err(DecodeError::LiteralMismatch);
     }
     let mut r = Reader::new(body.clone(), prefix.payload_at, prefix.width);
-    let v = T::decode(&mut r)?;
+    let v = read(&mut r)?;
     match prefix.compat_total {
         // What follows the payload is the compatible section; the announced length
         // must be the body's (as the 0.3.14 master sends it).

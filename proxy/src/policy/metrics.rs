@@ -201,11 +201,16 @@ impl ArmMetrics {
                 }
             }
         }
-        if t.hits > 0 {
-            self.lookups[0].inc_by(t.hits);
+        self.add_lookups(t.hits, t.misses);
+    }
+
+    /// Adds keys an existence check found and did not find.
+    pub fn add_lookups(&self, hits: u64, misses: u64) {
+        if hits > 0 {
+            self.lookups[0].inc_by(hits);
         }
-        if t.misses > 0 {
-            self.lookups[1].inc_by(t.misses);
+        if misses > 0 {
+            self.lookups[1].inc_by(misses);
         }
     }
 }
