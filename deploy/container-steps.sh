@@ -3,7 +3,7 @@
 # so the base images cannot be pulled here): the builder stage (wasm32-wasip2 target,
 # locked build), the final stage's files in a staging root, the shared libraries the
 # final image must provide, and the image's commands run as its non-root user.
-#   bash deploy/container-steps.sh [--profile release|dev] [STAGING_DIR]
+#   bash deploy/container-steps.sh [--profile release|dev|count] [STAGING_DIR]
 # STAGING_DIR (default target/container-root) and its parents must be readable by uid
 # 65532, as the image's files are.
 set -euo pipefail
@@ -22,8 +22,9 @@ if [ -e "$stage" ]; then
   fi
   rm -rf "$stage"
 fi
-out=target/release
-[ "$profile" = "release" ] || out=target/debug
+# Cargo's output directory of a profile: its name, but `debug` for `dev`.
+out=target/$profile
+[ "$profile" != "dev" ] || out=target/debug
 
 echo "== builder: target and locked build ($profile)"
 rustup target add wasm32-wasip2 >/dev/null

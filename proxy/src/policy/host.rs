@@ -946,7 +946,9 @@ mod tests {
     fn engine() -> Arc<PolicyEngine> {
         PolicyEngine::new(
             HostLimits {
-                call_timeout: Duration::from_millis(50),
+                // No test here is about the deadline (tests/all/policy_host.rs are): a
+                // generous one, so a starved machine does not fail a hook call.
+                call_timeout: Duration::from_secs(1),
                 memory_bytes: 8 << 20,
                 max_instances: 4,
             },
