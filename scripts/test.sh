@@ -124,7 +124,7 @@ count_rc2=target/cpu-per-call.rc
 rm -f "$count_rc2"
 setsid bash -c '.venv/bin/python benches/cpu_per_call.py --moongate target/count/moongate \
   --calls 500 --max-per-call "$1" >target/cpu-per-call.log 2>&1; echo $? >"$2"' \
-  _ "${MOONGATE_CPU_CEILING:-14600}" "$count_rc2" &
+  _ "${MOONGATE_CPU_CEILING:-14000}" "$count_rc2" &
 counting=$!
 trap 'kill -- -"$counting" 2>/dev/null || true' EXIT
 echo "== the rdma feature builds, and its run-time detection falls back cleanly"

@@ -355,6 +355,19 @@ fn count_exists(r: &mut Reader) -> Result<ExistCounts, DecodeError> {
         need,
         have: rest.len().saturating_sub(i),
     };
+    // The usual answer: every key answered found or absent, two bytes each.
+    if let Some(plain) = n.checked_mul(2).and_then(|len| rest.get(..len))
+        && let Some(found) = count_plain(plain)
+    {
+        let len = plain.len();
+        r.take(len)?;
+        let found = found as u64;
+        return Ok(ExistCounts {
+            found,
+            absent: n as u64 - found,
+            ..ExistCounts::default()
+        });
+    }
     let mut c = ExistCounts::default();
     let mut i = 0;
     for _ in 0..n {
@@ -386,6 +399,34 @@ fn count_exists(r: &mut Reader) -> Result<ExistCounts, DecodeError> {
     }
     r.take(i)?;
     Ok(c)
+}
+
+/// The keys found among `pairs`, when every pair is a present bool (`01 00` or
+/// `01 01`); `None` otherwise (the caller walks the elements one by one). Four pairs
+/// at a time in a `u64`, without branches: ~3 instructions a key against ~20 for the
+/// walk (and 12 for the same test a pair at a time).
+#[inline]
+fn count_plain(pairs: &[u8]) -> Option<usize> {
+    // `01 0x` with x in {0, 1}: each 16-bit lane is 0x0x01 little-endian.
+    const FLAGS: u64 = 0x0001_0001_0001_0001;
+    const KEEP: u64 = 0xfeff_feff_feff_feff;
+    let mut off = 0u64;
+    let mut found = 0u64;
+    let mut quads = pairs.chunks_exact(8);
+    for q in &mut quads {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(q);
+        let v = u64::from_le_bytes(w);
+        off |= (v & KEEP) ^ FLAGS;
+        // The four bools, one per lane, summed into the top lane by the multiply.
+        found += ((v >> 8) & FLAGS).wrapping_mul(FLAGS) >> 48;
+    }
+    let mut tail = 0u16;
+    for p in quads.remainder().chunks_exact(2) {
+        tail |= (u16::from_le_bytes([p[0], p[1]]) & 0xfeff) ^ 0x0001;
+        found += u64::from(p[1]);
+    }
+    (off == 0 && tail == 0).then_some(found as usize)
 }
 
 /// What a `BatchExistKey` answer says, counted from its bytes without building its
@@ -641,6 +682,41 @@ mod tests {
                         assert_eq!(
                             (c.found, c.absent, c.keys(), c.first_error),
                             (found, absent, r.len() as u64, first),
+                            "byte {i} = {v}"
+                        );
+                    }
+                    (Err(_), Err(_)) => {}
+                    (d, c) => panic!("byte {i} = {v}: decoded {d:?}, counted {c:?}"),
+                }
+            }
+        }
+        // An answer of found and absent keys only (the counted fast path), long enough
+        // for a vector loop and its remainder: every one-byte change again.
+        let plain: Vec<Expected<bool>> = (0..37).map(|i| Ok(i % 3 == 0)).collect();
+        let mut out = BytesMut::new();
+        Response::BatchExistKey(plain).encode_body(BodyStyle::MOONCAKE, &mut out);
+        let body = out.freeze();
+        assert_eq!(
+            ExistCounts::of_batch(&body).unwrap(),
+            ExistCounts {
+                found: 13,
+                absent: 24,
+                ..ExistCounts::default()
+            }
+        );
+        for i in 0..body.len() {
+            for v in [0u8, 1, 2, 0x81, 0xff] {
+                let mut m = body.to_vec();
+                m[i] = v;
+                let m = Bytes::from(m);
+                let decoded = Response::decode(Method::BatchExistKey, &m).unwrap();
+                match (decoded, ExistCounts::of_batch(&m)) {
+                    (Ok((Response::BatchExistKey(r), _)), Ok(c)) => {
+                        let found = r.iter().filter(|a| **a == Ok(true)).count() as u64;
+                        let first = r.iter().find_map(|a| a.err());
+                        assert_eq!(
+                            (c.found, c.keys(), c.first_error),
+                            (found, r.len() as u64, first),
                             "byte {i} = {v}"
                         );
                     }
