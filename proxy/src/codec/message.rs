@@ -347,14 +347,7 @@ impl RpcError {
 /// would refuse (a flag other than 0 or 1, a short element) are refused here too.
 fn count_exists(r: &mut Reader) -> Result<ExistCounts, DecodeError> {
     let n = r.read_len()?;
-    let at = r.position();
     let rest = r.rest();
-    let bad = |i: usize, value: u8| DecodeError::BadFlag { at: at + i, value };
-    let short = |i: usize, need: usize| DecodeError::Truncated {
-        at: at + i,
-        need,
-        have: rest.len().saturating_sub(i),
-    };
     // The usual answer: every key answered found or absent, two bytes each.
     if let Some(plain) = n.checked_mul(2).and_then(|len| rest.get(..len))
         && let Some(found) = count_plain(plain)
@@ -368,6 +361,19 @@ fn count_exists(r: &mut Reader) -> Result<ExistCounts, DecodeError> {
             ..ExistCounts::default()
         });
     }
+    count_elements(r, n)
+}
+
+/// `n` `Expected<bool>` elements walked one by one.
+fn count_elements(r: &mut Reader, n: usize) -> Result<ExistCounts, DecodeError> {
+    let at = r.position();
+    let rest = r.rest();
+    let bad = |i: usize, value: u8| DecodeError::BadFlag { at: at + i, value };
+    let short = |i: usize, need: usize| DecodeError::Truncated {
+        at: at + i,
+        need,
+        have: rest.len().saturating_sub(i),
+    };
     let mut c = ExistCounts::default();
     let mut i = 0;
     for _ in 0..n {
@@ -448,6 +454,11 @@ impl ExistCounts {
     /// where it would fail.
     pub fn of_batch(body: &Bytes) -> Result<ExistCounts, DecodeError> {
         decode_message_with(body, schema!(Vec<Expected<bool>>), count_exists).map(|(c, _)| c)
+    }
+
+    /// Counts an `ExistKey` answer body (one `Expected<bool>`) the same way.
+    pub fn of_single(body: &Bytes) -> Result<ExistCounts, DecodeError> {
+        decode_message_with(body, schema!(Expected<bool>), |r| count_elements(r, 1)).map(|(c, _)| c)
     }
 
     /// Keys answered.
@@ -725,6 +736,51 @@ mod tests {
                 }
             }
         }
+        // A single key's answer, every one-byte change of each kind of answer.
+        for answer in [Ok(true), Ok(false), Err(ErrorCode::OBJECT_NOT_FOUND)] {
+            for style in [
+                BodyStyle::MOONCAKE,
+                BodyStyle {
+                    with_literal: true,
+                    ..BodyStyle::MOONCAKE
+                },
+            ] {
+                let mut out = BytesMut::new();
+                Response::ExistKey(answer).encode_body(style, &mut out);
+                let body = out.freeze();
+                for i in 0..=body.len() {
+                    for v in [0u8, 1, 2, 0xff] {
+                        let mut m = body.to_vec();
+                        match m.get_mut(i) {
+                            Some(b) => *b = v,
+                            None => m.push(v),
+                        }
+                        let m = Bytes::from(m);
+                        let decoded = Response::decode(Method::ExistKey, &m).unwrap();
+                        match (decoded, ExistCounts::of_single(&m)) {
+                            (Ok((Response::ExistKey(r), _)), Ok(c)) => assert_eq!(
+                                (c.found, c.absent, c.keys(), c.first_error),
+                                (
+                                    u64::from(r == Ok(true)),
+                                    u64::from(r == Ok(false)),
+                                    1,
+                                    r.err()
+                                ),
+                                "{answer:?} byte {i} = {v}"
+                            ),
+                            (Err(_), Err(_)) => {}
+                            (d, c) => panic!("byte {i} = {v}: decoded {d:?}, counted {c:?}"),
+                        }
+                    }
+                }
+                let c = ExistCounts::of_single(&body).unwrap();
+                assert_eq!((c.keys(), c.first_error), (1, answer.err()));
+            }
+        }
+        assert!(
+            ExistCounts::of_single(&body).is_err(),
+            "a batch is not one answer"
+        );
         let mut empty = BytesMut::new();
         Response::BatchExistKey(vec![]).encode_body(BodyStyle::MOONCAKE, &mut empty);
         assert_eq!(
