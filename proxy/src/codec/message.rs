@@ -629,6 +629,53 @@ mod tests {
         assert_eq!(RpcError::decode(255, &out.freeze()).unwrap().0, wide);
     }
 
+    /// The counts of an existence answer, from its decoded results (what
+    /// `Answering::reply` counts).
+    fn counted_from_decode(m: Method, body: &Bytes) -> Option<ExistCounts> {
+        let r = match Response::decode(m, body)? {
+            Ok((Response::BatchExistKey(r), _)) => r,
+            Ok((Response::ExistKey(r), _)) => vec![r],
+            _ => return None,
+        };
+        Some(ExistCounts {
+            found: r.iter().filter(|a| **a == Ok(true)).count() as u64,
+            absent: r.iter().filter(|a| **a == Ok(false)).count() as u64,
+            errors: r.iter().filter(|a| a.is_err()).count() as u64,
+            first_error: r.iter().find_map(|a| a.err()),
+        })
+    }
+
+    /// Every one-byte change of `body` (and one byte more): counted exactly when the
+    /// decoder takes it, and then to the same counts.
+    fn counts_follow_the_decoder(m: Method, body: &Bytes, values: &[u8]) {
+        let count = match m {
+            Method::ExistKey => ExistCounts::of_single,
+            _ => ExistCounts::of_batch,
+        };
+        assert_eq!(count(body).ok(), counted_from_decode(m, body));
+        for i in 0..=body.len() {
+            for &v in values {
+                let mut changed = body.to_vec();
+                match changed.get_mut(i) {
+                    Some(b) => *b = v,
+                    None => changed.push(v),
+                }
+                let changed = Bytes::from(changed);
+                assert_eq!(
+                    count(&changed).ok(),
+                    counted_from_decode(m, &changed),
+                    "{m} byte {i} = {v}"
+                );
+            }
+        }
+    }
+
+    fn exist_answer(resp: Response, style: BodyStyle) -> Bytes {
+        let mut out = BytesMut::new();
+        resp.encode_body(style, &mut out);
+        out.freeze()
+    }
+
     #[test]
     fn exist_counts_agree_with_the_decoded_answer() {
         let answers = vec![
@@ -638,16 +685,12 @@ mod tests {
             Ok(true),
             Err(ErrorCode(-1)),
         ];
-        for style in [
-            BodyStyle::MOONCAKE,
-            BodyStyle {
-                with_literal: true,
-                ..BodyStyle::MOONCAKE
-            },
-        ] {
-            let mut out = BytesMut::new();
-            Response::BatchExistKey(answers.clone()).encode_body(style, &mut out);
-            let body = out.freeze();
+        let literal = BodyStyle {
+            with_literal: true,
+            ..BodyStyle::MOONCAKE
+        };
+        for style in [BodyStyle::MOONCAKE, literal] {
+            let body = exist_answer(Response::BatchExistKey(answers.clone()), style);
             let c = ExistCounts::of_batch(&body).unwrap();
             assert_eq!(
                 c,
@@ -661,52 +704,24 @@ mod tests {
             assert_eq!(c.keys(), 5);
             // Where the decode fails, so does the count: cut, or another method's answer.
             let cut = body.slice(..body.len() - 1);
-            assert!(
-                Response::decode(Method::BatchExistKey, &cut)
-                    .unwrap()
-                    .is_err()
-            );
+            assert!(counted_from_decode(Method::BatchExistKey, &cut).is_none());
             assert!(ExistCounts::of_batch(&cut).is_err());
+            counts_follow_the_decoder(Method::BatchExistKey, &body, &[0, 1, 2, 0xff]);
         }
-        let mut other = BytesMut::new();
-        Response::ExistKey(Ok(true)).encode_body(BodyStyle::MOONCAKE, &mut other);
+        let single = exist_answer(Response::ExistKey(Ok(true)), BodyStyle::MOONCAKE);
         assert!(matches!(
-            ExistCounts::of_batch(&other.freeze()),
+            ExistCounts::of_batch(&single),
             Err(DecodeError::TypeMismatch { .. })
         ));
-        // Every one-byte change of an answer: counted exactly when the decoder takes it,
-        // and then to the same counts.
-        let mut out = BytesMut::new();
-        Response::BatchExistKey(answers.clone()).encode_body(BodyStyle::MOONCAKE, &mut out);
-        let body = out.freeze();
-        for i in 0..body.len() {
-            for v in [0u8, 1, 2, 0xff] {
-                let mut m = body.to_vec();
-                m[i] = v;
-                let m = Bytes::from(m);
-                let decoded = Response::decode(Method::BatchExistKey, &m).unwrap();
-                match (decoded, ExistCounts::of_batch(&m)) {
-                    (Ok((Response::BatchExistKey(r), _)), Ok(c)) => {
-                        let found = r.iter().filter(|a| **a == Ok(true)).count() as u64;
-                        let absent = r.iter().filter(|a| **a == Ok(false)).count() as u64;
-                        let first = r.iter().find_map(|a| a.err());
-                        assert_eq!(
-                            (c.found, c.absent, c.keys(), c.first_error),
-                            (found, absent, r.len() as u64, first),
-                            "byte {i} = {v}"
-                        );
-                    }
-                    (Err(_), Err(_)) => {}
-                    (d, c) => panic!("byte {i} = {v}: decoded {d:?}, counted {c:?}"),
-                }
-            }
-        }
+        let batch = exist_answer(Response::BatchExistKey(answers), BodyStyle::MOONCAKE);
+        assert!(
+            ExistCounts::of_single(&batch).is_err(),
+            "a batch is not one answer"
+        );
         // An answer of found and absent keys only (the counted fast path), long enough
-        // for a vector loop and its remainder: every one-byte change again.
+        // for the four-at-a-time loop and its remainder.
         let plain: Vec<Expected<bool>> = (0..37).map(|i| Ok(i % 3 == 0)).collect();
-        let mut out = BytesMut::new();
-        Response::BatchExistKey(plain).encode_body(BodyStyle::MOONCAKE, &mut out);
-        let body = out.freeze();
+        let body = exist_answer(Response::BatchExistKey(plain), BodyStyle::MOONCAKE);
         assert_eq!(
             ExistCounts::of_batch(&body).unwrap(),
             ExistCounts {
@@ -715,72 +730,16 @@ mod tests {
                 ..ExistCounts::default()
             }
         );
-        for i in 0..body.len() {
-            for v in [0u8, 1, 2, 0x81, 0xff] {
-                let mut m = body.to_vec();
-                m[i] = v;
-                let m = Bytes::from(m);
-                let decoded = Response::decode(Method::BatchExistKey, &m).unwrap();
-                match (decoded, ExistCounts::of_batch(&m)) {
-                    (Ok((Response::BatchExistKey(r), _)), Ok(c)) => {
-                        let found = r.iter().filter(|a| **a == Ok(true)).count() as u64;
-                        let first = r.iter().find_map(|a| a.err());
-                        assert_eq!(
-                            (c.found, c.keys(), c.first_error),
-                            (found, r.len() as u64, first),
-                            "byte {i} = {v}"
-                        );
-                    }
-                    (Err(_), Err(_)) => {}
-                    (d, c) => panic!("byte {i} = {v}: decoded {d:?}, counted {c:?}"),
-                }
-            }
-        }
-        // A single key's answer, every one-byte change of each kind of answer.
+        counts_follow_the_decoder(Method::BatchExistKey, &body, &[0, 1, 2, 0x81, 0xff]);
+        // A single key's answer, each kind.
         for answer in [Ok(true), Ok(false), Err(ErrorCode::OBJECT_NOT_FOUND)] {
-            for style in [
-                BodyStyle::MOONCAKE,
-                BodyStyle {
-                    with_literal: true,
-                    ..BodyStyle::MOONCAKE
-                },
-            ] {
-                let mut out = BytesMut::new();
-                Response::ExistKey(answer).encode_body(style, &mut out);
-                let body = out.freeze();
-                for i in 0..=body.len() {
-                    for v in [0u8, 1, 2, 0xff] {
-                        let mut m = body.to_vec();
-                        match m.get_mut(i) {
-                            Some(b) => *b = v,
-                            None => m.push(v),
-                        }
-                        let m = Bytes::from(m);
-                        let decoded = Response::decode(Method::ExistKey, &m).unwrap();
-                        match (decoded, ExistCounts::of_single(&m)) {
-                            (Ok((Response::ExistKey(r), _)), Ok(c)) => assert_eq!(
-                                (c.found, c.absent, c.keys(), c.first_error),
-                                (
-                                    u64::from(r == Ok(true)),
-                                    u64::from(r == Ok(false)),
-                                    1,
-                                    r.err()
-                                ),
-                                "{answer:?} byte {i} = {v}"
-                            ),
-                            (Err(_), Err(_)) => {}
-                            (d, c) => panic!("byte {i} = {v}: decoded {d:?}, counted {c:?}"),
-                        }
-                    }
-                }
+            for style in [BodyStyle::MOONCAKE, literal] {
+                let body = exist_answer(Response::ExistKey(answer), style);
                 let c = ExistCounts::of_single(&body).unwrap();
                 assert_eq!((c.keys(), c.first_error), (1, answer.err()));
+                counts_follow_the_decoder(Method::ExistKey, &body, &[0, 1, 2, 0xff]);
             }
         }
-        assert!(
-            ExistCounts::of_single(&body).is_err(),
-            "a batch is not one answer"
-        );
         let mut empty = BytesMut::new();
         Response::BatchExistKey(vec![]).encode_body(BodyStyle::MOONCAKE, &mut empty);
         assert_eq!(
