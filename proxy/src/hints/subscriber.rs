@@ -11,16 +11,24 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 use tokio_util::sync::CancellationToken;
 use zeromq::{Socket, SocketEvent, SocketOptions, SocketRecv, SubSocket};
 
 use super::Hints;
 
-/// One connection attempt's bound. The crate retries a refused connection inside it
-/// with its own backoff, which grows to 30 s: bounded here, and retried below with
-/// [`MAX_BACKOFF`], a router that comes (back) up is followed within about a second.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// A TCP publisher's port is tried with a plain connect first, bounded by this; only a
+/// port that accepts is handed to the crate. Why: the crate retries a refused connection
+/// inside its connect with its own backoff (growing to 30 s), and a connect cancelled by
+/// a timeout just as the router came up could already have sent the subscription: the
+/// router saw a subscriber that was then dropped, published to it, and the hint was lost
+/// (seen on a loaded machine). A refused probe costs next to nothing and is retried
+/// below with [`MAX_BACKOFF`], so a router that comes (back) up is followed within about
+/// a second.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+/// The crate's connect (handshake and subscription) to a port that accepted the probe:
+/// long, so it is not cancelled half-way on a loaded machine.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// The first wait after a failed connection or a lost publisher; doubles up to
 /// [`MAX_BACKOFF`]. A connect to a closed port costs next to nothing.
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
@@ -47,6 +55,17 @@ async fn follow(hints: Arc<Hints>, endpoint: String, topic: String, shutdown: Ca
     let mut backoff = FIRST_BACKOFF;
     let mut warned: Option<Instant> = None;
     loop {
+        let probed = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            r = probe(&endpoint) => r,
+        };
+        if let Err(e) = probed {
+            tracing::debug!(%endpoint, error = %e, "hints.subscribe: cannot connect; retrying");
+            if pause(&shutdown, &mut backoff).await {
+                return;
+            }
+            continue;
+        }
         let mut options = SocketOptions::default();
         options.connect_timeout(CONNECT_TIMEOUT);
         let mut socket = SubSocket::with_options(options);
@@ -71,25 +90,28 @@ async fn follow(hints: Arc<Hints>, endpoint: String, topic: String, shutdown: Ca
         hints.metrics.publishers.inc();
         tracing::info!(%endpoint, %topic, "hints: subscribed");
         backoff = FIRST_BACKOFF;
-        let stopped = loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => break true,
-                event = monitor.next() => {
-                    if matches!(event, Some(SocketEvent::Disconnected(_)) | None) {
-                        break false;
-                    }
+        let mut take = |body: &[u8]| {
+            if let Err(e) = hints.post(body) {
+                let now = Instant::now();
+                if warned.is_none_or(|at| now.duration_since(at) >= WARN_EVERY) {
+                    warned = Some(now);
+                    tracing::warn!(%endpoint, error = %e,
+                        "hints.subscribe: message refused (further ones counted, \
+                         not logged, for 10 s)");
                 }
+            }
+        };
+        let stopped = loop {
+            // Messages before the monitor: a publisher that sends and leaves at once
+            // (a router publishing on exit) has its last messages taken, not dropped
+            // with the socket.
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break true,
                 msg = socket.recv() => match msg {
                     Ok(msg) => {
-                        let Some(body) = msg.iter().last() else { continue };
-                        if let Err(e) = hints.post(body) {
-                            let now = Instant::now();
-                            if warned.is_none_or(|at| now.duration_since(at) >= WARN_EVERY) {
-                                warned = Some(now);
-                                tracing::warn!(%endpoint, error = %e,
-                                    "hints.subscribe: message refused (further ones counted, \
-                                     not logged, for 10 s)");
-                            }
+                        if let Some(body) = msg.iter().last() {
+                            take(body);
                         }
                     }
                     // The publisher went away or broke the protocol.
@@ -98,6 +120,17 @@ async fn follow(hints: Arc<Hints>, endpoint: String, topic: String, shutdown: Ca
                         break false;
                     }
                 },
+                event = monitor.next() => {
+                    if matches!(event, Some(SocketEvent::Disconnected(_)) | None) {
+                        // Whatever arrived before the disconnection is still taken.
+                        while let Some(Ok(msg)) = socket.recv().now_or_never() {
+                            if let Some(body) = msg.iter().last() {
+                                take(body);
+                            }
+                        }
+                        break false;
+                    }
+                }
             }
         };
         hints.metrics.publishers.dec();
@@ -111,6 +144,18 @@ async fn follow(hints: Arc<Hints>, endpoint: String, topic: String, shutdown: Ca
         }
     }
 }
+/// Whether a `tcp://` publisher's port accepts a connection now (other transports are
+/// left to the crate).
+async fn probe(endpoint: &str) -> std::io::Result<()> {
+    let Some(addr) = endpoint.strip_prefix("tcp://") else {
+        return Ok(());
+    };
+    match tokio::time::timeout(PROBE_TIMEOUT, tokio::net::TcpStream::connect(addr)).await {
+        Ok(r) => r.map(drop),
+        Err(_) => Err(std::io::ErrorKind::TimedOut.into()),
+    }
+}
+
 /// Sleeps the backoff (doubling it); true when shutdown came first.
 async fn pause(shutdown: &CancellationToken, backoff: &mut Duration) -> bool {
     let wait = *backoff;
