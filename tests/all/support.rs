@@ -223,16 +223,24 @@ impl Drop for Proc {
 }
 
 /// Polls `probe` until it succeeds or `limit` passes; the panic quotes the logs.
-pub fn wait_for(what: &str, limit: Duration, procs: &[&Proc], mut probe: impl FnMut() -> bool) {
-    let end = Instant::now() + limit;
-    while Instant::now() < end {
-        if probe() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(25));
+pub fn wait_for(what: &str, limit: Duration, procs: &[&Proc], probe: impl FnMut() -> bool) {
+    if poll_until(limit, probe) {
+        return;
     }
     let logs: Vec<String> = procs.iter().map(|p| p.log_text()).collect();
     panic!("{what} not ready after {limit:?}\n{}", logs.join("\n"));
+}
+
+/// Polls `probe` every 25 ms until it holds (true) or `limit` passes (false).
+pub fn poll_until(limit: Duration, mut probe: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + limit;
+    while Instant::now() < end {
+        if probe() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    false
 }
 
 /// One `ServiceReady` round trip on a fresh connection: the master's own readiness.

@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures_util::{FutureExt, StreamExt};
+use futures_util::StreamExt;
 use tokio_util::sync::CancellationToken;
 use zeromq::{Socket, SocketEvent, SocketOptions, SocketRecv, SubSocket};
 
@@ -19,12 +19,11 @@ use super::Hints;
 
 /// A TCP publisher's port is tried with a plain connect first, bounded by this; only a
 /// port that accepts is handed to the crate. Why: the crate retries a refused connection
-/// inside its connect with its own backoff (growing to 30 s), and a connect cancelled by
-/// a timeout just as the router came up could already have sent the subscription: the
-/// router saw a subscriber that was then dropped, published to it, and the hint was lost
-/// (seen on a loaded machine). A refused probe costs next to nothing and is retried
-/// below with [`MAX_BACKOFF`], so a router that comes (back) up is followed within about
-/// a second.
+/// inside its connect with its own backoff (growing to 30 s), so its connect needed a
+/// tight bound, and a bounded connect can be cancelled after it subscribed. A refused
+/// probe fails at once and is retried below with [`MAX_BACKOFF`], so a router that comes
+/// (back) up is followed within about a second. (A first message lost on a loaded
+/// machine, docs/results.md, was seen with and without the probe.)
 const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 /// The crate's connect (handshake and subscription) to a port that accepted the probe:
 /// long, so it is not cancelled half-way on a loaded machine.
@@ -102,9 +101,8 @@ async fn follow(hints: Arc<Hints>, endpoint: String, topic: String, shutdown: Ca
             }
         };
         let stopped = loop {
-            // Messages before the monitor: a publisher that sends and leaves at once
-            // (a router publishing on exit) has its last messages taken, not dropped
-            // with the socket.
+            // Messages before the monitor, so a message and the disconnection that
+            // follows it are never taken in the other order.
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => break true,
@@ -122,12 +120,6 @@ async fn follow(hints: Arc<Hints>, endpoint: String, topic: String, shutdown: Ca
                 },
                 event = monitor.next() => {
                     if matches!(event, Some(SocketEvent::Disconnected(_)) | None) {
-                        // Whatever arrived before the disconnection is still taken.
-                        while let Some(Ok(msg)) = socket.recv().now_or_never() {
-                            if let Some(body) = msg.iter().last() {
-                                take(body);
-                            }
-                        }
                         break false;
                     }
                 }
