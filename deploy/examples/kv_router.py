@@ -41,6 +41,7 @@ the one before. A hash in a query is an integer, or hex for digests published as
 """
 import argparse
 import json
+import signal
 import sys
 import threading
 import time
@@ -310,7 +311,20 @@ def main():
     for _ in names:
         caught_up.acquire()
     print("READY", flush=True)
-    for n, line in enumerate(sys.stdin):
+    # A stop (SIGTERM) ends the loop as the end of input does, so the hints already
+    # published are still delivered by the publisher's close below: killed at once,
+    # the process lost a hint still queued in its socket.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        serve(sys.stdin, index, names, hint_urls, publisher, a.hints_wait_s)
+    finally:
+        if publisher:
+            publisher.close()
+
+
+def serve(lines, index, names, hint_urls, publisher, hints_wait_s):
+    """Answers one query (a JSON list of block hashes) per line of input."""
+    for n, line in enumerate(lines):
         if not line.strip():
             continue
         hashes = json.loads(line)
@@ -323,14 +337,12 @@ def main():
             try:
                 if publisher:
                     answer["hinted"] = publisher.send(rank, hashes, f"query-{n}",
-                                                      a.hints_wait_s)
+                                                      hints_wait_s)
                 else:
                     answer["hinted"] = send_hints(url, hashes, f"query-{n}")
             except (OSError, RuntimeError, ValueError, KeyError, zmq.ZMQError) as e:
                 answer["hint_error"] = str(e)
         print(json.dumps(answer), flush=True)
-    if publisher:
-        publisher.close()
 
 
 if __name__ == "__main__":

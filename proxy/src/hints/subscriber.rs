@@ -22,8 +22,7 @@ use super::Hints;
 /// inside its connect with its own backoff (growing to 30 s), so its connect needed a
 /// tight bound, and a bounded connect can be cancelled after it subscribed. A refused
 /// probe fails at once and is retried below with [`MAX_BACKOFF`], so a router that comes
-/// (back) up is followed within about a second. (A first message lost on a loaded
-/// machine, docs/results.md, was seen with and without the probe.)
+/// (back) up is followed within about a second.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 /// The crate's connect (handshake and subscription) to a port that accepted the probe:
 /// long, so it is not cancelled half-way on a loaded machine.
