@@ -1,6 +1,7 @@
 //! The C ABI (`libmoongate_kv`, `clients/rust/include/moongate_kv.h`) from a C program
 //! built here with the system's C compiler, against a real master and moongate: over
-//! the Unix socket with the static library, over TCP with the shared one.
+//! the Unix socket with the static library, over TCP with the shared one, over QUIC
+//! (with a client certificate) with the static one.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -76,20 +77,57 @@ fn build(out: &std::path::Path, static_lib: bool) -> PathBuf {
     exe
 }
 
+/// A CA (its PEM path, for `kv.api_quic_client_ca`) and a client certificate it issued
+/// with its key (PEM paths), as an engine on another host holds them.
+fn engine_cert(dir: &std::path::Path) -> (PathBuf, PathBuf, PathBuf) {
+    use rcgen::{BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut p = CertificateParams::new(vec!["engines-ca".to_string()]).unwrap();
+    p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = p.self_signed(&ca_key).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let mut p = CertificateParams::new(vec!["engine-3".to_string()]).unwrap();
+    p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    let cert = p.signed_by(&key, &ca, &ca_key).unwrap();
+    let paths = ["ca.pem", "engine.pem", "engine.key"].map(|n| dir.join(n));
+    std::fs::write(&paths[0], ca.pem()).unwrap();
+    std::fs::write(&paths[1], cert.pem()).unwrap();
+    std::fs::write(&paths[2], key.serialize_pem()).unwrap();
+    let [ca, cert, key] = paths;
+    (ca, cert, key)
+}
+
 #[test]
-fn a_c_program_uses_every_call_over_both_listeners() {
+fn a_c_program_uses_every_call_over_each_listener() {
     let master = Master::start();
     let dir = tempdir();
-    let (mg, kv, sock) = kv_unix_moongate(&master, dir.path(), 33554432, "");
+    let (ca, cert, key) = engine_cert(dir.path());
+    let (mg, kv, sock) = kv_unix_moongate(
+        &master,
+        dir.path(),
+        33554432,
+        &format!(
+            "api_quic_listen = \"127.0.0.1:0\"\napi_quic_client_ca = \"{}\"\n",
+            ca.display()
+        ),
+    );
+    let (quic, sha) = crate::kv_quic::api_quic_of(&mg);
+    let sha: String = sha.iter().map(|b| format!("{b:02x}")).collect();
     build_library();
     let mut shm_calls = Vec::new();
-    for (static_lib, address, prefix) in [
-        (true, format!("unix:{}", sock.display()), "c-unix"),
-        (false, format!("tcp:{kv}"), "c-tcp"),
+    for (static_lib, address, prefix, extra) in [
+        (true, format!("unix:{}", sock.display()), "c-unix", vec![]),
+        (false, format!("tcp:{kv}"), "c-tcp", vec![]),
+        (
+            true,
+            format!("quic:{quic}"),
+            "c-quic",
+            vec![sha, cert.display().to_string(), key.display().to_string()],
+        ),
     ] {
         let exe = build(dir.path(), static_lib);
         let mut run = Command::new(&exe);
-        run.args([&address, prefix]);
+        run.args([&address, prefix]).args(&extra);
         if !static_lib {
             run.env("LD_LIBRARY_PATH", lib_dir());
         }
@@ -124,7 +162,7 @@ fn a_c_program_uses_every_call_over_both_listeners() {
         .iter()
         .map(|op| shm(op))
         .collect();
-        if static_lib {
+        if address.starts_with("unix:") {
             assert!(
                 now.iter().all(|&n| n >= 1.0),
                 "over {address}: {now:?}\n{m}"
@@ -142,7 +180,7 @@ fn a_c_program_uses_every_call_over_both_listeners() {
         || metric_value(&mg.metrics(), "moongate_kv_shm_registered_bytes") == 0.0,
     );
     // Every connection the programs opened was closed with them.
-    for listener in ["http", "unix"] {
+    for listener in ["http", "unix", "quic_api"] {
         let open = format!("moongate_kv_connections{{listener=\"{listener}\"}}");
         wait_for(
             &format!("{listener} connections closed"),

@@ -1,6 +1,8 @@
 /* The C ABI against a live moongate: every call, its errors, and one handle shared by
- * threads. Usage: kv_abi ADDRESS PREFIX (ADDRESS as mg_connect takes it). Prints one
- * line per check; exits 0 when all hold, 1 at the first that does not. */
+ * threads. Usage: kv_abi ADDRESS PREFIX (ADDRESS as mg_connect takes it), or
+ * kv_abi quic:HOST:PORT PREFIX SHA256 CERT KEY (mg_connect_quic with a client
+ * certificate, to a moongate that requires one). Prints one line per check; exits 0
+ * when all hold, 1 at the first that does not. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -54,7 +56,8 @@ static void *worker(void *arg) {
 }
 
 int main(int argc, char **argv) {
-  CHECK(argc == 3, "usage: kv_abi ADDRESS PREFIX");
+  int quic = argc == 6 && strncmp(argv[1], "quic:", 5) == 0;
+  CHECK(argc == 3 || quic, "usage: kv_abi ADDRESS PREFIX | kv_abi quic:HOST:PORT PREFIX SHA256 CERT KEY");
   const char *addr = argv[1], *prefix = argv[2];
   char key[256], key2[256], key3[256];
 
@@ -65,7 +68,38 @@ int main(int argc, char **argv) {
   CHECK(mg_connect(NULL) == NULL, "NULL connects");
   printf("bad addresses refused: %s\n", mg_last_error(NULL));
 
-  mg_client *c = mg_connect(addr);
+  mg_client *c;
+  if (quic) {
+    const char *hostport = addr + 5, *sha = argv[3], *cert = argv[4], *key = argv[5];
+    /* QUIC's bad arguments: each refused with its reason, before or at the handshake. */
+    CHECK(mg_connect(addr) == NULL, "mg_connect takes quic:");
+    CHECK(strstr(mg_last_error(NULL), "mg_connect_quic") != NULL, "message: %s", mg_last_error(NULL));
+    CHECK(mg_connect_quic(hostport, "abc", cert, key) == NULL, "a short fingerprint");
+    CHECK(strstr(mg_last_error(NULL), "64 hex") != NULL, "message: %s", mg_last_error(NULL));
+    CHECK(mg_connect_quic(hostport, sha, cert, NULL) == NULL, "a certificate without its key");
+    CHECK(mg_connect_quic(hostport, sha, "/nonexistent.pem", key) == NULL, "a missing certificate file");
+    CHECK(strstr(mg_last_error(NULL), "/nonexistent.pem") != NULL, "message: %s", mg_last_error(NULL));
+    char wrong[65];
+    memcpy(wrong, sha, 64);
+    wrong[64] = 0;
+    wrong[0] = wrong[0] == '0' ? '1' : '0';
+    CHECK(mg_connect_quic(hostport, wrong, cert, key) == NULL, "another fingerprint connects");
+    CHECK(strstr(mg_last_error(NULL), "pinned") != NULL, "message: %s", mg_last_error(NULL));
+    /* Without a certificate: refused at the handshake or at the first call (TLS 1.3
+     * reports a refused client certificate after the client's side is done). */
+    printf("quic arguments refused: %s\n", mg_last_error(NULL));
+    mg_client *anon = mg_connect_quic(hostport, sha, NULL, NULL);
+    if (anon != NULL) {
+      CHECK(mg_put(anon, "anon/x", "x", 1) < 0, "a caller without a certificate stored a value");
+      printf("no client certificate: refused at the first call: %s\n", mg_last_error(anon));
+      mg_close(anon);
+    } else {
+      printf("no client certificate: refused at connect: %s\n", mg_last_error(NULL));
+    }
+    c = mg_connect_quic(hostport, sha, cert, key);
+  } else {
+    c = mg_connect(addr);
+  }
   CHECK(c != NULL, "connect %s: %s", addr, mg_last_error(NULL));
   CHECK(strcmp(mg_last_error(c), "") == 0, "a fresh handle has no error");
 

@@ -94,11 +94,33 @@ extern "C" {
  Connects to moongate's kv face at `address`: `"unix:PATH"` (its Unix socket) or
  `"tcp:HOST:PORT"`. Opens one connection at once, so a wrong address fails here.
  Returns NULL on error; `mg_last_error(NULL)` then says why. Close with [`mg_close`].
+ For a moongate on another host, see [`mg_connect_quic`].
 
  # Safety
  `address` is NULL or a NUL-terminated string.
  */
 mg_client *mg_connect(const char *address);
+
+/*
+ Connects to moongate's kv face over QUIC (`kv.api_quic_listen`), for an engine on
+ another host: `address` is `"HOST:PORT"` (UDP); `sha256` the 64 hex digits of
+ moongate's certificate fingerprint, which moongate logs at start (`kv API served
+ over QUIC ... sha256=HEX`): only that certificate is trusted. `cert_pem` and
+ `key_pem` are the paths of this caller's certificate and key (PEM), for a moongate
+ with `kv.api_quic_client_ca`; both NULL for none. Completes the handshake at once
+ (up to 10 s), so a wrong address, fingerprint or certificate fails here. The handle
+ works as one from [`mg_connect`]: each pooled connection is a stream of the one
+ QUIC connection (reopened if it was lost); memory from [`mg_alloc`] is copied (the
+ shared-memory path is local only). Returns NULL on error (`mg_last_error(NULL)`).
+
+ # Safety
+ `address` and `sha256` are NULL or NUL-terminated strings; so are `cert_pem` and
+ `key_pem`.
+ */
+mg_client *mg_connect_quic(const char *address,
+                           const char *sha256,
+                           const char *cert_pem,
+                           const char *key_pem);
 
 /*
  Closes a handle: its connections, and the memory [`mg_alloc`] handed out through it

@@ -19,16 +19,19 @@
 //! Shared memory: on a `unix:` handle, memory from [`mg_alloc`] (a sealed memfd) is
 //! registered with moongate on first use, and [`mg_put`], [`mg_get_into`] and
 //! [`mg_batch_get_into`] on it move the values between it and the store without
-//! crossing the socket (docs/kv-api.md, "Shared memory"). Other memory, TCP handles,
-//! and a moongate with `kv.shm = false` take the copying path, with the same results.
+//! crossing the socket (docs/kv-api.md, "Shared memory"). Other memory, TCP and QUIC
+//! handles, and a moongate with `kv.shm = false` take the copying path, with the same
+//! results.
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
+use crate::quic::{ClientPem, Link, parse_sha256};
 use crate::shm::{ShmConn, ShmError};
 use crate::{Client, Error};
 
@@ -94,7 +97,13 @@ pub struct mg_client {
 enum Address {
     Unix(String),
     Tcp(String),
+    /// Each pooled connection is a stream of this one QUIC connection.
+    Quic(Arc<Link>),
 }
+
+/// How long [`mg_connect_quic`] waits for the QUIC handshake (and a pooled connection
+/// for a new stream).
+const QUIC_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// One `mg_alloc` mapping: its memfd (what the shared-memory path will pass to moongate).
 struct Mapping {
@@ -190,6 +199,7 @@ impl mg_client {
         match &self.address {
             Address::Unix(p) => Client::connect_unix(p),
             Address::Tcp(a) => Client::connect_tcp(a),
+            Address::Quic(link) => Client::connect_quic(link),
         }
     }
 
@@ -368,6 +378,7 @@ unsafe fn keys<'a>(keys: *const *const c_char, n: usize) -> Result<Vec<&'a str>,
 /// Connects to moongate's kv face at `address`: `"unix:PATH"` (its Unix socket) or
 /// `"tcp:HOST:PORT"`. Opens one connection at once, so a wrong address fails here.
 /// Returns NULL on error; `mg_last_error(NULL)` then says why. Close with [`mg_close`].
+/// For a moongate on another host, see [`mg_connect_quic`].
 ///
 /// # Safety
 /// `address` is NULL or a NUL-terminated string.
@@ -383,27 +394,97 @@ pub unsafe extern "C" fn mg_connect(address: *const c_char) -> *mut mg_client {
                 Address::Unix(p.to_string())
             } else if let Some(t) = a.strip_prefix("tcp:") {
                 Address::Tcp(t.to_string())
+            } else if a.starts_with("quic:") {
+                return Err(arg(format!(
+                    "address {a:?}: QUIC needs moongate's certificate fingerprint: \
+                     use mg_connect_quic"
+                )));
             } else {
                 return Err(arg(format!(
                     "address {a:?}: expected \"unix:PATH\" or \"tcp:HOST:PORT\""
                 )));
             };
-            let c = mg_client {
-                id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-                address,
-                idle: Mutex::new(Vec::new()),
-                allocs: Mutex::new(BTreeMap::new()),
-                shm_idle: Mutex::new(Vec::new()),
-                shm_epoch: AtomicU64::new(0),
-                shm_off: std::sync::atomic::AtomicBool::new(false),
-            };
-            let first = c
-                .connect()
-                .map_err(|e| Fail(MG_ERR_TRANSPORT, format!("{a}: {e}")))?;
-            c.idle.lock().unwrap_or_else(|p| p.into_inner()).push(first);
-            Ok(Box::into_raw(Box::new(c)))
+            open_handle(address, a)
         },
     )
+}
+
+/// Connects to moongate's kv face over QUIC (`kv.api_quic_listen`), for an engine on
+/// another host: `address` is `"HOST:PORT"` (UDP); `sha256` the 64 hex digits of
+/// moongate's certificate fingerprint, which moongate logs at start (`kv API served
+/// over QUIC ... sha256=HEX`): only that certificate is trusted. `cert_pem` and
+/// `key_pem` are the paths of this caller's certificate and key (PEM), for a moongate
+/// with `kv.api_quic_client_ca`; both NULL for none. Completes the handshake at once
+/// (up to 10 s), so a wrong address, fingerprint or certificate fails here. The handle
+/// works as one from [`mg_connect`]: each pooled connection is a stream of the one
+/// QUIC connection (reopened if it was lost); memory from [`mg_alloc`] is copied (the
+/// shared-memory path is local only). Returns NULL on error (`mg_last_error(NULL)`).
+///
+/// # Safety
+/// `address` and `sha256` are NULL or NUL-terminated strings; so are `cert_pem` and
+/// `key_pem`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mg_connect_quic(
+    address: *const c_char,
+    sha256: *const c_char,
+    cert_pem: *const c_char,
+    key_pem: *const c_char,
+) -> *mut mg_client {
+    guard(
+        0,
+        |_| std::ptr::null_mut(),
+        || {
+            // SAFETY: by this function's contract.
+            let (a, hex) = unsafe { (text(address, "address")?, text(sha256, "sha256")?) };
+            let pin = parse_sha256(hex).ok_or_else(|| {
+                arg(format!(
+                    "sha256 {hex:?}: expected the 64 hex digits moongate logs"
+                ))
+            })?;
+            let cert = match (cert_pem.is_null(), key_pem.is_null()) {
+                (true, true) => None,
+                (false, false) => Some(ClientPem {
+                    // SAFETY: non-NULL, NUL-terminated by the contract.
+                    cert: unsafe { text(cert_pem, "cert_pem") }?,
+                    // SAFETY: as above.
+                    key: unsafe { text(key_pem, "key_pem") }?,
+                }),
+                _ => {
+                    return Err(arg(
+                        "cert_pem and key_pem: give both (a client certificate) or neither",
+                    ));
+                }
+            };
+            // Transport errors name the peer already; argument errors get the address.
+            let link = Link::connect(a, pin, cert, QUIC_TIMEOUT).map_err(|e| {
+                if e.kind() == std::io::ErrorKind::InvalidInput {
+                    Fail(MG_ERR_ARG, format!("quic:{a}: {e}"))
+                } else {
+                    Fail(MG_ERR_TRANSPORT, e.to_string())
+                }
+            })?;
+            open_handle(Address::Quic(link), &format!("quic:{a}"))
+        },
+    )
+}
+
+/// A handle for `address`, with one connection opened at once (`label` names it in
+/// errors).
+fn open_handle(address: Address, label: &str) -> Result<*mut mg_client, Fail> {
+    let c = mg_client {
+        id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+        address,
+        idle: Mutex::new(Vec::new()),
+        allocs: Mutex::new(BTreeMap::new()),
+        shm_idle: Mutex::new(Vec::new()),
+        shm_epoch: AtomicU64::new(0),
+        shm_off: std::sync::atomic::AtomicBool::new(false),
+    };
+    let first = c
+        .connect()
+        .map_err(|e| Fail(MG_ERR_TRANSPORT, format!("{label}: {e}")))?;
+    c.idle.lock().unwrap_or_else(|p| p.into_inner()).push(first);
+    Ok(Box::into_raw(Box::new(c)))
 }
 
 /// Closes a handle: its connections, and the memory [`mg_alloc`] handed out through it

@@ -1,6 +1,7 @@
-//! A small blocking client for moongate's kv face (`docs/kv-api.md`), standard library
-//! only (the C ABI in [`capi`] adds libc): one keep-alive HTTP/1.1 connection over TCP or
-//! a Unix socket.
+//! A small blocking client for moongate's kv face (`docs/kv-api.md`): one keep-alive
+//! HTTP/1.1 connection over TCP or a Unix socket (standard library only; the C ABI in
+//! [`capi`] adds libc), or over a stream of a QUIC connection ([`quic`]) for callers on
+//! other hosts.
 //!
 //! ```no_run
 //! let mut kv = moongate_kv::Client::connect_tcp("127.0.0.1:50060")?;
@@ -15,6 +16,7 @@
 //! full: retry later. A 409 on delete means a reader holds a lease on the key.
 
 pub mod capi;
+pub mod quic;
 pub mod shm;
 
 use std::io::{self, BufRead, BufReader, Read, Write};
@@ -152,6 +154,15 @@ impl Client {
         Ok(Client {
             reader: BufReader::with_capacity(1 << 20, Box::new(s)),
             host: "localhost".into(),
+        })
+    }
+
+    /// A connection on a new stream of `link`'s QUIC connection (see [`quic::Link`]).
+    pub fn connect_quic(link: &std::sync::Arc<quic::Link>) -> Result<Client, Error> {
+        let s = link.open()?;
+        Ok(Client {
+            reader: BufReader::with_capacity(1 << 20, Box::new(s)),
+            host: "moongate".into(),
         })
     }
 

@@ -1,0 +1,301 @@
+//! The kv face over QUIC (`kv.api_quic_listen`) for callers on other hosts: one QUIC
+//! connection per [`Link`], and each [`Client`](crate::Client) made from it is one
+//! bidirectional stream carrying the same keep-alive HTTP/1.1 exchange as a TCP
+//! connection (docs/kv-api.md, "Remote callers over QUIC").
+//!
+//! Trust is by pin: the caller names the SHA-256 of moongate's certificate (moongate
+//! logs it at start: `kv API served over QUIC quic=ADDR sha256=HEX`), and may present a
+//! certificate of its own for a moongate with `kv.api_quic_client_ca`.
+//!
+//! Blocking over async: a link owns a one-worker tokio runtime that drives the
+//! connection; reads and writes block the calling thread on it. So a link must not be
+//! used from inside another tokio runtime's worker (C callers never are).
+
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use sha2::{Digest, Sha256};
+
+/// ALPN of moongate's kv API over QUIC.
+const ALPN: &[u8] = b"moongate-kv/1";
+/// The TLS name asked for; the pin, not the name, is what is checked.
+const SERVER_NAME: &str = "moongate";
+/// A connection with no traffic this long is closed (moongate's side uses the same).
+const IDLE: Duration = Duration::from_secs(30);
+/// Pings keep an idle pooled link alive well within [`IDLE`].
+const KEEP_ALIVE: Duration = Duration::from_secs(10);
+/// How long closing a link waits for its close to reach moongate.
+const CLOSE_WAIT: Duration = Duration::from_millis(500);
+
+/// One QUIC connection to a moongate, reopened when it was lost.
+pub struct Link {
+    // Declared first: dropped before the runtime that drives them.
+    conn: Mutex<quinn::Connection>,
+    endpoint: quinn::Endpoint,
+    config: quinn::ClientConfig,
+    addr: SocketAddr,
+    timeout: Duration,
+    rt: tokio::runtime::Runtime,
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        // Tell moongate at once rather than leaving it to the idle timeout: the close
+        // is sent by the endpoint's driver, so the runtime runs until it is out (on
+        // loopback, well under the bound).
+        if let Ok(c) = self.conn.lock() {
+            c.close(0u32.into(), b"closed");
+        }
+        let endpoint = &self.endpoint;
+        self.rt.block_on(async {
+            let _ = tokio::time::timeout(CLOSE_WAIT, endpoint.wait_idle()).await;
+        });
+    }
+}
+
+/// Who the caller is, for a moongate that checks client certificates: PEM files.
+pub struct ClientPem<'a> {
+    pub cert: &'a str,
+    pub key: &'a str,
+}
+
+fn setup(e: impl std::fmt::Display) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, e.to_string())
+}
+
+/// Parses 64 hex digits.
+pub fn parse_sha256(hex: &str) -> Option<[u8; 32]> {
+    let hex = hex.trim();
+    if hex.len() != 64 || !hex.is_ascii() {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, b) in out.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(out)
+}
+
+impl Link {
+    /// Connects to `addr` (`HOST:PORT`), trusting only the certificate whose SHA-256 is
+    /// `sha256`; `cert` is presented when given. Waits at most `timeout` for the
+    /// handshake.
+    pub fn connect(
+        addr: &str,
+        sha256: [u8; 32],
+        cert: Option<ClientPem<'_>>,
+        timeout: Duration,
+    ) -> io::Result<Arc<Link>> {
+        let addr = addr
+            .to_socket_addrs()?
+            .next()
+            .ok_or_else(|| setup(format!("{addr}: no address")))?;
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let b = rustls::ClientConfig::builder_with_provider(provider.clone())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(setup)?
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(Pinned {
+                sha256,
+                algs: provider.signature_verification_algorithms,
+            }));
+        let mut tls = match cert {
+            Some(c) => {
+                let certs = CertificateDer::pem_file_iter(c.cert)
+                    .and_then(|i| i.collect::<Result<Vec<_>, _>>())
+                    .map_err(|e| setup(format!("client certificate {}: {e}", c.cert)))?;
+                let key = PrivateKeyDer::from_pem_file(c.key)
+                    .map_err(|e| setup(format!("client key {}: {e}", c.key)))?;
+                b.with_client_auth_cert(certs, key).map_err(setup)?
+            }
+            None => b.with_no_client_auth(),
+        };
+        tls.alpn_protocols = vec![ALPN.to_vec()];
+        let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls).map_err(setup)?;
+        let mut config = quinn::ClientConfig::new(Arc::new(crypto));
+        let mut transport = quinn::TransportConfig::default();
+        transport.max_idle_timeout(Some(IDLE.try_into().map_err(setup)?));
+        transport.keep_alive_interval(Some(KEEP_ALIVE));
+        config.transport_config(Arc::new(transport));
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("moongate-kv-quic")
+            .enable_all()
+            .build()?;
+        let bind: SocketAddr = if addr.is_ipv6() {
+            (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+        } else {
+            (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+        };
+        let endpoint = {
+            let _entered = rt.enter();
+            quinn::Endpoint::client(bind)?
+        };
+        let conn = rt.block_on(handshake(&endpoint, &config, addr, timeout))?;
+        Ok(Arc::new(Link {
+            conn: Mutex::new(conn),
+            endpoint,
+            config,
+            addr,
+            timeout,
+            rt,
+        }))
+    }
+
+    /// A new stream: one HTTP/1.1 connection to the kv face. A lost connection is
+    /// reopened first (one try; its failure is the caller's error).
+    pub fn open(self: &Arc<Link>) -> io::Result<QuicStream> {
+        let mut conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        if conn.close_reason().is_some() {
+            *conn = self.rt.block_on(handshake(
+                &self.endpoint,
+                &self.config,
+                self.addr,
+                self.timeout,
+            ))?;
+        }
+        let c = conn.clone();
+        drop(conn);
+        let (send, recv) = self
+            .rt
+            .block_on(async {
+                tokio::time::timeout(self.timeout, c.open_bi())
+                    .await
+                    .map_err(|_| io::Error::from(io::ErrorKind::TimedOut))?
+                    .map_err(io::Error::other)
+            })
+            .map_err(|e| peer(self.addr, e))?;
+        Ok(QuicStream {
+            link: self.clone(),
+            send,
+            recv,
+        })
+    }
+}
+
+fn peer(addr: SocketAddr, e: impl std::fmt::Display) -> io::Error {
+    io::Error::other(format!("quic {addr}: {e}"))
+}
+
+async fn handshake(
+    endpoint: &quinn::Endpoint,
+    config: &quinn::ClientConfig,
+    addr: SocketAddr,
+    timeout: Duration,
+) -> io::Result<quinn::Connection> {
+    let connecting = endpoint
+        .connect_with(config.clone(), addr, SERVER_NAME)
+        .map_err(|e| peer(addr, e))?;
+    tokio::time::timeout(timeout, connecting)
+        .await
+        .map_err(|_| peer(addr, format!("no handshake within {timeout:?}")))?
+        .map_err(|e| peer(addr, e))
+}
+
+/// One bidirectional stream, read and written as a blocking byte stream.
+pub struct QuicStream {
+    link: Arc<Link>,
+    send: quinn::SendStream,
+    recv: quinn::RecvStream,
+}
+
+impl Read for QuicStream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let recv = &mut self.recv;
+        match self.link.rt.block_on(recv.read(buf)) {
+            Ok(Some(n)) => Ok(n),
+            Ok(None) => Ok(0),
+            Err(e) => Err(peer(self.link.addr, e)),
+        }
+    }
+}
+
+impl Write for QuicStream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let send = &mut self.send;
+        self.link
+            .rt
+            .block_on(send.write(buf))
+            .map_err(|e| peer(self.link.addr, e))
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        // QUIC sends what was written without an explicit flush.
+        Ok(())
+    }
+}
+
+impl Drop for QuicStream {
+    fn drop(&mut self) {
+        // Ends the stream (moongate ends its HTTP connection on it).
+        let _ = self.send.finish();
+    }
+}
+
+/// Pins one certificate by its SHA-256; signatures are checked with the ring provider.
+#[derive(Debug)]
+struct Pinned {
+    sha256: [u8; 32],
+    algs: rustls::crypto::WebPkiSupportedAlgorithms,
+}
+
+impl rustls::client::danger::ServerCertVerifier for Pinned {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp: &[u8],
+        _now: UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        let got: [u8; 32] = Sha256::digest(end_entity.as_ref()).into();
+        if got == self.sha256 {
+            Ok(rustls::client::danger::ServerCertVerified::assertion())
+        } else {
+            Err(rustls::Error::General(
+                "moongate's certificate does not match the pinned SHA-256".into(),
+            ))
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.algs)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.algs)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.algs.supported_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fingerprint_is_64_hex_digits() {
+        let hex = "00ff".repeat(16);
+        let p = parse_sha256(&hex).unwrap();
+        assert_eq!((p[0], p[1], p[31]), (0x00, 0xff, 0xff));
+        assert!(parse_sha256(&hex[1..]).is_none());
+        assert!(parse_sha256(&format!("{}zz", &hex[2..])).is_none());
+        assert!(parse_sha256(&"é".repeat(32)).is_none());
+    }
+}
