@@ -236,11 +236,13 @@ impl Drop for QuicStream {
     }
 }
 
-/// Pins one certificate by its SHA-256; signatures are checked with the ring provider.
+/// Trusts one certificate, by its SHA-256 (no CA, no name check); signatures are
+/// checked with the given algorithms. Shared with moongate, whose own QUIC callers pin
+/// the same way.
 #[derive(Debug)]
-struct Pinned {
-    sha256: [u8; 32],
-    algs: rustls::crypto::WebPkiSupportedAlgorithms,
+pub struct Pinned {
+    pub sha256: [u8; 32],
+    pub algs: rustls::crypto::WebPkiSupportedAlgorithms,
 }
 
 impl rustls::client::danger::ServerCertVerifier for Pinned {

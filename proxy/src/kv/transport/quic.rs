@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use sha2::{Digest, Sha256};
 use thiserror::Error;
 use tokio_util::sync::CancellationToken;
@@ -292,54 +292,9 @@ pub(in crate::kv) async fn serve_streams<F, Fut>(
     }
 }
 
-/// Pins one certificate fingerprint; signatures are checked with the ring provider.
-#[derive(Debug)]
-pub(in crate::kv) struct Pinned {
-    pub(in crate::kv) sha256: [u8; 32],
-    pub(in crate::kv) algs: rustls::crypto::WebPkiSupportedAlgorithms,
-}
-
-impl rustls::client::danger::ServerCertVerifier for Pinned {
-    fn verify_server_cert(
-        &self,
-        end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp: &[u8],
-        _now: UnixTime,
-    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
-        let got: [u8; 32] = Sha256::digest(end_entity.as_ref()).into();
-        if got == self.sha256 {
-            Ok(rustls::client::danger::ServerCertVerified::assertion())
-        } else {
-            Err(rustls::Error::General(
-                "certificate does not match the pinned SHA-256 fingerprint".into(),
-            ))
-        }
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.algs)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.algs)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        self.algs.supported_schemes()
-    }
-}
+/// The pin check, shared with the client library (`moongate_kv`): one certificate,
+/// trusted by its SHA-256.
+pub(in crate::kv) use moongate_kv::quic::Pinned;
 
 /// Where a peer moongate serves its segment over QUIC.
 #[derive(Debug, Clone, PartialEq, Eq)]
