@@ -107,17 +107,24 @@ pub enum ConfigError {
 }
 
 impl Config {
+    /// Reads and validates a file (what `check-config` does).
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let cfg = Config::read(path)?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Reads a file without validating it: for `run`, whose flags override the file and
+    /// may supply what it leaves out (`--kv` for a file that sets `kv.unix_path`), so
+    /// the result is validated after they are applied.
+    pub fn read(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.display().to_string(),
             source,
         })?;
-        Config::parse(&text).map_err(|e| match e {
-            ConfigError::Parse { message, .. } => ConfigError::Parse {
-                path: path.display().to_string(),
-                message,
-            },
-            other => other,
+        toml::from_str(&text).map_err(|e| ConfigError::Parse {
+            path: path.display().to_string(),
+            message: e.to_string(),
         })
     }
 

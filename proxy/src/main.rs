@@ -550,7 +550,8 @@ fn main() -> ExitCode {
             kv,
             metadata,
         } => {
-            let mut cfg = match config.as_deref().map(Config::load).transpose() {
+            // Validated once, after the flags: they override the file.
+            let mut cfg = match config.as_deref().map(Config::read).transpose() {
                 Ok(c) => c.unwrap_or_default(),
                 Err(e) => {
                     eprintln!("moongate: {e}");

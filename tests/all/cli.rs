@@ -1,6 +1,9 @@
 //! The command-line contract scripts and operators depend on.
 
 use std::process::Command;
+use std::time::Duration;
+
+use crate::support::*;
 
 fn moongate() -> Command {
     Command::new(env!("CARGO_BIN_EXE_moongate"))
@@ -75,4 +78,50 @@ fn run_refuses_a_bad_flag_value_before_binding() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("master_face.upstream"));
+}
+
+/// Flags override the file, so the file is judged with them: a file that sets
+/// `kv.unix_path` and leaves `kv.listen` to `--kv` starts; without `--kv` it is refused
+/// with the reason.
+#[test]
+fn run_validates_the_file_with_its_flags_applied() {
+    let dir = tempdir();
+    let cfg = dir.path().join("moongate.toml");
+    let sock = dir.path().join("kv.sock");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[kv]\nunix_path = \"{}\"\nmetadata_url = \"http://127.0.0.1:1/metadata\"\n",
+            sock.display()
+        ),
+    )
+    .unwrap();
+    let out = moongate()
+        .arg("run")
+        .arg("--config")
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("set kv.listen"));
+    let admin = format!("127.0.0.1:{}", free_port());
+    let mut cmd = moongate();
+    cmd.arg("run").arg("--config").arg(&cfg).args([
+        "--kv",
+        &format!("127.0.0.1:{}", free_port()),
+        "--listen",
+        &format!("127.0.0.1:{}", free_port()),
+        "--admin",
+        &admin,
+    ]);
+    let proc = Proc::spawn("moongate", cmd, dir.path().join("moongate.log"));
+    wait_for("moongate /live", Duration::from_secs(60), &[&proc], || {
+        http_get(&admin, "/live").is_some_and(|(s, _)| s == 200)
+    });
+    wait_for(
+        "the kv face's Unix socket",
+        Duration::from_secs(10),
+        &[&proc],
+        || sock.exists(),
+    );
 }
