@@ -9,6 +9,10 @@ kv/4k, kv/16m and 64 values of 64 KiB (kv/b/0..63, read as one batch); moongate 
   moongate  examples/kv_bench: keep-alive HTTP GETs to the kv face
   raw       the owner's ceiling: a bare TE-TCP reader (one connection, v2 framing, no
             work of its own) reading the same replicas, after one master lookup each
+  shm       the same kv face from a local engine's side: libmoongate_kv (ctypes) on
+            moongate's Unix socket, reading into mg_alloc memory (moongate reads the
+            owner's replica by TE-TCP straight into the engine's memory: one hop, no
+            HTTP) and putting from it
 Medians over rounds. The raw column is what the owner serves to a reader that does
 nothing else: neither client can read faster over one connection, and moongate also
 sends every byte on to its caller on the same cores. `benches/run_kv_face.sh` builds release binaries and runs this.
@@ -96,6 +100,70 @@ def role_reader(a):
     print(json.dumps(out), flush=True)
 
 
+def role_shm(a):
+    """The shared-memory side: gets of kv/4k and kv/16m, the batch, and 16 MiB puts,
+    through libmoongate_kv on moongate's Unix socket, into and from mg_alloc memory."""
+    from kv_shm import connect, load
+    lib = load(a.lib)
+    h = connect(lib, a.sock)
+    region = 16 * MiB
+    p = lib.mg_alloc(h, region)
+    assert p, lib.mg_last_error(h)
+    out = {}
+    for name, size in SIZES.items():
+        key = f"kv/{name}".encode()
+        n = a.count if size < MiB else max(8, a.count // 50)
+        for _ in range(5):
+            assert lib.mg_get_into(h, key, p, size) == size, lib.mg_last_error(h)
+        lat = []
+        t0 = time.perf_counter()
+        for _ in range(n):
+            t = time.perf_counter()
+            assert lib.mg_get_into(h, key, p, size) == size, lib.mg_last_error(h)
+            lat.append((time.perf_counter() - t) * 1e6)
+        total = time.perf_counter() - t0
+        out[name] = {"p50_us": pct(lat, 0.5), "p99_us": pct(lat, 0.99),
+                     "GBps": size * n / total / 1e9}
+    keys = (ctypes.c_char_p * BATCH_N)(*[f"kv/b/{i}".encode() for i in range(BATCH_N)])
+    dst = (ctypes.c_void_p * BATCH_N)(*[p + i * BATCH_SIZE for i in range(BATCH_N)])
+    caps = (ctypes.c_size_t * BATCH_N)(*[BATCH_SIZE] * BATCH_N)
+    res = (ctypes.c_int64 * BATCH_N)()
+
+    def batch():
+        assert lib.mg_batch_get_into(h, keys, dst, caps, BATCH_N, res) == 0, \
+            lib.mg_last_error(h)
+        assert list(res) == [BATCH_SIZE] * BATCH_N, list(res)
+    n = max(20, a.count // 20)
+    for _ in range(3):
+        batch()
+    lat = []
+    t0 = time.perf_counter()
+    for _ in range(n):
+        t = time.perf_counter()
+        batch()
+        lat.append((time.perf_counter() - t) * 1e6)
+    total = time.perf_counter() - t0
+    out[BATCH] = {"p50_us": pct(lat, 0.5), "p99_us": pct(lat, 0.99),
+                  "GBps": BATCH_N * BATCH_SIZE * n / total / 1e9}
+    # 16 MiB puts from the shared region, each removed after its (timed) put.
+    n = max(8, a.count // 100)
+    lat = []
+    for i in range(n + 2):
+        key = f"shm/put/{os.getpid()}/{i}".encode()
+        t = time.perf_counter()
+        assert lib.mg_put(h, key, p, 16 * MiB) == 0, lib.mg_last_error(h)
+        took = time.perf_counter() - t
+        if i >= 2:
+            lat.append(took)
+        assert lib.mg_remove(h, key) == 0, lib.mg_last_error(h)
+    out["put16m"] = {"p50_us": pct(lat, 0.5) * 1e6, "p99_us": pct(lat, 0.99) * 1e6,
+                     "GBps": 16 * MiB * n / sum(lat) / 1e9}
+    assert lib.mg_free(h, p) == 0, lib.mg_last_error(h)
+    lib.mg_close.argtypes = [ctypes.c_void_p]
+    lib.mg_close(h)
+    print(json.dumps(out), flush=True)
+
+
 def role_raw(a):
     """Reads the replicas of kv/4k and kv/16m straight from the owner's TE-TCP listener
     (data-plane spec B), the location asked of the master once per key."""
@@ -156,6 +224,9 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--moongate", default="target/release/moongate")
     p.add_argument("--kv-bench", default="target/release/examples/kv_bench")
+    p.add_argument("--lib", default="target/release/libmoongate_kv.so",
+                   help="libmoongate_kv for the shm side (cargo build --release -p moongate-kv)")
+    p.add_argument("--sock")
     p.add_argument("--json")
     p.add_argument("--moongate-config", help="extra moongate TOML (e.g. a [runtime] or [kv] "
                    "variant); the flags above still set addresses")
@@ -166,11 +237,22 @@ def main():
         return role_reader(a)
     if a.role == "raw":
         return role_raw(a)
+    if a.role == "shm":
+        return role_shm(a)
     work = work_dir("moongate-kv-")
     rpc, http, kv, admin = (free_port() for _ in range(4))
     metadata = f"http://127.0.0.1:{http}/metadata"
     procs = []
-    res = {"mooncake": [], "moongate": [], "raw": []}
+    res = {"mooncake": [], "moongate": [], "raw": [], "shm": []}
+    sock = f"{work}/kv.sock"
+    # The Unix socket for the shm side, added to the caller's config (or a config of
+    # its own).
+    cfg = open(a.moongate_config).read() if a.moongate_config else ""
+    line = f'unix_path = "{sock}"\n'
+    cfg = cfg.replace("[kv]\n", "[kv]\n" + line, 1) if "[kv]\n" in cfg \
+        else cfg + "\n[kv]\n" + line
+    with open(f"{work}/moongate.toml", "w") as f:
+        f.write(cfg)
     try:
         procs.append(subprocess.Popen(
             master_cmd(rpc, http),
@@ -178,21 +260,22 @@ def main():
         procs.append(subprocess.Popen(
             [a.moongate, "run", "--listen", f"127.0.0.1:{free_port()}",
              "--upstream", f"127.0.0.1:{rpc}", "--admin", f"127.0.0.1:{admin}",
-             "--kv", f"127.0.0.1:{kv}", "--metadata", metadata]
-            + (["--config", a.moongate_config] if a.moongate_config else []),
+             "--kv", f"127.0.0.1:{kv}", "--metadata", metadata,
+             "--config", f"{work}/moongate.toml"],
             stdout=open(f"{work}/moongate.log", "w"), stderr=subprocess.STDOUT,
             env={**os.environ, "RUST_LOG": "warn"}))
         wait_http(f"http://127.0.0.1:{admin}/ready")
         owner = spawn_owner(__file__, f"127.0.0.1:{rpc}", metadata, work)
         procs.append(owner)
         for i in range(a.rounds):
-            sides = ["raw", "mooncake", "moongate"]
+            sides = ["raw", "mooncake", "moongate", "shm"]
             for side in (sides if i % 2 == 0 else sides[::-1]):
-                if side in ("mooncake", "raw"):
+                if side in ("mooncake", "raw", "shm"):
+                    role = {"mooncake": "reader"}.get(side, side)
                     out = subprocess.run(
-                        [sys.executable, __file__, "--role",
-                         "reader" if side == "mooncake" else "raw", "--master",
-                         f"127.0.0.1:{rpc}", "--metadata", metadata, "--count", str(a.count)],
+                        [sys.executable, __file__, "--role", role, "--master",
+                         f"127.0.0.1:{rpc}", "--metadata", metadata, "--count", str(a.count),
+                         "--lib", a.lib, "--sock", sock],
                         check=True, capture_output=True, text=True).stdout
                     res[side].append(json.loads(out.strip().splitlines()[-1]))
                 else:
@@ -218,13 +301,14 @@ def main():
         stop_all(procs)
     med = lambda side, name, m: statistics.median(r[name][m] for r in res[side])
     print(f"\nmedians over {a.rounds} rounds")
-    print(f"{'':<28}{'mooncake client':>18}{'moongate kv face':>18}{'owner ceiling':>16}")
+    print(f"{'':<28}{'mooncake client':>18}{'moongate kv face':>18}{'kv face, shm':>14}"
+          f"{'owner ceiling':>16}")
     for name, metric in (("4k", "p50_us"), ("4k", "p99_us"), ("16m", "GBps"),
                          (BATCH, "p50_us"), (BATCH, "GBps"), ("put16m", "GBps")):
         op = " remote put " if name.startswith("put") else " remote get "
         raw = f"{med('raw', name, metric):>16.2f}" if name in SIZES else f"{'-':>16}"
         print(f"{name + op + metric:<28}{med('mooncake', name, metric):>18.2f}"
-              f"{med('moongate', name, metric):>18.2f}{raw}")
+              f"{med('moongate', name, metric):>18.2f}{med('shm', name, metric):>14.2f}{raw}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
