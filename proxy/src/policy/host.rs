@@ -384,6 +384,18 @@ fn one_per_key<T>(d: Vec<T>, keys: &wit::PackedKeys) -> Result<Option<Vec<T>>, C
     Ok(Some(d))
 }
 
+/// Victims a component chose among `n` candidates, each index checked (a tier
+/// choice's or a hint-aware one's alike).
+fn victims_of(d: Vec<wit::Victim>, n: usize) -> Result<Vec<wit::Victim>, CallError> {
+    match d.iter().find(|v| v.index as usize >= n) {
+        Some(v) => Err(CallError::Invalid(format!(
+            "victim index {} out of range ({n} candidates)",
+            v.index
+        ))),
+        None => Ok(d),
+    }
+}
+
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
@@ -727,15 +739,9 @@ impl Plugin {
         &self,
         call: &wit::TieredEvictCall,
     ) -> Result<Option<Vec<wit::Victim>>, CallError> {
-        let Some(d) =
-            self.call_optional(self.evict_tiered, |l| &mut l.evict_tiered, call.clone())?
-        else {
-            return Ok(None);
-        };
-        if d.iter().any(|v| v.index as usize >= call.on_disk.len()) {
-            return Err(CallError::Invalid("victim index out of range".into()));
-        }
-        Ok(Some(d))
+        self.call_optional(self.evict_tiered, |l| &mut l.evict_tiered, call.clone())?
+            .map(|d| victims_of(d, call.call.sizes.len()))
+            .transpose()
     }
 
     /// Victims chosen knowing the candidates' hints (`evict-hinted`), or `None` when the
@@ -744,15 +750,9 @@ impl Plugin {
         &self,
         call: &wit::HintedEvictCall,
     ) -> Result<Option<Vec<wit::Victim>>, CallError> {
-        let Some(d) =
-            self.call_optional(self.evict_hinted, |l| &mut l.evict_hinted, call.clone())?
-        else {
-            return Ok(None);
-        };
-        if d.iter().any(|v| v.index as usize >= call.hints.len()) {
-            return Err(CallError::Invalid("victim index out of range".into()));
-        }
-        Ok(Some(d))
+        self.call_optional(self.evict_hinted, |l| &mut l.evict_hinted, call.clone())?
+            .map(|d| victims_of(d, call.call.sizes.len()))
+            .transpose()
     }
 
     /// Whether the component has `evict-hinted` (WIT 0.1.4): the evictor looks hints up
@@ -988,5 +988,23 @@ mod tests {
             e.load("default", DEFAULT_PLUGIN, b"", Some("00")),
             Err(LoadError::ShaMismatch { .. })
         ));
+    }
+
+    /// A victim index past the candidates is the plugin's bug: the whole answer is
+    /// refused (the evictor then falls back to least recently used first).
+    #[test]
+    fn victims_past_the_candidates_are_refused() {
+        let v = |index| wit::Victim {
+            index,
+            scope: wit::EvictScope::Memory,
+        };
+        assert_eq!(victims_of(vec![v(0), v(2)], 3).unwrap().len(), 2);
+        let e = victims_of(vec![v(1), v(3)], 3).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("victim index 3 out of range (3 candidates)"),
+            "{e}"
+        );
+        assert!(victims_of(vec![v(0)], 0).is_err());
     }
 }
