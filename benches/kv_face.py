@@ -13,6 +13,8 @@ kv/4k, kv/16m and 64 values of 64 KiB (kv/b/0..63, read as one batch); moongate 
             moongate's Unix socket, reading into mg_alloc memory (moongate reads the
             owner's replica by TE-TCP straight into the engine's memory: one hop, no
             HTTP) and putting from it
+  quic      the same library from a remote engine's side: mg_connect_quic to moongate's
+            kv API over QUIC (loopback here), into and from the engine's own memory
 Medians over rounds. The raw column is what the owner serves to a reader that does
 nothing else: neither client can read faster over one connection, and moongate also
 sends every byte on to its caller on the same cores. `benches/run_kv_face.sh` builds release binaries and runs this.
@@ -100,15 +102,25 @@ def role_reader(a):
     print(json.dumps(out), flush=True)
 
 
-def role_shm(a):
-    """The shared-memory side: gets of kv/4k and kv/16m, the batch, and 16 MiB puts,
-    through libmoongate_kv on moongate's Unix socket, into and from mg_alloc memory."""
+def role_lib(a):
+    """The library's sides: gets of kv/4k and kv/16m, the batch, and 16 MiB puts,
+    through libmoongate_kv: `shm`, on moongate's Unix socket into and from mg_alloc
+    memory; `quic`, over mg_connect_quic into and from memory of its own."""
     from kv_shm import connect, load
     lib = load(a.lib)
-    h = connect(lib, a.sock)
     region = 16 * MiB
-    p = lib.mg_alloc(h, region)
-    assert p, lib.mg_last_error(h)
+    if a.role == "shm":
+        h = connect(lib, a.sock)
+        p = lib.mg_alloc(h, region)
+        assert p, lib.mg_last_error(h)
+    else:
+        lib.mg_connect_quic.restype = ctypes.c_void_p
+        lib.mg_connect_quic.argtypes = [ctypes.c_char_p] * 4
+        addr, sha = a.quic.split("#")
+        h = lib.mg_connect_quic(addr.encode(), sha.encode(), None, None)
+        assert h, lib.mg_last_error(None)
+        own = ctypes.create_string_buffer(region)
+        p = ctypes.addressof(own)
     out = {}
     for name, size in SIZES.items():
         key = f"kv/{name}".encode()
@@ -149,7 +161,7 @@ def role_shm(a):
     n = max(8, a.count // 100)
     lat = []
     for i in range(n + 2):
-        key = f"shm/put/{os.getpid()}/{i}".encode()
+        key = f"{a.role}/put/{os.getpid()}/{i}".encode()
         t = time.perf_counter()
         assert lib.mg_put(h, key, p, 16 * MiB) == 0, lib.mg_last_error(h)
         took = time.perf_counter() - t
@@ -158,7 +170,8 @@ def role_shm(a):
         assert lib.mg_remove(h, key) == 0, lib.mg_last_error(h)
     out["put16m"] = {"p50_us": pct(lat, 0.5) * 1e6, "p99_us": pct(lat, 0.99) * 1e6,
                      "GBps": 16 * MiB * n / sum(lat) / 1e9}
-    assert lib.mg_free(h, p) == 0, lib.mg_last_error(h)
+    if a.role == "shm":
+        assert lib.mg_free(h, p) == 0, lib.mg_last_error(h)
     lib.mg_close.argtypes = [ctypes.c_void_p]
     lib.mg_close(h)
     print(json.dumps(out), flush=True)
@@ -227,6 +240,7 @@ def main():
     p.add_argument("--lib", default="target/release/libmoongate_kv.so",
                    help="libmoongate_kv for the shm side (cargo build --release -p moongate-kv)")
     p.add_argument("--sock")
+    p.add_argument("--quic", help="ADDR#SHA256 of moongate's kv API over QUIC")
     p.add_argument("--json")
     p.add_argument("--moongate-config", help="extra moongate TOML (e.g. a [runtime] or [kv] "
                    "variant); the flags above still set addresses")
@@ -237,18 +251,18 @@ def main():
         return role_reader(a)
     if a.role == "raw":
         return role_raw(a)
-    if a.role == "shm":
-        return role_shm(a)
+    if a.role in ("shm", "quic"):
+        return role_lib(a)
     work = work_dir("moongate-kv-")
     rpc, http, kv, admin = (free_port() for _ in range(4))
     metadata = f"http://127.0.0.1:{http}/metadata"
     procs = []
-    res = {"mooncake": [], "moongate": [], "raw": [], "shm": []}
+    res = {"mooncake": [], "moongate": [], "raw": [], "shm": [], "quic": []}
     sock = f"{work}/kv.sock"
     # The Unix socket for the shm side, added to the caller's config (or a config of
     # its own).
     cfg = open(a.moongate_config).read() if a.moongate_config else ""
-    line = f'unix_path = "{sock}"\n'
+    line = f'unix_path = "{sock}"\napi_quic_listen = "127.0.0.1:0"\n'
     cfg = cfg.replace("[kv]\n", "[kv]\n" + line, 1) if "[kv]\n" in cfg \
         else cfg + "\n[kv]\n" + line
     with open(f"{work}/moongate.toml", "w") as f:
@@ -263,19 +277,30 @@ def main():
              "--kv", f"127.0.0.1:{kv}", "--metadata", metadata,
              "--config", f"{work}/moongate.toml"],
             stdout=open(f"{work}/moongate.log", "w"), stderr=subprocess.STDOUT,
-            env={**os.environ, "RUST_LOG": "warn"}))
+            env={**os.environ, "RUST_LOG": "warn,moongate::kv=info"}))
         wait_http(f"http://127.0.0.1:{admin}/ready")
+        # Where the kv API is served over QUIC, and the certificate to pin: its log line.
+        quic = None
+        for _ in range(100):
+            for ln in open(f"{work}/moongate.log"):
+                if "kv API served over QUIC" in ln:
+                    f = dict(part.split("=", 1) for part in ln.split() if "=" in part)
+                    quic = f"{f['quic']}#{f['sha256']}"
+            if quic:
+                break
+            time.sleep(0.1)
+        assert quic, "moongate did not log its kv API over QUIC"
         owner = spawn_owner(__file__, f"127.0.0.1:{rpc}", metadata, work)
         procs.append(owner)
         for i in range(a.rounds):
-            sides = ["raw", "mooncake", "moongate", "shm"]
+            sides = ["raw", "mooncake", "moongate", "shm", "quic"]
             for side in (sides if i % 2 == 0 else sides[::-1]):
-                if side in ("mooncake", "raw", "shm"):
+                if side in ("mooncake", "raw", "shm", "quic"):
                     role = {"mooncake": "reader"}.get(side, side)
                     out = subprocess.run(
                         [sys.executable, __file__, "--role", role, "--master",
                          f"127.0.0.1:{rpc}", "--metadata", metadata, "--count", str(a.count),
-                         "--lib", a.lib, "--sock", sock],
+                         "--lib", a.lib, "--sock", sock, "--quic", quic],
                         check=True, capture_output=True, text=True).stdout
                     res[side].append(json.loads(out.strip().splitlines()[-1]))
                 else:
@@ -302,13 +327,14 @@ def main():
     med = lambda side, name, m: statistics.median(r[name][m] for r in res[side])
     print(f"\nmedians over {a.rounds} rounds")
     print(f"{'':<28}{'mooncake client':>18}{'moongate kv face':>18}{'kv face, shm':>14}"
-          f"{'owner ceiling':>16}")
+          f"{'kv face, QUIC':>15}{'owner ceiling':>16}")
     for name, metric in (("4k", "p50_us"), ("4k", "p99_us"), ("16m", "GBps"),
                          (BATCH, "p50_us"), (BATCH, "GBps"), ("put16m", "GBps")):
         op = " remote put " if name.startswith("put") else " remote get "
         raw = f"{med('raw', name, metric):>16.2f}" if name in SIZES else f"{'-':>16}"
         print(f"{name + op + metric:<28}{med('mooncake', name, metric):>18.2f}"
-              f"{med('moongate', name, metric):>18.2f}{med('shm', name, metric):>14.2f}{raw}")
+              f"{med('moongate', name, metric):>18.2f}{med('shm', name, metric):>14.2f}"
+              f"{med('quic', name, metric):>15.2f}{raw}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

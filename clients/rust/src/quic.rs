@@ -28,6 +28,10 @@ const SERVER_NAME: &str = "moongate";
 const IDLE: Duration = Duration::from_secs(30);
 /// Pings keep an idle pooled link alive well within [`IDLE`].
 const KEEP_ALIVE: Duration = Duration::from_secs(10);
+/// UDP socket buffers asked for (the kernel caps them at net.core.*mem_max).
+const UDP_BUFFER_BYTES: usize = 8 << 20;
+/// The largest datagram accepted, as moongate's endpoints do.
+const MAX_UDP_PAYLOAD: u16 = 65_527;
 /// How long closing a link waits for its close to reach moongate.
 const CLOSE_WAIT: Duration = Duration::from_millis(500);
 
@@ -117,9 +121,19 @@ impl Link {
         tls.alpn_protocols = vec![ALPN.to_vec()];
         let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls).map_err(setup)?;
         let mut config = quinn::ClientConfig::new(Arc::new(crypto));
+        // As moongate's own QUIC ends are tuned (kv/transport/quic.rs): large
+        // datagrams where the path carries them, windows that keep a 16 MiB value
+        // moving; the defaults ran a 16 MiB get at a third of that.
         let mut transport = quinn::TransportConfig::default();
-        transport.max_idle_timeout(Some(IDLE.try_into().map_err(setup)?));
-        transport.keep_alive_interval(Some(KEEP_ALIVE));
+        let mut mtu = quinn::MtuDiscoveryConfig::default();
+        mtu.upper_bound(65_000);
+        transport
+            .mtu_discovery_config(Some(mtu))
+            .stream_receive_window(quinn::VarInt::from_u32(8 << 20))
+            .receive_window(quinn::VarInt::from_u32(16 << 20))
+            .send_window(64 << 20)
+            .max_idle_timeout(Some(IDLE.try_into().map_err(setup)?))
+            .keep_alive_interval(Some(KEEP_ALIVE));
         config.transport_config(Arc::new(transport));
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
@@ -132,8 +146,16 @@ impl Link {
             (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
         };
         let endpoint = {
+            let socket = std::net::UdpSocket::bind(bind)?;
+            // The kernel's default (~208 KiB) drops datagrams of a burst, read as loss.
+            let s = socket2::SockRef::from(&socket);
+            let _ = s
+                .set_recv_buffer_size(UDP_BUFFER_BYTES)
+                .and_then(|()| s.set_send_buffer_size(UDP_BUFFER_BYTES));
+            let mut cfg = quinn::EndpointConfig::default();
+            cfg.max_udp_payload_size(MAX_UDP_PAYLOAD).map_err(setup)?;
             let _entered = rt.enter();
-            quinn::Endpoint::client(bind)?
+            quinn::Endpoint::new(cfg, None, socket, Arc::new(quinn::TokioRuntime))?
         };
         let conn = rt.block_on(handshake(&endpoint, &config, addr, timeout))?;
         Ok(Arc::new(Link {
