@@ -41,6 +41,26 @@ BATCH_N, BATCH_SIZE = 64, 64 * 1024
 BATCH = f"batch{BATCH_N}x{BATCH_SIZE // 1024}k"
 
 
+def measure(call, n, warm, nbytes):
+    """`warm` untimed calls, then `n` timed ones: p50 and p99 latency (us) and GB/s
+    (`nbytes` a call)."""
+    for _ in range(warm):
+        call()
+    lat = []
+    t0 = time.perf_counter()
+    for _ in range(n):
+        t = time.perf_counter()
+        call()
+        lat.append((time.perf_counter() - t) * 1e6)
+    total = time.perf_counter() - t0
+    return {"p50_us": pct(lat, 0.5), "p99_us": pct(lat, 0.99), "GBps": nbytes * n / total / 1e9}
+
+
+def value_count(a, size):
+    """Timed calls for a value of `size`: fewer for large ones."""
+    return a.count if size < MiB else max(8, a.count // 50)
+
+
 def role_owner(a):
     values = {f"kv/{name}": os.urandom(size) for name, size in SIZES.items()}
     values.update({f"kv/b/{i}": os.urandom(BATCH_SIZE) for i in range(BATCH_N)})
@@ -56,33 +76,16 @@ def role_reader(a):
     assert s.register_buffer(addr, 16 * MiB) == 0
     out = {}
     for name, size in SIZES.items():
-        n = a.count if size < MiB else max(8, a.count // 50)
-        for _ in range(5):
-            assert s.get_into(f"kv/{name}", addr, size) == size
-        lat = []
-        t0 = time.perf_counter()
-        for _ in range(n):
-            t = time.perf_counter()
-            assert s.get_into(f"kv/{name}", addr, size) == size
-            lat.append((time.perf_counter() - t) * 1e6)
-        total = time.perf_counter() - t0
-        out[name] = {"p50_us": pct(lat, 0.5), "p99_us": pct(lat, 0.99),
-                     "GBps": size * n / total / 1e9}
+        def get(key=f"kv/{name}", size=size):
+            assert s.get_into(key, addr, size) == size
+        out[name] = measure(get, value_count(a, size), 5, size)
     keys = [f"kv/b/{i}" for i in range(BATCH_N)]
     addrs = [addr + i * BATCH_SIZE for i in range(BATCH_N)]
     sizes = [BATCH_SIZE] * BATCH_N
-    n = max(20, a.count // 20)
-    for _ in range(3):
+
+    def batch():
         assert list(s.batch_get_into(keys, addrs, sizes)) == sizes
-    lat = []
-    t0 = time.perf_counter()
-    for _ in range(n):
-        t = time.perf_counter()
-        assert list(s.batch_get_into(keys, addrs, sizes)) == sizes
-        lat.append((time.perf_counter() - t) * 1e6)
-    total = time.perf_counter() - t0
-    out[BATCH] = {"p50_us": pct(lat, 0.5), "p99_us": pct(lat, 0.99),
-                  "GBps": BATCH_N * BATCH_SIZE * n / total / 1e9}
+    out[BATCH] = measure(batch, max(20, a.count // 20), 3, BATCH_N * BATCH_SIZE)
     # Puts of 16 MiB from the registered buffer into the owner's segment, each removed
     # after its (timed) put so the segment never fills.
     n = max(8, a.count // 100)
@@ -123,19 +126,9 @@ def role_lib(a):
         p = ctypes.addressof(own)
     out = {}
     for name, size in SIZES.items():
-        key = f"kv/{name}".encode()
-        n = a.count if size < MiB else max(8, a.count // 50)
-        for _ in range(5):
+        def get(key=f"kv/{name}".encode(), size=size):
             assert lib.mg_get_into(h, key, p, size) == size, lib.mg_last_error(h)
-        lat = []
-        t0 = time.perf_counter()
-        for _ in range(n):
-            t = time.perf_counter()
-            assert lib.mg_get_into(h, key, p, size) == size, lib.mg_last_error(h)
-            lat.append((time.perf_counter() - t) * 1e6)
-        total = time.perf_counter() - t0
-        out[name] = {"p50_us": pct(lat, 0.5), "p99_us": pct(lat, 0.99),
-                     "GBps": size * n / total / 1e9}
+        out[name] = measure(get, value_count(a, size), 5, size)
     keys = (ctypes.c_char_p * BATCH_N)(*[f"kv/b/{i}".encode() for i in range(BATCH_N)])
     dst = (ctypes.c_void_p * BATCH_N)(*[p + i * BATCH_SIZE for i in range(BATCH_N)])
     caps = (ctypes.c_size_t * BATCH_N)(*[BATCH_SIZE] * BATCH_N)
@@ -145,18 +138,7 @@ def role_lib(a):
         assert lib.mg_batch_get_into(h, keys, dst, caps, BATCH_N, res) == 0, \
             lib.mg_last_error(h)
         assert list(res) == [BATCH_SIZE] * BATCH_N, list(res)
-    n = max(20, a.count // 20)
-    for _ in range(3):
-        batch()
-    lat = []
-    t0 = time.perf_counter()
-    for _ in range(n):
-        t = time.perf_counter()
-        batch()
-        lat.append((time.perf_counter() - t) * 1e6)
-    total = time.perf_counter() - t0
-    out[BATCH] = {"p50_us": pct(lat, 0.5), "p99_us": pct(lat, 0.99),
-                  "GBps": BATCH_N * BATCH_SIZE * n / total / 1e9}
+    out[BATCH] = measure(batch, max(20, a.count // 20), 3, BATCH_N * BATCH_SIZE)
     # 16 MiB puts from the shared region, each removed after its (timed) put.
     n = max(8, a.count // 100)
     lat = []
@@ -210,18 +192,7 @@ def role_raw(a):
                 n = c.recv_into(view[got:])
                 assert n > 0, "owner closed"
                 got += n
-        n = a.count if size < MiB else max(8, a.count // 50)
-        for _ in range(5):
-            read()
-        lat = []
-        t0 = time.perf_counter()
-        for _ in range(n):
-            t = time.perf_counter()
-            read()
-            lat.append((time.perf_counter() - t) * 1e6)
-        total = time.perf_counter() - t0
-        out[name] = {"p50_us": pct(lat, 0.5), "p99_us": pct(lat, 0.99),
-                     "GBps": size * n / total / 1e9}
+        out[name] = measure(read, value_count(a, size), 5, size)
     for c in conns.values():
         c.close()
     s.close()
@@ -306,7 +277,7 @@ def main():
                 else:
                     r = {}
                     for name, size in SIZES.items():
-                        n = a.count if size < MiB else max(8, a.count // 50)
+                        n = value_count(a, size)
                         out = subprocess.run([a.kv_bench, f"127.0.0.1:{kv}", f"kv%2F{name}", str(n)],
                                              check=True, capture_output=True, text=True).stdout
                         r[name] = json.loads(out)
