@@ -241,14 +241,17 @@ struct Reader<'a> {
     sock: &'a UnixStream,
     buf: Vec<u8>,
     fds: VecDeque<OwnedFd>,
+    /// What one `recvmsg` reads into: once per connection, not a 64 KiB array zeroed
+    /// on the stack (and carried in the future) at every read.
+    scratch: Box<[u8]>,
 }
 
 impl Reader<'_> {
     /// Reads more bytes (and any descriptors) into the buffer; `Ok(false)` at the end.
     async fn fill(&mut self) -> io::Result<bool> {
-        let mut chunk = [0u8; 64 * 1024];
         // Room for MAX_PENDING_FDS descriptors in one control message.
         let mut control = [0u64; 8];
+        let chunk = &mut self.scratch;
         loop {
             self.sock.readable().await?;
             let r = self.sock.try_io(Interest::READABLE, || {
@@ -685,6 +688,7 @@ async fn serve(
         sock,
         buf: Vec::new(),
         fds: VecDeque::new(),
+        scratch: vec![0u8; 64 * 1024].into_boxed_slice(),
     };
     if rd.take(MAGIC.len()).await?.as_deref() != Some(&MAGIC[..]) {
         return Ok(());
