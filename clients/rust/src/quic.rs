@@ -98,43 +98,22 @@ impl Link {
             .to_socket_addrs()?
             .next()
             .ok_or_else(|| setup(format!("{addr}: no address")))?;
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let b = rustls::ClientConfig::builder_with_provider(provider.clone())
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .map_err(setup)?
-            .dangerous()
-            .with_custom_certificate_verifier(Arc::new(Pinned {
-                sha256,
-                algs: provider.signature_verification_algorithms,
-            }));
-        let mut tls = match cert {
+        let client = match cert {
             Some(c) => {
                 let certs = CertificateDer::pem_file_iter(c.cert)
                     .and_then(|i| i.collect::<Result<Vec<_>, _>>())
                     .map_err(|e| setup(format!("client certificate {}: {e}", c.cert)))?;
                 let key = PrivateKeyDer::from_pem_file(c.key)
                     .map_err(|e| setup(format!("client key {}: {e}", c.key)))?;
-                b.with_client_auth_cert(certs, key).map_err(setup)?
+                Some((certs, key))
             }
-            None => b.with_no_client_auth(),
+            None => None,
         };
-        tls.alpn_protocols = vec![ALPN.to_vec()];
-        let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls).map_err(setup)?;
-        let mut config = quinn::ClientConfig::new(Arc::new(crypto));
-        // As moongate's own QUIC ends are tuned (kv/transport/quic.rs): large
-        // datagrams where the path carries them, windows that keep a 16 MiB value
-        // moving; the defaults ran a 16 MiB get at a third of that.
-        let mut transport = quinn::TransportConfig::default();
-        let mut mtu = quinn::MtuDiscoveryConfig::default();
-        mtu.upper_bound(65_000);
+        let mut transport = tuned_transport();
         transport
-            .mtu_discovery_config(Some(mtu))
-            .stream_receive_window(quinn::VarInt::from_u32(8 << 20))
-            .receive_window(quinn::VarInt::from_u32(16 << 20))
-            .send_window(64 << 20)
             .max_idle_timeout(Some(IDLE.try_into().map_err(setup)?))
             .keep_alive_interval(Some(KEEP_ALIVE));
-        config.transport_config(Arc::new(transport));
+        let config = pinned_client(sha256, client, ALPN, Arc::new(transport)).map_err(setup)?;
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("moongate-kv-quic")
@@ -146,16 +125,8 @@ impl Link {
             (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
         };
         let endpoint = {
-            let socket = std::net::UdpSocket::bind(bind)?;
-            // The kernel's default (~208 KiB) drops datagrams of a burst, read as loss.
-            let s = socket2::SockRef::from(&socket);
-            let _ = s
-                .set_recv_buffer_size(UDP_BUFFER_BYTES)
-                .and_then(|()| s.set_send_buffer_size(UDP_BUFFER_BYTES));
-            let mut cfg = quinn::EndpointConfig::default();
-            cfg.max_udp_payload_size(MAX_UDP_PAYLOAD).map_err(setup)?;
             let _entered = rt.enter();
-            quinn::Endpoint::new(cfg, None, socket, Arc::new(quinn::TokioRuntime))?
+            udp_endpoint(bind, None)?
         };
         let conn = rt.block_on(handshake(&endpoint, &config, addr, timeout))?;
         Ok(Arc::new(Link {
@@ -197,6 +168,77 @@ impl Link {
             recv,
         })
     }
+}
+
+/// The transport moongate's QUIC ends and this library share: datagrams up to 65,000
+/// bytes where the path carries them (quinn stops at Ethernet size), and windows sized
+/// for multi-MiB values on fast links (quinn's internet defaults ran a 16 MiB get at a
+/// third of this). Callers add their idle timeout, keep-alives and stream limits.
+pub fn tuned_transport() -> quinn::TransportConfig {
+    let mut t = quinn::TransportConfig::default();
+    let mut mtu = quinn::MtuDiscoveryConfig::default();
+    mtu.upper_bound(65_000);
+    t.mtu_discovery_config(Some(mtu));
+    // The connection window is also what one peer can make the other side buffer:
+    // moongate bounds a QUIC listener's memory with it.
+    t.stream_receive_window(quinn::VarInt::from_u32(8 << 20))
+        .receive_window(quinn::VarInt::from_u32(RECEIVE_WINDOW))
+        .send_window(64 << 20);
+    t
+}
+
+/// Bytes one QUIC connection may have in flight towards its receiver.
+pub const RECEIVE_WINDOW: u32 = 16 << 20;
+
+/// A QUIC endpoint on a UDP socket bound to `addr` (a server when `server` is given),
+/// with large socket buffers and datagrams; call it inside a tokio runtime.
+pub fn udp_endpoint(
+    addr: SocketAddr,
+    server: Option<quinn::ServerConfig>,
+) -> io::Result<quinn::Endpoint> {
+    let socket = std::net::UdpSocket::bind(addr)?;
+    // The kernel's default (~208 KiB) overflows under a GSO burst of large datagrams:
+    // the drops read as loss, cut the congestion window and, seen as an MTU black hole,
+    // pin the path MTU at 1200. Ask for more; the kernel caps it at net.core.*mem_max
+    // (not being granted it is not an error).
+    let s = socket2::SockRef::from(&socket);
+    let _ = s
+        .set_recv_buffer_size(UDP_BUFFER_BYTES)
+        .and_then(|()| s.set_send_buffer_size(UDP_BUFFER_BYTES));
+    let mut cfg = quinn::EndpointConfig::default();
+    cfg.max_udp_payload_size(MAX_UDP_PAYLOAD).map_err(setup)?;
+    quinn::Endpoint::new(cfg, server, socket, Arc::new(quinn::TokioRuntime))
+}
+
+/// A QUIC client configuration trusting only the certificate whose SHA-256 is
+/// `sha256` (TLS 1.3, ALPN `alpn`), presenting `client` (chain and key) when given.
+pub fn pinned_client(
+    sha256: [u8; 32],
+    client: Option<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>)>,
+    alpn: &[u8],
+    transport: Arc<quinn::TransportConfig>,
+) -> Result<quinn::ClientConfig, String> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let b = rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| e.to_string())?
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(Pinned {
+            sha256,
+            algs: provider.signature_verification_algorithms,
+        }));
+    let mut tls = match client {
+        Some((certs, key)) => b
+            .with_client_auth_cert(certs, key)
+            .map_err(|e| e.to_string())?,
+        None => b.with_no_client_auth(),
+    };
+    tls.alpn_protocols = vec![alpn.to_vec()];
+    let crypto =
+        quinn::crypto::rustls::QuicClientConfig::try_from(tls).map_err(|e| e.to_string())?;
+    let mut cfg = quinn::ClientConfig::new(Arc::new(crypto));
+    cfg.transport_config(transport);
+    Ok(cfg)
 }
 
 fn peer(addr: SocketAddr, e: impl std::fmt::Display) -> io::Error {
@@ -259,12 +301,11 @@ impl Drop for QuicStream {
 }
 
 /// Trusts one certificate, by its SHA-256 (no CA, no name check); signatures are
-/// checked with the given algorithms. Shared with moongate, whose own QUIC callers pin
-/// the same way.
+/// checked with the given algorithms.
 #[derive(Debug)]
-pub struct Pinned {
-    pub sha256: [u8; 32],
-    pub algs: rustls::crypto::WebPkiSupportedAlgorithms,
+struct Pinned {
+    sha256: [u8; 32],
+    algs: rustls::crypto::WebPkiSupportedAlgorithms,
 }
 
 impl rustls::client::danger::ServerCertVerifier for Pinned {

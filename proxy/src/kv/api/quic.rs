@@ -21,9 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::state::KvState;
 use crate::accept::ConnLimit;
-use crate::kv::transport::quic::{
-    Identity, Pinned, QuicError, client_verifier, provider, transport,
-};
+use crate::kv::transport::quic::{Identity, QuicError, client_verifier, transport};
 
 /// ALPN of the kv API over QUIC.
 pub const ALPN: &[u8] = b"moongate-kv/1";
@@ -80,26 +78,9 @@ impl ApiClient {
             peer: addr,
             error: e,
         };
-        let p = provider();
-        let b = rustls::ClientConfig::builder_with_provider(p.clone())
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .map_err(|e| err(e.to_string()))?
-            .dangerous()
-            .with_custom_certificate_verifier(Arc::new(Pinned {
-                sha256,
-                algs: p.signature_verification_algorithms,
-            }));
-        let mut tls = match cert {
-            Some(c) => b
-                .with_client_auth_cert(c.certs, c.key)
-                .map_err(|e| err(e.to_string()))?,
-            None => b.with_no_client_auth(),
-        };
-        tls.alpn_protocols = vec![ALPN.to_vec()];
-        let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls)
-            .map_err(|e| err(e.to_string()))?;
-        let mut cfg = quinn::ClientConfig::new(Arc::new(crypto));
-        cfg.transport_config(transport());
+        let client = cert.map(|c| (c.certs, c.key));
+        let cfg =
+            moongate_kv::quic::pinned_client(sha256, client, ALPN, transport()).map_err(err)?;
         let bind: SocketAddr = if addr.is_ipv6() {
             "[::]:0".parse()
         } else {

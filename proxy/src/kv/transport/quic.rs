@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+use quinn::crypto::rustls::QuicServerConfig;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use sha2::{Digest, Sha256};
 use thiserror::Error;
@@ -86,27 +86,18 @@ pub(in crate::kv) fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
-/// Flow-control windows sized for multi-MiB values on fast links (quinn's defaults
-/// are tuned for the internet and cap a stream well below loopback speed).
+/// The transport shared with the client library (`moongate_kv::quic::tuned_transport`:
+/// large datagrams, windows for multi-MiB values), with this side's stream limit and
+/// keep-alives.
 pub(in crate::kv) fn transport() -> Arc<quinn::TransportConfig> {
-    let mut t = quinn::TransportConfig::default();
-    // Probe past the 1452-byte internet default: loopback and datacenter links carry
-    // jumbo datagrams, and fewer, larger packets are most of QUIC's cost here.
-    let mut mtu = quinn::MtuDiscoveryConfig::default();
-    mtu.upper_bound(65_000);
-    t.mtu_discovery_config(Some(mtu));
-    // The connection window is also what one peer can make this side buffer: with
-    // `kv.quic_max_connections` it bounds a QUIC listener's memory (64 x 16 MiB).
-    t.stream_receive_window(quinn::VarInt::from_u32(8 << 20))
-        .receive_window(quinn::VarInt::from_u32(RECEIVE_WINDOW))
-        .send_window(64 << 20)
-        .max_concurrent_bidi_streams(quinn::VarInt::from_u32(256))
+    let mut t = moongate_kv::quic::tuned_transport();
+    t.max_concurrent_bidi_streams(quinn::VarInt::from_u32(256))
         .keep_alive_interval(Some(Duration::from_secs(5)));
     Arc::new(t)
 }
 
 /// Bytes one QUIC connection may have in flight towards this side.
-pub const RECEIVE_WINDOW: u32 = 16 << 20;
+pub use moongate_kv::quic::RECEIVE_WINDOW;
 
 /// Serves moongate's segment over QUIC until shutdown; `client_ca` (PEM path, may be
 /// empty) admits only peers with a certificate that CA issued.
@@ -191,35 +182,13 @@ pub(in crate::kv) fn endpoint(
     bind(listen, Some(cfg))
 }
 
-/// UDP payloads this endpoint accepts (the most UDP carries). quinn's default, 1472,
-/// is advertised to the peer as a hard cap and stops MTU discovery at Ethernet size;
-/// with this, discovery can find jumbo-frame (and loopback) paths.
-const MAX_UDP_PAYLOAD: u16 = 65_527;
-
-/// Socket buffer bytes asked for on QUIC's UDP sockets.
-const UDP_BUFFER_BYTES: usize = 8 << 20;
-
-/// A QUIC endpoint on `addr` (a server when `server` is given).
+/// A QUIC endpoint on `addr` (a server when `server` is given): the client library's
+/// (`moongate_kv::quic::udp_endpoint`: large socket buffers and datagrams).
 pub(in crate::kv) fn bind(
     addr: SocketAddr,
     server: Option<quinn::ServerConfig>,
 ) -> Result<quinn::Endpoint, QuicError> {
-    let socket = std::net::UdpSocket::bind(addr)
-        .map_err(|e| QuicError::Setup(format!("bind {addr}: {e}")))?;
-    // The kernel's default (~208 KiB) overflows under a GSO burst of large datagrams:
-    // the drops read as loss, cut the congestion window and, seen as an MTU black hole,
-    // pin the path MTU at 1200. Ask for more; the kernel caps it at net.core.*mem_max.
-    let s = socket2::SockRef::from(&socket);
-    if let Err(e) = s
-        .set_recv_buffer_size(UDP_BUFFER_BYTES)
-        .and_then(|()| s.set_send_buffer_size(UDP_BUFFER_BYTES))
-    {
-        tracing::debug!(error = %e, "UDP buffer sizes not raised");
-    }
-    let mut cfg = quinn::EndpointConfig::default();
-    cfg.max_udp_payload_size(MAX_UDP_PAYLOAD)
-        .map_err(|e| QuicError::Setup(e.to_string()))?;
-    quinn::Endpoint::new(cfg, server, socket, Arc::new(quinn::TokioRuntime))
+    moongate_kv::quic::udp_endpoint(addr, server)
         .map_err(|e| QuicError::Setup(format!("endpoint on {addr}: {e}")))
 }
 
@@ -292,10 +261,6 @@ pub(in crate::kv) async fn serve_streams<F, Fut>(
     }
 }
 
-/// The pin check, shared with the client library (`moongate_kv`): one certificate,
-/// trusted by its SHA-256.
-pub(in crate::kv) use moongate_kv::quic::Pinned;
-
 /// Where a peer moongate serves its segment over QUIC.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QuicPeer {
@@ -307,14 +272,7 @@ pub struct QuicPeer {
 pub fn parse_peer(body: &[u8]) -> Option<QuicPeer> {
     let v: serde_json::Value = serde_json::from_slice(body).ok()?;
     let addr = v.get("addr")?.as_str()?.parse().ok()?;
-    let hex = v.get("sha256")?.as_str()?;
-    if hex.len() != 64 {
-        return None;
-    }
-    let mut sha256 = [0u8; 32];
-    for (i, b) in sha256.iter_mut().enumerate() {
-        *b = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
-    }
+    let sha256 = moongate_kv::quic::parse_sha256(v.get("sha256")?.as_str()?)?;
     Some(QuicPeer { addr, sha256 })
 }
 
@@ -371,25 +329,12 @@ impl QuicPool {
             peer: peer.addr,
             error: e,
         };
-        let p = provider();
-        let b = rustls::ClientConfig::builder_with_provider(p.clone())
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .map_err(|e| err(e.to_string()))?
-            .dangerous()
-            .with_custom_certificate_verifier(Arc::new(Pinned {
-                sha256: peer.sha256,
-                algs: p.signature_verification_algorithms,
-            }));
-        let mut tls = match &self.client {
-            Some(c) => b
-                .with_client_auth_cert(c.certs.clone(), c.key.clone_key())
-                .map_err(|e| err(e.to_string()))?,
-            None => b.with_no_client_auth(),
-        };
-        tls.alpn_protocols = vec![ALPN.to_vec()];
-        let crypto = QuicClientConfig::try_from(tls).map_err(|e| err(e.to_string()))?;
-        let mut cfg = quinn::ClientConfig::new(Arc::new(crypto));
-        cfg.transport_config(transport());
+        let client = self
+            .client
+            .as_ref()
+            .map(|c| (c.certs.clone(), c.key.clone_key()));
+        let cfg = moongate_kv::quic::pinned_client(peer.sha256, client, ALPN, transport())
+            .map_err(err)?;
         let connecting = self
             .endpoint
             .connect_with(cfg, peer.addr, "moongate")
