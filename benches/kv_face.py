@@ -15,7 +15,10 @@ kv/4k, kv/16m and 64 values of 64 KiB (kv/b/0..63, read as one batch); moongate 
             HTTP) and putting from it
   quic      the same library from a remote engine's side: mg_connect_quic to moongate's
             kv API over QUIC (loopback here), into and from the engine's own memory
-Medians over rounds. The raw column is what the owner serves to a reader that does
+Medians over rounds. Then (--mix-rounds, default 12) the 4 KiB get once more from one
+process holding every client (Mooncake's, the C library over HTTP, with shared memory
+and over QUIC, the bare reader), in blocks of 300 calls taken in turn: the sides above
+run minutes apart, and this VM drifts by more than the gaps between them. The raw column is what the owner serves to a reader that does
 nothing else: neither client can read faster over one connection, and moongate also
 sends every byte on to its caller on the same cores. `benches/run_kv_face.sh` builds release binaries and runs this.
 """
@@ -159,42 +162,110 @@ def role_lib(a):
     print(json.dumps(out), flush=True)
 
 
-def role_raw(a):
-    """Reads the replicas of kv/4k and kv/16m straight from the owner's TE-TCP listener
-    (data-plane spec B), the location asked of the master once per key."""
+def raw_reader(s, metadata, name, size, conns):
+    """A bare TE-TCP read of kv/NAME's replica (data-plane spec B) on a connection of
+    `conns` (one per owner port), the location asked of the master once."""
     import socket
     import struct
     import urllib.parse
+    b = s.get_replica_desc(f"kv/{name}")[0].get_memory_descriptor().buffer_descriptor
+    key = urllib.parse.quote("mooncake/ram/" + b.transport_endpoint, safe="")
+    with urllib.request.urlopen(f"{metadata}?key={key}") as r:
+        port = json.loads(r.read())["tcp_data_port"]
+    if port not in conns:
+        c = socket.create_connection(("127.0.0.1", port))
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conns[port] = c
+    c, buf = conns[port], bytearray(size)
+    view = memoryview(buf)
+
+    def read():
+        c.sendall(struct.pack("<QQB7x", size, b.buffer_address, 0x80))
+        status = b""
+        while len(status) < 8:
+            status += c.recv(8 - len(status))
+        assert status[4:] == b"VTCM" and status[:4] == b"\0\0\0\0", status
+        got = 0
+        while got < size:
+            n = c.recv_into(view[got:])
+            assert n > 0, "owner closed"
+            got += n
+    return read
+
+
+def role_raw(a):
+    """Reads the replicas of kv/4k and kv/16m straight from the owner's TE-TCP listener
+    (data-plane spec B), the location asked of the master once per key."""
     from mooncake.store import MooncakeDistributedStore
     s = MooncakeDistributedStore()
     assert s.setup("127.0.0.1", a.metadata, 0, 64 * MiB, "tcp", "", a.master) == 0
     out, conns = {}, {}
     for name, size in SIZES.items():
-        b = s.get_replica_desc(f"kv/{name}")[0].get_memory_descriptor().buffer_descriptor
-        key = urllib.parse.quote("mooncake/ram/" + b.transport_endpoint, safe="")
-        with urllib.request.urlopen(f"{a.metadata}?key={key}") as r:
-            port = json.loads(r.read())["tcp_data_port"]
-        if port not in conns:
-            c = socket.create_connection(("127.0.0.1", port))
-            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conns[port] = c
-        c, buf = conns[port], bytearray(size)
-        view = memoryview(buf)
-
-        def read():
-            c.sendall(struct.pack("<QQB7x", size, b.buffer_address, 0x80))
-            status = b""
-            while len(status) < 8:
-                status += c.recv(8 - len(status))
-            assert status[4:] == b"VTCM" and status[:4] == b"\0\0\0\0", status
-            got = 0
-            while got < size:
-                n = c.recv_into(view[got:])
-                assert n > 0, "owner closed"
-                got += n
+        read = raw_reader(s, a.metadata, name, size, conns)
         out[name] = measure(read, value_count(a, size), 5, size)
     for c in conns.values():
         c.close()
+    s.close()
+    print(json.dumps(out), flush=True)
+
+
+# The interleaved 4 KiB comparison: blocks of this many calls, each client in turn.
+MIX_BLOCK, MIX_WARM = 300, 20
+
+
+def role_mixed(a):
+    """4 KiB gets from one process holding every client at once, in short blocks taken
+    in turn (order rotated each round), so all clients see the same moments of the
+    machine: Mooncake's client (get_into a registered buffer), the C library over HTTP
+    (mg_connect to the kv face's TCP listener, into memory of its own), the C library
+    with shared memory (Unix socket, mg_alloc memory), the C library over QUIC, and the
+    bare TE-TCP reader.
+    Sequential sides measured minutes apart differed by more than the gaps between
+    them on this VM (a 20-55 us "shm slower than HTTP" that vanished interleaved)."""
+    from kv_shm import connect, load
+    from mooncake.store import MooncakeDistributedStore
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", a.metadata, 0, 64 * MiB, "tcp", "", a.master) == 0
+    buf = (ctypes.c_char * 4096)()
+    addr = ctypes.addressof(buf)
+    assert s.register_buffer(addr, 4096) == 0
+    lib = load(a.lib)
+    shm = connect(lib, a.sock)
+    region = lib.mg_alloc(shm, 1 << 20)
+    assert region, lib.mg_last_error(shm)
+    http = lib.mg_connect(f"tcp:{a.kv}".encode())
+    assert http, lib.mg_last_error(None)
+    own = ctypes.create_string_buffer(4096)
+    lib.mg_connect_quic.restype = ctypes.c_void_p
+    lib.mg_connect_quic.argtypes = [ctypes.c_char_p] * 4
+    qaddr, sha = a.quic.split("#")
+    quic = lib.mg_connect_quic(qaddr.encode(), sha.encode(), None, None)
+    assert quic, lib.mg_last_error(None)
+    conns = {}
+
+    def lib_get(h, p):
+        def get():
+            assert lib.mg_get_into(h, b"kv/4k", p, 4096) == 4096, lib.mg_last_error(h)
+        return get
+
+    def mc_get():
+        assert s.get_into("kv/4k", addr, 4096) == 4096
+    clients = {"mooncake": mc_get, "http": lib_get(http, ctypes.addressof(own)),
+               "shm": lib_get(shm, region), "quic": lib_get(quic, ctypes.addressof(own)),
+               "raw": raw_reader(s, a.metadata, "4k", 4096, conns)}
+    names = list(clients)
+    out = {n: [] for n in names}
+    for r in range(a.mix_rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            out[n].append(measure(clients[n], MIX_BLOCK, MIX_WARM, 4096)["p50_us"])
+    assert lib.mg_free(shm, region) == 0, lib.mg_last_error(shm)
+    lib.mg_close.argtypes = [ctypes.c_void_p]
+    lib.mg_close(shm)
+    lib.mg_close(http)
+    lib.mg_close(quic)
+    for c in conns.values():
+        c.close()
+    s.unregister_buffer(addr)
     s.close()
     print(json.dumps(out), flush=True)
 
@@ -205,7 +276,8 @@ def main():
     p.add_argument("--master")
     p.add_argument("--metadata")
     p.add_argument("--count", type=int, default=2000)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of the sides (0: only the interleaved 4 KiB comparison)")
     p.add_argument("--moongate", default="target/release/moongate")
     p.add_argument("--kv-bench", default="target/release/examples/kv_bench")
     p.add_argument("--lib", default="target/release/libmoongate_kv.so",
@@ -213,6 +285,9 @@ def main():
     p.add_argument("--sock")
     p.add_argument("--quic", help="ADDR#SHA256 of moongate's kv API over QUIC")
     p.add_argument("--json")
+    p.add_argument("--kv", help="the kv face's TCP address (the mixed role's HTTP client)")
+    p.add_argument("--mix-rounds", type=int, default=12,
+                   help="rounds of the interleaved 4 KiB comparison (0: skip it)")
     p.add_argument("--moongate-config", help="extra moongate TOML (e.g. a [runtime] or [kv] "
                    "variant); the flags above still set addresses")
     a = p.parse_args()
@@ -224,6 +299,8 @@ def main():
         return role_raw(a)
     if a.role in ("shm", "quic"):
         return role_lib(a)
+    if a.role == "mixed":
+        return role_mixed(a)
     work = work_dir("moongate-kv-")
     rpc, http, kv, admin = (free_port() for _ in range(4))
     metadata = f"http://127.0.0.1:{http}/metadata"
@@ -291,21 +368,42 @@ def main():
                     r["put16m"] = json.loads(out)
                     res[side].append(r)
                 print(f"round {i + 1}/{a.rounds} {side} done", file=sys.stderr, flush=True)
+        mixed = None
+        if a.mix_rounds > 0:
+            out = subprocess.run(
+                [sys.executable, __file__, "--role", "mixed", "--master", f"127.0.0.1:{rpc}",
+                 "--metadata", metadata, "--lib", a.lib, "--sock", sock,
+                 "--kv", f"127.0.0.1:{kv}", "--quic", quic, "--mix-rounds", str(a.mix_rounds)],
+                check=True, capture_output=True, text=True).stdout
+            mixed = json.loads(out.strip().splitlines()[-1])
+            res["mixed"] = mixed
+            print("interleaved 4 KiB done", file=sys.stderr, flush=True)
         owner.stdin.close()
         owner.wait(timeout=30)
     finally:
         stop_all(procs)
     med = lambda side, name, m: statistics.median(r[name][m] for r in res[side])
-    print(f"\nmedians over {a.rounds} rounds")
-    print(f"{'':<28}{'mooncake client':>18}{'moongate kv face':>18}{'kv face, shm':>14}"
-          f"{'kv face, QUIC':>15}{'owner ceiling':>16}")
-    for name, metric in (("4k", "p50_us"), ("4k", "p99_us"), ("16m", "GBps"),
-                         (BATCH, "p50_us"), (BATCH, "GBps"), ("put16m", "GBps")):
-        op = " remote put " if name.startswith("put") else " remote get "
-        raw = f"{med('raw', name, metric):>16.2f}" if name in SIZES else f"{'-':>16}"
-        print(f"{name + op + metric:<28}{med('mooncake', name, metric):>18.2f}"
-              f"{med('moongate', name, metric):>18.2f}{med('shm', name, metric):>14.2f}"
-              f"{med('quic', name, metric):>15.2f}{raw}")
+    if a.rounds > 0:
+        print(f"\nmedians over {a.rounds} rounds")
+        print(f"{'':<28}{'mooncake client':>18}{'moongate kv face':>18}{'kv face, shm':>14}"
+              f"{'kv face, QUIC':>15}{'owner ceiling':>16}")
+        for name, metric in (("4k", "p50_us"), ("4k", "p99_us"), ("16m", "GBps"),
+                             (BATCH, "p50_us"), (BATCH, "GBps"), ("put16m", "GBps")):
+            op = " remote put " if name.startswith("put") else " remote get "
+            raw = f"{med('raw', name, metric):>16.2f}" if name in SIZES else f"{'-':>16}"
+            print(f"{name + op + metric:<28}{med('mooncake', name, metric):>18.2f}"
+                  f"{med('moongate', name, metric):>18.2f}{med('shm', name, metric):>14.2f}"
+                  f"{med('quic', name, metric):>15.2f}{raw}")
+    if mixed:
+        n = len(mixed["mooncake"])
+        print(f"\n4 KiB remote get, interleaved: {n} rounds of {MIX_BLOCK} calls per client "
+              f"in one process, p50 us (median of blocks, [min, max]); ratio: median of "
+              f"each round's client p50 / Mooncake's")
+        for c in ("mooncake", "http", "shm", "quic", "raw"):
+            v = mixed[c]
+            ratio = statistics.median(x / m for x, m in zip(v, mixed["mooncake"]))
+            print(f"  {c:<10}{statistics.median(v):>10.1f}  [{min(v):.1f}, {max(v):.1f}]"
+                  f"  {ratio:.2f}x")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
