@@ -503,6 +503,9 @@ def main():
     if mtext:
         ev = samples(mtext, "moongate_eviction_keys_total")
         report["evictions"] = {dict(k)["result"]: v for k, v in ev.items()}
+        # What the plugins said of themselves (their own counters and gauges).
+        report["plugin_metrics"] = [ln for ln in mtext.splitlines()
+                                    if ln.startswith("moongate_plugin_")]
     print_table(report)
     if a.json:
         with open(a.json, "w") as f:

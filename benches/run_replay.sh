@@ -8,7 +8,9 @@
 # the master and moongate logs. PROFILE=release measures a release build. CAPACITY=by-weight
 # gives each arm its own half of the capacity (default: one shared pool). B=NAME:PLUGIN
 # replaces the second arm (default prefix:prefix-evict); HINTS_TTL_MS sets hints.ttl_ms
-# (for --hints: the simulator's 60,000 trace-ms divided by --speed).
+# (for --hints: the simulator's 60,000 trace-ms divided by --speed). LEASE_MS sets the
+# master's read lease (--default_kv_lease_ttl) and moongate's eviction.lease_ms with it
+# (default: the master's own, 10,000 in 0.3.13).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -18,7 +20,8 @@ if [ "$profile" = release ]; then cargo build --release --locked --bin moongate;
 py=${MOONGATE_PYTHON:-$root/.venv/bin/python}
 b_arm=${B:-prefix:prefix-evict}; b_name=${b_arm%%:*}; b_plugin=${b_arm#*:}
 source scripts/lib.sh
-start_master
+lease=${LEASE_MS:-}
+start_master ${lease:+--default_kv_lease_ttl="$lease"}
 listen=$(free_port); admin=$(free_port)
 cat >"$work/moongate.toml" <<TOML
 [master_face]
@@ -33,6 +36,7 @@ high_watermark = 0.8
 low_watermark = 0.7
 interval_ms = 100
 max_removals_per_interval = 2000
+${lease:+lease_ms = $lease}
 [[policy.plugins]]
 name = "lru"
 path = "$root/target/plugins/lru.wasm"

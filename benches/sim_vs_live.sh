@@ -3,18 +3,20 @@
 # master, moongate with two experiment arms, lru and prefix-evict, each held to its
 # half of the capacity), then simulates the same trace, block size, capacity per arm,
 # speed and plugins with `moongate sim --rules live`, and prints both side by side.
-# Not part of CI (minutes). Args: SPEED (20) VALUE_SIZE (16384) SEGMENT_MIB (64, per arm).
+# Not part of CI (minutes). Args: SPEED (20) VALUE_SIZE (16384) SEGMENT_MIB (64, per arm)
+# LEASE_MS (the master's read lease, live and simulated: 10,000, 0.3.13's default).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 speed=${SPEED:-20}; size=${VALUE_SIZE:-16384}; mib=${SEGMENT_MIB:-64}
+lease=${LEASE_MS:-10000}
 out=$(mktemp -d)
-CAPACITY=by-weight PROFILE=release bash benches/run_replay.sh --speed "$speed" \
+LEASE_MS=$lease CAPACITY=by-weight PROFILE=release bash benches/run_replay.sh --speed "$speed" \
   --value-size "$size" --segment-mib "$mib" --json "$out/live.json" >"$out/live.log" 2>&1 \
   || { tail -n 40 "$out/live.log"; exit 1; }
 target/release/moongate sim --trace benches/traces/mooncake_fast25_synthetic.jsonl \
   --capacity "${mib}MiB" --block-size "$size" --policy lru --policy prefix-evict \
-  --speed "$speed" --rules live --json "$out/sim-live.json" >/dev/null
+  --speed "$speed" --rules live --lease-ms "$lease" --json "$out/sim-live.json" >/dev/null
 target/release/moongate sim --trace benches/traces/mooncake_fast25_synthetic.jsonl \
   --capacity "${mib}MiB" --block-size "$size" --policy lru --policy prefix-evict \
   --json "$out/sim-ideal.json" >/dev/null

@@ -12,13 +12,14 @@ cleanup() {
 trap cleanup EXIT
 export MC_TCP_BIND_ADDRESS=127.0.0.1
 
-# start_master: sets $rpc, $http (metadata) and $mport (metrics), logs to $work/master.log.
+# start_master [FLAG...]: sets $rpc, $http (metadata) and $mport (metrics), logs to
+# $work/master.log; FLAGs go to mooncake_master as they are.
 start_master() {
   local bin
   bin=$("$py" -c 'import os, mooncake; print(os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master"))')
   rpc=$(free_port); http=$(free_port); mport=$(free_port)
   "$bin" --rpc_port="$rpc" --rpc_address=127.0.0.1 --enable_http_metadata_server=true \
     --http_metadata_server_host=127.0.0.1 --http_metadata_server_port="$http" \
-    --metrics_port="$mport" --metrics_host=127.0.0.1 >"$work/master.log" 2>&1 &
+    --metrics_port="$mport" --metrics_host=127.0.0.1 "$@" >"$work/master.log" 2>&1 &
   pids+=($!)
 }

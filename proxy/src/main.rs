@@ -298,8 +298,9 @@ struct SimArgs {
     high: f64,
     #[arg(long, default_value_t = 0.7)]
     low: f64,
-    /// Live rules: the master's read lease (--default_kv_lease_ttl), ms; 0 = none.
-    #[arg(long, default_value_t = 5000)]
+    /// Live rules: the master's read lease (--default_kv_lease_ttl), ms, in wall time;
+    /// 0 = none. The default is 0.3.13's and 0.3.14's (0.3.11's was 5000).
+    #[arg(long, default_value_t = 10_000)]
     lease_ms: u64,
     /// Also model a fleet of this many sidecars on one pool (each evicting its own
     /// blocks within an equal quota, seeing only the accesses routed to it; and with

@@ -98,7 +98,8 @@ impl Default for Live {
             on_put_denials: true,
             master_high: 0.9,
             master_ratio: 0.05,
-            lease_ms: 5000,
+            // 0.3.13's and 0.3.14's default (0.3.11's was 5,000).
+            lease_ms: 10_000,
             speed: 1.0,
         }
     }
