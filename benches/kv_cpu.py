@@ -7,10 +7,15 @@ is how a change to the kv face's request path is priced.
 
   python benches/kv_cpu.py --moongate target/release/moongate \\
       [--baseline OTHER_BUILD] [--kv-bench target/release/examples/kv_bench] [--gets 300]
+      [--keep-profiles DIR]
+
+--keep-profiles keeps each build's callgrind output per key in DIR
+(`callgrind_annotate --inclusive=yes DIR/FILE` shows where the instructions go).
 """
 import argparse
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +27,7 @@ os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 OWNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kv_face.py")
 
 
-def measure(binary, label, rpc, metadata, kv_bench, gets, work):
+def measure(binary, label, rpc, metadata, kv_bench, gets, work, keep=None):
     listen, admin, kv = free_port(), free_port(), free_port()
     cfg = os.path.join(work, f"{label}.toml")
     with open(cfg, "w") as f:
@@ -61,6 +66,8 @@ def measure(binary, label, rpc, metadata, kv_bench, gets, work):
                             m = re.match(r"totals:\s+(\d+)", line)
                             if m:
                                 total += int(m.group(1))
+                    if keep:
+                        shutil.copy(path, os.path.join(keep, f"{label}.{key}.{f}"))
                     os.remove(path)
             counts[key] = total / n
     finally:
@@ -79,6 +86,7 @@ def main():
     p.add_argument("--baseline")
     p.add_argument("--kv-bench", default="target/release/examples/kv_bench")
     p.add_argument("--gets", type=int, default=300)
+    p.add_argument("--keep-profiles", help="keep the callgrind outputs in this directory")
     a = p.parse_args()
     work = work_dir("moongate-kvcpu-")
     rpc, http = free_port(), free_port()
@@ -89,7 +97,10 @@ def main():
         owner = spawn_owner(OWNER, f"127.0.0.1:{rpc}", metadata, work)
         procs.append(owner)
         builds = [("this", a.moongate)] + ([("base", a.baseline)] if a.baseline else [])
-        res = {label: measure(b, label, rpc, metadata, a.kv_bench, a.gets, work)
+        if a.keep_profiles:
+            os.makedirs(a.keep_profiles, exist_ok=True)
+        res = {label: measure(b, label, rpc, metadata, a.kv_bench, a.gets, work,
+                              a.keep_profiles)
                for label, b in builds}
         owner.stdin.close()
     finally:
