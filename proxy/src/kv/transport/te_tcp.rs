@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use thiserror::Error;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 
 /// `"MCTV"` in the high half of a v2 status frame.
@@ -197,10 +197,23 @@ impl Pool {
         Ok(())
     }
 
-    /// Reads `len` bytes at `addr` in the peer's memory.
+    /// Reads `len` bytes at `addr` in the peer's memory, into memory not zeroed first
+    /// (every byte is the peer's before the value is handed out).
     pub async fn read(&self, peer: &str, addr: u64, len: u64, v2: bool) -> Result<Bytes, TeError> {
-        let mut out = BytesMut::zeroed(len as usize);
-        self.read_to(peer, addr, &mut out, v2).await?;
+        let len = len as usize;
+        let mut out = BytesMut::with_capacity(len);
+        let parts = self.ranges(len as u64);
+        let mut rest = &mut out.spare_capacity_mut()[..len];
+        let mut jobs = Vec::with_capacity(parts.len());
+        for (off, n) in parts {
+            let (chunk, tail) = rest.split_at_mut(n as usize);
+            rest = tail;
+            jobs.push(self.read_into(peer, addr + off, ReadBuf::uninit(chunk), v2));
+        }
+        futures_util::future::try_join_all(jobs).await?;
+        // SAFETY: the ranges cover [0, len) and each job returned Ok only once its
+        // ReadBuf was filled, so every byte up to len is initialized.
+        unsafe { out.set_len(len) };
         Ok(out.freeze())
     }
 
@@ -219,7 +232,7 @@ impl Pool {
         for (off, n) in parts {
             let (chunk, tail) = rest.split_at_mut(n as usize);
             rest = tail;
-            jobs.push(self.read_into(peer, addr + off, chunk, v2));
+            jobs.push(self.read_into(peer, addr + off, ReadBuf::new(chunk), v2));
         }
         futures_util::future::try_join_all(jobs).await?;
         Ok(())
@@ -248,16 +261,19 @@ impl Pool {
         split_ranges(len, self.split_bytes, self.per_peer)
     }
 
+    /// Reads the range into `buf` until it is full (its memory may start uninitialized).
     async fn read_into(
         &self,
         peer: &str,
         addr: u64,
-        buf: &mut [u8],
+        mut buf: ReadBuf<'_>,
         v2: bool,
     ) -> Result<(), TeError> {
-        let mut s = self.open_read(peer, addr, buf.len() as u64, v2).await?;
+        let mut s = self
+            .open_read(peer, addr, buf.capacity() as u64, v2)
+            .await?;
         self.bounded(peer, async {
-            s.read_exact(buf).await.map_err(io_error(peer))
+            fill(&mut s, &mut buf).await.map_err(io_error(peer))
         })
         .await?;
         self.give_back(peer, s);
@@ -311,6 +327,18 @@ impl Pool {
     }
 }
 
+/// Reads until `buf` is full; the peer closing first is `UnexpectedEof`.
+async fn fill(s: &mut TcpStream, buf: &mut ReadBuf<'_>) -> std::io::Result<()> {
+    while buf.remaining() > 0 {
+        let before = buf.filled().len();
+        std::future::poll_fn(|cx| std::pin::Pin::new(&mut *s).poll_read(cx, buf)).await?;
+        if buf.filled().len() == before {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -335,6 +363,33 @@ mod tests {
         assert_eq!(status([0, 0, 0, 0, 0x56, 0x54, 0x43, 0x4d]), Some(0));
         assert_eq!(status([1, 0, 0, 0, 0x56, 0x54, 0x43, 0x4d]), Some(1));
         assert_eq!(status([0; 8]), None);
+    }
+
+    #[tokio::test]
+    async fn fill_takes_a_range_in_pieces_into_uninitialized_memory_and_refuses_a_short_one() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let peer = tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            for piece in [&b"abc"[..], b"defg", b"hij"] {
+                s.write_all(piece).await.unwrap();
+                s.flush().await.unwrap();
+                tokio::task::yield_now().await;
+            }
+            // A second range of 10 bytes gets 4, then the end.
+            s.write_all(b"klmn").await.unwrap();
+        });
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        let mut mem = [std::mem::MaybeUninit::<u8>::uninit(); 10];
+        let mut buf = ReadBuf::uninit(&mut mem);
+        fill(&mut s, &mut buf).await.unwrap();
+        assert_eq!(buf.filled(), b"abcdefghij");
+        let mut short = [0u8; 10];
+        let e = fill(&mut s, &mut ReadBuf::new(&mut short))
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
+        peer.await.unwrap();
     }
 
     #[test]
