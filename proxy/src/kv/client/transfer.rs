@@ -300,8 +300,7 @@ impl Transfers {
         room: Option<Reserved>,
     ) -> Result<Value, StoreError> {
         if let Some((own, off)) = self.in_own_segment(d)? {
-            let mut out = vec![0u8; d.size as usize];
-            own.read_at(off, &mut out);
+            let out = own.read_vec(off, d.size as usize);
             self.metrics.transfer(Transport::Local, Dir::Read, d.size);
             return Ok(Value::Whole(Bytes::from(out)));
         }

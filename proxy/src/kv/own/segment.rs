@@ -68,6 +68,20 @@ impl Memory {
         }
     }
 
+    /// `len` bytes from `off` in a new vector, copied once (not zeroed first).
+    pub fn read_vec(&self, mut off: usize, len: usize) -> Vec<u8> {
+        let mut out = Vec::with_capacity(len);
+        while out.len() < len {
+            let (p, within) = (off / PAGE, off % PAGE);
+            let n = (PAGE - within).min(len - out.len());
+            out.extend_from_slice(
+                &self.pages[p].lock().unwrap_or_else(|e| e.into_inner())[within..within + n],
+            );
+            off += n;
+        }
+        out
+    }
+
     pub fn read_at(&self, mut off: usize, mut out: &mut [u8]) {
         while !out.is_empty() {
             let (p, within) = (off / PAGE, off % PAGE);
@@ -210,5 +224,7 @@ mod tests {
         let mut back = vec![0u8; data.len()];
         m.read_at(PAGE - 5, &mut back);
         assert_eq!(back, data);
+        assert_eq!(m.read_vec(PAGE - 5, data.len()), data);
+        assert_eq!(m.read_vec(PAGE - 5, 3), data[..3]);
     }
 }
