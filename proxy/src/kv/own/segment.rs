@@ -57,40 +57,37 @@ impl Memory {
             .then(|| (addr - self.base) as usize)
     }
 
-    pub fn write_at(&self, mut off: usize, mut data: &[u8]) {
-        while !data.is_empty() {
-            let (p, within) = (off / PAGE, off % PAGE);
-            let n = (PAGE - within).min(data.len());
-            self.pages[p].lock().unwrap_or_else(|e| e.into_inner())[within..within + n]
-                .copy_from_slice(&data[..n]);
+    pub fn write_at(&self, off: usize, mut data: &[u8]) {
+        self.each_page(off, data.len(), |page| {
+            let n = page.len();
+            page.copy_from_slice(&data[..n]);
             data = &data[n..];
-            off += n;
-        }
+        });
     }
 
     /// `len` bytes from `off` in a new vector, copied once (not zeroed first).
-    pub fn read_vec(&self, mut off: usize, len: usize) -> Vec<u8> {
+    pub fn read_vec(&self, off: usize, len: usize) -> Vec<u8> {
         let mut out = Vec::with_capacity(len);
-        while out.len() < len {
-            let (p, within) = (off / PAGE, off % PAGE);
-            let n = (PAGE - within).min(len - out.len());
-            out.extend_from_slice(
-                &self.pages[p].lock().unwrap_or_else(|e| e.into_inner())[within..within + n],
-            );
-            off += n;
-        }
+        self.each_page(off, len, |page| out.extend_from_slice(page));
         out
     }
 
-    pub fn read_at(&self, mut off: usize, mut out: &mut [u8]) {
-        while !out.is_empty() {
+    pub fn read_at(&self, off: usize, mut out: &mut [u8]) {
+        self.each_page(off, out.len(), |page| {
+            let (to, rest) = std::mem::take(&mut out).split_at_mut(page.len());
+            to.copy_from_slice(page);
+            out = rest;
+        });
+    }
+
+    /// Calls `f` with each page's part of `[off, off + len)` in order, that page locked.
+    fn each_page(&self, mut off: usize, mut len: usize, mut f: impl FnMut(&mut [u8])) {
+        while len > 0 {
             let (p, within) = (off / PAGE, off % PAGE);
-            let n = (PAGE - within).min(out.len());
-            out[..n].copy_from_slice(
-                &self.pages[p].lock().unwrap_or_else(|e| e.into_inner())[within..within + n],
-            );
-            out = &mut out[n..];
+            let n = (PAGE - within).min(len);
+            f(&mut self.pages[p].lock().unwrap_or_else(|e| e.into_inner())[within..within + n]);
             off += n;
+            len -= n;
         }
     }
 }

@@ -202,17 +202,11 @@ impl Pool {
     pub async fn read(&self, peer: &str, addr: u64, len: u64, v2: bool) -> Result<Bytes, TeError> {
         let len = len as usize;
         let mut out = BytesMut::with_capacity(len);
-        let parts = self.ranges(len as u64);
-        let mut rest = &mut out.spare_capacity_mut()[..len];
-        let mut jobs = Vec::with_capacity(parts.len());
-        for (off, n) in parts {
-            let (chunk, tail) = rest.split_at_mut(n as usize);
-            rest = tail;
-            jobs.push(self.read_into(peer, addr + off, ReadBuf::uninit(chunk), v2));
-        }
-        futures_util::future::try_join_all(jobs).await?;
-        // SAFETY: the ranges cover [0, len) and each job returned Ok only once its
-        // ReadBuf was filled, so every byte up to len is initialized.
+        let spare = &mut out.spare_capacity_mut()[..len];
+        self.read_ranges(peer, addr, spare, ReadBuf::uninit, v2)
+            .await?;
+        // SAFETY: the ranges cover [0, len) and read_ranges returns Ok only once every
+        // range's ReadBuf was filled, so every byte up to len is initialized.
         unsafe { out.set_len(len) };
         Ok(out.freeze())
     }
@@ -226,13 +220,27 @@ impl Pool {
         out: &mut [u8],
         v2: bool,
     ) -> Result<(), TeError> {
-        let parts = self.ranges(out.len() as u64);
-        let mut rest = out;
+        self.read_ranges(peer, addr, out, ReadBuf::new, v2).await
+    }
+
+    /// Cuts `buf` as [`Pool::ranges`] cuts its length and reads every range at once,
+    /// each into its part (`wrap` makes the part a `ReadBuf`: initialized memory or
+    /// not); `Ok` once every part is full.
+    async fn read_ranges<'a, T>(
+        &self,
+        peer: &str,
+        addr: u64,
+        buf: &'a mut [T],
+        wrap: fn(&'a mut [T]) -> ReadBuf<'a>,
+        v2: bool,
+    ) -> Result<(), TeError> {
+        let parts = self.ranges(buf.len() as u64);
+        let mut rest = buf;
         let mut jobs = Vec::with_capacity(parts.len());
         for (off, n) in parts {
             let (chunk, tail) = rest.split_at_mut(n as usize);
             rest = tail;
-            jobs.push(self.read_into(peer, addr + off, ReadBuf::new(chunk), v2));
+            jobs.push(self.read_into(peer, addr + off, wrap(chunk), v2));
         }
         futures_util::future::try_join_all(jobs).await?;
         Ok(())
