@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
 """Writes deploy/grafana/moongate.json: the dashboard is kept as code here (one place per
 panel and query) and the JSON is generated. Every query is checked against a live
-moongate by tests/all/dashboards.rs. Run: python3 deploy/grafana/gen_dashboard.py"""
+moongate by tests/all/dashboards.rs, which also checks that the JSON is what this
+script writes. Run: python3 deploy/grafana/gen_dashboard.py [OUT] (default: moongate.json
+beside it)"""
 import os
+import sys
 import json
 R = '[$__rate_interval]'
 I = 'instance=~"$instance"'
@@ -80,6 +83,15 @@ panel("KV events for routers", [(f'sum by (type) ({rate("moongate_events_publish
                                 (f'sum({rate("moongate_events_dropped_total")})', "dropped (queue full)"),
                                 (f'sum({rate("moongate_events_unmapped_keys_total")})', "keys naming no block")], "ops",
       desc="Events in vLLM's KV-event format, as [events] publishes them; drops are lost to routers.")
+panel("Reads served per tier", [(f'sum by (tier) ({rate("moongate_served_keys_total")})', "{{tier}}")],
+      desc="Keys readers were served, by the tier of the replica they read (memory, local_disk = an owner's SSD, unknown = not found); owners' offload lookups are not reads")
+panel("SSD offload (owners)", [(f'sum({rate("moongate_offload_keys_total")})', "offloaded"),
+                               (f'sum({rate("moongate_offload_failed_keys_total")})', "offload failed"),
+                               (f'sum({rate("moongate_promotion_keys_total")})', "promoted")],
+      desc="Keys owners wrote to their SSD, keys a notice named with no place on it (no SSD copy), keys promoted back to memory")
+panel("SSD used per owner", [(f'max by (owner) (moongate_ssd_used_bytes{{{I}}})', "used {{owner}}"),
+                             (f'max by (owner) (moongate_ssd_capacity_bytes{{{I}}})', "capacity {{owner}}")], "bytes",
+      desc="Bytes on each owner's SSD as moongate follows them (offload notices, removals, lookup answers), against the capacity the owner reported")
 endrow()
 row("kv face")
 panel("kv requests by op and status", [(f'sum by (op, status) ({rate("moongate_kv_requests_total")})', "{{op}} {{status}}")], "reqps")
@@ -100,6 +112,7 @@ dash = {
      "allValue": ".*", "current": {"text": "All", "value": "$__all"}, "refresh": 2}]},
   "panels": panels,
 }
-json.dump(dash, open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "moongate.json"), "w"), indent=2)
-print("wrote moongate.json")
+out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "moongate.json")
+json.dump(dash, open(out, "w"), indent=2)
+print("wrote", out)
 print(len([p for p in panels if p["type"] != "row"]), "panels")

@@ -249,10 +249,6 @@ fn served_tiers_offload_an_ssd_eviction_keeps_and_ranks_in_arms() {
     let t = Topology::start(&format!("{TWO_ARMS}{EVENTS}"));
     let sub = t.subscriber();
     let (reader, read) = served_offload_and_eviction(&t);
-    // SSD usage as the master counts it (pool-wide), read with its memory usage.
-    wait_for("SSD usage read", Duration::from_secs(20), &t.logs(), || {
-        t.mg.metric("moongate_master_ssd_allocated_bytes") >= SIZE as f64
-    });
     tier_events(&t, sub, &read);
     ranks_and_a_dummy(&t, reader);
 }
@@ -394,8 +390,32 @@ fn served_offload_and_eviction(t: &Topology) -> (Background, serde_json::Value) 
         "keys lost are only keys with no SSD copy (the master's own eviction): {r}, \
          {failed} offloads failed"
     );
+    ssd_usage_is_the_masters(t, true);
 
     (reader, r)
+}
+
+/// The owner's SSD usage as moongate follows it is the master's own pool-wide figure
+/// (`master_allocated_file_size_bytes`, which moongate reads with its memory usage):
+/// one owner here. `some`: the SSD holds something.
+fn ssd_usage_is_the_masters(t: &Topology, some: bool) {
+    let mut last = (0.0, 0.0);
+    let agreed = poll_until(Duration::from_secs(30), || {
+        let m = t.mg.metrics();
+        last = (
+            sum(&m, "moongate_ssd_used_bytes", "owner="),
+            metric_value(&m, "moongate_master_ssd_allocated_bytes"),
+        );
+        last.0 == last.1 && (!some || last.0 >= SIZE as f64)
+    });
+    assert!(
+        agreed,
+        "SSD usage (moongate, master): {last:?}\n{}\n{}",
+        http_get(&t.mg.admin, "/ranks")
+            .map(|(_, b)| b)
+            .unwrap_or_default(),
+        t.mg.proc.log_text()
+    );
 }
 
 /// Hashes of the events a subscriber received, by (type, medium) as JSON strings, and
@@ -463,6 +483,9 @@ fn a_tiered_plugin_may_drop_the_whole_key_ssd_copy_included() {
             t.mg.metric("moongate_eviction_keys_total{result=\"removed\"}") > 0.0
         },
     );
+    // The SSD room the removals gave back is off the owner's usage (before any read
+    // could show the keys gone).
+    ssd_usage_is_the_masters(&t, false);
     let mut reader = t.reader();
     let r = ask(&mut reader, &format!("read 0 {KEYS} 16"));
     let _ = reader.finish();

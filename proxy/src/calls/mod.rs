@@ -355,6 +355,13 @@ pub struct Tracked {
     pub client: Uuid,
 }
 
+impl Tracked {
+    /// A `Remove` or `RemoveAll`.
+    pub fn is_remove(&self) -> bool {
+        matches!(self.what, Track::Remove(_) | Track::RemoveAll)
+    }
+}
+
 /// The keys a tracked call is about, by what it does to them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Track {

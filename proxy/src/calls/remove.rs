@@ -35,6 +35,12 @@ impl<'a> Remove<'a> {
     }
 }
 
+/// Whether moongate reads this method's answers as removals.
+pub fn is_remove(m: crate::codec::method::Method) -> bool {
+    use crate::codec::method::Method;
+    matches!(m, Method::Remove | Method::RemoveAll)
+}
+
 /// Removed, or already gone.
 pub(super) fn seen_one(key: &Bytes, resp: &Response) -> Vec<Seen> {
     match resp {

@@ -908,6 +908,9 @@ impl Eviction {
             }
         }
         tracing::debug!(removed = removed.len(), "eviction round");
+        if let Some(t) = self.topology.get() {
+            t.ssd_removed(removed.iter().map(|(t, k)| (&t[..], &k[..])));
+        }
         self.end_round(gone, &removed);
         Ok(())
     }

@@ -539,6 +539,24 @@ fn on_request(
     }
 }
 
+/// What the master's own answer says of keys on owners' SSDs (their usage).
+fn follow_ssd(shared: &Shared, e: &Entry, resp: &Response) {
+    let topo = &shared.topology;
+    if let (Some(keys), Some(answers)) = (&e.lookup_keys, calls::lookup::results(resp)) {
+        topo.ssd_lookup(&e.lookup_tenant, keys, answers);
+    } else if let Some(t) = e.tracked.as_deref().filter(|t| t.is_remove()) {
+        for seen in t.seen(resp) {
+            match seen {
+                calls::Seen::Removed(keys) => {
+                    topo.ssd_removed(keys.iter().map(|k| (&t.tenant[..], &k[..])))
+                }
+                calls::Seen::Cleared => topo.ssd_cleared(&t.tenant),
+                _ => {}
+            }
+        }
+    }
+}
+
 /// Tells the eviction history which keys of a put a policy denied (they never reach
 /// the master, so no answer will say so).
 fn note_refused(
@@ -572,11 +590,11 @@ fn entry(
         steer: false,
         parts,
         in_flight: put_bytes(sent, shared),
-        tracked: shared
-            .eviction
-            .as_ref()
-            .and_then(|_| Tracked::of(sent))
-            .map(Box::new),
+        tracked: (shared.eviction.is_some()
+            || (shared.topology.ssd_tracking() && calls::remove::is_remove(sent.method())))
+        .then(|| Tracked::of(sent))
+        .flatten()
+        .map(Box::new),
         exist: None,
         client_style: None,
     }
@@ -1084,6 +1102,11 @@ impl<'a> Answering<'a> {
             && let Some(t) = &e.tracked
         {
             ev.record(t, &resp, e.ticket.arm, &e.ticket.arm().name);
+        }
+        if let Some(e) = entry
+            && self.shared.topology.ssd_tracking()
+        {
+            follow_ssd(self.shared, e, &resp);
         }
         if let Some(f) = fixup {
             resp = f.apply(resp);

@@ -28,6 +28,14 @@ pub struct TopologyMetrics {
     /// Keys owners looked up to offload them (not reads; not in the served counts).
     pub owner_offload_lookups: Counter,
     ssd_capacity: Family<OwnerLabel, Gauge>,
+    ssd_used: Family<OwnerLabel, Gauge>,
+    ssd_keys: Family<OwnerLabel, Gauge>,
+}
+
+/// One owner's SSD usage gauges (made once per owner).
+pub struct SsdGauges {
+    pub used_bytes: Gauge,
+    pub keys: Gauge,
 }
 
 impl TopologyMetrics {
@@ -42,6 +50,8 @@ impl TopologyMetrics {
             offload_failed: Counter::default(),
             owner_offload_lookups: Counter::default(),
             ssd_capacity: Family::default(),
+            ssd_used: Family::default(),
+            ssd_keys: Family::default(),
         };
         r.register(
             "moongate_master_peers",
@@ -89,7 +99,30 @@ impl TopologyMetrics {
             "SSD capacity each owner reported (ReportSsdCapacity), by owner client id",
             m.ssd_capacity.clone(),
         );
+        r.register(
+            "moongate_ssd_used_bytes",
+            "Bytes on each owner's SSD as moongate follows them: offload notices and lookup \
+             answers listing an SSD copy add a key, removals and answers without one take it \
+             off (docs/operations.md: what it cannot see)",
+            m.ssd_used.clone(),
+        );
+        r.register(
+            "moongate_ssd_keys",
+            "Keys on each owner's SSD, followed as moongate_ssd_used_bytes",
+            m.ssd_keys.clone(),
+        );
         m
+    }
+
+    /// One owner's usage gauges.
+    pub fn ssd_gauges(&self, owner: &str) -> SsdGauges {
+        let l = OwnerLabel {
+            owner: owner.to_string(),
+        };
+        SsdGauges {
+            used_bytes: self.ssd_used.get_or_create(&l).clone(),
+            keys: self.ssd_keys.get_or_create(&l).clone(),
+        }
     }
 
     /// The capacity gauge of one owner (few owners per pool: made on its report).

@@ -23,6 +23,7 @@
 
 pub mod identify;
 pub mod metrics;
+pub mod ssd;
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
@@ -35,10 +36,13 @@ use bytes::Bytes;
 use crate::calls::lookup::{SERVED_LABELS, served};
 use crate::calls::offload::{Item, Offload};
 use crate::codec::keys::Keys;
-use crate::codec::types::{Expected, GetReplicaListResponse, Segment, Uuid};
+use crate::codec::types::{
+    ErrorCode, Expected, GetReplicaListResponse, ReplicaLocation, Segment, Uuid,
+};
 use crate::policy::metrics::ArmMetrics;
 pub use identify::PeerKey;
-use metrics::TopologyMetrics;
+use metrics::{SsdGauges, TopologyMetrics};
+use ssd::{MAX_SSD_KEYS, SsdKeys, Usage};
 
 /// Peers remembered (connected or not, for `GET /ranks`); the oldest unconnected go
 /// first past this.
@@ -211,6 +215,10 @@ pub struct Topology {
     /// Memory segments clients mounted: transfer endpoint -> segment name (what a
     /// replica clear names a segment by).
     segments: Mutex<HashMap<Bytes, Bytes>>,
+    /// Keys on owners' SSDs (each owner's usage) and each owner's usage gauges.
+    ssd: Mutex<(SsdKeys, HashMap<Uuid, SsdGauges>)>,
+    /// An owner made an offload call: lookups and removals now tell SSD usage.
+    ssd_on: AtomicBool,
     /// The last lease the master granted (ms), for keys whose answer names none.
     lease_ms: AtomicU64,
     clock: Instant,
@@ -232,6 +240,8 @@ impl Topology {
             peers: Mutex::new(HashMap::new()),
             offload: Mutex::new(OffloadState::default()),
             segments: Mutex::new(HashMap::new()),
+            ssd: Mutex::new((SsdKeys::new(MAX_SSD_KEYS), HashMap::new())),
+            ssd_on: AtomicBool::new(false),
             lease_ms: AtomicU64::new(DEFAULT_LEASE_MS),
             clock: Instant::now(),
             metrics,
@@ -331,6 +341,7 @@ impl Topology {
             tracing::info!(peer = %peer.key, client = %call.client(), "an owner with an SSD tier connected");
         }
         peer.saw_client(call.client());
+        self.ssd_on.store(true, Ordering::Relaxed);
         if !ok {
             return Vec::new();
         }
@@ -363,6 +374,15 @@ impl Topology {
                 for i in items.iter().chain(failed) {
                     st.pending.remove(&(i.tenant.clone(), i.key.clone()));
                 }
+                let mut ssd = lock(&self.ssd);
+                let mut changed = Vec::new();
+                for i in items {
+                    let (tag, h) = ssd_key(&i.tenant, &i.key);
+                    for o in ssd.0.stored(call.client(), tag, h, i.size, false) {
+                        push_once(&mut changed, o);
+                    }
+                }
+                self.publish_ssd(&mut ssd, &changed);
                 items.clone()
             }
             Offload::PromotionStart { item, .. } => {
@@ -443,6 +463,91 @@ impl Topology {
     /// Whether any owner has offloading on (then eviction must keep disk copies).
     pub fn offloading(&self) -> bool {
         lock(&self.offload).owners.values().any(|o| o.offloading)
+    }
+
+    /// Whether SSD usage is being followed (an owner made an offload call): the master
+    /// face then hands lookups and removals to [`Topology::ssd_lookup`] and
+    /// [`Topology::ssd_removed`].
+    pub fn ssd_tracking(&self) -> bool {
+        self.ssd_on.load(Ordering::Relaxed)
+    }
+
+    /// The master's own answer to a lookup (before any steering hides a replica): a key
+    /// listed with an SSD copy is on that owner's SSD (learnt, for keys offloaded before
+    /// moongate started); a key found without one, or not found, is not on any.
+    pub fn ssd_lookup(
+        &self,
+        tenant: &Bytes,
+        keys: &Keys,
+        answers: &[Expected<GetReplicaListResponse>],
+    ) {
+        if keys.len() != answers.len() {
+            return;
+        }
+        let mut ssd = lock(&self.ssd);
+        let mut changed = Vec::new();
+        for (k, a) in keys.iter().zip(answers) {
+            let (tag, h) = ssd_key(tenant, k);
+            match a {
+                Ok(list) => {
+                    let disk = list.replicas.iter().find_map(|r| match &r.location {
+                        ReplicaLocation::LocalDisk(d) => Some(d),
+                        _ => None,
+                    });
+                    let owners = match disk {
+                        Some(d) => ssd.0.stored(d.client_id, tag, h, d.object_size, true),
+                        None => ssd.0.gone(h).into_iter().collect(),
+                    };
+                    for o in owners {
+                        push_once(&mut changed, o);
+                    }
+                }
+                Err(ErrorCode::OBJECT_NOT_FOUND) => {
+                    if let Some(o) = ssd.0.gone(h) {
+                        push_once(&mut changed, o);
+                    }
+                }
+                Err(_) => {}
+            }
+        }
+        self.publish_ssd(&mut ssd, &changed);
+    }
+
+    /// Keys removed (a client's `Remove`, moongate's whole-key eviction): their SSD
+    /// copies went with them.
+    pub fn ssd_removed<'a>(&self, keys: impl Iterator<Item = (&'a [u8], &'a [u8])>) {
+        let mut ssd = lock(&self.ssd);
+        let mut changed = Vec::new();
+        for (tenant, key) in keys {
+            if let Some(o) = ssd.0.gone(ssd_key(tenant, key).1) {
+                push_once(&mut changed, o);
+            }
+        }
+        self.publish_ssd(&mut ssd, &changed);
+    }
+
+    /// A tenant's `RemoveAll` succeeded.
+    pub fn ssd_cleared(&self, tenant: &[u8]) {
+        let mut ssd = lock(&self.ssd);
+        let changed = ssd.0.cleared(ssd_key(tenant, b"").0);
+        self.publish_ssd(&mut ssd, &changed);
+    }
+
+    /// One owner's SSD usage, as followed.
+    pub fn ssd_usage(&self, owner: Uuid) -> Usage {
+        lock(&self.ssd).0.usage(owner)
+    }
+
+    fn publish_ssd(&self, ssd: &mut (SsdKeys, HashMap<Uuid, SsdGauges>), changed: &[Uuid]) {
+        for o in changed {
+            let u = ssd.0.usage(*o);
+            let g = ssd
+                .1
+                .entry(*o)
+                .or_insert_with(|| self.metrics.ssd_gauges(&o.to_string()));
+            g.used_bytes.set(u.bytes as i64);
+            g.keys.set(u.keys as i64);
+        }
     }
 
     /// Every owner seen and its SSD figures.
@@ -579,6 +684,7 @@ impl Topology {
             .owners()
             .into_iter()
             .map(|(id, o)| {
+                let u = self.ssd_usage(id);
                 serde_json::json!({
                     "client_id": id.to_string(),
                     "offloading": o.offloading,
@@ -588,10 +694,32 @@ impl Topology {
                     "offload_failed_keys": o.offload_failed_keys,
                     "promoted_keys": o.promoted_keys,
                     "promoted_bytes": o.promoted_bytes,
+                    "ssd_used": {
+                        "keys": u.keys,
+                        "bytes": u.bytes,
+                        "untracked_keys": u.untracked_keys,
+                    },
                 })
             })
             .collect();
         serde_json::json!({"peers": peers, "owners": owners})
+    }
+}
+
+/// A key's tenant tag and hash for [`SsdKeys`]. Offload calls of 0.3.11 and 0.3.12 name
+/// no tenant where lookups say "default": both are the default tenant here.
+fn ssd_key(tenant: &[u8], key: &[u8]) -> (u32, u64) {
+    let tenant = if tenant.is_empty() {
+        DEFAULT_TENANT
+    } else {
+        tenant
+    };
+    ((key_hash(tenant, b"") >> 32) as u32, key_hash(tenant, key))
+}
+
+fn push_once(v: &mut Vec<Uuid>, o: Uuid) {
+    if !v.contains(&o) {
+        v.push(o);
     }
 }
 
@@ -603,4 +731,115 @@ fn key_hash(tenant: &[u8], key: &[u8]) -> u64 {
     h.write_u8(0xff);
     h.write(key);
     h.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codec::types::{LocalDiskDescriptor, ReplicaDescriptor, ReplicaStatus};
+
+    fn topology() -> (Topology, prometheus_client::registry::Registry) {
+        let mut r = prometheus_client::registry::Registry::default();
+        let m = Arc::new(TopologyMetrics::register(&mut r));
+        (Topology::new(m), r)
+    }
+
+    fn item(key: &str, size: u64) -> Item {
+        // As 0.3.11 and 0.3.12 owners send them: no tenant.
+        Item {
+            tenant: Bytes::new(),
+            key: Bytes::copy_from_slice(key.as_bytes()),
+            size,
+        }
+    }
+
+    fn on_ssd(owner: Uuid, size: u64) -> Expected<GetReplicaListResponse> {
+        Ok(GetReplicaListResponse {
+            replicas: vec![ReplicaDescriptor {
+                id: 1,
+                location: ReplicaLocation::LocalDisk(LocalDiskDescriptor {
+                    client_id: owner,
+                    object_size: size,
+                    transport_endpoint: Bytes::from_static(b"127.0.0.1:1"),
+                }),
+                status: ReplicaStatus::COMPLETE,
+            }],
+            lease_ttl_ms: 1,
+            object_checksum: None,
+        })
+    }
+
+    fn text(r: &prometheus_client::registry::Registry) -> String {
+        let mut s = String::new();
+        prometheus_client::encoding::text::encode(&mut s, r).unwrap();
+        s
+    }
+
+    #[test]
+    fn ssd_usage_follows_notices_lookups_removals_and_clears() {
+        let (t, reg) = topology();
+        let owner = Uuid {
+            first: 7,
+            second: 9,
+        };
+        let peer = t.join(PeerKey::Addr("127.0.0.1".parse().unwrap()));
+        assert!(!t.ssd_tracking());
+        let notice = Offload::Offloaded {
+            client: owner,
+            items: vec![item("a", 100), item("b", 200), item("c", 400)],
+            failed: vec![item("x", 800)],
+        };
+        t.offload_call(&peer, &notice, true);
+        assert!(t.ssd_tracking());
+        assert_eq!(t.ssd_usage(owner).bytes, 700, "failed keys are on no SSD");
+        let default = Bytes::from_static(DEFAULT_TENANT);
+        let keys = |ks: &[&str]| -> Keys {
+            ks.iter()
+                .map(|k| Bytes::copy_from_slice(k.as_bytes()))
+                .collect()
+        };
+        // A lookup ("default" tenant, as clients send it): "a" still on the SSD, "b"
+        // found in memory only, "c" gone, "d" on the SSD though no notice was seen.
+        let memory_only = Ok(GetReplicaListResponse {
+            replicas: Vec::new(),
+            lease_ttl_ms: 1,
+            object_checksum: None,
+        });
+        t.ssd_lookup(
+            &default,
+            &keys(&["a", "b", "c", "d"]),
+            &[
+                on_ssd(owner, 100),
+                memory_only,
+                Err(ErrorCode::OBJECT_NOT_FOUND),
+                on_ssd(owner, 50),
+            ],
+        );
+        assert_eq!(t.ssd_usage(owner).bytes, 150);
+        assert_eq!(t.ssd_usage(owner).keys, 2);
+        // An error other than "not found" says nothing.
+        t.ssd_lookup(
+            &default,
+            &keys(&["a"]),
+            &[Err(ErrorCode::REPLICA_IS_NOT_READY)],
+        );
+        assert_eq!(t.ssd_usage(owner).bytes, 150);
+        t.ssd_removed(std::iter::once((&b"default"[..], &b"a"[..])));
+        assert_eq!(t.ssd_usage(owner).bytes, 50);
+        // Another tenant's RemoveAll leaves it; its own takes it.
+        t.ssd_cleared(b"other");
+        assert_eq!(t.ssd_usage(owner).bytes, 50);
+        t.ssd_cleared(b"");
+        assert_eq!(t.ssd_usage(owner).bytes, 0);
+        let m = text(&reg);
+        assert!(
+            m.contains("moongate_ssd_used_bytes{owner=\"7-9\"} 0"),
+            "{m}"
+        );
+        assert!(m.contains("moongate_ssd_keys{owner=\"7-9\"} 0"), "{m}");
+        assert_eq!(
+            t.report(|_| String::new())["owners"][0]["ssd_used"]["bytes"],
+            0
+        );
+    }
 }
