@@ -7,3 +7,21 @@
 pub mod quic;
 pub mod rdma;
 pub mod te_tcp;
+
+use tokio::io::{AsyncRead, ReadBuf};
+
+/// Reads until `buf` is full (memory initialized or not: a value's buffer is not zeroed
+/// before the peer's bytes land in it); the peer closing first is `UnexpectedEof`.
+pub(crate) async fn fill<S: AsyncRead + Unpin>(
+    s: &mut S,
+    buf: &mut ReadBuf<'_>,
+) -> std::io::Result<()> {
+    while buf.remaining() > 0 {
+        let before = buf.filled().len();
+        std::future::poll_fn(|cx| std::pin::Pin::new(&mut *s).poll_read(cx, buf)).await?;
+        if buf.filled().len() == before {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+    Ok(())
+}

@@ -22,6 +22,7 @@ use quinn::crypto::rustls::QuicServerConfig;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use sha2::{Digest, Sha256};
 use thiserror::Error;
+use tokio::io::ReadBuf;
 use tokio_util::sync::CancellationToken;
 
 use super::te_tcp::{header, status};
@@ -359,8 +360,13 @@ impl QuicPool {
     }
 
     pub async fn read(&self, peer: &QuicPeer, addr: u64, len: u64) -> Result<Bytes, QuicError> {
-        let mut out = BytesMut::zeroed(len as usize);
-        self.read_to(peer, addr, &mut out).await?;
+        let len = len as usize;
+        let mut out = BytesMut::with_capacity(len);
+        let spare = &mut out.spare_capacity_mut()[..len];
+        self.read_ranges(peer, addr, spare, ReadBuf::uninit).await?;
+        // SAFETY: the ranges cover [0, len) and read_ranges returns Ok only once every
+        // range's ReadBuf was filled, so every byte up to len is initialized.
+        unsafe { out.set_len(len) };
         Ok(out.freeze())
     }
 
@@ -372,13 +378,27 @@ impl QuicPool {
         addr: u64,
         out: &mut [u8],
     ) -> Result<(), QuicError> {
+        self.read_ranges(peer, addr, out, ReadBuf::new).await
+    }
+
+    /// Cuts `buf` as [`QuicPool::ranges`] cuts its length and reads every range at once,
+    /// each on its own stream into its part (`wrap` makes the part a `ReadBuf`:
+    /// initialized memory or not); `Ok` once every part is full.
+    async fn read_ranges<'a, T>(
+        &self,
+        peer: &QuicPeer,
+        addr: u64,
+        buf: &'a mut [T],
+        wrap: fn(&'a mut [T]) -> ReadBuf<'a>,
+    ) -> Result<(), QuicError> {
         let conn = self.conn(peer).await?;
-        let mut rest = out;
-        let mut jobs = Vec::new();
-        for (off, n) in self.ranges(rest.len() as u64) {
+        let parts = self.ranges(buf.len() as u64);
+        let mut rest = buf;
+        let mut jobs = Vec::with_capacity(parts.len());
+        for (off, n) in parts {
             let (chunk, tail) = rest.split_at_mut(n as usize);
             rest = tail;
-            jobs.push(self.one(&conn, peer.addr, addr + off, Op::Read(chunk)));
+            jobs.push(self.one(&conn, peer.addr, addr + off, Op::Read(wrap(chunk))));
         }
         futures_util::future::try_join_all(jobs).await?;
         Ok(())
@@ -490,8 +510,8 @@ impl QuicPool {
             let (mut send, mut recv) = conn.open_bi().await.map_err(|e| err(e.to_string()))?;
             let mut st = [0u8; 8];
             match op {
-                Op::Read(buf) => {
-                    let len = buf.len() as u64;
+                Op::Read(mut buf) => {
+                    let len = buf.remaining() as u64;
                     send.write_all(&header(len, addr, false, true))
                         .await
                         .map_err(|e| err(e.to_string()))?;
@@ -500,7 +520,9 @@ impl QuicPool {
                         .await
                         .map_err(|e| err(e.to_string()))?;
                     check(st, peer, addr, len)?;
-                    recv.read_exact(buf).await.map_err(|e| err(e.to_string()))?;
+                    super::fill(&mut recv, &mut buf)
+                        .await
+                        .map_err(|e| err(e.to_string()))?;
                 }
                 Op::Write(data) => {
                     let len = data.len() as u64;
@@ -527,7 +549,7 @@ impl QuicPool {
 }
 
 enum Op<'a> {
-    Read(&'a mut [u8]),
+    Read(ReadBuf<'a>),
     Write(&'a [u8]),
 }
 

@@ -13,7 +13,9 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use thiserror::Error;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadBuf};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadBuf};
+
+use super::fill;
 use tokio::net::TcpStream;
 
 /// `"MCTV"` in the high half of a v2 status frame.
@@ -333,18 +335,6 @@ impl Pool {
                 timeout: self.timeout,
             })?
     }
-}
-
-/// Reads until `buf` is full; the peer closing first is `UnexpectedEof`.
-async fn fill(s: &mut TcpStream, buf: &mut ReadBuf<'_>) -> std::io::Result<()> {
-    while buf.remaining() > 0 {
-        let before = buf.filled().len();
-        std::future::poll_fn(|cx| std::pin::Pin::new(&mut *s).poll_read(cx, buf)).await?;
-        if buf.filled().len() == before {
-            return Err(std::io::ErrorKind::UnexpectedEof.into());
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]
