@@ -7,7 +7,11 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 bash scripts/bootstrap.sh
-cargo build --release --locked --bin moongate --example bare_relay --example latency_ab
+# PROFILE=dist measures the build deploy/Containerfile ships (fat LTO: ~15 min to build
+# here); the relay and the tool stay release.
+profile=${PROFILE:-release}
+cargo build --release --locked --example bare_relay --example latency_ab
+cargo build --profile "$profile" --locked --bin moongate
 py=${MOONGATE_PYTHON:-$root/.venv/bin/python}
-exec "$py" benches/latency_ab.py --moongate target/release/moongate \
+exec "$py" benches/latency_ab.py --moongate "target/$profile/moongate" \
     --relay target/release/examples/bare_relay --tool target/release/examples/latency_ab "$@"

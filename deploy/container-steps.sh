@@ -3,13 +3,14 @@
 # so the base images cannot be pulled here): the builder stage (wasm32-wasip2 target,
 # locked build), the final stage's files in a staging root, the shared libraries the
 # final image must provide, and the image's commands run as its non-root user.
-#   bash deploy/container-steps.sh [--profile release|dev|count] [STAGING_DIR]
+#   bash deploy/container-steps.sh [--profile dist|release|dev|count] [STAGING_DIR]
+# (the image builds `dist`; CI runs these steps on `count`, already built beside its tests)
 # STAGING_DIR (default target/container-root) and its parents must be readable by uid
 # 65532, as the image's files are.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-profile=release
+profile=dist
 if [ "${1:-}" = "--profile" ]; then
   profile=$2
   shift 2
