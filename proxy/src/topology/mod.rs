@@ -377,7 +377,8 @@ impl Topology {
                 let mut ssd = lock(&self.ssd);
                 let mut changed = Vec::new();
                 for i in items {
-                    let (tag, h) = ssd_key(&i.tenant, &i.key);
+                    let tenant = ssd_tenant(&i.tenant);
+                    let (tag, h) = (tenant_tag(tenant), key_hash(tenant, &i.key));
                     for o in ssd.0.stored(call.client(), tag, h, i.size, false) {
                         push_once(&mut changed, o);
                     }
@@ -484,10 +485,12 @@ impl Topology {
         if keys.len() != answers.len() {
             return;
         }
+        let tenant = ssd_tenant(tenant);
+        let tag = tenant_tag(tenant);
         let mut ssd = lock(&self.ssd);
         let mut changed = Vec::new();
         for (k, a) in keys.iter().zip(answers) {
-            let (tag, h) = ssd_key(tenant, k);
+            let h = key_hash(tenant, k);
             match a {
                 Ok(list) => {
                     let disk = list.replicas.iter().find_map(|r| match &r.location {
@@ -519,7 +522,7 @@ impl Topology {
         let mut ssd = lock(&self.ssd);
         let mut changed = Vec::new();
         for (tenant, key) in keys {
-            if let Some(o) = ssd.0.gone(ssd_key(tenant, key).1) {
+            if let Some(o) = ssd.0.gone(key_hash(ssd_tenant(tenant), key)) {
                 push_once(&mut changed, o);
             }
         }
@@ -529,7 +532,7 @@ impl Topology {
     /// A tenant's `RemoveAll` succeeded.
     pub fn ssd_cleared(&self, tenant: &[u8]) {
         let mut ssd = lock(&self.ssd);
-        let changed = ssd.0.cleared(ssd_key(tenant, b"").0);
+        let changed = ssd.0.cleared(tenant_tag(ssd_tenant(tenant)));
         self.publish_ssd(&mut ssd, &changed);
     }
 
@@ -706,15 +709,19 @@ impl Topology {
     }
 }
 
-/// A key's tenant tag and hash for [`SsdKeys`]. Offload calls of 0.3.11 and 0.3.12 name
+/// The tenant a key is kept under in [`SsdKeys`]. Offload calls of 0.3.11 and 0.3.12 name
 /// no tenant where lookups say "default": both are the default tenant here.
-fn ssd_key(tenant: &[u8], key: &[u8]) -> (u32, u64) {
-    let tenant = if tenant.is_empty() {
+fn ssd_tenant(tenant: &[u8]) -> &[u8] {
+    if tenant.is_empty() {
         DEFAULT_TENANT
     } else {
         tenant
-    };
-    ((key_hash(tenant, b"") >> 32) as u32, key_hash(tenant, key))
+    }
+}
+
+/// A tenant's tag in [`SsdKeys`] (what `RemoveAll` of that tenant clears).
+fn tenant_tag(tenant: &[u8]) -> u32 {
+    (key_hash(tenant, b"") >> 32) as u32
 }
 
 fn push_once(v: &mut Vec<Uuid>, o: Uuid) {

@@ -9,7 +9,7 @@
 //!
 //! Keys are held by a 64-bit hash of tenant and key, not by name: 25 bytes a key at most
 //! (hash, owner slot, tenant tag, size, the map's control byte), so the cap below costs
-//! ~26 MB when reached. Past it, offloaded keys still add to their owner's usage but
+//! ~26 MB when reached (by the layout: not measured). Past it, offloaded keys still add to their owner's usage but
 //! cannot be taken off again (`untracked_keys` says how many).
 //!
 //! Knows no frames, clocks or metrics: [`super::Topology`] feeds it and sets the gauges.
@@ -117,11 +117,6 @@ impl SsdKeys {
         Some(self.owners[was.owner as usize].0)
     }
 
-    /// Whether the key is remembered on an SSD.
-    pub fn holds(&self, key: u64) -> bool {
-        self.keys.contains_key(&key)
-    }
-
     /// Every key of the tenant tagged `tenant` is gone (`RemoveAll`).
     pub fn cleared(&mut self, tenant: u32) -> Vec<Uuid> {
         let mut gone = Vec::new();
@@ -159,13 +154,16 @@ impl SsdKeys {
             .unwrap_or_default()
     }
 
-    /// Keys remembered.
-    pub fn len(&self) -> usize {
+    /// Keys remembered (tests).
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.keys.len()
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.keys.is_empty()
+    /// Whether the key is remembered on an SSD (tests).
+    #[cfg(test)]
+    fn holds(&self, key: u64) -> bool {
+        self.keys.contains_key(&key)
     }
 }
 
