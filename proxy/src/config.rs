@@ -33,6 +33,7 @@ pub struct Config {
     pub kv: KvConfig,
     pub fleet: crate::fleet::FleetConfig,
     pub hints: crate::hints::HintsConfig,
+    pub owner_face: crate::owner_face::OwnerFaceConfig,
     /// An experiment to start with (instead of `policy.active`).
     pub experiment: Option<crate::policy::experiment::ExperimentSpec>,
 }
@@ -151,6 +152,7 @@ impl Config {
         self.eviction.validate(&mut errs);
         self.events.validate(&mut errs);
         self.hints.validate(&mut errs);
+        self.owner_face.validate(&mut errs);
         self.fleet
             .validate(&mut errs, self.master_face.upstream_etcd().as_deref());
         // Records refused for want of a token would leave the keys homed elsewhere in no

@@ -41,6 +41,7 @@ pub mod hints;
 pub mod kv;
 pub mod master_face;
 pub mod metrics;
+pub mod owner_face;
 pub mod per_method;
 pub mod policy;
 pub mod policy_feed;

@@ -33,6 +33,8 @@ pub struct Metrics {
     pub fleet: Arc<crate::fleet::metrics::FleetMetrics>,
     /// Hints taken, refused and kept.
     pub hints: Arc<crate::hints::HintsMetrics>,
+    /// SSD reads relayed to owners.
+    pub owner_face: Arc<crate::owner_face::OwnerFaceMetrics>,
 }
 
 impl Metrics {
@@ -51,7 +53,9 @@ impl Metrics {
         ));
         let fleet = Arc::new(crate::fleet::metrics::FleetMetrics::register(&mut registry));
         let hints = Arc::new(crate::hints::HintsMetrics::register(&mut registry));
+        let owner_face = Arc::new(crate::owner_face::OwnerFaceMetrics::register(&mut registry));
         Metrics {
+            owner_face,
             hints,
             fleet,
             topology,

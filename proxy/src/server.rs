@@ -115,7 +115,16 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
         None => None,
     };
     let tracker = TaskTracker::new();
+    let owner_face = cfg.owner_face.enabled.then(|| {
+        crate::owner_face::OwnerFace::new(
+            cfg.owner_face.clone(),
+            metrics.owner_face.clone(),
+            policy.clone(),
+            shutdown.clone(),
+        )
+    });
     let shared = Arc::new(Shared {
+        owner_face: owner_face.clone(),
         upstream,
         cfg: cfg.master_face.clone(),
         metrics: metrics.master.clone(),
@@ -142,6 +151,7 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
     let _ = accept.await;
     Running {
         tracker,
+        owner_face,
         records_task,
         events_stop,
         events_thread,
@@ -397,6 +407,7 @@ impl Parts<'_> {
 /// What is left to wait for once the listeners stopped taking connections.
 struct Running {
     tracker: TaskTracker,
+    owner_face: Option<Arc<crate::owner_face::OwnerFace>>,
     records_task: Option<tokio::task::JoinHandle<()>>,
     events_stop: CancellationToken,
     events_thread: Option<std::thread::JoinHandle<()>>,
@@ -405,12 +416,20 @@ struct Running {
 }
 
 impl Running {
-    /// Drains in order: the connections (within `grace`), the fleet's last access
+    /// Drains in order: the connections of both faces (within `grace`), the fleet's last access
     /// records, the events of the last calls, the segment's unmount, the admin server.
     async fn drain(self, grace: Duration) {
         let tracker = self.tracker;
         tracker.close();
-        if tokio::time::timeout(grace, tracker.wait()).await.is_err() {
+        let owner_face = async {
+            if let Some(of) = &self.owner_face {
+                of.drain().await;
+            }
+        };
+        if tokio::time::timeout(grace, async { tokio::join!(tracker.wait(), owner_face) })
+            .await
+            .is_err()
+        {
             tracing::warn!(
                 open = tracker.len(),
                 "grace period over; closing the connections still open"

@@ -309,8 +309,12 @@ fn tier_events(t: &Topology, sub: Background, read: &serde_json::Value) {
 #[test]
 fn served_tiers_offload_and_an_ssd_eviction_keeps_on_older_releases() {
     for name in ["0.3.11.post1", "0.3.12.post1"] {
-        let t = Topology::start_on(Some(Release::older(name)), TWO_ARMS);
-        let (reader, _) = served_offload_and_eviction(&t);
+        let t = Topology::start_on(
+            Some(Release::older(name)),
+            &format!("{TWO_ARMS}{OWNER_FACE}"),
+        );
+        let (mut reader, r) = served_offload_and_eviction(&t);
+        loads_through_the_owner_face(&t, &mut reader, &r);
         let _ = reader.finish();
     }
 }
@@ -319,8 +323,12 @@ fn served_tiers_offload_and_an_ssd_eviction_keeps_on_older_releases() {
 /// scripts/bootstrap.sh builds for a machine without a GPU).
 #[test]
 fn served_tiers_offload_and_an_ssd_eviction_keeps_on_0_3_14() {
-    let t = Topology::start_on(Some(Release::older("0.3.14")), TWO_ARMS);
-    let (reader, _) = served_offload_and_eviction(&t);
+    let t = Topology::start_on(
+        Some(Release::older("0.3.14")),
+        &format!("{TWO_ARMS}{OWNER_FACE}"),
+    );
+    let (mut reader, r) = served_offload_and_eviction(&t);
+    loads_through_the_owner_face(&t, &mut reader, &r);
     let _ = reader.finish();
 }
 
@@ -342,6 +350,13 @@ fn served_offload_and_eviction(t: &Topology) -> (Background, serde_json::Value) 
         "disk-served keys are the reads the client made from the SSD: {r}"
     );
     assert!(r["offload_reads"].as_f64().unwrap() > 0.0, "{r}");
+    if metric_value(&after, "moongate_owner_face_owners") > 0.0 {
+        assert_eq!(
+            owner_face_reads(&after, "ok") - owner_face_reads(&before, "ok"),
+            r["offload_reads"].as_f64().unwrap(),
+            "every SSD read of the rank went through the owner face: {r}"
+        );
+    }
     assert_eq!(delta("memory"), r["memory_first"].as_f64().unwrap(), "{r}");
     assert_eq!(delta("unknown"), r["missing"].as_f64().unwrap(), "{r}");
     assert_eq!(
@@ -683,4 +698,190 @@ fn a_disk_budget_answers_at_the_existence_check_so_no_planned_load_fails() {
         "16 MiB of 1 MiB disk reads, each key charged once: {admitted}"
     );
     let _ = reader.finish();
+}
+
+const OWNER_FACE: &str = "[owner_face]\nenabled = true\npart_keys = 4\n\
+     max_staged_bytes = 8388608\nmax_wait_ms = 8000\n";
+
+fn owner_face_reads(m: &str, result: &str) -> f64 {
+    metric_value(
+        m,
+        &format!("moongate_owner_face_reads_total{{result=\"{result}\"}}"),
+    )
+}
+
+/// A batch load through the owner face (`OWNER_FACE`: cut every 4 keys): counted as the
+/// client counts its SSD reads, cut, byte-exact (`r`: the read pass before it), every
+/// staging released, no failure.
+fn loads_through_the_owner_face(t: &Topology, reader: &mut Background, r: &serde_json::Value) {
+    let m1 = t.mg.metrics();
+    let l = ask(reader, &format!("load 0 {KEYS}"));
+    let m2 = t.mg.metrics();
+    assert_eq!(l["corrupt"], 0, "{l}");
+    assert_eq!(
+        l["exact"], r["exact"],
+        "the load reads what the reads read: {l}\n{r}"
+    );
+    let reads = owner_face_reads(&m2, "ok") - owner_face_reads(&m1, "ok");
+    assert_eq!(reads, l["offload_reads"].as_f64().unwrap(), "{l}");
+    let parts = metric_value(&m2, "moongate_owner_face_parts_total")
+        - metric_value(&m1, "moongate_owner_face_parts_total");
+    assert!(
+        parts > reads,
+        "the load was cut: {parts} parts for {reads} reads"
+    );
+    wait_for(
+        "every staging released",
+        Duration::from_secs(20),
+        &t.logs(),
+        || metric_value(&t.mg.metrics(), "moongate_owner_face_staged_bytes") == 0.0,
+    );
+    let m3 = t.mg.metrics();
+    for bad in ["refused", "transport", "unknown"] {
+        assert_eq!(owner_face_reads(&m3, bad), 0.0, "{bad}");
+        assert_eq!(
+            metric_value(
+                &m3,
+                &format!("moongate_owner_face_releases_total{{result=\"{bad}\"}}")
+            ),
+            0.0,
+            "{bad}"
+        );
+    }
+}
+
+/// The relay moongate opened for the owner, from its log.
+fn relay_of(t: &Topology) -> String {
+    let log = t.mg.proc.log_text();
+    let line = log
+        .lines()
+        .find(|l| l.contains("relaying this owner's SSD reads"))
+        .unwrap_or_else(|| panic!("no relay opened\n{log}"));
+    let at = line.find("relay=").expect("relay field") + "relay=".len();
+    line[at..]
+        .trim_start_matches('"')
+        .split(|c: char| c == '"' || c.is_whitespace())
+        .next()
+        .unwrap()
+        .to_string()
+}
+
+/// SSD reads through the owner face: every read the rank's client makes from the
+/// owner's SSD goes through moongate (its count is the client's own), a batch load is
+/// cut into parts of 4 keys that go out in parallel and are paced under 8 MiB staged,
+/// every byte reads back exact, and every staging is released. A rank connection that
+/// sends garbage is closed alone.
+#[test]
+fn ssd_reads_through_the_owner_face_are_counted_cut_and_paced() {
+    let t = Topology::start(OWNER_FACE);
+    t.write();
+    let mut reader = t.reader();
+    let reads = |m: &str, result: &str| {
+        metric_value(
+            m,
+            &format!("moongate_owner_face_reads_total{{result=\"{result}\"}}"),
+        )
+    };
+    let m0 = t.mg.metrics();
+    let r = ask(&mut reader, &format!("read 0 {KEYS} 16"));
+    let m1 = t.mg.metrics();
+    assert_eq!(r["corrupt"], 0, "{r}");
+    let from_disk = r["offload_reads"].as_f64().unwrap();
+    assert!(from_disk > 0.0, "{r}");
+    assert_eq!(
+        reads(&m1, "ok") - reads(&m0, "ok"),
+        from_disk,
+        "every SSD read of the rank went through moongate: {r}"
+    );
+    // get() reads one key per call.
+    assert_eq!(
+        metric_value(&m1, "moongate_owner_face_read_keys_total")
+            - metric_value(&m0, "moongate_owner_face_read_keys_total"),
+        from_disk
+    );
+    assert_eq!(
+        served(&m1, "local_disk") - served(&m0, "local_disk"),
+        from_disk,
+        "the lookup's served count and the reads themselves agree"
+    );
+
+    // Garbage on a connection of its own: that connection is closed, nothing else.
+    let relay = relay_of(&t);
+    {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(&relay).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(&[0xffu8; 64]).unwrap();
+        let mut b = [0u8; 16];
+        assert_eq!(s.read(&mut b).unwrap_or(0), 0, "closed without an answer");
+    }
+
+    // Two ranks load at once: each load is far above the 8 MiB staged bound, so one
+    // waits for the other's release.
+    let mut second = t.reader();
+    let (l, l2) = std::thread::scope(|s| {
+        let a = s.spawn(|| ask(&mut reader, &format!("load 0 {KEYS}")));
+        let b = s.spawn(|| ask(&mut second, &format!("load 0 {KEYS}")));
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    let m2 = t.mg.metrics();
+    for l in [&l, &l2] {
+        assert_eq!(l["corrupt"], 0, "{l}");
+        assert_eq!(
+            l["exact"], r["exact"],
+            "the load reads what the reads read: {l}\n{r}"
+        );
+    }
+    assert_eq!(
+        reads(&m2, "ok") - reads(&m1, "ok"),
+        l["offload_reads"].as_f64().unwrap() + l2["offload_reads"].as_f64().unwrap(),
+        "{l}\n{l2}"
+    );
+    let split = metric_value(&m2, "moongate_owner_face_split_reads_total");
+    let parts = metric_value(&m2, "moongate_owner_face_parts_total")
+        - metric_value(&m1, "moongate_owner_face_parts_total");
+    assert!(split >= 1.0, "the batch load was cut\n{m2}");
+    assert!(
+        parts > reads(&m2, "ok") - reads(&m1, "ok"),
+        "into parts: {parts}"
+    );
+    assert!(
+        metric_value(&m2, "moongate_owner_face_waits_total") >= 1.0,
+        "one load waited for the other's staging to be released"
+    );
+    for bad in ["refused", "transport"] {
+        assert_eq!(reads(&m2, bad), 0.0, "{bad}\n{}", t.mg.proc.log_text());
+    }
+    assert_eq!(
+        metric_value(&m2, "moongate_owner_face_frame_errors_total"),
+        1.0
+    );
+    // The client releases each staging after reading it (fire and forget).
+    wait_for(
+        "every staging released",
+        Duration::from_secs(20),
+        &t.logs(),
+        || metric_value(&t.mg.metrics(), "moongate_owner_face_staged_bytes") == 0.0,
+    );
+    let m3 = t.mg.metrics();
+    eprintln!(
+        "owner face after the load:\n{}\nread {r}\nload {l}",
+        m3.lines()
+            .filter(|l| l.starts_with("moongate_owner_face"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    assert!(metric_value(&m3, "moongate_owner_face_releases_total{result=\"ok\"}") >= from_disk);
+    for bad in ["unknown", "refused", "transport"] {
+        assert_eq!(
+            metric_value(
+                &m3,
+                &format!("moongate_owner_face_releases_total{{result=\"{bad}\"}}")
+            ),
+            0.0,
+            "{bad}"
+        );
+    }
+    let _ = reader.finish();
+    let _ = second.finish();
 }

@@ -13,7 +13,8 @@ master, and --metadata):
                                        batch_get_replica_desc then get() of each key;
                                        bytes checked; the client's own offload-read count
               exist FIRST COUNT        batch_is_exist of the keys, as vLLM's scheduler asks
-              load FIRST COUNT         batch_get_into of the keys (the load after a hit)
+              load FIRST COUNT         batch_get_into of the keys (the load after a hit);
+                                       the client's own offload-read count
               quit                     writes --out and exits
   dummy     a dummy client of the owner (setup_dummy): reads --keys keys, checks bytes.
 
@@ -120,7 +121,9 @@ def load_pass(s, args, first, count):
     if s.register_buffer(base, len(buf)) != 0:
         raise SystemExit("register_buffer failed")
     ptrs = [base + i * args.size for i in range(len(keys))]
+    before = s.get_offload_rpc_read_count()
     got = s.batch_get_into(keys, ptrs, [args.size] * len(keys))
+    offload_reads = s.get_offload_rpc_read_count() - before
     exact, failed, corrupt = 0, 0, 0
     for i, (k, n) in enumerate(zip(keys, got)):
         if n < 0:
@@ -130,7 +133,8 @@ def load_pass(s, args, first, count):
         else:
             corrupt += 1
     s.unregister_buffer(base)
-    return {"results": list(got), "exact": exact, "failed": failed, "corrupt": corrupt}
+    return {"results": list(got), "exact": exact, "failed": failed, "corrupt": corrupt,
+            "offload_reads": offload_reads}
 
 
 def reader(args):

@@ -4,11 +4,13 @@
 
 use std::ops::Range;
 
+use bytes::Bytes;
+
 use super::{ERROR, FOUND, NOT_FOUND, Seen, Tally, UNKNOWN, tier_label};
 use crate::codec::Method;
 use crate::codec::keys::Keys;
 use crate::codec::message::{Request, Response};
-use crate::codec::types::{ErrorCode, Expected, GetReplicaListResponse, Tier};
+use crate::codec::types::{ErrorCode, Expected, GetReplicaListResponse, ReplicaLocation, Tier};
 
 /// A decoded lookup: one key or a batch.
 pub type Lookup<'a> = super::Keyed<'a>;
@@ -100,6 +102,26 @@ pub fn served(answer: &Expected<GetReplicaListResponse>) -> (usize, u64) {
     (tier, first.location.size())
 }
 
+/// Points every SSD copy in a lookup answer at the endpoint `to` gives for its owner's
+/// offload-read service (`None`: left as it is). Whether anything changed.
+pub fn redirect_local_disk(
+    resp: &mut Response,
+    mut to: impl FnMut(&Bytes) -> Option<Bytes>,
+) -> bool {
+    let mut changed = false;
+    for r in results_mut(resp).into_iter().flatten().flatten() {
+        for rep in &mut r.replicas {
+            if let ReplicaLocation::LocalDisk(d) = &mut rep.location
+                && let Some(ep) = to(&d.transport_endpoint)
+            {
+                d.transport_endpoint = ep;
+                changed = true;
+            }
+        }
+    }
+    changed
+}
+
 /// The tiers each answer has a copy in, as the key table keeps them.
 pub fn has_local_disk(answer: &Expected<GetReplicaListResponse>) -> bool {
     answer.as_ref().is_ok_and(|l| {
@@ -135,7 +157,6 @@ pub(super) fn seen(keys: &Keys, resp: &Response) -> Vec<Seen> {
 mod tests {
     use super::*;
     use crate::codec::types::*;
-    use bytes::Bytes;
 
     const MEMORY: usize = 0;
     const DISK: usize = 1;
@@ -203,5 +224,56 @@ mod tests {
         ]));
         assert_eq!((e.hits, e.misses), (2, 1));
         assert!(Tally::of(&Response::RemoveAll(1)).is_empty());
+    }
+
+    #[test]
+    fn ssd_copies_are_pointed_at_the_endpoint_given() {
+        let local = |ep: &'static [u8]| {
+            rep(ReplicaLocation::LocalDisk(LocalDiskDescriptor {
+                client_id: Uuid::default(),
+                object_size: 300,
+                transport_endpoint: Bytes::from_static(ep),
+            }))
+        };
+        let mem = rep(ReplicaLocation::Memory(MemoryDescriptor {
+            buffer_descriptor: BufferDescriptor {
+                size: 100,
+                buffer_address: 0,
+                protocol: Bytes::new(),
+                transport_endpoint: Bytes::from_static(b"owner:1"),
+            },
+        }));
+        let list = |reps| {
+            Ok(GetReplicaListResponse {
+                replicas: reps,
+                lease_ttl_ms: 1,
+                object_checksum: None,
+            })
+        };
+        let mut r = Response::BatchGetReplicaList(vec![
+            list(vec![mem.clone(), local(b"owner:2")]),
+            list(vec![local(b"other:3")]),
+            Err(ErrorCode::OBJECT_NOT_FOUND),
+        ]);
+        let to = |ep: &Bytes| (&ep[..] == b"owner:2").then(|| Bytes::from_static(b"mg:9"));
+        assert!(redirect_local_disk(&mut r, to));
+        let eps: Vec<Vec<u8>> = results(&r)
+            .unwrap()
+            .iter()
+            .flatten()
+            .flat_map(|l| &l.replicas)
+            .map(|rep| match &rep.location {
+                ReplicaLocation::LocalDisk(d) => d.transport_endpoint.to_vec(),
+                ReplicaLocation::Memory(m) => m.buffer_descriptor.transport_endpoint.to_vec(),
+                _ => Vec::new(),
+            })
+            .collect();
+        assert_eq!(
+            eps,
+            vec![b"owner:1".to_vec(), b"mg:9".to_vec(), b"other:3".to_vec()]
+        );
+        // Nothing to point elsewhere: unchanged, and said so.
+        let mut m = Response::GetReplicaList(list(vec![mem]));
+        assert!(!redirect_local_disk(&mut m, to));
     }
 }

@@ -13,6 +13,7 @@
 //! | [`remove`] | Remove, RemoveAll |
 //! | [`client`] | MountSegment, ReMountSegment, UnmountSegment, Ping, FetchTasks |
 //! | [`offload`] | MountLocalDiskSegment, ReportSsdCapacity, OffloadObjectHeartbeat, NotifyOffloadSuccess, PromotionAllocStart, NotifyPromotionSuccess (read, never changed) |
+//! | [`offload_read`] | the owner's own service, not the master's: `batch_get_offload_object`, `release_offload_buffer` (cut into parts and merged by the owner face) |
 //!
 //! Pure: decoded values in, decoded values out. The codec below knows only the wire;
 //! the master face, the policy view and the evictor above ask these rooms.
@@ -22,6 +23,7 @@ pub mod end;
 pub mod exist;
 pub mod lookup;
 pub mod offload;
+pub mod offload_read;
 pub mod put;
 pub mod remove;
 

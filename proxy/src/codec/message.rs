@@ -319,6 +319,25 @@ impl RpcError {
         }
     }
 
+    /// A whole reply frame answering `seq` with `RPC_THROW_EXCEPTION` and `msg`: the
+    /// client reports it as a failed call (`RPC_FAIL`), for that call only.
+    pub fn reply(seq: u32, msg: &str) -> Bytes {
+        let e = RpcError {
+            code: u16::from(errc::RPC_THROW_EXCEPTION),
+            message: Bytes::copy_from_slice(msg.as_bytes()),
+        };
+        let mut body = BytesMut::new();
+        e.encode_body(BodyStyle::MOONCAKE, &mut body);
+        let mut out = BytesMut::with_capacity(16 + body.len());
+        crate::codec::frame::ResponseFrame {
+            header: crate::codec::frame::ResponseHeader::new(seq, errc::RPC_THROW_EXCEPTION, 0),
+            body: body.freeze(),
+            attachment: Bytes::new(),
+        }
+        .write(&mut out);
+        out.freeze()
+    }
+
     /// The header `err_code` byte for this error.
     pub fn err_code(&self) -> u8 {
         u8::try_from(self.code)

@@ -686,6 +686,7 @@ mod tests {
             put_bytes_in_flight: Default::default(),
             eviction: None,
             topology: Arc::new(crate::topology::Topology::new(all.topology.clone())),
+            owner_face: None,
         });
         let face = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let face_addr = face.local_addr().unwrap();

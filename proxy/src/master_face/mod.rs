@@ -42,6 +42,9 @@ pub struct Shared {
     pub eviction: Option<Arc<crate::eviction::Eviction>>,
     /// Who is behind each connection, what ranks were served, what owners offloaded.
     pub topology: Arc<crate::topology::Topology>,
+    /// Relays of owners' SSD reads (`[owner_face] enabled`): lookup answers to ranks
+    /// point SSD copies at them.
+    pub owner_face: Option<Arc<crate::owner_face::OwnerFace>>,
 }
 
 /// Accepts client connections until `shared.shutdown` is cancelled. Connection tasks are

@@ -1141,6 +1141,13 @@ impl<'a> Answering<'a> {
             steered = true;
             style.compat = false;
         }
+        // A rank reads an owner's SSD through the owner face; an owner reads its own.
+        if let Some(of) = &self.shared.owner_face
+            && !self.peer.is_owner()
+            && calls::lookup::redirect_local_disk(&mut resp, |ep| of.endpoint_for(ep))
+        {
+            steered = true;
+        }
         if let Some(e) = entry {
             // What the reader will read, after steering; an owner's look at keys it is
             // about to offload is its own work, not a read or a hit.
@@ -1229,6 +1236,7 @@ mod tests {
             put_bytes_in_flight: Default::default(),
             eviction: None,
             topology: Arc::new(crate::topology::Topology::new(all.topology.clone())),
+            owner_face: None,
         });
         let peer = shared
             .topology

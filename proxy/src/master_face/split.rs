@@ -13,12 +13,12 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 
 use crate::calls::{AnswerExt, CallExt};
 use crate::codec::frame::errc;
 use crate::codec::message::{Request, Response, RpcError};
-use crate::codec::{BodyStyle, Method, ResponseFrame, ResponseHeader};
+use crate::codec::{BodyStyle, Method, ResponseFrame};
 use crate::policy::active::Arm;
 use crate::policy::registry::Registry;
 
@@ -131,23 +131,8 @@ impl Merge {
     }
 }
 
-/// A transport-error reply (`RPC_THROW_EXCEPTION` + message), which the client reports as
-/// `RPC_FAIL` for this call only.
 fn error_frame(seq: u32, msg: &str) -> Bytes {
-    let mut body = BytesMut::new();
-    RpcError {
-        code: u16::from(errc::RPC_THROW_EXCEPTION),
-        message: Bytes::copy_from_slice(msg.as_bytes()),
-    }
-    .encode_body(BodyStyle::MOONCAKE, &mut body);
-    let mut out = BytesMut::with_capacity(16 + body.len());
-    ResponseFrame {
-        header: ResponseHeader::new(seq, errc::RPC_THROW_EXCEPTION, 0),
-        body: body.freeze(),
-        attachment: Bytes::new(),
-    }
-    .write(&mut out);
-    out.freeze()
+    RpcError::reply(seq, msg)
 }
 
 /// Bytes of put-family starts forwarded and not yet answered, node-wide; what a plugin's
@@ -177,7 +162,9 @@ impl Drop for InFlightBytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::codec::ResponseHeader;
     use crate::codec::message::KeysArgs;
+    use bytes::BytesMut;
 
     fn frame(seq: u32, resp: &Response) -> (ResponseFrame, Bytes) {
         let mut body = BytesMut::new();
