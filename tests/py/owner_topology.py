@@ -122,7 +122,9 @@ def load_pass(s, args, first, count):
         raise SystemExit("register_buffer failed")
     ptrs = [base + i * args.size for i in range(len(keys))]
     before = s.get_offload_rpc_read_count()
+    t0 = time.perf_counter()
     got = s.batch_get_into(keys, ptrs, [args.size] * len(keys))
+    elapsed = time.perf_counter() - t0
     offload_reads = s.get_offload_rpc_read_count() - before
     exact, failed, corrupt = 0, 0, 0
     for i, (k, n) in enumerate(zip(keys, got)):
@@ -134,7 +136,7 @@ def load_pass(s, args, first, count):
             corrupt += 1
     s.unregister_buffer(base)
     return {"results": list(got), "exact": exact, "failed": failed, "corrupt": corrupt,
-            "offload_reads": offload_reads}
+            "offload_reads": offload_reads, "elapsed_s": elapsed}
 
 
 def reader(args):
