@@ -92,6 +92,8 @@ panel("SSD offload (owners)", [(f'sum({rate("moongate_offload_keys_total")})', "
 panel("SSD used per owner", [(f'max by (owner) (moongate_ssd_used_bytes{{{I}}})', "used {{owner}}"),
                              (f'max by (owner) (moongate_ssd_capacity_bytes{{{I}}})', "capacity {{owner}}")], "bytes",
       desc="Bytes on each owner's SSD as moongate follows them (offload notices, removals, lookup answers), against the capacity the owner reported")
+panel("SSD reads through the owner face", [(f'sum({rate("moongate_owner_face_read_bytes_total")})', "read from SSD")], "Bps",
+      desc="Bytes owners staged from their SSD for ranks' reads through moongate ([owner_face]); moongate_owner_face_staged_bytes is what they hold staged now")
 endrow()
 row("kv face")
 panel("kv requests by op and status", [(f'sum by (op, status) ({rate("moongate_kv_requests_total")})', "{{op}} {{status}}")], "reqps")
