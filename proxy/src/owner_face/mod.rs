@@ -88,6 +88,9 @@ enum CallError {
     Connect(String, std::io::Error),
     #[error("owner at {0}: {1}")]
     Io(String, std::io::Error),
+    /// The connection ended before any byte of an answer.
+    #[error("the owner closed the connection without answering: {0}")]
+    Closed(std::io::Error),
     #[error("owner at {0} did not answer within {1:?}")]
     Timeout(String, Duration),
     #[error("owner at {0} sent a malformed answer: {1}")]
@@ -144,28 +147,38 @@ impl Drop for Reservation<'_> {
 }
 
 impl Owner {
-    /// Sends one call frame and waits for its answer, on a connection of its own.
+    /// Sends one call frame and waits for its answer, on a connection of its own. A
+    /// pooled connection the owner closed while it was idle (it answers nothing) is
+    /// replaced by a fresh one once.
     async fn call(&self, cfg: &OwnerFaceConfig, frame: &Bytes) -> Result<Answer, CallError> {
         // The semaphore lives as long as the owner and is never closed.
         let _permit = self.conns.acquire().await;
         let pooled = lock(&self.idle).pop();
-        let mut s = match pooled {
-            Some(s) => s,
-            None => {
-                let limit = Duration::from_millis(cfg.connect_timeout_ms);
-                let s = tokio::time::timeout(limit, TcpStream::connect(&self.upstream))
-                    .await
-                    .map_err(|_| CallError::Timeout(self.upstream.clone(), limit))?
-                    .map_err(|e| CallError::Connect(self.upstream.clone(), e))?;
-                let _ = s.set_nodelay(true);
-                s
+        if let Some(s) = pooled {
+            match self.exchange(cfg, s, frame).await {
+                Err(CallError::Closed(_)) => {}
+                r => return r,
             }
-        };
+        }
+        let limit = Duration::from_millis(cfg.connect_timeout_ms);
+        let s = tokio::time::timeout(limit, TcpStream::connect(&self.upstream))
+            .await
+            .map_err(|_| CallError::Timeout(self.upstream.clone(), limit))?
+            .map_err(|e| CallError::Connect(self.upstream.clone(), e))?;
+        let _ = s.set_nodelay(true);
+        self.exchange(cfg, s, frame).await
+    }
+
+    async fn exchange(
+        &self,
+        cfg: &OwnerFaceConfig,
+        mut s: TcpStream,
+        frame: &Bytes,
+    ) -> Result<Answer, CallError> {
         let limit = Duration::from_millis(cfg.call_timeout_ms);
+        let closed = |e: std::io::Error| CallError::Closed(e);
         let answer = tokio::time::timeout(limit, async {
-            s.write_all(frame)
-                .await
-                .map_err(|e| CallError::Io(self.upstream.clone(), e))?;
+            s.write_all(frame).await.map_err(closed)?;
             let mut buf = BytesMut::with_capacity(RESPONSE_HEADER_LEN + 256);
             loop {
                 match check_response(&buf, cfg.max_frame_bytes) {
@@ -180,15 +193,18 @@ impl Owner {
                     Ok(None) => {}
                     Err(e) => return Err(CallError::Frame(self.upstream.clone(), e)),
                 }
-                let n = s
-                    .read_buf(&mut buf)
-                    .await
-                    .map_err(|e| CallError::Io(self.upstream.clone(), e))?;
+                let n = match s.read_buf(&mut buf).await {
+                    Ok(n) => n,
+                    Err(e) if buf.is_empty() => return Err(closed(e)),
+                    Err(e) => return Err(CallError::Io(self.upstream.clone(), e)),
+                };
                 if n == 0 {
-                    return Err(CallError::Io(
-                        self.upstream.clone(),
-                        std::io::ErrorKind::UnexpectedEof.into(),
-                    ));
+                    let eof = std::io::ErrorKind::UnexpectedEof.into();
+                    return Err(if buf.is_empty() {
+                        closed(eof)
+                    } else {
+                        CallError::Io(self.upstream.clone(), eof)
+                    });
                 }
             }
         })
@@ -691,6 +707,12 @@ mod tests {
     /// An owner that stages every read as a new batch (pointers 1000 x id + i) and
     /// answers `INVALID_KEY`-like errors for a part naming key `k{bad}`.
     async fn fake_owner(bad: Option<usize>) -> (String, Arc<Seen>) {
+        fake_owner_with(bad, false).await
+    }
+
+    /// `one_each`: the owner closes every connection after one answer (as an owner that
+    /// restarted, or closes idle connections, leaves the relay's pooled ones).
+    async fn fake_owner_with(bad: Option<usize>, one_each: bool) -> (String, Arc<Seen>) {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap().to_string();
         let seen = Arc::new(Seen::default());
@@ -738,6 +760,9 @@ mod tests {
                         ResponseHeader::new(h.seq_num, 0, body.len() as u32).write(&mut out);
                         out.extend_from_slice(&body);
                         sock.write_all(&out).await.unwrap();
+                        if one_each {
+                            return;
+                        }
                     }
                 });
             }
@@ -879,6 +904,23 @@ mod tests {
         assert_eq!(all.owner_face.owners.get(), 2);
         let (_, body) = call(&mut good, 2, offload_read::read_id(), &call_of(1, 10)).await;
         assert!(ReadAnswer::decode(&body).unwrap().batch_id().is_some());
+    }
+
+    #[tokio::test]
+    async fn a_pooled_connection_the_owner_closed_is_replaced() {
+        let (owner, seen) = fake_owner_with(None, true).await;
+        let all = Metrics::new();
+        let f = face(cut_every(0), &all);
+        let relay = f.endpoint_for(&Bytes::from(owner)).unwrap();
+        let mut s = TcpStream::connect(std::str::from_utf8(&relay).unwrap())
+            .await
+            .unwrap();
+        for seq in 1..4 {
+            let (h, body) = call(&mut s, seq, offload_read::read_id(), &call_of(1, 10)).await;
+            assert_eq!(h.err_code, errc::OK, "call {seq}");
+            assert!(ReadAnswer::decode(&body).unwrap().batch_id().is_some());
+        }
+        assert_eq!(lock(&seen.reads).len(), 3);
     }
 
     #[tokio::test]
