@@ -5,6 +5,9 @@ use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+
+use crate::per_method::LATENCY_BUCKETS;
 use prometheus_client::registry::Registry;
 
 /// How a relayed read (or release) ended, for the rank that made it.
@@ -41,9 +44,12 @@ pub struct OwnerFaceMetrics {
     /// Bytes owners hold staged for this moongate's ranks (answered, not released,
     /// within the owner's ttl).
     pub staged_bytes: Gauge,
-    /// Parts that waited for staging room.
+    /// From the read's parts sent to every answer in: the owner staging the values
+    /// from its SSD (and the relay's hop).
+    pub owner_seconds: Histogram,
+    /// Reads that waited for staging room.
     pub waits: Counter,
-    /// Parts sent past `max_staged_bytes` because the read had waited `max_wait_ms`.
+    /// Reads sent past `max_staged_bytes` because they had waited `max_wait_ms`.
     pub over_budget: Counter,
     /// Calls relayed whole without being read (another method, or a body of an
     /// unknown shape).
@@ -69,6 +75,7 @@ impl OwnerFaceMetrics {
             parts: Counter::default(),
             split_reads: Counter::default(),
             staged_bytes: Gauge::default(),
+            owner_seconds: Histogram::new(LATENCY_BUCKETS),
             waits: Counter::default(),
             over_budget: Counter::default(),
             relayed: Counter::default(),
@@ -126,13 +133,19 @@ impl OwnerFaceMetrics {
             m.staged_bytes.clone(),
         );
         r.register(
+            "moongate_owner_face_owner_seconds",
+            "Time owners took to answer a read relayed to them (all its parts): staging the \
+             values from the SSD",
+            m.owner_seconds.clone(),
+        );
+        r.register(
             "moongate_owner_face_waits",
-            "Read parts that waited for staging room (owner_face.max_staged_bytes)",
+            "Reads that waited for staging room (owner_face.max_staged_bytes)",
             m.waits.clone(),
         );
         r.register(
             "moongate_owner_face_over_budget",
-            "Read parts sent past owner_face.max_staged_bytes after waiting max_wait_ms",
+            "Reads sent past owner_face.max_staged_bytes after waiting max_wait_ms",
             m.over_budget.clone(),
         );
         r.register(

@@ -401,10 +401,16 @@ impl OwnerFace {
             }
         }
         let set = self.policy.current();
-        let key = call.keys().next();
+        // The key as the master face sees it: without the tenant that releases with
+        // tenants prefix (`tenant\0key`).
+        let key = call
+            .keys()
+            .next()
+            .map(|k| k.splitn(2, |&b| b == 0).last().unwrap_or(k));
         if let Some(arm) = set
             .arms
             .get(set.pick(&crate::codec::types::Uuid::default(), key))
+            .filter(|_| n > 1)
         {
             points.extend(
                 self.policy
@@ -496,8 +502,12 @@ impl OwnerFace {
                 owner.call(&self.cfg, &frame).await
             }
         });
+        let sent = std::time::Instant::now();
         let results = join_all(parts).await;
         let now = std::time::Instant::now();
+        self.metrics
+            .owner_seconds
+            .observe(now.duration_since(sent).as_secs_f64());
         // Read every answer; any failure fails the read, and the parts staged are freed.
         let mut answers = Vec::with_capacity(results.len());
         let mut failure: Option<(Outcome, Bytes)> = None;
