@@ -21,6 +21,11 @@ pub struct OwnerFaceConfig {
     /// Owners relayed at most; a lookup naming another owner keeps that owner's own
     /// endpoint (counted in `moongate_owner_face_owners_refused_total`). Default 64.
     pub max_owners: usize,
+    /// A relay no lookup answer named for this long, with no rank connection open, is
+    /// closed (an owner that restarts comes back on another port, so its old relay
+    /// would hold a listener and a `max_owners` place for good); 0 = never. Default
+    /// 600000 (10 min: far past any read lease).
+    pub idle_owner_ms: u64,
     /// Connections per relay; a further one is closed on accept. Default 256.
     pub max_connections: usize,
     /// Largest request or answer frame, bytes. Default 64 MiB (a read call names keys
@@ -66,6 +71,7 @@ impl Default for OwnerFaceConfig {
             enabled: false,
             listen_host: "127.0.0.1".into(),
             max_owners: 64,
+            idle_owner_ms: 600_000,
             max_connections: 256,
             max_frame_bytes: 64 << 20,
             max_inflight_per_connection: 64,

@@ -60,6 +60,8 @@ pub struct OwnerFaceMetrics {
     pub owners: Gauge,
     /// Owners not relayed because `max_owners` were.
     pub owners_refused: Counter,
+    /// Relays closed because no lookup named their owner for `idle_owner_ms`.
+    pub owners_retired: Counter,
     pub conns_open: Gauge,
     pub conns_refused: Counter,
     pub conns_shed: Counter,
@@ -82,6 +84,7 @@ impl OwnerFaceMetrics {
             frame_errors: Counter::default(),
             owners: Gauge::default(),
             owners_refused: Counter::default(),
+            owners_retired: Counter::default(),
             conns_open: Gauge::default(),
             conns_refused: Counter::default(),
             conns_shed: Counter::default(),
@@ -169,6 +172,12 @@ impl OwnerFaceMetrics {
             "Lookup answers naming an owner past owner_face.max_owners (left pointing at \
              the owner)",
             m.owners_refused.clone(),
+        );
+        r.register(
+            "moongate_owner_face_owners_retired",
+            "Relays closed because no lookup answer named their owner for \
+             owner_face.idle_owner_ms and no rank connection was open",
+            m.owners_retired.clone(),
         );
         r.register(
             "moongate_owner_face_connections_open",

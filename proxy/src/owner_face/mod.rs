@@ -27,6 +27,7 @@ pub mod staged;
 
 use std::collections::HashMap;
 use std::ops::Range;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -67,6 +68,10 @@ pub struct OwnerFace {
     limit: ConnLimit,
     shutdown: CancellationToken,
     tracker: TaskTracker,
+    /// The clock `Owner::named_ms` counts from.
+    epoch: std::time::Instant,
+    /// The reaper of relays no answer names any more runs (started with the first relay).
+    reaping: std::sync::Once,
 }
 
 /// One owner's relay: where the owner is, the connections to it, what it holds staged.
@@ -79,6 +84,12 @@ struct Owner {
     staged: Mutex<Staged>,
     /// Woken when staging room frees.
     room: Notify,
+    /// When a lookup answer last named this owner (ms since the face's epoch).
+    named_ms: std::sync::atomic::AtomicU64,
+    /// Rank connections open on this relay.
+    open: std::sync::atomic::AtomicUsize,
+    /// Stops this relay's listener (it is retired, or moongate stops).
+    stop: CancellationToken,
 }
 
 /// A call to an owner that did not get an answer.
@@ -239,7 +250,42 @@ impl OwnerFace {
             limit,
             shutdown,
             tracker: TaskTracker::new(),
+            epoch: std::time::Instant::now(),
+            reaping: std::sync::Once::new(),
         })
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// Every quarter of `idle_owner_ms`: relays no lookup answer named for that long and
+    /// with no rank connection open are closed, so owners that went away (an owner that
+    /// restarts comes back on another port) do not hold listeners and `max_owners`
+    /// places for good.
+    async fn reap(self: Arc<Self>) {
+        let idle = self.cfg.idle_owner_ms;
+        let every = Duration::from_millis((idle / 4).max(10));
+        loop {
+            tokio::select! {
+                _ = self.shutdown.cancelled() => return,
+                _ = tokio::time::sleep(every) => {}
+            }
+            let now = self.now_ms();
+            let mut owners = lock(&self.owners);
+            owners.retain(|_, o| {
+                let keep = now.saturating_sub(o.named_ms.load(Ordering::Relaxed)) < idle
+                    || o.open.load(Ordering::Relaxed) > 0;
+                if !keep {
+                    o.stop.cancel();
+                    self.metrics.owners.dec();
+                    self.metrics.owners_retired.inc();
+                    tracing::info!(owner = %o.upstream,
+                        "owner face: relay closed, no lookup named this owner for idle_owner_ms");
+                }
+                keep
+            });
+        }
     }
 
     /// The relay's endpoint for the owner whose offload-read service is `upstream`
@@ -248,6 +294,7 @@ impl OwnerFace {
     pub fn endpoint_for(self: &Arc<Self>, upstream: &Bytes) -> Option<Bytes> {
         let mut owners = lock(&self.owners);
         if let Some(o) = owners.get(upstream) {
+            o.named_ms.store(self.now_ms(), Ordering::Relaxed);
             return Some(o.advertised.clone());
         }
         if owners.len() >= self.cfg.max_owners {
@@ -277,6 +324,9 @@ impl OwnerFace {
             conns: Semaphore::new(self.cfg.max_owner_connections),
             staged: Mutex::new(Staged::new(MAX_BATCHES)),
             room: Notify::new(),
+            named_ms: self.now_ms().into(),
+            open: 0.into(),
+            stop: self.shutdown.child_token(),
         });
         owners.insert(upstream.clone(), owner.clone());
         self.metrics.owners.inc();
@@ -284,12 +334,15 @@ impl OwnerFace {
             "owner face: relaying this owner's SSD reads");
         self.tracker
             .spawn(self.clone().accept_loop(listener, owner));
+        if self.cfg.idle_owner_ms > 0 {
+            self.reaping
+                .call_once(|| drop(self.tracker.spawn(self.clone().reap())));
+        }
         Some(advertised)
     }
 
     async fn accept_loop(self: Arc<Self>, listener: TcpListener, owner: Arc<Owner>) {
-        while let Some((sock, _)) =
-            crate::accept::next(&listener, &self.shutdown, "owner face").await
+        while let Some((sock, _)) = crate::accept::next(&listener, &owner.stop, "owner face").await
         {
             let Some(slot) = self.limit.admit() else {
                 drop(sock);
@@ -297,8 +350,11 @@ impl OwnerFace {
             };
             let face = self.clone();
             let owner = owner.clone();
-            self.tracker
-                .spawn(async move { face.serve(sock, owner, slot).await });
+            owner.open.fetch_add(1, Ordering::Relaxed);
+            self.tracker.spawn(async move {
+                face.serve(sock, owner.clone(), slot).await;
+                owner.open.fetch_sub(1, Ordering::Relaxed);
+            });
         }
     }
 
@@ -931,6 +987,42 @@ mod tests {
             assert!(ReadAnswer::decode(&body).unwrap().batch_id().is_some());
         }
         assert_eq!(lock(&seen.reads).len(), 3);
+    }
+
+    #[tokio::test]
+    async fn a_relay_no_answer_names_any_more_is_closed() {
+        let (owner, _) = fake_owner(None).await;
+        let all = Metrics::new();
+        let f = face(
+            OwnerFaceConfig {
+                idle_owner_ms: 300,
+                ..cut_every(0)
+            },
+            &all,
+        );
+        let owner = Bytes::from(owner);
+        let relay = f.endpoint_for(&owner).unwrap();
+        let addr = std::str::from_utf8(&relay).unwrap().to_string();
+        // A rank connection open keeps it, however long.
+        let s = TcpStream::connect(&addr).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        assert_eq!(all.owner_face.owners.get(), 1);
+        drop(s);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while all.owner_face.owners_retired.get() == 0 {
+            assert!(Instant::now() < deadline, "not retired");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(all.owner_face.owners.get(), 0);
+        // Its listener is closed (the accept loop may take a moment to see the stop)...
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect(&addr).await.is_ok() {
+            assert!(Instant::now() < deadline, "still listening");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // ... and the next answer naming the owner opens a new relay.
+        assert!(f.endpoint_for(&owner).is_some());
+        assert_eq!(all.owner_face.owners.get(), 1);
     }
 
     #[tokio::test]
