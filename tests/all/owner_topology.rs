@@ -776,12 +776,7 @@ fn ssd_reads_through_the_owner_face_are_counted_cut_and_paced() {
     let t = Topology::start(OWNER_FACE);
     t.write();
     let mut reader = t.reader();
-    let reads = |m: &str, result: &str| {
-        metric_value(
-            m,
-            &format!("moongate_owner_face_reads_total{{result=\"{result}\"}}"),
-        )
-    };
+    let reads = owner_face_reads;
     let m0 = t.mg.metrics();
     let r = ask(&mut reader, &format!("read 0 {KEYS} 16"));
     let m1 = t.mg.metrics();
