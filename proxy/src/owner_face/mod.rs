@@ -864,6 +864,11 @@ mod tests {
         }
     }
 
+    async fn release(s: &mut TcpStream, seq: u32, id: u64) -> (ResponseHeader, Bytes) {
+        let body = offload_read::release_call(id);
+        call(s, seq, offload_read::release_id(), &body).await
+    }
+
     fn cut_every(keys: usize) -> OwnerFaceConfig {
         OwnerFaceConfig {
             enabled: true,
@@ -896,26 +901,14 @@ mod tests {
         parts.sort_unstable();
         assert_eq!(parts, vec![1, 2, 2]);
         assert_eq!(all.owner_face.staged_bytes.get(), 500);
-        let (_, body) = call(
-            &mut s,
-            8,
-            offload_read::release_id(),
-            &offload_read::release_call(id),
-        )
-        .await;
+        let (_, body) = release(&mut s, 8, id).await;
         assert_eq!(offload_read::released(&body), Some(true));
         let mut released = lock(&seen.released).clone();
         released.sort_unstable();
         assert_eq!(released, vec![1, 2, 3]);
         assert_eq!(all.owner_face.staged_bytes.get(), 0);
         // Released already: unknown now, answered false without asking the owner.
-        let (_, body) = call(
-            &mut s,
-            9,
-            offload_read::release_id(),
-            &offload_read::release_call(id),
-        )
-        .await;
+        let (_, body) = release(&mut s, 9, id).await;
         assert_eq!(offload_read::released(&body), Some(false));
         assert_eq!(lock(&seen.released).len(), 3);
         // A whole read keeps the owner's id.
