@@ -92,7 +92,7 @@ impl Merge {
         let part = match Response::decode(method, &frame.body) {
             Some(Ok(p)) => p,
             Some(Err(e)) => {
-                self.failed = Some(error_frame(
+                self.failed = Some(RpcError::reply(
                     frame.header.seq_num,
                     &format!(
                         "moongate: part {} of a split {method} did not decode: {e}",
@@ -102,7 +102,7 @@ impl Merge {
                 return;
             }
             None => {
-                self.failed = Some(error_frame(
+                self.failed = Some(RpcError::reply(
                     frame.header.seq_num,
                     &format!("moongate: {method} cannot be merged"),
                 ));
@@ -113,7 +113,7 @@ impl Merge {
             None => self.merged = Some(part),
             Some((m, _)) => {
                 if m.append(part.0).is_err() {
-                    self.failed = Some(error_frame(
+                    self.failed = Some(RpcError::reply(
                         frame.header.seq_num,
                         &format!("moongate: parts of a split {method} answered different methods"),
                     ));
@@ -126,13 +126,11 @@ impl Merge {
         match (self.failed, self.merged) {
             (Some(raw), _) => Merged::Failed(raw),
             (None, Some((r, s))) => Merged::Reply(r, s),
-            (None, None) => Merged::Failed(error_frame(seq, "moongate: split call got no answers")),
+            (None, None) => {
+                Merged::Failed(RpcError::reply(seq, "moongate: split call got no answers"))
+            }
         }
     }
-}
-
-fn error_frame(seq: u32, msg: &str) -> Bytes {
-    RpcError::reply(seq, msg)
 }
 
 /// Bytes of put-family starts forwarded and not yet answered, node-wide; what a plugin's

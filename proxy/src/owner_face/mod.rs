@@ -51,7 +51,7 @@ pub use metrics::{Outcome, OwnerFaceMetrics};
 use staged::{Named, Staged};
 
 /// Batches remembered per owner (a made-up id must be found at its release); about
-/// 100 bytes each.
+/// 60 bytes each by the layout, plus 8 per part of a cut read (not measured).
 const MAX_BATCHES: usize = 65_536;
 
 /// How often a read waiting for staging room looks for batches past their ttl (an
@@ -117,12 +117,6 @@ struct Answer {
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// A transport-error reply, which the rank's client reports as a failed call (this
-/// call only).
-fn error_frame(seq: u32, msg: &str) -> Bytes {
-    RpcError::reply(seq, msg)
 }
 
 /// A reply frame with `body`, answering `seq`.
@@ -433,7 +427,7 @@ impl OwnerFace {
             Ok(a) => Relayed::Answer(a),
             Err(e) => {
                 tracing::warn!(error = %e, "owner face: call failed");
-                Relayed::Failed(error_frame(seq, &format!("moongate: {e}")))
+                Relayed::Failed(RpcError::reply(seq, &format!("moongate: {e}")))
             }
         }
     }
@@ -456,22 +450,25 @@ impl OwnerFace {
                 acc += s;
             }
         }
-        let set = self.policy.current();
-        // The key as the master face sees it: without the tenant that releases with
-        // tenants prefix (`tenant\0key`).
-        let key = call
-            .keys()
-            .next()
-            .map(|k| k.splitn(2, |&b| b == 0).last().unwrap_or(k));
-        if let Some(arm) = set
-            .arms
-            .get(set.pick(&crate::codec::types::Uuid::default(), key))
-            .filter(|_| n > 1)
-        {
-            points.extend(
-                self.policy
-                    .split_points(arm, sizes, staged, self.cfg.max_staged_bytes),
-            );
+        if n > 1 {
+            let set = self.policy.current();
+            // The key as the master face sees it: without the tenant that releases with
+            // tenants prefix (`tenant\0key`).
+            let key = call
+                .keys()
+                .next()
+                .map(|k| k.splitn(2, |&b| b == 0).last().unwrap_or(k));
+            if let Some(arm) = set
+                .arms
+                .get(set.pick(&crate::codec::types::Uuid::default(), key))
+            {
+                points.extend(self.policy.split_points(
+                    arm,
+                    sizes,
+                    staged,
+                    self.cfg.max_staged_bytes,
+                ));
+            }
         }
         points.sort_unstable();
         points.dedup();
@@ -565,16 +562,20 @@ impl OwnerFace {
             .owner_seconds
             .observe(now.duration_since(sent).as_secs_f64());
         // Read every answer; any failure fails the read, and the parts staged are freed.
-        let mut answers = Vec::with_capacity(results.len());
+        // The parts' answers, with their batch ids (the owner's) and, for a read sent
+        // whole, the owner's answer as it came.
+        let mut reads = Vec::with_capacity(results.len());
+        let mut ids = Vec::with_capacity(results.len());
+        let mut as_came = None;
         let mut failure: Option<(Outcome, Bytes)> = None;
-        let mut ids = Vec::new();
         for r in results {
             match r {
                 Ok(a) if a.header.err_code == errc::OK => match ReadAnswer::decode(&a.body) {
                     Ok(ra) => match ra.batch_id() {
                         Some(id) => {
                             ids.push(id);
-                            answers.push((ra, a));
+                            reads.push(ra);
+                            as_came = Some(a.raw);
                         }
                         None => {
                             failure.get_or_insert((Outcome::refused, a.raw));
@@ -589,7 +590,7 @@ impl OwnerFace {
                     Err(e) => {
                         failure.get_or_insert((
                             Outcome::refused,
-                            error_frame(seq, &format!("moongate: owner's answer unread: {e}")),
+                            RpcError::reply(seq, &format!("moongate: owner's answer unread: {e}")),
                         ));
                     }
                 },
@@ -600,34 +601,30 @@ impl OwnerFace {
                     tracing::warn!(error = %e, "owner face: read failed");
                     failure.get_or_insert((
                         Outcome::transport,
-                        error_frame(seq, &format!("moongate: {e}")),
+                        RpcError::reply(seq, &format!("moongate: {e}")),
                     ));
                 }
             }
         }
-        let ttl = |answers: &[(ReadAnswer, Answer)]| {
-            Duration::from_millis(
-                answers
-                    .iter()
-                    .filter_map(|(ra, _)| ra.ttl_ms())
-                    .min()
-                    .unwrap_or(5_000),
-            )
-        };
-        if failure.is_none() && answers.len() == 1 {
-            let t = ttl(&answers);
-            let freed = lock(&owner.staged).record(ids[0], total, t, now);
-            let (_, a) = answers.swap_remove(0);
+        let ttl = Duration::from_millis(
+            reads
+                .iter()
+                .filter_map(ReadAnswer::ttl_ms)
+                .min()
+                .unwrap_or(5_000),
+        );
+        if failure.is_none()
+            && ranges.len() == 1
+            && let Some(raw) = as_came
+        {
+            let freed = lock(&owner.staged).record(ids[0], total, ttl, now);
             drop(room);
             self.staged_now(owner, freed, total);
             self.counted_read(call.len(), total);
-            return a.raw;
+            return raw;
         }
         if failure.is_none() {
-            let merged_ttl = ttl(&answers);
-            let reads: Vec<ReadAnswer> = answers.iter().map(|(ra, _)| ra.clone()).collect();
-            let (synthetic, freed) =
-                lock(&owner.staged).record_parts(ids.clone(), total, merged_ttl, now);
+            let (synthetic, freed) = lock(&owner.staged).record_parts(ids.clone(), total, ttl, now);
             match ReadAnswer::merge(&reads, synthetic) {
                 Ok(body) => {
                     drop(room);
@@ -640,7 +637,7 @@ impl OwnerFace {
                     self.staged_now(owner, freed + bytes, total);
                     failure = Some((
                         Outcome::refused,
-                        error_frame(seq, &format!("moongate: parts' answers unmerged: {e}")),
+                        RpcError::reply(seq, &format!("moongate: parts' answers unmerged: {e}")),
                     ));
                 }
             }
@@ -653,8 +650,10 @@ impl OwnerFace {
                 .call(&self.cfg, &request(&h, &offload_read::release_call(id)))
                 .await;
         }
-        let (outcome, bytes) =
-            failure.unwrap_or((Outcome::refused, error_frame(seq, "moongate: no answer")));
+        let (outcome, bytes) = failure.unwrap_or((
+            Outcome::refused,
+            RpcError::reply(seq, "moongate: no answer"),
+        ));
         self.metrics.read(outcome);
         bytes
     }
