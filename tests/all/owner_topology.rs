@@ -817,8 +817,10 @@ fn ssd_reads_through_the_owner_face_are_counted_cut_and_paced() {
         assert_eq!(s.read(&mut b).unwrap_or(0), 0, "closed without an answer");
     }
 
-    // Two ranks load at once: each load is far above the 8 MiB staged bound, so one
-    // waits for the other's release.
+    // Two ranks load at once, each far above the 8 MiB staged bound: both read back
+    // exact whether or not their reads overlap (whether one waited for the other
+    // depends on timing, so the pacing itself is tested against a fake owner:
+    // owner_face::tests::a_read_waits_for_room_until_a_release_or_its_deadline).
     let mut second = t.reader();
     let (l, l2) = std::thread::scope(|s| {
         let a = s.spawn(|| ask(&mut reader, &format!("load 0 {KEYS}")));
@@ -845,10 +847,6 @@ fn ssd_reads_through_the_owner_face_are_counted_cut_and_paced() {
     assert!(
         parts > owner_face_reads(&m2, "ok") - owner_face_reads(&m1, "ok"),
         "into parts: {parts}"
-    );
-    assert!(
-        metric_value(&m2, "moongate_owner_face_waits_total") >= 1.0,
-        "one load waited for the other's staging to be released"
     );
     assert_eq!(
         metric_value(&m2, "moongate_owner_face_frame_errors_total"),

@@ -1018,6 +1018,67 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_read_waits_for_room_until_a_release_or_its_deadline() {
+        let (owner, _) = fake_owner(None).await;
+        let all = Metrics::new();
+        let f = face(
+            OwnerFaceConfig {
+                max_staged_bytes: 150,
+                max_wait_ms: 10_000,
+                ..cut_every(0)
+            },
+            &all,
+        );
+        let relay = f.endpoint_for(&Bytes::from(owner)).unwrap();
+        let addr = std::str::from_utf8(&relay).unwrap().to_string();
+        let mut a = TcpStream::connect(&addr).await.unwrap();
+        let (_, body) = call(&mut a, 1, offload_read::read_id(), &call_of(1, 100)).await;
+        let held = ReadAnswer::decode(&body).unwrap().batch_id().unwrap();
+        // 100 staged: another 100 does not fit under 150, so it waits...
+        let mut b = TcpStream::connect(&addr).await.unwrap();
+        let waiting = tokio::spawn(async move {
+            call(&mut b, 1, offload_read::read_id(), &call_of(1, 100)).await
+        });
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while all.owner_face.waits.get() == 0 {
+            assert!(Instant::now() < deadline, "never waited");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(!waiting.is_finished());
+        // ... until the first is released.
+        let (_, body) = release(&mut a, 2, held).await;
+        assert_eq!(offload_read::released(&body), Some(true));
+        let (h, body) = tokio::time::timeout(Duration::from_secs(10), waiting)
+            .await
+            .expect("answered once room freed")
+            .unwrap();
+        assert_eq!(h.err_code, errc::OK);
+        assert!(ReadAnswer::decode(&body).unwrap().batch_id().is_some());
+        assert_eq!(all.owner_face.over_budget.get(), 0);
+        assert_eq!(all.owner_face.staged_bytes.get(), 100);
+
+        // With a short deadline a read past the bound goes anyway, counted.
+        let f = face(
+            OwnerFaceConfig {
+                max_staged_bytes: 150,
+                max_wait_ms: 50,
+                ..cut_every(0)
+            },
+            &all,
+        );
+        let (owner, _) = fake_owner(None).await;
+        let relay = f.endpoint_for(&Bytes::from(owner)).unwrap();
+        let mut c = TcpStream::connect(std::str::from_utf8(&relay).unwrap())
+            .await
+            .unwrap();
+        for seq in 1..3 {
+            let (h, _) = call(&mut c, seq, offload_read::read_id(), &call_of(1, 100)).await;
+            assert_eq!(h.err_code, errc::OK);
+        }
+        assert_eq!(all.owner_face.over_budget.get(), 1);
+    }
+
+    #[tokio::test]
     async fn past_max_owners_an_owner_is_read_directly() {
         let all = Metrics::new();
         let f = face(
