@@ -122,6 +122,10 @@ pub async fn ready_probe(
             None => Err("no master leader".to_string()),
         };
         let ok = r.is_ok();
+        if !ok {
+            // A master that does not answer may come back empty.
+            upstream.places_voided();
+        }
         if was != Some(ok) {
             let at = addr.as_deref().unwrap_or("-");
             match &r {

@@ -112,6 +112,57 @@ fn peer_log(p: &Proc) -> String {
     p.log_text()
 }
 
+/// A forced removal a rank sends through this moongate's master face voids the kv
+/// face's cached replica lists at once: the next GET asks the master (and finds the key
+/// gone) instead of reading the memory the value was in, which the master may already
+/// have handed to another put.
+#[test]
+fn a_forced_removal_through_the_master_face_voids_the_replica_cache() {
+    let master = Master::start_with(MasterOpts {
+        extra: vec!["--default_kv_lease_ttl=120000".into()],
+        ..Default::default()
+    });
+    // A window no busy machine outlasts: only the removal may end it.
+    let (mg, kv) = kv_moongate(&master, "replica_cache_ms = 60000\n");
+    let logs = [&master.proc, &mg.proc];
+    let args = ["--segment-mib", "16"];
+    let mut rank = Background::start_args("steps", &mg.listen, &master.metadata, &args, &logs);
+    let bad = |line: String| -> serde_json::Value {
+        serde_json::from_str::<serde_json::Value>(line.trim_start_matches("READY "))
+            .unwrap_or_else(|e| panic!("{e}: {line}"))["bad"]
+            .clone()
+    };
+    let none = serde_json::json!([]);
+    assert_eq!(bad(rank.step("put fr/ 2 5000")), none);
+    let cache = |r: &str| {
+        metric_value(
+            &mg.metrics(),
+            &format!("moongate_kv_replica_cache_total{{result=\"{r}\"}}"),
+        )
+    };
+    for _ in 0..2 {
+        let (st, body) = http_bytes(&kv, "GET", "/v1/kv/fr%2F0", &[]).unwrap();
+        assert!(
+            st == 200 && body == value_of("fr/0", 5000),
+            "{st}\n{}",
+            mg.proc.log_text()
+        );
+    }
+    assert_eq!((cache("hit"), cache("miss")), (1.0, 1.0));
+    // Our reads leased fr/0; a forced removal takes it anyway.
+    assert_eq!(bad(rank.step("forcerm fr/ 1")), none);
+    let (st, _) = http_bytes(&kv, "GET", "/v1/kv/fr%2F0", &[]).unwrap();
+    assert_eq!(st, 404, "read through a voided replica list");
+    assert_eq!((cache("hit"), cache("miss")), (1.0, 2.0));
+    // The other key reads as before, and is cached anew.
+    for _ in 0..2 {
+        let (st, body) = http_bytes(&kv, "GET", "/v1/kv/fr%2F1", &[]).unwrap();
+        assert!(st == 200 && body == value_of("fr/1", 5000));
+    }
+    assert_eq!((cache("hit"), cache("miss")), (2.0, 3.0));
+    rank.end(Duration::from_secs(60));
+}
+
 #[test]
 fn bad_input_on_the_kv_listener_gets_clear_errors_and_others_carry_on() {
     let master = Master::start();

@@ -41,6 +41,24 @@ pub fn is_remove(m: crate::codec::method::Method) -> bool {
     matches!(m, Method::Remove | Method::RemoveAll)
 }
 
+/// Whether this call can free the memory of values others were told of while they
+/// are leased: a forced `Remove` or `RemoveAll` (an unforced one fails on a leased
+/// value), and every `BatchRemove` and `RemoveByRegex` (relayed whole, their flag not
+/// read). A body that does not decode counts as forced.
+pub fn voids_places(m: crate::codec::method::Method, body: &Bytes) -> bool {
+    use crate::codec::message::Request;
+    use crate::codec::method::Method;
+    match m {
+        Method::Remove | Method::RemoveAll => match Request::decode(m, body) {
+            Some(Ok((Request::Remove(a), _))) => a.force,
+            Some(Ok((Request::RemoveAll(a), _))) => a.force,
+            _ => true,
+        },
+        Method::BatchRemove | Method::RemoveByRegex => true,
+        _ => false,
+    }
+}
+
 /// Removed, or already gone.
 pub(super) fn seen_one(key: &Bytes, resp: &Response) -> Vec<Seen> {
     match resp {

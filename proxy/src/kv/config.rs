@@ -48,7 +48,9 @@ pub struct KvConfig {
     /// QUIC streams (and TE-TCP connections) one large value is spread over.
     pub quic_streams: usize,
     /// Reuse the replica list of a GET for later GETs of the same key for this long
-    /// (never beyond half the master's read lease); 0 = every GET asks the master.
+    /// (never beyond half the master's read lease, and void at once when a removal goes
+    /// to the master through either face, the master stops answering or a new leader is
+    /// in force); 0 = every GET asks the master.
     pub replica_cache_ms: u64,
     /// Serve the kv API over QUIC here (UDP `host:port`) for callers on other hosts;
     /// empty = off. Same certificate as `quic_listen`.
@@ -160,7 +162,7 @@ impl Default for KvConfig {
             quic_cert: String::new(),
             quic_key: String::new(),
             quic_client: true,
-            replica_cache_ms: 0,
+            replica_cache_ms: 1_000,
             api_quic_listen: String::new(),
             api_quic_client_ca: String::new(),
             quic_streams: 4,

@@ -89,6 +89,9 @@ enum InFlight {
         entry: Option<Entry>,
         /// An offload-family call, read on its way: applied when the master accepts it.
         offload: Option<Box<Offload>>,
+        /// A removal that can take leased values: the places epoch advances again at
+        /// its answer.
+        voids: bool,
     },
     /// Answered by moongate: these bytes go to the client when its turn comes.
     Local(Bytes),
@@ -124,6 +127,14 @@ impl Drop for Session {
         }
         if let Some(r) = self.master {
             self.shared.metrics.master_gone(r);
+        }
+        // A removal left unanswered may still land at the master.
+        let removing = self
+            .queue
+            .iter()
+            .any(|f| matches!(f, InFlight::Upstream { voids: true, .. }));
+        if removing {
+            self.shared.upstream.places_voided();
         }
     }
 }
@@ -208,12 +219,19 @@ impl Session {
     /// `now`. The caller checked [`Session::has_room`].
     pub fn handle_request(&mut self, frame: &RequestFrame, raw: &Bytes, now: Instant) {
         let method = Method::from_function_id(frame.header.function_id);
+        // Replica lists moongate keeps (the kv face's) stop holding now, and again at
+        // the answer (a lookup the master served just before the removal).
+        let voids = method.is_some_and(|m| calls::remove::voids_places(m, &frame.body));
+        if voids {
+            self.shared.upstream.places_voided();
+        }
         let upstream = |entry, offload| InFlight::Upstream {
             seq: frame.header.seq_num,
             method,
             sent: now,
             entry,
             offload,
+            voids,
         };
         let next = on_request(
             &self.shared,
@@ -235,6 +253,7 @@ impl Session {
                 sent: now,
                 entry: Some(entry),
                 offload: None,
+                voids,
             },
             Next::Forwarded(entry) => upstream(Some(entry), None),
             Next::Answered(bytes) => InFlight::Local(bytes),
@@ -282,9 +301,13 @@ impl Session {
                 sent,
                 entry,
                 offload,
+                voids,
             }) if s == seq => {
                 if let Some(call) = offload {
                     self.offloaded(&call, frame);
+                }
+                if voids {
+                    self.shared.upstream.places_voided();
                 }
                 let latency = now.saturating_duration_since(sent);
                 // Counted under the method the client called.
@@ -1372,6 +1395,48 @@ mod tests {
             "relayed as received"
         );
         assert_eq!(s.in_flight(), 0);
+    }
+
+    #[test]
+    fn a_removal_voids_the_places_others_were_told_of_on_its_way_and_at_its_answer() {
+        let (mut s, shared) = session(Arc::new(Fake::new("p")));
+        let now = Instant::now();
+        let epoch = || shared.upstream.places_epoch();
+        let e0 = epoch();
+        let (f, raw) = request(1, &exist("a"));
+        s.handle_request(&f, &raw, now);
+        let (f, raw) = answer(1, &Response::ExistKey(Ok(true)));
+        s.handle_response(&f, &raw, now);
+        assert_eq!(epoch(), e0, "a lookup voids nothing");
+        let rm = |force| {
+            Request::Remove(crate::codec::message::RemoveArgs {
+                key: key("a"),
+                force,
+                tenant_id: key("default"),
+            })
+        };
+        // Unforced, it cannot take a leased value: nothing cached is void.
+        let (f, raw) = request(9, &rm(false));
+        s.handle_request(&f, &raw, now);
+        let (f, raw) = answer(9, &Response::Remove(Ok(())));
+        s.handle_response(&f, &raw, now);
+        assert_eq!(epoch(), e0);
+        let (f, raw) = request(2, &rm(true));
+        s.handle_request(&f, &raw, now);
+        assert_eq!(epoch(), e0 + 1, "on its way");
+        let (f, raw) = answer(2, &Response::Remove(Ok(())));
+        s.handle_response(&f, &raw, now);
+        assert_eq!(epoch(), e0 + 2, "at its answer");
+        // A BatchRemove is relayed whole: its method alone voids.
+        let mut raw = BytesMut::new();
+        RequestHeader::new(3, Method::BatchRemove.function_id(), 0).write(&mut raw);
+        let h = check_request(&raw, 1 << 20).unwrap().unwrap();
+        let (f, raw) = RequestFrame::split(&mut raw, h);
+        s.handle_request(&f, &raw, now);
+        assert_eq!(epoch(), e0 + 3);
+        // Its connection closes before the answer: it may still land.
+        drop(s);
+        assert_eq!(epoch(), e0 + 4);
     }
 
     #[test]

@@ -14,7 +14,7 @@
 //! and can wait for a change.
 
 use std::sync::Arc;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -88,6 +88,9 @@ pub struct Upstream {
     /// The Mooncake release the master runs, when configured
     /// (`master_face.upstream_release`); `None`: asked of each connection that needs it.
     release: Option<crate::codec::release::MasterRelease>,
+    /// Advances whenever what the master said of where values are may have become
+    /// void (see [`Upstream::places_voided`]); shared by every clone.
+    places: Arc<AtomicU64>,
 }
 
 impl Upstream {
@@ -110,6 +113,7 @@ impl Upstream {
             rx,
             tx: Arc::new(tx),
             release: None,
+            places: Arc::default(),
         }
     }
 
@@ -143,14 +147,35 @@ impl Upstream {
 
     /// Publishes `v`; `true` when it differs from what was in force.
     pub fn publish(&self, v: Option<Leader>) -> bool {
-        self.tx.send_if_modified(|cur| {
+        let changed = self.tx.send_if_modified(|cur| {
             if *cur == v {
                 false
             } else {
                 *cur = v;
                 true
             }
-        })
+        });
+        if changed {
+            // A new leader may not know what the old one placed: its memory is free
+            // space to it.
+            self.places_voided();
+        }
+        changed
+    }
+
+    /// The epoch of where values are: an answer about places taken in an earlier epoch
+    /// may no longer hold (a reader compares the epoch from before it asked with the
+    /// one after).
+    pub fn places_epoch(&self) -> u64 {
+        self.places.load(Ordering::Acquire)
+    }
+
+    /// Says that places the master named may be void now: a removal went to the master
+    /// (a forced one takes leased values too, and its memory can be handed to the next
+    /// put), the master did not answer (it may have restarted: a restarted master
+    /// treats every segment as empty), or a new leader is in force.
+    pub fn places_voided(&self) {
+        self.places.fetch_add(1, Ordering::AcqRel);
     }
 }
 
@@ -322,6 +347,26 @@ pub async fn follow_etcd(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_new_leader_voids_the_places_the_old_one_named() {
+        let u = Upstream::unknown();
+        let seen_by_another_part = u.clone();
+        let e0 = u.places_epoch();
+        let leader = |addr: &str| {
+            Some(Leader {
+                addr: addr.into(),
+                view_version: 1,
+            })
+        };
+        assert!(u.publish(leader("127.0.0.1:1")));
+        assert_eq!(seen_by_another_part.places_epoch(), e0 + 1);
+        // The same leader again changes nothing.
+        assert!(!u.publish(leader("127.0.0.1:1")));
+        assert_eq!(u.places_epoch(), e0 + 1);
+        assert!(u.publish(leader("127.0.0.1:2")));
+        assert_eq!(seen_by_another_part.places_epoch(), e0 + 2);
+    }
 
     #[test]
     fn upstream_forms() {

@@ -1,7 +1,7 @@
-//! Where recently read values are (`kv.replica_cache_ms`, off by default).
+//! Where recently read values are (`kv.replica_cache_ms`).
 
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
@@ -9,55 +9,154 @@ use crate::codec::types::BufferDescriptor;
 
 /// Where recently read values are, reused while the read lease the master granted with
 /// the answer still has time left: within it the master neither evicts the object nor
-/// removes it (unforced), so its bytes stay where the descriptor says. A read through a
-/// cached descriptor that fails drops the entry and asks the master again.
+/// removes it (unforced), so its bytes stay where the descriptor says. Each entry is
+/// stamped with the upstream's places epoch from before the master was asked
+/// ([`crate::upstream::Upstream::places_epoch`]) and is used only while that epoch
+/// holds: a removal relayed by either face (forced ones take leased values too), a
+/// master that did not answer, or a new leader voids every entry at once. A read
+/// through a cached descriptor that fails drops the entry and asks the master again.
 pub struct ReplicaCache {
     ttl: Duration,
-    entries: Mutex<std::collections::HashMap<Bytes, (BufferDescriptor, std::time::Instant)>>,
+    entries: Mutex<Entries>,
+}
+
+struct Entries {
+    map: std::collections::HashMap<Bytes, Entry>,
+    /// When a full map is next swept for expired entries: a map full of live ones is
+    /// not scanned on every insert.
+    next_sweep: Instant,
+}
+
+struct Entry {
+    at: BufferDescriptor,
+    until: Instant,
+    epoch: u64,
 }
 
 /// Entries the replica cache holds at most (expired ones are swept when it is full).
 const REPLICA_CACHE_ENTRIES: usize = 65_536;
 
 impl ReplicaCache {
-    pub fn get(&self, key: &Bytes) -> Option<BufferDescriptor> {
-        let map = self.entries.lock().unwrap_or_else(|p| p.into_inner());
-        map.get(key)
-            .filter(|(_, until)| *until > std::time::Instant::now())
-            .map(|(d, _)| d.clone())
+    /// Keeps descriptors for up to `ttl` (never longer than half the read lease).
+    pub fn new(ttl: Duration) -> ReplicaCache {
+        ReplicaCache {
+            ttl,
+            entries: Mutex::new(Entries {
+                map: std::collections::HashMap::new(),
+                next_sweep: Instant::now(),
+            }),
+        }
     }
 
-    /// Keeps `d` for `key` for the cache's ttl, at most half the granted lease.
-    pub fn put(&self, key: Bytes, d: &BufferDescriptor, lease_ttl_ms: u64) {
+    /// Where `key` is, if an entry taken in places epoch `epoch` is still in time.
+    pub fn get(&self, key: &Bytes, epoch: u64) -> Option<BufferDescriptor> {
+        let e = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        e.map
+            .get(key)
+            .filter(|v| v.epoch == epoch && v.until > Instant::now())
+            .map(|v| v.at.clone())
+    }
+
+    /// Keeps `d` for `key` for the cache's ttl, at most half the granted lease;
+    /// `epoch` is the places epoch read before the master was asked.
+    pub fn put(&self, key: Bytes, d: &BufferDescriptor, lease_ttl_ms: u64, epoch: u64) {
         let ttl = self.ttl.min(Duration::from_millis(lease_ttl_ms / 2));
         if ttl.is_zero() {
             return;
         }
-        let now = std::time::Instant::now();
-        let mut map = self.entries.lock().unwrap_or_else(|p| p.into_inner());
-        if map.len() >= REPLICA_CACHE_ENTRIES {
-            map.retain(|_, (_, until)| *until > now);
-            if map.len() >= REPLICA_CACHE_ENTRIES {
+        let now = Instant::now();
+        let mut e = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        if e.map.len() >= REPLICA_CACHE_ENTRIES && !e.map.contains_key(&key) {
+            if now < e.next_sweep {
+                return;
+            }
+            e.map.retain(|_, v| v.until > now);
+            e.next_sweep = now + (self.ttl / 4).max(Duration::from_millis(10));
+            if e.map.len() >= REPLICA_CACHE_ENTRIES {
                 return;
             }
         }
-        map.insert(key, (d.clone(), now + ttl));
+        e.map.insert(
+            key,
+            Entry {
+                at: d.clone(),
+                until: now + ttl,
+                epoch,
+            },
+        );
     }
 
     pub fn forget(&self, key: &Bytes) {
         self.entries
             .lock()
             .unwrap_or_else(|p| p.into_inner())
+            .map
             .remove(key);
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.entries.lock().unwrap().map.len()
     }
 }
 
-impl ReplicaCache {
-    /// Keeps descriptors for up to `ttl` (never longer than half the read lease).
-    pub fn new(ttl: Duration) -> ReplicaCache {
-        ReplicaCache {
-            ttl,
-            entries: Mutex::new(std::collections::HashMap::new()),
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(addr: u64) -> BufferDescriptor {
+        BufferDescriptor {
+            size: 4096,
+            buffer_address: addr,
+            protocol: Bytes::from_static(b"tcp"),
+            transport_endpoint: Bytes::from_static(b"127.0.0.1:1"),
         }
+    }
+
+    fn k(s: &'static str) -> Bytes {
+        Bytes::from_static(s.as_bytes())
+    }
+
+    #[test]
+    fn an_entry_holds_only_in_the_epoch_it_was_asked_in() {
+        let c = ReplicaCache::new(Duration::from_secs(5));
+        c.put(k("a"), &at(1), 10_000, 7);
+        assert_eq!(c.get(&k("a"), 7).map(|d| d.buffer_address), Some(1));
+        // A removal (or a lost master, a new leader) advanced the epoch: void.
+        assert_eq!(c.get(&k("a"), 8), None);
+        // An answer asked for before the epoch moved is kept but never used.
+        c.put(k("b"), &at(2), 10_000, 7);
+        assert_eq!(c.get(&k("b"), 8), None);
+    }
+
+    #[test]
+    fn an_entry_lives_at_most_half_the_lease() {
+        let c = ReplicaCache::new(Duration::from_secs(5));
+        // A 2 ms lease: kept 1 ms.
+        c.put(k("a"), &at(1), 2, 0);
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!(c.get(&k("a"), 0), None);
+        // No lease: not kept at all.
+        c.put(k("b"), &at(1), 0, 0);
+        assert_eq!(c.len(), 1);
+    }
+
+    #[test]
+    fn a_full_cache_of_live_entries_is_not_swept_on_every_insert() {
+        let c = ReplicaCache::new(Duration::from_secs(60));
+        for i in 0..REPLICA_CACHE_ENTRIES {
+            c.put(Bytes::from(format!("k{i}")), &at(i as u64), 600_000, 0);
+        }
+        // The first insert past the bound sweeps (nothing expired) and is dropped; the
+        // next ones wait for the next sweep instead of scanning 65,536 entries each.
+        c.put(k("over"), &at(1), 600_000, 0);
+        let next = c.entries.lock().unwrap().next_sweep;
+        assert!(next > Instant::now());
+        c.put(k("over2"), &at(1), 600_000, 0);
+        assert_eq!(c.len(), REPLICA_CACHE_ENTRIES);
+        assert_eq!(c.entries.lock().unwrap().next_sweep, next);
+        // A key already held is refreshed in place.
+        c.put(k("k3"), &at(99), 600_000, 1);
+        assert_eq!(c.get(&k("k3"), 1).map(|d| d.buffer_address), Some(99));
     }
 }

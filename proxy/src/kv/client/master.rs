@@ -45,6 +45,11 @@ impl MasterConns {
         }
     }
 
+    /// The upstream's places epoch ([`Upstream::places_epoch`]).
+    pub fn places_epoch(&self) -> u64 {
+        self.upstream.places_epoch()
+    }
+
     /// One call on a pooled connection of moongate's own; a connection that failed is
     /// dropped, not returned.
     pub async fn call(&self, req: Request) -> Result<Response, StoreError> {
@@ -64,11 +69,18 @@ impl MasterConns {
         };
         let mut c = match pooled {
             Some((_, c)) => c,
-            None => Conn::connect(&addr, self.call_timeout, self.upstream.release()).await?,
+            None => Conn::connect(&addr, self.call_timeout, self.upstream.release())
+                .await
+                .inspect_err(|_| self.upstream.places_voided())?,
         };
         let mut answers = c
             .call_all(std::slice::from_ref(&req), self.call_timeout)
-            .await?;
+            .await
+            .inspect_err(|_| {
+                // A master that does not answer may be restarting: what it said of
+                // places does not outlive it.
+                self.upstream.places_voided();
+            })?;
         // Back to the pool before the permit is released (the permit counts it).
         self.idle
             .lock()

@@ -260,8 +260,9 @@ impl Store {
 
     /// The value of `key`, or `None` when the store does not have it.
     pub async fn get(&self, key: Bytes) -> Result<Option<Value>, StoreError> {
+        let epoch = self.master.places_epoch();
         if let Some(cache) = &self.replicas {
-            if let Some(d) = cache.get(&key) {
+            if let Some(d) = cache.get(&key, epoch) {
                 let room = self.reserve(d.size).await?;
                 match self.xfer.fetch(&d, Some(room)).await {
                     Ok(v) => {
@@ -286,7 +287,7 @@ impl Store {
                 let room = self.reserve(d.size).await?;
                 let v = self.xfer.fetch(&d, Some(room)).await?;
                 if let Some(cache) = &self.replicas {
-                    cache.put(key, &d, lease_ttl_ms);
+                    cache.put(key, &d, lease_ttl_ms, epoch);
                 }
                 Ok(Some(v))
             }
@@ -301,8 +302,9 @@ impl Store {
     /// so no budget is taken): [`ReadInto::Read`] with its length, [`ReadInto::TooSmall`] with
     /// the length `dst` lacks room for (nothing read), or [`ReadInto::Absent`].
     pub async fn get_into(&self, key: Bytes, dst: &mut [u8]) -> Result<ReadInto, StoreError> {
+        let epoch = self.master.places_epoch();
         if let Some(cache) = &self.replicas {
-            if let Some(d) = cache.get(&key) {
+            if let Some(d) = cache.get(&key, epoch) {
                 let Some(to) = dst.get_mut(..d.size as usize) else {
                     return Ok(ReadInto::TooSmall(d.size));
                 };
@@ -326,7 +328,7 @@ impl Store {
         };
         self.read_into(&src, dst).await.inspect(|_| {
             if let (Some(cache), Source::Memory(d)) = (&self.replicas, &src) {
-                cache.put(key, d, lease_ttl_ms);
+                cache.put(key, d, lease_ttl_ms, epoch);
             }
         })
     }
@@ -659,6 +661,7 @@ impl Store {
         if let Some(cache) = &self.replicas {
             cache.forget(&key);
         }
+        // Unforced: it fails on a leased value, and every cached one is leased.
         match self
             .call(Request::Remove(RemoveArgs {
                 key,
