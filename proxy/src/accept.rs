@@ -70,6 +70,10 @@ struct Conns {
     live: std::collections::HashMap<u64, (Progress, CancellationToken)>,
     /// Every admitted connection whose slot is not dropped yet (shed ones included).
     held: usize,
+    /// No live connection can have stalled `shed_after` before this (ms since the
+    /// epoch): progress only moves forward, so a scan that found none sheddable holds
+    /// until then, and a flood at the cap is refused without scanning every connection.
+    no_victim_before_ms: u64,
 }
 
 /// When a connection last moved a byte: ms since its listener's epoch, shared by the
@@ -170,17 +174,21 @@ impl ConnLimit {
         let sh = &self.shared;
         let now = std::time::Instant::now();
         let mut c = sh.lock();
+        let now_ms = now.saturating_duration_since(sh.epoch).as_millis() as u64;
         if c.live.len() >= sh.max {
-            let now_ms = now.saturating_duration_since(sh.epoch).as_millis() as u64;
-            let victim = (sh.shed_after_ms > 0 && c.held < 2 * sh.max)
-                .then(|| {
-                    c.live
-                        .iter()
-                        .map(|(id, (p, _))| (p.at_ms(), *id))
-                        .filter(|(at, _)| now_ms.saturating_sub(*at) >= sh.shed_after_ms)
-                        .min()
-                })
-                .flatten();
+            let victim =
+                (sh.shed_after_ms > 0 && c.held < 2 * sh.max && now_ms >= c.no_victim_before_ms)
+                    .then(|| {
+                        // The least progressed one; if it has not stalled long enough, none has.
+                        let (at, id) = c.live.iter().map(|(id, (p, _))| (p.at_ms(), *id)).min()?;
+                        if now_ms.saturating_sub(at) >= sh.shed_after_ms {
+                            Some((at, id))
+                        } else {
+                            c.no_victim_before_ms = at.saturating_add(sh.shed_after_ms);
+                            None
+                        }
+                    })
+                    .flatten();
             let Some((_, id)) = victim else {
                 drop(c);
                 self.refused.inc();
@@ -199,6 +207,9 @@ impl ConnLimit {
         let stop = CancellationToken::new();
         let id = c.next;
         c.next += 1;
+        c.no_victim_before_ms = c
+            .no_victim_before_ms
+            .min(now_ms.saturating_add(sh.shed_after_ms));
         c.live.insert(id, (progress.clone(), stop.clone()));
         c.held += 1;
         drop(c);
@@ -397,6 +408,33 @@ mod tests {
         assert!(l.admit().is_none());
         drop((a, b, c));
         assert_eq!(l.shared.lock().held, 0);
+    }
+
+    #[test]
+    fn a_flood_at_the_cap_is_refused_without_scanning_until_one_could_have_stalled() {
+        let (refused, shed, open) = (Counter::default(), Counter::default(), Gauge::default());
+        let l = ConnLimit::new(3, Duration::from_secs(1), refused.clone(), shed, open);
+        let held: Vec<Slot> = (0..3).map(|_| l.admit().expect("room")).collect();
+        assert!(l.admit().is_none());
+        let until = l.shared.lock().no_victim_before_ms;
+        // The scan found the oldest one a second from stalling: no earlier victim.
+        let now_ms = l.shared.epoch.elapsed().as_millis() as u64;
+        assert!(
+            until > now_ms && until <= now_ms + 1_000,
+            "{until} vs {now_ms}"
+        );
+        for _ in 0..100 {
+            assert!(l.admit().is_none());
+        }
+        assert_eq!(refused.get(), 101);
+        assert_eq!(l.shared.lock().no_victim_before_ms, until);
+        // A connection kept forever (shared memory) never becomes a victim, and a slot
+        // freed and taken again brings the bound no later than the newcomer's.
+        held[0].keep();
+        drop(held);
+        let fresh = l.admit().expect("room again");
+        assert!(l.shared.lock().no_victim_before_ms <= until + 1_000);
+        drop(fresh);
     }
 
     #[tokio::test(start_paused = true)]
