@@ -260,14 +260,19 @@ impl Store {
 
     /// The value of `key`, or `None` when the store does not have it.
     pub async fn get(&self, key: Bytes) -> Result<Option<Value>, StoreError> {
-        let epoch = self.master.places_epoch();
+        let mut epoch = self.master.places_epoch();
         if let Some(cache) = &self.replicas {
             if let Some(d) = cache.get(&key, epoch) {
                 let room = self.reserve(d.size).await?;
                 match self.xfer.fetch(&d, Some(room)).await {
-                    Ok(v) => {
+                    Ok(v) if self.master.places_epoch() == epoch => {
                         self.metrics.replica_cache(CacheResult::Hit);
                         return Ok(Some(v));
+                    }
+                    Ok(_) => {
+                        // Voided while it was read: what was read may not be the value.
+                        self.metrics.replica_cache(CacheResult::Stale);
+                        epoch = self.master.places_epoch();
                     }
                     Err(e) => {
                         tracing::debug!(error = %e, "cached replica unreadable; asking the master");
@@ -302,16 +307,21 @@ impl Store {
     /// so no budget is taken): [`ReadInto::Read`] with its length, [`ReadInto::TooSmall`] with
     /// the length `dst` lacks room for (nothing read), or [`ReadInto::Absent`].
     pub async fn get_into(&self, key: Bytes, dst: &mut [u8]) -> Result<ReadInto, StoreError> {
-        let epoch = self.master.places_epoch();
+        let mut epoch = self.master.places_epoch();
         if let Some(cache) = &self.replicas {
             if let Some(d) = cache.get(&key, epoch) {
                 let Some(to) = dst.get_mut(..d.size as usize) else {
                     return Ok(ReadInto::TooSmall(d.size));
                 };
                 match self.xfer.fetch_into(&d, to).await {
-                    Ok(()) => {
+                    Ok(()) if self.master.places_epoch() == epoch => {
                         self.metrics.replica_cache(CacheResult::Hit);
                         return Ok(ReadInto::Read(d.size as usize));
+                    }
+                    Ok(()) => {
+                        // Voided while it was read: what was read may not be the value.
+                        self.metrics.replica_cache(CacheResult::Stale);
+                        epoch = self.master.places_epoch();
                     }
                     Err(e) => {
                         tracing::debug!(error = %e, "cached replica unreadable; asking the master");
