@@ -120,6 +120,7 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
             cfg.owner_face.clone(),
             metrics.owner_face.clone(),
             policy.clone(),
+            topology.clone(),
             shutdown.clone(),
         )
     });

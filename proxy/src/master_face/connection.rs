@@ -113,9 +113,7 @@ impl Activity {
     }
 }
 
-/// How long finding the process behind a connection may delay its first call; past it
-/// the peer is known by its address.
-const IDENTIFY_WITHIN: Duration = Duration::from_millis(500);
+use crate::topology::IDENTIFY_WITHIN;
 
 /// A connection's peer, counted as connected until this is dropped.
 struct Joined(Arc<Peer>, Arc<crate::topology::Topology>);

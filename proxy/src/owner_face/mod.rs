@@ -43,8 +43,10 @@ use tokio_util::task::TaskTracker;
 use crate::accept::{ConnLimit, Slot};
 use crate::calls::offload_read::{self, ReadAnswer, ReadCall, Release};
 use crate::codec::frame::{RESPONSE_HEADER_LEN, check_request, check_response, errc};
+use crate::codec::types::Uuid;
 use crate::codec::{RequestFrame, RequestHeader, ResponseHeader, RpcError};
 use crate::policy::registry::Registry;
+use crate::topology::{IDENTIFY_WITHIN, PeerKey, Topology};
 
 pub use config::OwnerFaceConfig;
 pub use metrics::{Outcome, OwnerFaceMetrics};
@@ -63,6 +65,9 @@ pub struct OwnerFace {
     cfg: OwnerFaceConfig,
     metrics: Arc<OwnerFaceMetrics>,
     policy: Arc<Registry>,
+    /// Who the ranks are: an experiment that assigns arms by client picks a rank's
+    /// reads' `split` hook by the client id its master-face calls carried.
+    topology: Arc<Topology>,
     /// By the owner's own endpoint, as the master names it.
     owners: Mutex<HashMap<Bytes, Arc<Owner>>>,
     limit: ConnLimit,
@@ -226,6 +231,7 @@ impl OwnerFace {
         cfg: OwnerFaceConfig,
         metrics: Arc<OwnerFaceMetrics>,
         policy: Arc<Registry>,
+        topology: Arc<Topology>,
         shutdown: CancellationToken,
     ) -> Arc<OwnerFace> {
         let limit = ConnLimit::new(
@@ -240,6 +246,7 @@ impl OwnerFace {
             cfg,
             metrics,
             policy,
+            topology,
             owners: Mutex::new(HashMap::new()),
             limit,
             shutdown,
@@ -356,6 +363,7 @@ impl OwnerFace {
     /// never waits behind a read waiting for room); answers go back in call order.
     async fn serve(self: Arc<Self>, sock: TcpStream, owner: Arc<Owner>, slot: Slot) {
         let _ = sock.set_nodelay(true);
+        let rank = self.identify(&sock).await;
         let (mut rd, mut wr) = sock.into_split();
         let (tx, mut rx) =
             mpsc::channel::<oneshot::Receiver<Bytes>>(self.cfg.max_inflight_per_connection);
@@ -380,7 +388,7 @@ impl OwnerFace {
                         }
                         let (face, owner) = (face.clone(), owner.clone());
                         tokio::spawn(async move {
-                            let _ = done.send(face.handle(&owner, frame, raw).await);
+                            let _ = done.send(face.handle(&owner, rank, frame, raw).await);
                         });
                         continue;
                     }
@@ -408,10 +416,32 @@ impl OwnerFace {
         }
     }
 
-    async fn handle(&self, owner: &Owner, frame: RequestFrame, raw: Bytes) -> Bytes {
+    /// The process behind a rank's connection (as the master face names it), found off
+    /// the runtime; its address when that fails.
+    async fn identify(&self, sock: &TcpStream) -> Option<PeerKey> {
+        let (ours, theirs) = (sock.local_addr().ok()?, sock.peer_addr().ok()?);
+        let t = self.topology.clone();
+        let found = tokio::task::spawn_blocking(move || t.identify(ours, theirs));
+        match tokio::time::timeout(IDENTIFY_WITHIN, found).await {
+            Ok(Ok(k)) => Some(k),
+            _ => Some(PeerKey::Addr(theirs.ip())),
+        }
+    }
+
+    async fn handle(
+        &self,
+        owner: &Owner,
+        rank: Option<PeerKey>,
+        frame: RequestFrame,
+        raw: Bytes,
+    ) -> Bytes {
         let id = frame.header.function_id;
         if id == offload_read::read_id() {
-            self.read(owner, frame, raw).await
+            // Read at each call: a rank names its client id in its first put.
+            let client = rank
+                .and_then(|k| self.topology.client_of(k))
+                .unwrap_or_default();
+            self.read(owner, &client, frame, raw).await
         } else if id == offload_read::release_id() {
             self.release(owner, frame, raw).await
         } else {
@@ -434,7 +464,13 @@ impl OwnerFace {
 
     /// Where to cut a read of keys weighing `sizes`: key-count and byte bounds, and the
     /// arm's `split` hook (its budget: what the owner holds staged for us, the limit).
-    fn parts(&self, call: &ReadCall, sizes: &[u64], staged: u64) -> Vec<Range<usize>> {
+    fn parts(
+        &self,
+        call: &ReadCall,
+        client: &Uuid,
+        sizes: &[u64],
+        staged: u64,
+    ) -> Vec<Range<usize>> {
         let n = sizes.len();
         let mut points = Vec::new();
         if self.cfg.part_keys > 0 {
@@ -458,10 +494,7 @@ impl OwnerFace {
                 .keys()
                 .next()
                 .map(|k| k.splitn(2, |&b| b == 0).last().unwrap_or(k));
-            if let Some(arm) = set
-                .arms
-                .get(set.pick(&crate::codec::types::Uuid::default(), key))
-            {
+            if let Some(arm) = set.arms.get(set.pick(client, key)) {
                 points.extend(self.policy.split_points(
                     arm,
                     sizes,
@@ -523,7 +556,7 @@ impl OwnerFace {
         }
     }
 
-    async fn read(&self, owner: &Owner, frame: RequestFrame, raw: Bytes) -> Bytes {
+    async fn read(&self, owner: &Owner, client: &Uuid, frame: RequestFrame, raw: Bytes) -> Bytes {
         let seq = frame.header.seq_num;
         let call = match ReadCall::decode(&frame.body) {
             Ok(c) => c,
@@ -535,7 +568,7 @@ impl OwnerFace {
         };
         let sizes = call.sizes();
         let staged = lock(&owner.staged).staged();
-        let ranges = self.parts(&call, &sizes, staged);
+        let ranges = self.parts(&call, client, &sizes, staged);
         let deadline = Instant::now() + Duration::from_millis(self.cfg.max_wait_ms);
         let total: u64 = sizes.iter().sum();
         if ranges.len() > 1 {
@@ -844,6 +877,7 @@ mod tests {
             cfg,
             all.owner_face.clone(),
             policy,
+            Arc::new(Topology::new(all.topology.clone())),
             CancellationToken::new(),
         )
     }
@@ -913,6 +947,77 @@ mod tests {
         // A whole read keeps the owner's id.
         let (_, body) = call(&mut s, 10, offload_read::read_id(), &call_of(2, 100)).await;
         assert_eq!(ReadAnswer::decode(&body).unwrap().batch_id(), Some(4));
+    }
+
+    /// An experiment that assigns arms by client: a rank's SSD reads are cut by the
+    /// `split` hook of the arm its client id (carried by its master-face calls, here
+    /// this test process's) falls in, not by the arm of the zero id.
+    #[tokio::test]
+    async fn a_ranks_reads_are_split_by_the_arm_its_client_falls_in() {
+        use crate::policy::experiment::{ArmSpec, Assign, ExperimentSpec};
+        let (owner, seen) = fake_owner(None).await;
+        let all = Metrics::new();
+        let whole: Arc<dyn Policy> = Arc::new(Fake::new("whole"));
+        let each: Arc<dyn Policy> =
+            Arc::new(Fake::new("each").split(|c| Ok((1..c.sizes.len() as u32).collect())));
+        let arm = |name: &str| ArmSpec {
+            name: name.into(),
+            plugin: name.into(),
+            weight: 1,
+        };
+        let spec = ExperimentSpec {
+            assign: Assign::Client,
+            control: None,
+            arms: vec![arm("whole"), arm("each")],
+            guardrail: Default::default(),
+            capacity: Default::default(),
+        };
+        let policy = Registry::with_policies(
+            Default::default(),
+            Some(spec),
+            all.policy.clone(),
+            vec![whole, each],
+        )
+        .unwrap();
+        let set = policy.current();
+        let zero_arm = set.pick(&Uuid::default(), None);
+        let client = (1u64..=255)
+            .map(|b| Uuid {
+                first: b,
+                second: 0,
+            })
+            .find(|u| set.pick(u, None) != zero_arm)
+            .expect("a client in the other arm");
+        let cuts = set.arms[set.pick(&client, None)].plugin.name() == "each";
+        let topology = Arc::new(Topology::new(all.topology.clone()));
+        let f = OwnerFace::new(
+            OwnerFaceConfig {
+                enabled: true,
+                ..Default::default()
+            },
+            all.owner_face.clone(),
+            policy,
+            topology.clone(),
+            CancellationToken::new(),
+        );
+        let relay = f.endpoint_for(&Bytes::from(owner)).unwrap();
+        let mut s = TcpStream::connect(std::str::from_utf8(&relay).unwrap())
+            .await
+            .unwrap();
+        // The rank's master-face calls named `client`. (This test process is the rank
+        // and moongate at once: a process is not looked for among its own sockets, so
+        // the rank is known by its address here, as a remote one would be.)
+        let key = PeerKey::Addr(s.local_addr().unwrap().ip());
+        topology.join(key).saw_client(client);
+        let (h, _) = call(&mut s, 1, offload_read::read_id(), &call_of(4, 100)).await;
+        assert_eq!(h.err_code, errc::OK);
+        let parts = lock(&seen.reads).clone();
+        if cuts {
+            assert_eq!(parts, vec![1, 1, 1, 1], "cut by the client's arm");
+        } else {
+            assert_eq!(parts, vec![4], "whole, as the client's arm says");
+        }
+        assert_eq!(all.owner_face.split_reads.get(), u64::from(cuts));
     }
 
     #[tokio::test]

@@ -208,6 +208,10 @@ struct OffloadState {
     owners: HashMap<Uuid, OwnerState>,
 }
 
+/// How long finding the process behind a connection may delay its first call; past it
+/// the peer is known by its address.
+pub const IDENTIFY_WITHIN: std::time::Duration = std::time::Duration::from_millis(500);
+
 /// The peers of the master face, and what owners did with their SSDs.
 pub struct Topology {
     peers: Mutex<HashMap<PeerKey, Arc<Peer>>>,
@@ -285,6 +289,11 @@ impl Topology {
             })
             .collect();
         identify::identify(ours, theirs, &known)
+    }
+
+    /// The Mooncake client id a known peer's calls carried, if any did.
+    pub fn client_of(&self, key: PeerKey) -> Option<Uuid> {
+        lock(&self.peers).get(&key).and_then(|p| p.client())
     }
 
     /// The release a known peer's calls (or its wheel) showed, if any.
