@@ -335,13 +335,17 @@ fn plugins_come_signed_from_a_registry_and_everything_wrong_is_refused() {
     // The rollout path: a `p.oci` file (a ConfigMap key, a downward-API annotation)
     // names a new digest; the active plugin moves to it.
     std::fs::write(watch.path().join("p.oci"), format!("{prefix_pinned}\n")).unwrap();
+    // Loaded first (its new source shows), then activated: wait for both, or a busy
+    // machine catches it in between ("loaded": seen in a clean-clone CI run).
     wait_for(
-        "p upgraded from the registry",
+        "p upgraded from the registry and active",
         Duration::from_secs(15),
         &[&mg.proc, &reg.proc],
-        || plugin(&mg, "p")["source"] == prefix_pinned.as_str(),
+        || {
+            let p = plugin(&mg, "p");
+            p["source"] == prefix_pinned.as_str() && p["state"] == "active"
+        },
     );
-    assert_eq!(plugin(&mg, "p")["state"], "active");
     assert!(mg.metric("moongate_plugin_pulls_total{result=\"ok\"}") >= 3.0);
 
     // Registry down: pulls fail cleanly, counted; the active plugin stays.
