@@ -22,13 +22,29 @@ use crate::accept::{ConnLimit, Idle};
 use crate::kv::client::{StoreError, Value};
 
 /// The chunks of a streamed value as HTTP body frames.
-fn tokio_stream_of(
-    mut rx: tokio::sync::mpsc::Receiver<Result<Bytes, std::io::Error>>,
-) -> impl futures_util::Stream<Item = Result<hyper::body::Frame<Bytes>, std::io::Error>> {
-    futures_util::stream::poll_fn(move |cx| {
-        rx.poll_recv(cx)
+/// A streamed value as a response body: polled on the connection's own task.
+struct StreamedBody(crate::kv::client::transfer::Streamed);
+
+impl hyper::body::Body for StreamedBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, std::io::Error>>> {
+        self.0
+            .poll_chunk(cx)
             .map(|o| o.map(|r| r.map(hyper::body::Frame::data)))
-    })
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.0.remaining() == 0
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        hyper::body::SizeHint::with_exact(self.0.remaining())
+    }
 }
 
 /// Every answer's body: whole, or a value streamed from its owner as it arrives.
@@ -381,9 +397,9 @@ async fn route(state: Arc<KvState>, conn: &Conn, req: Request<Incoming>) -> Resp
     match method {
         Method::GET => match state.store.get(key).await {
             Ok(Some(Value::Whole(v))) => reply(StatusCode::OK, v, "application/octet-stream"),
-            Ok(Some(Value::Stream { len, chunks })) => {
-                let frames = tokio_stream_of(chunks);
-                let mut r = Response::new(StreamBody::new(frames).boxed());
+            Ok(Some(Value::Stream(v))) => {
+                let len = v.size();
+                let mut r = Response::new(StreamedBody(v).boxed());
                 r.headers_mut().insert(
                     hyper::header::CONTENT_TYPE,
                     hyper::header::HeaderValue::from_static("application/octet-stream"),

@@ -119,11 +119,8 @@ pub async fn in_order<F: std::future::Future>(jobs: Vec<F>, limit: usize) -> Vec
 /// A value read from the store.
 pub enum Value {
     Whole(Bytes),
-    /// `len` bytes arriving in chunks; an `Err` chunk means the transfer broke.
-    Stream {
-        len: u64,
-        chunks: tokio::sync::mpsc::Receiver<Result<Bytes, std::io::Error>>,
-    },
+    /// A large value read from its owner as the caller takes it.
+    Stream(transfer::Streamed),
 }
 
 /// What a read into a caller's buffer came to.
@@ -416,7 +413,7 @@ impl Store {
             Source::Disk(d) => self.xfer.read_disk(d).await,
             Source::Memory(d) => match self.xfer.fetch(d, None).await? {
                 Value::Whole(b) => Ok(b),
-                Value::Stream { .. } => Err(StoreError::Unexpected),
+                Value::Stream(_) => Err(StoreError::Unexpected),
             },
         }
     }

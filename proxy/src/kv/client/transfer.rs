@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use bytes::Bytes;
+use bytes::{BufMut, Bytes};
 
 use super::budget::Reserved;
 use super::disk;
@@ -120,40 +120,115 @@ impl Sink<'_> {
     }
 }
 
-/// Forwards `len` bytes from a TE-TCP connection whose READ was accepted, chunk by
-/// chunk; the budget reservation lives until the last chunk is handed on.
-fn stream_value<R>(mut s: R, len: u64, room: Reserved) -> Value
-where
-    R: tokio::io::AsyncRead + Unpin + Send + 'static,
-{
-    use tokio::io::AsyncReadExt;
-    let (tx, rx) = tokio::sync::mpsc::channel(8);
-    tokio::spawn(async move {
-        let _room = room;
-        let mut left = len as usize;
-        while left > 0 {
-            let mut buf = bytes::BytesMut::with_capacity(STREAM_CHUNK.min(left));
-            let n = STREAM_CHUNK.min(left);
-            while buf.len() < n {
-                match s.read_buf(&mut buf).await {
-                    Ok(0) => {
-                        let _ = tx.send(Err(std::io::ErrorKind::UnexpectedEof.into())).await;
-                        return;
-                    }
-                    Ok(_) => {}
-                    Err(e) => {
-                        let _ = tx.send(Err(e)).await;
-                        return;
-                    }
+/// Where a streamed value's bytes come from.
+enum Src {
+    /// A TE-TCP connection whose READ the owner accepted; it goes back to the pool once
+    /// every byte was read (the owner then waits for the next request on it).
+    Te {
+        s: tokio::net::TcpStream,
+        peer: String,
+        pool: Arc<Pool>,
+    },
+    /// A QUIC stream from a moongate: never reused.
+    Quic(quinn::RecvStream),
+}
+
+/// A value of `len` bytes read from its owner as the caller takes it: polled from the
+/// caller's own task (the kv face's connection), so no task or channel sits between the
+/// owner's socket and the caller's, and the owner's bytes wait in its socket buffer while
+/// the caller's are written. The budget reservation lives until it is dropped.
+pub struct Streamed {
+    src: Option<Src>,
+    len: u64,
+    left: usize,
+    buf: bytes::BytesMut,
+    _room: Reserved,
+}
+
+impl std::fmt::Debug for Streamed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Streamed")
+            .field("len", &self.len)
+            .field("left", &self.left)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Streamed {
+    fn new(src: Src, len: u64, room: Reserved) -> Streamed {
+        Streamed {
+            src: Some(src),
+            len,
+            left: len as usize,
+            buf: bytes::BytesMut::new(),
+            _room: room,
+        }
+    }
+
+    /// The value's size.
+    pub fn size(&self) -> u64 {
+        self.len
+    }
+
+    /// Bytes not yet handed out.
+    pub fn remaining(&self) -> u64 {
+        self.left as u64
+    }
+
+    /// The next bytes of the value: up to [`STREAM_CHUNK`] at once, or what has arrived
+    /// when the owner's socket has no more yet (so the caller's side writes while the
+    /// owner's fills); `None` after the last byte; an error if the owner's connection
+    /// broke or ended early.
+    pub fn poll_chunk(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<std::io::Result<Bytes>>> {
+        use std::task::Poll;
+        let Some(src) = self.src.as_mut().filter(|_| self.left > 0) else {
+            return Poll::Ready(None);
+        };
+        // A chunk handed out early leaves the rest of its allocation to fill; a new one
+        // is taken only when too little of it is left for a worthwhile read.
+        let want = STREAM_CHUNK.min(self.left);
+        if self.buf.capacity() < (64 << 10).min(want) {
+            self.buf.reserve(want);
+        }
+        let want = want.min(self.buf.capacity());
+        while self.buf.len() < want {
+            let before = self.buf.len();
+            let mut limited = (&mut self.buf).limit(want - before);
+            let polled = match src {
+                Src::Te { s, .. } => {
+                    tokio_util::io::poll_read_buf(std::pin::Pin::new(s), cx, &mut limited)
                 }
-            }
-            left -= buf.len();
-            if tx.send(Ok(buf.freeze())).await.is_err() {
-                return; // the caller went away
+                Src::Quic(r) => {
+                    tokio_util::io::poll_read_buf(std::pin::Pin::new(r), cx, &mut limited)
+                }
+            };
+            match polled {
+                Poll::Ready(Ok(0)) => {
+                    self.src = None;
+                    return Poll::Ready(Some(Err(std::io::ErrorKind::UnexpectedEof.into())));
+                }
+                Poll::Ready(Ok(_)) => {}
+                Poll::Ready(Err(e)) => {
+                    self.src = None;
+                    return Poll::Ready(Some(Err(e)));
+                }
+                Poll::Pending if self.buf.is_empty() => return Poll::Pending,
+                Poll::Pending => break,
             }
         }
-    });
-    Value::Stream { len, chunks: rx }
+        let chunk = self.buf.split().freeze();
+        self.left -= chunk.len();
+        if self.left == 0 {
+            // Every byte read: the connection is clean for the next READ.
+            if let Some(Src::Te { s, peer, pool }) = self.src.take() {
+                pool.give_back(&peer, s);
+            }
+        }
+        Poll::Ready(Some(Ok(chunk)))
+    }
 }
 
 /// A replica moongate can read an object from.
@@ -201,7 +276,7 @@ pub(super) fn readable(list: &GetReplicaListResponse) -> Result<Source, StoreErr
 /// own segment once it is mounted.
 pub struct Transfers {
     pub metadata: Metadata,
-    pub te: Pool,
+    pub te: Arc<Pool>,
     pub quic: Option<QuicPool>,
     own: std::sync::OnceLock<(Bytes, Arc<Memory>)>,
     /// Where disk replicas may be (`kv.disk_root`).
@@ -218,7 +293,7 @@ impl Transfers {
     ) -> Transfers {
         Transfers {
             metadata,
-            te,
+            te: Arc::new(te),
             quic,
             own: std::sync::OnceLock::new(),
             disk: disk::Root::default(),
@@ -316,7 +391,7 @@ impl Transfers {
                 && let Some(r) = room.take()
             {
                 self.metrics.transfer(Transport::Quic, Dir::Read, n);
-                return Ok(stream_value(recv, n, r));
+                return Ok(Value::Stream(Streamed::new(Src::Quic(recv), n, r)));
             }
         } else if let Some(v) = self
             .via_quic(&d.transport_endpoint, |q, peer| async move {
@@ -338,7 +413,12 @@ impl Transfers {
                 .await
                 .map_err(forget)?;
             self.metrics.transfer(Transport::Tcp, Dir::Read, d.size);
-            return Ok(stream_value(s, d.size, room));
+            let src = Src::Te {
+                s,
+                peer: seg.data.to_string(),
+                pool: self.te.clone(),
+            };
+            return Ok(Value::Stream(Streamed::new(src, d.size, room)));
         }
         let v = self
             .te
@@ -596,5 +676,104 @@ impl Transfers {
             self.metrics.transfer(Transport::Tcp, Dir::Write, d.size);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::client::budget::{Budget, ByteBudget};
+    use std::time::Duration;
+    use tokio::io::AsyncWriteExt;
+
+    fn budget() -> ByteBudget {
+        ByteBudget::new(
+            &Budget {
+                max_inflight_bytes: 64 << 20,
+                busy_wait: Duration::from_millis(20),
+            },
+            crate::metrics::Metrics::new().kv.clone(),
+        )
+    }
+
+    /// A streamed value over a connection of `pool` to a peer that sends `sent`.
+    async fn streamed(
+        pool: &Arc<Pool>,
+        len: u64,
+        sent: Vec<u8>,
+        b: &ByteBudget,
+    ) -> (Streamed, String) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let peer = l.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            // In pieces, with pauses: the reader hands out what has arrived.
+            for piece in sent.chunks(100_000) {
+                s.write_all(piece).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            // Held open (a TE owner waits for the next request) until the reader is done.
+            let mut rest = Vec::new();
+            let _ = tokio::io::AsyncReadExt::read_to_end(&mut s, &mut rest).await;
+        });
+        let s = tokio::net::TcpStream::connect(&peer).await.unwrap();
+        let src = Src::Te {
+            s,
+            peer: peer.clone(),
+            pool: pool.clone(),
+        };
+        (Streamed::new(src, len, b.reserve(len).await.unwrap()), peer)
+    }
+
+    async fn drain(v: &mut Streamed) -> Result<Vec<u8>, std::io::Error> {
+        let mut out = Vec::new();
+        while let Some(c) = std::future::poll_fn(|cx| v.poll_chunk(cx)).await {
+            let c = c?;
+            assert!(!c.is_empty() && c.len() <= STREAM_CHUNK);
+            out.extend_from_slice(&c);
+        }
+        Ok(out)
+    }
+
+    #[tokio::test]
+    async fn a_streamed_value_arrives_whole_and_its_connection_is_kept_for_the_next_read() {
+        let pool = Arc::new(Pool::new(1, Duration::from_secs(5)));
+        let b = budget();
+        let value: Vec<u8> = (0..1_500_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let (mut v, peer) = streamed(&pool, value.len() as u64, value.clone(), &b).await;
+        assert_eq!(b.inflight_bytes(), 1_500_160);
+        assert_eq!(drain(&mut v).await.unwrap(), value);
+        assert_eq!(v.remaining(), 0);
+        // The connection went back to the pool: the next take reuses it (no listener
+        // accepts a second one).
+        assert_eq!(pool.idle_count(&peer), 1);
+        drop(v);
+        assert_eq!(b.inflight_bytes(), 0, "the reservation ends with the value");
+    }
+
+    #[tokio::test]
+    async fn a_streamed_value_cut_short_is_an_error_and_its_connection_is_not_kept() {
+        let pool = Arc::new(Pool::new(1, Duration::from_secs(5)));
+        let b = budget();
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            s.write_all(&[1u8; 1000]).await.unwrap();
+        });
+        let s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let src = Src::Te {
+            s,
+            peer: addr.to_string(),
+            pool: pool.clone(),
+        };
+        let mut v = Streamed::new(src, 5000, b.reserve(5000).await.unwrap());
+        let e = drain(&mut v).await.unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
+        // Polled again after the error: the end, never a panic or a second read.
+        assert!(std::future::poll_fn(|cx| v.poll_chunk(cx)).await.is_none());
+        assert_eq!(pool.idle_count(&addr.to_string()), 0);
+        drop(v);
+        assert_eq!(b.inflight_bytes(), 0);
     }
 }

@@ -129,7 +129,15 @@ impl Pool {
         Ok(s)
     }
 
-    fn give_back(&self, peer: &str, s: TcpStream) {
+    /// Idle connections kept for `peer` (tests).
+    #[cfg(test)]
+    pub fn idle_count(&self, peer: &str) -> usize {
+        let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        idle.get(peer).map_or(0, Vec::len)
+    }
+
+    /// Keeps a connection whose last transfer ended cleanly, for the next one to `peer`.
+    pub fn give_back(&self, peer: &str, s: TcpStream) {
         let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
         let v = idle.entry(peer.to_string()).or_default();
         if v.len() < self.keep {
