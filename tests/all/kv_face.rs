@@ -149,17 +149,34 @@ fn a_forced_removal_through_the_master_face_voids_the_replica_cache() {
         );
     }
     assert_eq!((cache("hit"), cache("miss")), (1.0, 1.0));
+    // A batch reads through the same cache: fr/0 from it, fr/1 asked (and cached).
+    let batch = || {
+        let (st, body) =
+            http_bytes(&kv, "POST", "/v1/kv/batch/get", br#"["fr/0","fr/1"]"#).unwrap();
+        assert_eq!(st, 200, "{}", String::from_utf8_lossy(&body));
+        get_records(&body)
+    };
+    let both = vec![(200, value_of("fr/0", 5000)), (200, value_of("fr/1", 5000))];
+    assert!(batch() == both, "a batch read other values");
+    assert_eq!((cache("hit"), cache("miss")), (2.0, 2.0));
+    assert!(batch() == both, "a batch read other values");
+    assert_eq!((cache("hit"), cache("miss")), (4.0, 2.0));
     // Our reads leased fr/0; a forced removal takes it anyway.
     assert_eq!(bad(rank.step("forcerm fr/ 1")), none);
     let (st, _) = http_bytes(&kv, "GET", "/v1/kv/fr%2F0", &[]).unwrap();
     assert_eq!(st, 404, "read through a voided replica list");
-    assert_eq!((cache("hit"), cache("miss")), (1.0, 2.0));
-    // The other key reads as before, and is cached anew.
+    assert_eq!((cache("hit"), cache("miss")), (4.0, 3.0));
+    // A batch too: fr/0 absent, fr/1 read as before (every list was voided: asked anew).
+    let recs = batch();
+    assert_eq!(recs[0].0, 404, "a batch read through a voided replica list");
+    assert!(recs[1] == both[1]);
+    assert_eq!((cache("hit"), cache("miss")), (4.0, 5.0));
+    // The other key reads as before, from the list the batch cached anew.
     for _ in 0..2 {
         let (st, body) = http_bytes(&kv, "GET", "/v1/kv/fr%2F1", &[]).unwrap();
         assert!(st == 200 && body == value_of("fr/1", 5000));
     }
-    assert_eq!((cache("hit"), cache("miss")), (2.0, 3.0));
+    assert_eq!((cache("hit"), cache("miss")), (6.0, 5.0));
     rank.end(Duration::from_secs(60));
 }
 

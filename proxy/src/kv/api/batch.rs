@@ -19,7 +19,7 @@ use super::intake::RoomError;
 use super::records::{self, PutReader, RecordError};
 use super::state::{KvState, code_of, decide, status_of};
 use crate::codec::Method;
-use crate::kv::client::{BATCH_CONCURRENCY, Source, StoreError};
+use crate::kv::client::{BATCH_CONCURRENCY, Located, StoreError};
 use crate::policy::{self, Sending};
 
 /// The outcome of one key of a batch.
@@ -70,7 +70,7 @@ pub(super) fn part_starts(state: &KvState, first_key: &Bytes, sizes: &[u64]) -> 
 pub async fn get_parts(
     state: Arc<KvState>,
     keys: Vec<Bytes>,
-    located: Vec<Result<Option<Source>, StoreError>>,
+    located: Vec<Result<Option<Located>, StoreError>>,
     tx: tokio::sync::mpsc::Sender<Bytes>,
 ) {
     let sizes: Vec<u64> = located
@@ -102,8 +102,8 @@ pub async fn get_parts(
             },
         };
         let mut jobs = Vec::with_capacity(to - from);
-        for r in &located[from..to] {
-            jobs.push(get_one(&state, r, busy.as_deref()));
+        for (key, r) in keys[from..to].iter().zip(&located[from..to]) {
+            jobs.push(get_one(&state, key, r, busy.as_deref()));
         }
         // Records go out in key order as soon as each is read (and all earlier ones
         // were), so the caller's receive overlaps the part's remaining reads.
@@ -128,15 +128,17 @@ pub async fn get_parts(
 /// The answer record of one key of a batch get.
 async fn get_one(
     state: &KvState,
-    located: &Result<Option<Source>, StoreError>,
+    key: &Bytes,
+    located: &Result<Option<Located>, StoreError>,
     busy: Option<&str>,
 ) -> [Bytes; 2] {
     match (located, busy) {
         (Ok(None), _) => failed_record(StatusCode::NOT_FOUND, "no such key"),
         (Err(e), _) => failed_record(status_of(e), &e.to_string()),
         (Ok(Some(_)), Some(why)) => failed_record(StatusCode::SERVICE_UNAVAILABLE, why),
-        (Ok(Some(d)), None) => match state.store.read_replica(d).await {
-            Ok(v) => [records::get_head(200, v.len() as u64), v],
+        (Ok(Some(d)), None) => match state.store.read_located(key, d).await {
+            Ok(Some(v)) => [records::get_head(200, v.len() as u64), v],
+            Ok(None) => failed_record(StatusCode::NOT_FOUND, "no such key"),
             Err(e) => failed_record(status_of(&e), &e.to_string()),
         },
     }

@@ -644,7 +644,7 @@ impl Conn<'_> {
         let jobs: Vec<_> = items
             .iter()
             .zip(located)
-            .map(|((_, range), src)| async move {
+            .map(|((key, range), src)| async move {
                 let src = match src {
                     Ok(Some(s)) => s,
                     Ok(None) => return i64::from(ERR_NOT_FOUND),
@@ -652,7 +652,7 @@ impl Conn<'_> {
                 };
                 // SAFETY: the items' ranges do not overlap (checked above).
                 let dst = unsafe { r.slice(*range) };
-                match self.state.store.read_into(&src, dst).await {
+                match self.state.store.read_located_into(key, &src, dst).await {
                     Ok(ReadInto::Read(n)) => n as i64,
                     Ok(ReadInto::TooSmall(_)) => i64::from(ERR_TOO_SMALL),
                     Ok(ReadInto::Absent) => i64::from(ERR_NOT_FOUND),

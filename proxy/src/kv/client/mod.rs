@@ -133,6 +133,22 @@ pub enum ReadInto {
     Absent,
 }
 
+/// Where a batch read finds one key's value: a replica list the master just gave, or
+/// one from the replica cache (`cached`: the places epoch it was found under, checked
+/// again after the read).
+#[derive(Debug, Clone)]
+pub struct Located {
+    pub src: Source,
+    cached: Option<u64>,
+}
+
+impl Located {
+    /// The value's size as located (what a batch reserves budget for).
+    pub fn size(&self) -> u64 {
+        self.src.size()
+    }
+}
+
 /// A batch answer that has one entry per asked key, or `Unexpected`.
 fn per_key<T>(answers: Vec<T>, keys: usize) -> Result<Vec<T>, StoreError> {
     if answers.len() == keys {
@@ -380,35 +396,150 @@ impl Store {
         Ok(ReadInto::Read(size as usize))
     }
 
-    /// Where the values of `keys` are, in one `BatchGetReplicaList`: per key the replica
-    /// to read, `None` when the key is absent, or why it cannot be read.
+    /// Where the values of `keys` are: from the replica cache where it holds a list not
+    /// voided since, the rest in one `BatchGetReplicaList` (whose lists are cached): per
+    /// key the replica to read, `None` when the key is absent, or why it cannot be read.
+    /// A cached one is read with [`Store::read_located`] or
+    /// [`Store::read_located_into`], which check after the read that it still held.
     pub async fn locate_many(
         &self,
         keys: Vec<Bytes>,
-    ) -> Result<Vec<Result<Option<Source>, StoreError>>, StoreError> {
-        let n = keys.len();
-        let resp = self
-            .call(Request::BatchGetReplicaList(KeysArgs {
-                keys: keys.into(),
-                tenant_id: self.tenant.clone(),
-            }))
-            .await?;
-        let Response::BatchGetReplicaList(v) = resp else {
-            return Err(StoreError::Unexpected);
-        };
-        Ok(per_key(v, n)?
+    ) -> Result<Vec<Result<Option<Located>, StoreError>>, StoreError> {
+        let epoch = self.master.places_epoch();
+        let mut found: Vec<Option<Result<Option<Located>, StoreError>>> =
+            Vec::with_capacity(keys.len());
+        let mut ask = Vec::new();
+        for k in &keys {
+            let hit = self.replicas.as_ref().and_then(|c| c.get(k, epoch));
+            if hit.is_none() && self.replicas.is_some() {
+                self.metrics.replica_cache(CacheResult::Miss);
+            }
+            found.push(hit.map(|d| {
+                Ok(Some(Located {
+                    src: Source::Memory(d),
+                    cached: Some(epoch),
+                }))
+            }));
+            if found.last().is_some_and(Option::is_none) {
+                ask.push(k.clone());
+            }
+        }
+        if !ask.is_empty() {
+            let n = ask.len();
+            let resp = self
+                .call(Request::BatchGetReplicaList(KeysArgs {
+                    keys: ask.clone().into(),
+                    tenant_id: self.tenant.clone(),
+                }))
+                .await?;
+            let Response::BatchGetReplicaList(v) = resp else {
+                return Err(StoreError::Unexpected);
+            };
+            let mut answers = per_key(v, n)?.into_iter().zip(ask);
+            for slot in found.iter_mut().filter(|s| s.is_none()) {
+                let Some((r, key)) = answers.next() else {
+                    return Err(StoreError::Unexpected);
+                };
+                *slot = Some(match r {
+                    Ok(list) => readable(&list).map(|src| {
+                        if let (Some(cache), Source::Memory(d)) = (&self.replicas, &src) {
+                            cache.put(key, d, list.lease_ttl_ms, epoch);
+                        }
+                        Some(Located { src, cached: None })
+                    }),
+                    Err(ErrorCode::OBJECT_NOT_FOUND) => Ok(None),
+                    Err(e) => Err(StoreError::Refused(e)),
+                });
+            }
+        }
+        Ok(found
             .into_iter()
-            .map(|r| match r {
-                Ok(list) => readable(&list).map(Some),
-                Err(ErrorCode::OBJECT_NOT_FOUND) => Ok(None),
-                Err(e) => Err(StoreError::Refused(e)),
-            })
+            .map(|s| s.unwrap_or(Err(StoreError::Unexpected)))
             .collect())
     }
 
-    /// Reads a replica whole; the caller holds its budget. (Batch reads: their part's
-    /// reservation covers every value in it.)
-    pub async fn read_replica(&self, src: &Source) -> Result<Bytes, StoreError> {
+    /// Reads a located replica whole; the caller holds budget for `loc`'s size. A
+    /// replica found in the cache is answered only if no removal, lost master or new
+    /// leader voided the lists while it was read; else the master is asked again and the
+    /// value read anew (`None`: it is gone; a larger value reserves its extra bytes).
+    pub async fn read_located(
+        &self,
+        key: &Bytes,
+        loc: &Located,
+    ) -> Result<Option<Bytes>, StoreError> {
+        let Some(epoch) = loc.cached else {
+            return self.read_whole(&loc.src).await.map(Some);
+        };
+        match self.read_whole(&loc.src).await {
+            Ok(v) if self.master.places_epoch() == epoch => {
+                self.metrics.replica_cache(CacheResult::Hit);
+                return Ok(Some(v));
+            }
+            r => self.stale(key, r.err()),
+        }
+        let Some((src, _extra)) = self.relocate(key, loc, true).await? else {
+            return Ok(None);
+        };
+        self.read_whole(&src).await.map(Some)
+    }
+
+    /// Reads a located replica into `dst`, as [`Store::read_located`] does.
+    pub async fn read_located_into(
+        &self,
+        key: &Bytes,
+        loc: &Located,
+        dst: &mut [u8],
+    ) -> Result<ReadInto, StoreError> {
+        let Some(epoch) = loc.cached else {
+            return self.read_into(&loc.src, dst).await;
+        };
+        match self.read_into(&loc.src, dst).await {
+            Ok(r) if self.master.places_epoch() == epoch => {
+                self.metrics.replica_cache(CacheResult::Hit);
+                return Ok(r);
+            }
+            r => self.stale(key, r.err()),
+        }
+        let Some((src, _)) = self.relocate(key, loc, false).await? else {
+            return Ok(ReadInto::Absent);
+        };
+        self.read_into(&src, dst).await
+    }
+
+    /// A cached replica list that did not hold through a read: counted, and forgotten
+    /// when the read itself failed.
+    fn stale(&self, key: &Bytes, failed: Option<StoreError>) {
+        self.metrics.replica_cache(CacheResult::Stale);
+        if let (Some(e), Some(cache)) = (failed, &self.replicas) {
+            tracing::debug!(error = %e, "cached replica unreadable; asking the master");
+            cache.forget(key);
+        }
+    }
+
+    /// Asks the master again for a key whose cached list did not hold: the replica (now
+    /// cached) and, with `budget` (a read into moongate's memory), budget for the bytes
+    /// it has beyond `loc`'s; `None` when it is gone.
+    async fn relocate(
+        &self,
+        key: &Bytes,
+        loc: &Located,
+        budget: bool,
+    ) -> Result<Option<(Source, Option<Reserved>)>, StoreError> {
+        let epoch = self.master.places_epoch();
+        let Some((src, lease_ttl_ms)) = self.locate(key).await? else {
+            return Ok(None);
+        };
+        let extra = match src.size().checked_sub(loc.size()) {
+            Some(more) if budget && more > 0 => Some(self.reserve(more).await?),
+            _ => None,
+        };
+        if let (Some(cache), Source::Memory(d)) = (&self.replicas, &src) {
+            cache.put(key.clone(), d, lease_ttl_ms, epoch);
+        }
+        Ok(Some((src, extra)))
+    }
+
+    async fn read_whole(&self, src: &Source) -> Result<Bytes, StoreError> {
         match src {
             Source::Disk(d) => self.xfer.read_disk(d).await,
             Source::Memory(d) => match self.xfer.fetch(d, None).await? {
