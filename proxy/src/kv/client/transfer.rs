@@ -142,6 +142,13 @@ pub struct Streamed {
     len: u64,
     left: usize,
     buf: bytes::BytesMut,
+    /// The longest wait for the owner's next bytes (`kv.timeout_ms`): a stalled owner
+    /// ends the value with an error instead of holding its budget and connection.
+    stall: std::time::Duration,
+    /// When bytes last arrived, and the timer that fires `stall` after (made on the
+    /// first wait, then reset, not made anew).
+    progress: tokio::time::Instant,
+    timer: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
     _room: Reserved,
 }
 
@@ -155,14 +162,35 @@ impl std::fmt::Debug for Streamed {
 }
 
 impl Streamed {
-    fn new(src: Src, len: u64, room: Reserved) -> Streamed {
+    fn new(src: Src, len: u64, room: Reserved, stall: std::time::Duration) -> Streamed {
         Streamed {
             src: Some(src),
             len,
             left: len as usize,
             buf: bytes::BytesMut::new(),
+            stall,
+            progress: tokio::time::Instant::now(),
+            timer: None,
             _room: room,
         }
+    }
+
+    /// Pending while the owner is within `stall` of its last bytes; else the error.
+    fn stalled(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Error> {
+        let at = self.progress + self.stall;
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at)));
+        if timer.deadline() != at {
+            timer.as_mut().reset(at);
+        }
+        timer.as_mut().poll(cx).map(|()| {
+            self.src = None;
+            std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("the owner sent nothing for {:?}", self.stall),
+            )
+        })
     }
 
     /// The value's size.
@@ -210,12 +238,14 @@ impl Streamed {
                     self.src = None;
                     return Poll::Ready(Some(Err(std::io::ErrorKind::UnexpectedEof.into())));
                 }
-                Poll::Ready(Ok(_)) => {}
+                Poll::Ready(Ok(_)) => self.progress = tokio::time::Instant::now(),
                 Poll::Ready(Err(e)) => {
                     self.src = None;
                     return Poll::Ready(Some(Err(e)));
                 }
-                Poll::Pending if self.buf.is_empty() => return Poll::Pending,
+                Poll::Pending if self.buf.is_empty() => {
+                    return self.stalled(cx).map(|e| Some(Err(e)));
+                }
                 Poll::Pending => break,
             }
         }
@@ -391,7 +421,12 @@ impl Transfers {
                 && let Some(r) = room.take()
             {
                 self.metrics.transfer(Transport::Quic, Dir::Read, n);
-                return Ok(Value::Stream(Streamed::new(Src::Quic(recv), n, r)));
+                return Ok(Value::Stream(Streamed::new(
+                    Src::Quic(recv),
+                    n,
+                    r,
+                    self.te.timeout(),
+                )));
             }
         } else if let Some(v) = self
             .via_quic(&d.transport_endpoint, |q, peer| async move {
@@ -418,7 +453,12 @@ impl Transfers {
                 peer: seg.data.to_string(),
                 pool: self.te.clone(),
             };
-            return Ok(Value::Stream(Streamed::new(src, d.size, room)));
+            return Ok(Value::Stream(Streamed::new(
+                src,
+                d.size,
+                room,
+                self.te.timeout(),
+            )));
         }
         let v = self
             .te
@@ -722,7 +762,15 @@ mod tests {
             peer: peer.clone(),
             pool: pool.clone(),
         };
-        (Streamed::new(src, len, b.reserve(len).await.unwrap()), peer)
+        (
+            Streamed::new(
+                src,
+                len,
+                b.reserve(len).await.unwrap(),
+                Duration::from_secs(30),
+            ),
+            peer,
+        )
     }
 
     async fn drain(v: &mut Streamed) -> Result<Vec<u8>, std::io::Error> {
@@ -767,7 +815,12 @@ mod tests {
             peer: addr.to_string(),
             pool: pool.clone(),
         };
-        let mut v = Streamed::new(src, 5000, b.reserve(5000).await.unwrap());
+        let mut v = Streamed::new(
+            src,
+            5000,
+            b.reserve(5000).await.unwrap(),
+            Duration::from_secs(30),
+        );
         let e = drain(&mut v).await.unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
         // Polled again after the error: the end, never a panic or a second read.
@@ -775,5 +828,38 @@ mod tests {
         assert_eq!(pool.idle_count(&addr.to_string()), 0);
         drop(v);
         assert_eq!(b.inflight_bytes(), 0);
+    }
+
+    #[tokio::test]
+    async fn an_owner_that_stalls_mid_value_ends_it_with_a_timeout_and_gives_back_its_budget() {
+        let pool = Arc::new(Pool::new(1, Duration::from_secs(5)));
+        let b = budget();
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let (held_tx, held) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            s.write_all(&[3u8; 70_000]).await.unwrap();
+            // Then nothing, with the connection open, until the test ends.
+            let _ = held.await;
+        });
+        let s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let src = Src::Te {
+            s,
+            peer: addr.to_string(),
+            pool: pool.clone(),
+        };
+        let stall = Duration::from_millis(200);
+        let mut v = Streamed::new(src, 1 << 20, b.reserve(1 << 20).await.unwrap(), stall);
+        // Bounded only so a broken timer fails the test instead of hanging it.
+        let r = tokio::time::timeout(Duration::from_secs(30), drain(&mut v))
+            .await
+            .expect("a stalled owner was waited on without end");
+        assert_eq!(r.unwrap_err().kind(), std::io::ErrorKind::TimedOut);
+        assert!(std::future::poll_fn(|cx| v.poll_chunk(cx)).await.is_none());
+        drop(v);
+        assert_eq!(b.inflight_bytes(), 0);
+        assert_eq!(pool.idle_count(&addr.to_string()), 0);
+        drop(held_tx);
     }
 }

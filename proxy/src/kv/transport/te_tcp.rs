@@ -108,6 +108,11 @@ impl Pool {
         }
     }
 
+    /// The deadline of one transfer's step (`kv.timeout_ms`).
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     async fn take(&self, peer: &str) -> Result<TcpStream, TeError> {
         let reused = self
             .idle
