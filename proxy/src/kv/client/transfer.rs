@@ -145,9 +145,10 @@ pub struct Streamed {
     /// The longest wait for the owner's next bytes (`kv.timeout_ms`): a stalled owner
     /// ends the value with an error instead of holding its budget and connection.
     stall: std::time::Duration,
-    /// When bytes last arrived, and the timer that fires `stall` after (made on the
-    /// first wait, then reset, not made anew).
-    progress: tokio::time::Instant,
+    /// Since when the owner has been waited on without a byte (`None`: not waiting; a
+    /// caller that stops taking bytes for a while is not the owner's stall), and the
+    /// timer that fires `stall` after (made on the first wait, then reset).
+    waiting: Option<tokio::time::Instant>,
     timer: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
     _room: Reserved,
 }
@@ -169,15 +170,15 @@ impl Streamed {
             left: len as usize,
             buf: bytes::BytesMut::new(),
             stall,
-            progress: tokio::time::Instant::now(),
+            waiting: None,
             timer: None,
             _room: room,
         }
     }
 
-    /// Pending while the owner is within `stall` of its last bytes; else the error.
+    /// Pending while the owner has been waited on for less than `stall`; else the error.
     fn stalled(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Error> {
-        let at = self.progress + self.stall;
+        let at = *self.waiting.get_or_insert_with(tokio::time::Instant::now) + self.stall;
         let timer = self
             .timer
             .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at)));
@@ -238,7 +239,7 @@ impl Streamed {
                     self.src = None;
                     return Poll::Ready(Some(Err(std::io::ErrorKind::UnexpectedEof.into())));
                 }
-                Poll::Ready(Ok(_)) => self.progress = tokio::time::Instant::now(),
+                Poll::Ready(Ok(_)) => self.waiting = None,
                 Poll::Ready(Err(e)) => {
                     self.src = None;
                     return Poll::Ready(Some(Err(e)));
@@ -861,5 +862,48 @@ mod tests {
         assert_eq!(b.inflight_bytes(), 0);
         assert_eq!(pool.idle_count(&addr.to_string()), 0);
         drop(held_tx);
+    }
+
+    #[tokio::test]
+    async fn a_caller_that_pauses_longer_than_the_stall_bound_is_not_taken_for_a_stalled_owner() {
+        let pool = Arc::new(Pool::new(1, Duration::from_secs(5)));
+        let b = budget();
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let value: Vec<u8> = (0..200_000u32).map(|i| (i % 253) as u8).collect();
+        let sent = value.clone();
+        tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            s.write_all(&sent[..100_000]).await.unwrap();
+            // The rest well after the caller resumed, well within the bound of that wait.
+            tokio::time::sleep(Duration::from_millis(4500)).await;
+            s.write_all(&sent[100_000..]).await.unwrap();
+            let mut rest = Vec::new();
+            let _ = tokio::io::AsyncReadExt::read_to_end(&mut s, &mut rest).await;
+        });
+        let s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let src = Src::Te {
+            s,
+            peer: addr.to_string(),
+            pool: pool.clone(),
+        };
+        let stall = Duration::from_secs(3);
+        let mut v = Streamed::new(src, 200_000, b.reserve(200_000).await.unwrap(), stall);
+        let mut got = Vec::new();
+        while got.len() < 100_000 {
+            let c = std::future::poll_fn(|cx| v.poll_chunk(cx))
+                .await
+                .unwrap()
+                .unwrap();
+            got.extend_from_slice(&c);
+        }
+        // The caller takes nothing for longer than the bound (a slow HTTP reader).
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        got.extend(
+            drain(&mut v)
+                .await
+                .expect("a paused caller is not a stalled owner"),
+        );
+        assert!(got == value);
     }
 }
