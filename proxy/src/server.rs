@@ -70,7 +70,7 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
         .local_addr()
         .map(|a| a.to_string())
         .unwrap_or_default();
-    let (fleet, records_task) = parts.fleet(eviction.as_ref(), admin_addr);
+    let (fleet, records_task) = parts.fleet(eviction.as_ref(), &upstream, admin_addr);
     parts.policy_watch();
     let hints = Arc::new(crate::hints::Hints::new(
         cfg.hints.clone(),
@@ -316,6 +316,7 @@ impl Parts<'_> {
     fn fleet(
         &self,
         eviction: Option<&Arc<crate::eviction::Eviction>>,
+        upstream: &crate::upstream::Upstream,
         admin_addr: String,
     ) -> (
         Option<Arc<crate::fleet::Fleet>>,
@@ -364,6 +365,7 @@ impl Parts<'_> {
             fleet.clone(),
             endpoints,
             snapshot,
+            upstream.clone(),
             self.shutdown.clone(),
         ));
         (Some(fleet), records_task)

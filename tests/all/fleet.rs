@@ -819,3 +819,62 @@ fn a_killed_members_portion_moves_to_the_others_and_nothing_is_removed_twice() {
         "{detail}"
     );
 }
+
+/// A forced removal a rank sends through one member voids the replica cache of another
+/// member's kv face: without the word through etcd, the other member would read the
+/// removed key from its cached replica list for as long as the cache holds (60 s here),
+/// from memory the master may hand to a new put.
+#[test]
+fn a_forced_removal_through_one_member_voids_another_members_replica_cache() {
+    let etcd = Etcd::start();
+    let master = Master::start_with(MasterOpts {
+        extra: vec!["--default_kv_lease_ttl=120000".into()],
+        ..Default::default()
+    });
+    let kv = format!("127.0.0.1:{}", free_port());
+    let kv_extra = format!(
+        "[kv]\nlisten = \"{kv}\"\nmetadata_url = \"{}\"\nreplica_cache_ms = 60000\n",
+        master.metadata
+    );
+    let (a, b) = pair_of(
+        &master,
+        &etcd,
+        member(&master, &etcd, "a", "", ""),
+        member(&master, &etcd, "b", &kv_extra, ""),
+    );
+    let logs = [&master.proc, &a.proc, &b.proc, &etcd.proc];
+    let args = ["--segment-mib", "16"];
+    let mut rank = Background::start_args("steps", &a.listen, &master.metadata, &args, &logs);
+    let ok = |line: String| {
+        let v: Value = serde_json::from_str(line.trim_start_matches("READY "))
+            .unwrap_or_else(|e| panic!("{e}: {line}"));
+        assert_eq!(v["bad"], serde_json::json!([]), "{line}");
+    };
+    ok(rank.step("put fv/ 2 5000"));
+    let m = |mg: &Moongate, name: &str| metric_value(&mg.metrics(), name);
+    let hits = || m(&b, "moongate_kv_replica_cache_total{result=\"hit\"}");
+    for _ in 0..2 {
+        let (st, body) = http_bytes(&kv, "GET", "/v1/kv/fv%2F0", &[]).unwrap();
+        assert!(
+            st == 200 && body == value_of("fv/0", 5000),
+            "{st}\n{}",
+            b.proc.log_text()
+        );
+    }
+    assert_eq!(hits(), 1.0, "the second read came from b's cache");
+    // The rank's forced removal goes through a only (b's reads leased fv/0: forced
+    // takes it anyway).
+    ok(rank.step("forcerm fv/ 1"));
+    wait_for(
+        "b to read fv/0 as removed",
+        Duration::from_secs(20),
+        &logs,
+        || http_bytes(&kv, "GET", "/v1/kv/fv%2F0", &[]).is_some_and(|(st, _)| st == 404),
+    );
+    assert!(m(&a, "moongate_fleet_removals_told_total") >= 1.0);
+    assert!(m(&b, "moongate_fleet_removals_heard_total") >= 1.0);
+    // The other key reads as before (asked of the master anew).
+    let (st, body) = http_bytes(&kv, "GET", "/v1/kv/fv%2F1", &[]).unwrap();
+    assert!(st == 200 && body == value_of("fv/1", 5000));
+    rank.end(Duration::from_secs(60));
+}

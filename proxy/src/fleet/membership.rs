@@ -8,14 +8,23 @@
 //! records all change each interval delivers N writes and N x N watch events per
 //! interval (`docs/operations.md`, "Running a fleet"). The leader adds one write per
 //! round it calls (N deliveries).
+//!
+//! Removals that can take leased values (a forced `Remove`, ...) relayed by one member
+//! are told to the others at once (one write under `removals/MEMBER`, N deliveries):
+//! each voids the replica lists it keeps of the master (the kv face's cache), which
+//! would otherwise hold for up to `kv.replica_cache_ms` while the removed value's memory
+//! goes to new puts.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::{Client, ConnectOptions, GetOptions, KeyValue, PutOptions, WatchOptions};
+use etcd_client::{
+    Client, ConnectOptions, EventType, GetOptions, KeyValue, PutOptions, WatchOptions,
+};
 use tokio_util::sync::CancellationToken;
 
 use super::{Fleet, Record, Round, View};
+use crate::upstream::Upstream;
 
 /// Makes this member's record when it is due for publishing.
 pub type Snapshot = Arc<dyn Fn() -> Record + Send + Sync>;
@@ -23,17 +32,21 @@ pub type Snapshot = Arc<dyn Fn() -> Record + Send + Sync>;
 /// Keeps this member in the fleet until shutdown, then leaves it (revokes the lease, so
 /// the others see it go at once rather than when the lease runs out). Reconnects after
 /// any etcd failure, keeping the last view meanwhile.
+///
+/// `upstream`: the removals relayed here are told to the other members, and theirs void
+/// this member's replica lists of the master (the kv face's cache).
 pub async fn run(
     fleet: Arc<Fleet>,
     endpoints: Vec<String>,
     snapshot: Snapshot,
+    upstream: Upstream,
     shutdown: CancellationToken,
 ) {
     let opts = ConnectOptions::new()
         .with_connect_timeout(Duration::from_secs(5))
         .with_timeout(Duration::from_secs(5));
     loop {
-        let r = session(&fleet, &endpoints, &opts, &snapshot, &shutdown).await;
+        let r = session(&fleet, &endpoints, &opts, &snapshot, &upstream, &shutdown).await;
         match r {
             Ok(()) => return,
             Err(e) => {
@@ -55,6 +68,7 @@ async fn session(
     endpoints: &[String],
     opts: &ConnectOptions,
     snapshot: &Snapshot,
+    upstream: &Upstream,
     shutdown: &CancellationToken,
 ) -> Result<(), etcd_client::Error> {
     let mut client = Client::connect(endpoints, Some(opts.clone())).await?;
@@ -63,6 +77,10 @@ async fn session(
     let round_key = super::round_key(&fleet.cfg.cluster);
     let mut called = fleet.rounds_called_rx();
     let mut freed = fleet.rounds_done_rx();
+    let removals_prefix = super::removals_prefix(&fleet.cfg.cluster);
+    let my_removals = format!("{removals_prefix}{}", fleet.me);
+    let mut removals = upstream.removals();
+    removals.borrow_and_update();
     let ttl = fleet.cfg.lease_ttl_s as i64;
     let lease = client.lease_grant(ttl, None).await?.id();
     let (mut keeper, mut acks) = client.lease_keep_alive(lease).await?;
@@ -77,6 +95,9 @@ async fn session(
     let mut last = None;
     publish(&mut client, fleet, &key, lease, snapshot, &mut last).await?;
     let mut view = read_all(&mut client, &prefix).await?;
+    // Removals other members told while this one was not watching are not known:
+    // every replica list kept from before is void.
+    upstream.places_voided();
     fleet.set_view(view.clone());
     tracing::info!(member = %fleet.me, members = view.members.len(), cluster = %fleet.cfg.cluster,
         "fleet: joined");
@@ -97,6 +118,13 @@ async fn session(
             Ok(()) = freed.changed() => {
                 freed.borrow_and_update();
                 publish(&mut client, fleet, &key, lease, snapshot, &mut last).await?;
+            }
+            Ok(()) = removals.changed() => {
+                let n = *removals.borrow_and_update();
+                client
+                    .put(my_removals.as_str(), n.to_string(), Some(PutOptions::new().with_lease(lease)))
+                    .await?;
+                fleet.metrics.removals_told.inc();
             }
             Ok(()) = called.changed() => {
                 let round = called.borrow_and_update().clone();
@@ -121,6 +149,11 @@ async fn session(
                         let Some(kv) = ev.kv() else { continue };
                         if kv.key() == round_key.as_bytes() {
                             heard(fleet, kv);
+                        } else if let Some(from) = kv.key().strip_prefix(removals_prefix.as_bytes()) {
+                            if ev.event_type() == EventType::Put && from != fleet.me.as_bytes() {
+                                upstream.places_voided();
+                                fleet.metrics.removals_heard.inc();
+                            }
                         } else {
                             changed |= apply(&mut view, &prefix, kv);
                         }

@@ -33,6 +33,10 @@ pub struct FleetMetrics {
     pub rounds: [Counter; 2],
     /// The excess of the rounds this member called: what the fleet was asked to free.
     pub round_excess_bytes: Counter,
+    /// Removals that can take leased values: relayed here and told to the fleet, and
+    /// heard from other members (each voids this member's replica lists).
+    pub removals_told: Counter,
+    pub removals_heard: Counter,
 }
 
 impl FleetMetrics {
@@ -49,6 +53,8 @@ impl FleetMetrics {
             records_received_bytes: Counter::default(),
             records_dropped: DROP_REASONS.map(|r| dropped.get_or_create(&[("reason", r)]).clone()),
             handed_over: Counter::default(),
+            removals_told: Counter::default(),
+            removals_heard: Counter::default(),
         };
         r.register(
             "moongate_fleet_members",
@@ -96,6 +102,18 @@ impl FleetMetrics {
             "moongate_fleet_round_excess_bytes",
             "Bytes the rounds this member called asked the fleet to free",
             m.round_excess_bytes.clone(),
+        );
+        r.register(
+            "moongate_fleet_removals_told",
+            "Writes telling the other members that a removal which can take leased values \
+             went to the master through this moongate",
+            m.removals_told.clone(),
+        );
+        r.register(
+            "moongate_fleet_removals_heard",
+            "Such removals heard from other members: each voided the replica lists this \
+             moongate keeps (kv.replica_cache_ms)",
+            m.removals_heard.clone(),
         );
         m
     }

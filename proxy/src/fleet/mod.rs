@@ -218,6 +218,13 @@ pub fn cluster_prefix(cluster: &str) -> String {
     format!("/moongate/fleet/{cluster}/")
 }
 
+/// Where `cluster`'s members say that a removal which can take leased values went to
+/// the master through them: `PREFIX/MEMBER` = how many so far (under the member's
+/// lease). Older members ignore these keys.
+pub fn removals_prefix(cluster: &str) -> String {
+    format!("/moongate/fleet/{cluster}/removals/")
+}
+
 /// Where `cluster`'s leader writes the pool-wide round it called last.
 pub fn round_key(cluster: &str) -> String {
     format!("/moongate/fleet/{cluster}/round")

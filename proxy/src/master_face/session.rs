@@ -134,7 +134,7 @@ impl Drop for Session {
             .iter()
             .any(|f| matches!(f, InFlight::Upstream { voids: true, .. }));
         if removing {
-            self.shared.upstream.places_voided();
+            self.shared.upstream.removal_relayed();
         }
     }
 }
@@ -223,7 +223,7 @@ impl Session {
         // the answer (a lookup the master served just before the removal).
         let voids = method.is_some_and(|m| calls::remove::voids_places(m, &frame.body));
         if voids {
-            self.shared.upstream.places_voided();
+            self.shared.upstream.removal_relayed();
         }
         let upstream = |entry, offload| InFlight::Upstream {
             seq: frame.header.seq_num,
@@ -307,7 +307,7 @@ impl Session {
                     self.offloaded(&call, frame);
                 }
                 if voids {
-                    self.shared.upstream.places_voided();
+                    self.shared.upstream.removal_relayed();
                 }
                 let latency = now.saturating_duration_since(sent);
                 // Counted under the method the client called.

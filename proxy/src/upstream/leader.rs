@@ -91,6 +91,9 @@ pub struct Upstream {
     /// Advances whenever what the master said of where values are may have become
     /// void (see [`Upstream::places_voided`]); shared by every clone.
     places: Arc<AtomicU64>,
+    /// Removals relayed here that can take leased values, counted: the fleet tells the
+    /// other members, whose replica lists of this master they void too.
+    removals: Arc<watch::Sender<u64>>,
 }
 
 impl Upstream {
@@ -114,6 +117,7 @@ impl Upstream {
             tx: Arc::new(tx),
             release: None,
             places: Arc::default(),
+            removals: Arc::new(watch::Sender::new(0)),
         }
     }
 
@@ -176,6 +180,18 @@ impl Upstream {
     /// treats every segment as empty), or a new leader is in force.
     pub fn places_voided(&self) {
         self.places.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A removal that can take leased values went to the master through this moongate:
+    /// places are void here, and the fleet (`[fleet]`) says so to the other members.
+    pub fn removal_relayed(&self) {
+        self.places_voided();
+        self.removals.send_modify(|n| *n += 1);
+    }
+
+    /// Follows [`Upstream::removal_relayed`] (the fleet's membership task).
+    pub fn removals(&self) -> watch::Receiver<u64> {
+        self.removals.subscribe()
     }
 }
 
