@@ -45,8 +45,14 @@ pub async fn run(
     let opts = ConnectOptions::new()
         .with_connect_timeout(Duration::from_secs(5))
         .with_timeout(Duration::from_secs(5));
+    // The removal count last written: one relayed while etcd was unreachable is told
+    // on reconnecting.
+    let mut told = 0u64;
     loop {
-        let r = session(&fleet, &endpoints, &opts, &snapshot, &upstream, &shutdown).await;
+        let r = session(
+            &fleet, &endpoints, &opts, &snapshot, &upstream, &mut told, &shutdown,
+        )
+        .await;
         match r {
             Ok(()) => return,
             Err(e) => {
@@ -69,6 +75,7 @@ async fn session(
     opts: &ConnectOptions,
     snapshot: &Snapshot,
     upstream: &Upstream,
+    told: &mut u64,
     shutdown: &CancellationToken,
 ) -> Result<(), etcd_client::Error> {
     let mut client = Client::connect(endpoints, Some(opts.clone())).await?;
@@ -80,7 +87,6 @@ async fn session(
     let removals_prefix = super::removals_prefix(&fleet.cfg.cluster);
     let my_removals = format!("{removals_prefix}{}", fleet.me);
     let mut removals = upstream.removals();
-    removals.borrow_and_update();
     let ttl = fleet.cfg.lease_ttl_s as i64;
     let lease = client.lease_grant(ttl, None).await?.id();
     let (mut keeper, mut acks) = client.lease_keep_alive(lease).await?;
@@ -98,6 +104,11 @@ async fn session(
     // Removals other members told while this one was not watching are not known:
     // every replica list kept from before is void.
     upstream.places_voided();
+    let n = *removals.borrow_and_update();
+    if n != *told {
+        tell_removals(&mut client, fleet, &my_removals, lease, n).await?;
+        *told = n;
+    }
     fleet.set_view(view.clone());
     tracing::info!(member = %fleet.me, members = view.members.len(), cluster = %fleet.cfg.cluster,
         "fleet: joined");
@@ -121,10 +132,8 @@ async fn session(
             }
             Ok(()) = removals.changed() => {
                 let n = *removals.borrow_and_update();
-                client
-                    .put(my_removals.as_str(), n.to_string(), Some(PutOptions::new().with_lease(lease)))
-                    .await?;
-                fleet.metrics.removals_told.inc();
+                tell_removals(&mut client, fleet, &my_removals, lease, n).await?;
+                *told = n;
             }
             Ok(()) = called.changed() => {
                 let round = called.borrow_and_update().clone();
@@ -170,6 +179,26 @@ async fn session(
             },
         }
     }
+}
+
+/// Tells the other members that `n` removals which can take leased values went through
+/// this one so far (they void their replica lists on hearing it).
+async fn tell_removals(
+    client: &mut Client,
+    fleet: &Fleet,
+    key: &str,
+    lease: i64,
+    n: u64,
+) -> Result<(), etcd_client::Error> {
+    client
+        .put(
+            key,
+            n.to_string(),
+            Some(PutOptions::new().with_lease(lease)),
+        )
+        .await?;
+    fleet.metrics.removals_told.inc();
+    Ok(())
 }
 
 /// Writes this member's record when it differs from the last one written.
