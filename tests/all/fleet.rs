@@ -845,11 +845,7 @@ fn a_forced_removal_through_one_member_voids_another_members_replica_cache() {
     let logs = [&master.proc, &a.proc, &b.proc, &etcd.proc];
     let args = ["--segment-mib", "16"];
     let mut rank = Background::start_args("steps", &a.listen, &master.metadata, &args, &logs);
-    let ok = |line: String| {
-        let v: Value = serde_json::from_str(line.trim_start_matches("READY "))
-            .unwrap_or_else(|e| panic!("{e}: {line}"));
-        assert_eq!(v["bad"], serde_json::json!([]), "{line}");
-    };
+    let ok = |line: String| assert_eq!(answer(line)["bad"], serde_json::json!([]));
     ok(rank.step("put fv/ 2 5000"));
     let m = |mg: &Moongate, name: &str| metric_value(&mg.metrics(), name);
     let hits = || m(&b, "moongate_kv_replica_cache_total{result=\"hit\"}");

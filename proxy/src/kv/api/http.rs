@@ -21,7 +21,6 @@ use super::state::{KvState, decided_put, status_of};
 use crate::accept::{ConnLimit, Idle};
 use crate::kv::client::{StoreError, Value};
 
-/// The chunks of a streamed value as HTTP body frames.
 /// A streamed value as a response body: polled on the connection's own task.
 struct StreamedBody(crate::kv::client::transfer::Streamed);
 

@@ -320,31 +320,16 @@ impl Store {
     /// so no budget is taken): [`ReadInto::Read`] with its length, [`ReadInto::TooSmall`] with
     /// the length `dst` lacks room for (nothing read), or [`ReadInto::Absent`].
     pub async fn get_into(&self, key: Bytes, dst: &mut [u8]) -> Result<ReadInto, StoreError> {
-        let mut epoch = self.master.places_epoch();
+        let epoch = self.master.places_epoch();
         if let Some(cache) = &self.replicas {
             if let Some(d) = cache.get(&key, epoch) {
-                let Some(to) = dst.get_mut(..d.size as usize) else {
-                    return Ok(ReadInto::TooSmall(d.size));
+                let loc = Located {
+                    src: Source::Memory(d),
+                    cached: Some(epoch),
                 };
-                match self.xfer.fetch_into(&d, to).await {
-                    Ok(()) if self.master.places_epoch() == epoch => {
-                        self.metrics.replica_cache(CacheResult::Hit);
-                        return Ok(ReadInto::Read(d.size as usize));
-                    }
-                    Ok(()) => {
-                        // Voided while it was read: what was read may not be the value.
-                        self.metrics.replica_cache(CacheResult::Stale);
-                        epoch = self.master.places_epoch();
-                    }
-                    Err(e) => {
-                        tracing::debug!(error = %e, "cached replica unreadable; asking the master");
-                        self.metrics.replica_cache(CacheResult::Stale);
-                        cache.forget(&key);
-                    }
-                }
-            } else {
-                self.metrics.replica_cache(CacheResult::Miss);
+                return self.read_located_into(&key, &loc, dst).await;
             }
+            self.metrics.replica_cache(CacheResult::Miss);
         }
         let Some((src, lease_ttl_ms)) = self.locate(&key).await? else {
             return Ok(ReadInto::Absent);

@@ -145,10 +145,10 @@ pub struct Streamed {
     /// The longest wait for the owner's next bytes (`kv.timeout_ms`): a stalled owner
     /// ends the value with an error instead of holding its budget and connection.
     stall: std::time::Duration,
-    /// Since when the owner has been waited on without a byte (`None`: not waiting; a
-    /// caller that stops taking bytes for a while is not the owner's stall), and the
-    /// timer that fires `stall` after (made on the first wait, then reset).
-    waiting: Option<tokio::time::Instant>,
+    /// Whether the owner is being waited on (not since its last bytes: a caller that
+    /// stops taking bytes for a while is not the owner's stall), and the timer set
+    /// `stall` after the wait began (made on the first wait, then reset).
+    waiting: bool,
     timer: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
     _room: Reserved,
 }
@@ -170,7 +170,7 @@ impl Streamed {
             left: len as usize,
             buf: bytes::BytesMut::new(),
             stall,
-            waiting: None,
+            waiting: false,
             timer: None,
             _room: room,
         }
@@ -178,12 +178,13 @@ impl Streamed {
 
     /// Pending while the owner has been waited on for less than `stall`; else the error.
     fn stalled(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Error> {
-        let at = *self.waiting.get_or_insert_with(tokio::time::Instant::now) + self.stall;
+        let stall = self.stall;
         let timer = self
             .timer
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at)));
-        if timer.deadline() != at {
-            timer.as_mut().reset(at);
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(stall)));
+        if !self.waiting {
+            self.waiting = true;
+            timer.as_mut().reset(tokio::time::Instant::now() + stall);
         }
         timer.as_mut().poll(cx).map(|()| {
             self.src = None;
@@ -239,7 +240,7 @@ impl Streamed {
                     self.src = None;
                     return Poll::Ready(Some(Err(std::io::ErrorKind::UnexpectedEof.into())));
                 }
-                Poll::Ready(Ok(_)) => self.waiting = None,
+                Poll::Ready(Ok(_)) => self.waiting = false,
                 Poll::Ready(Err(e)) => {
                     self.src = None;
                     return Poll::Ready(Some(Err(e)));
@@ -737,6 +738,16 @@ mod tests {
         )
     }
 
+    /// A TE-TCP source on a new connection to `peer`, returned to `pool` when done.
+    async fn te_src(peer: &str, pool: &Arc<Pool>) -> Src {
+        let s = tokio::net::TcpStream::connect(peer).await.unwrap();
+        Src::Te {
+            s,
+            peer: peer.to_string(),
+            pool: pool.clone(),
+        }
+    }
+
     /// A streamed value over a connection of `pool` to a peer that sends `sent`.
     async fn streamed(
         pool: &Arc<Pool>,
@@ -757,12 +768,7 @@ mod tests {
             let mut rest = Vec::new();
             let _ = tokio::io::AsyncReadExt::read_to_end(&mut s, &mut rest).await;
         });
-        let s = tokio::net::TcpStream::connect(&peer).await.unwrap();
-        let src = Src::Te {
-            s,
-            peer: peer.clone(),
-            pool: pool.clone(),
-        };
+        let src = te_src(&peer, pool).await;
         (
             Streamed::new(
                 src,
@@ -810,12 +816,7 @@ mod tests {
             let (mut s, _) = l.accept().await.unwrap();
             s.write_all(&[1u8; 1000]).await.unwrap();
         });
-        let s = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let src = Src::Te {
-            s,
-            peer: addr.to_string(),
-            pool: pool.clone(),
-        };
+        let src = te_src(&addr.to_string(), &pool).await;
         let mut v = Streamed::new(
             src,
             5000,
@@ -844,12 +845,7 @@ mod tests {
             // Then nothing, with the connection open, until the test ends.
             let _ = held.await;
         });
-        let s = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let src = Src::Te {
-            s,
-            peer: addr.to_string(),
-            pool: pool.clone(),
-        };
+        let src = te_src(&addr.to_string(), &pool).await;
         let stall = Duration::from_millis(200);
         let mut v = Streamed::new(src, 1 << 20, b.reserve(1 << 20).await.unwrap(), stall);
         // Bounded only so a broken timer fails the test instead of hanging it.
@@ -881,12 +877,7 @@ mod tests {
             let mut rest = Vec::new();
             let _ = tokio::io::AsyncReadExt::read_to_end(&mut s, &mut rest).await;
         });
-        let s = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let src = Src::Te {
-            s,
-            peer: addr.to_string(),
-            pool: pool.clone(),
-        };
+        let src = te_src(&addr.to_string(), &pool).await;
         let stall = Duration::from_secs(3);
         let mut v = Streamed::new(src, 200_000, b.reserve(200_000).await.unwrap(), stall);
         let mut got = Vec::new();
