@@ -201,11 +201,6 @@ fn a_0_3_13_client_works_with_a_0_3_14_master_directly_and_through_moongate() {
     compatible_pair_works_both_ways("0.3.13.post1", "0.3.14");
 }
 
-/// The `READY {...}` answer of a `steps` role, as JSON.
-fn answer(line: String) -> Value {
-    serde_json::from_str(line.trim_start_matches("READY ")).unwrap()
-}
-
 /// With `bridge = false`, a call whose layouts differ is refused by moongate with an
 /// error saying why (the client sees its call fail, counted, logged), not relayed to
 /// fail without a word; while a connection's every data call was refused, `/ready` is
@@ -225,7 +220,7 @@ fn with_the_bridge_off_skew_is_refused_loudly_and_marks_moongate_not_ready() {
         &["--segment-mib", "0"],
         &logs,
     );
-    let put = answer(c.step("put k/ 3 4096"));
+    let put = c.step_json("put k/ 3 4096");
     assert_eq!(put["bad"].as_array().map(Vec::len), Some(3), "{put}");
     let metrics = mg.metrics();
     assert!(
@@ -299,12 +294,12 @@ fn a_rolling_upgrade_of_the_master_reads_no_wrong_value() {
     );
     let none: Value = serde_json::json!([]);
     let check = |c: &mut Background, prefix: &str| {
-        let a = answer(c.step(&format!("check {prefix} 8 65536")));
+        let a = c.step_json(&format!("check {prefix} 8 65536"));
         assert_eq!(a["bad"], none, "a wrong value for {prefix}: {a}");
         a["missing"].as_array().map_or(0, Vec::len)
     };
-    assert_eq!(answer(w_old.step("put a/ 8 65536"))["bad"], none);
-    assert_eq!(answer(w_new.step("put b/ 8 65536"))["bad"], none);
+    assert_eq!(w_old.step_json("put a/ 8 65536")["bad"], none);
+    assert_eq!(w_new.step_json("put b/ 8 65536")["bad"], none);
     for p in ["a/", "b/"] {
         assert_eq!(check(&mut r_old, p), 0, "{p} before the upgrade");
         assert_eq!(check(&mut w_new, p), 0, "{p} before the upgrade");
@@ -327,7 +322,7 @@ fn a_rolling_upgrade_of_the_master_reads_no_wrong_value() {
     }
     let deadline = Instant::now() + Duration::from_secs(60);
     let put = |c: &mut Background, prefix: &str| loop {
-        let a = answer(c.step(&format!("put {prefix} 8 65536")));
+        let a = c.step_json(&format!("put {prefix} 8 65536"));
         if a["bad"] == none {
             return;
         }

@@ -128,9 +128,7 @@ fn a_forced_removal_through_the_master_face_voids_the_replica_cache() {
     let args = ["--segment-mib", "16"];
     let mut rank = Background::start_args("steps", &mg.listen, &master.metadata, &args, &logs);
     let bad = |line: String| -> serde_json::Value {
-        serde_json::from_str::<serde_json::Value>(line.trim_start_matches("READY "))
-            .unwrap_or_else(|e| panic!("{e}: {line}"))["bad"]
-            .clone()
+        ready_json(&line).unwrap_or_else(|e| panic!("{e}: {line}"))["bad"].clone()
     };
     let none = serde_json::json!([]);
     assert_eq!(bad(rank.step("put fr/ 2 5000")), none);

@@ -230,13 +230,6 @@ fn served(text: &str, tier: &str) -> f64 {
     )
 }
 
-/// A reader's answer to one command (its `READY <json>` line).
-fn ask(r: &mut Background, cmd: &str) -> serde_json::Value {
-    let line = r.step(cmd);
-    serde_json::from_str(line.trim_start_matches("READY").trim())
-        .unwrap_or_else(|e| panic!("{cmd}: {e}: {line}"))
-}
-
 const TWO_ARMS: &str = "[experiment]\nassign = \"client\"\n\
      arms = [ { name = \"a\", plugin = \"default\", weight = 50 },\n\
               { name = \"b\", plugin = \"default\", weight = 50 } ]\n";
@@ -340,7 +333,7 @@ fn served_offload_and_eviction(t: &Topology) -> (Background, serde_json::Value) 
     // vLLM's load with its tier log on: per batch, a replica lookup, then the reads.
     let mut reader = t.reader();
     let before = t.mg.metrics();
-    let r = ask(&mut reader, &format!("read 0 {KEYS} 16"));
+    let r = reader.step_json(&format!("read 0 {KEYS} 16"));
     let after = t.mg.metrics();
     let delta = |tier| served(&after, tier) - served(&before, tier);
     assert_eq!(r["corrupt"], 0, "{r}");
@@ -502,7 +495,7 @@ fn a_tiered_plugin_may_drop_the_whole_key_ssd_copy_included() {
     // could show the keys gone).
     ssd_usage_is_the_masters(&t, false);
     let mut reader = t.reader();
-    let r = ask(&mut reader, &format!("read 0 {KEYS} 16"));
+    let r = reader.step_json(&format!("read 0 {KEYS} 16"));
     let _ = reader.finish();
     let (m, hashes) = received(&t, sub);
     let removed = metric_value(&m, "moongate_eviction_keys_total{result=\"removed\"}");
@@ -578,9 +571,9 @@ fn ranks_and_a_dummy(t: &Topology, reader: Background) {
     let arms = arms_of(t, &ranks);
     let before = t.mg.metrics();
     for r in &mut ranks {
-        let e = ask(r, "exist 0 50");
+        let e = r.step_json("exist 0 50");
         assert_eq!(e["exists"].as_array().unwrap().len(), 50);
-        let l = ask(r, "load 0 4");
+        let l = r.step_json("load 0 4");
         assert_eq!(l["corrupt"], 0, "{l}");
     }
     let after = t.mg.metrics();
@@ -655,7 +648,7 @@ fn a_disk_budget_answers_at_the_existence_check_so_no_planned_load_fails() {
     t.write();
     let mut reader = t.reader();
     // vLLM's scheduler asks which keys are there, then loads those it counted as hits.
-    let e = ask(&mut reader, &format!("exist 0 {KEYS}"));
+    let e = reader.step_json(&format!("exist 0 {KEYS}"));
     let exists: Vec<bool> = e["exists"]
         .as_array()
         .unwrap()
@@ -673,7 +666,7 @@ fn a_disk_budget_answers_at_the_existence_check_so_no_planned_load_fails() {
     );
     // ... then it loads them (all keys here: the absent ones fail, as a miss would):
     // none that was reported present fails.
-    let l = ask(&mut reader, &format!("load 0 {KEYS}"));
+    let l = reader.step_json(&format!("load 0 {KEYS}"));
     let results = l["results"].as_array().unwrap();
     let failed_hits: Vec<usize> = (0..KEYS)
         .filter(|&i| exists[i] && results[i].as_i64().unwrap_or(-1) < 0)
@@ -685,7 +678,7 @@ fn a_disk_budget_answers_at_the_existence_check_so_no_planned_load_fails() {
     assert_eq!(l["corrupt"], 0, "{l}");
     // With the tier log on (a replica lookup before each batch of reads): a key the
     // budget admitted is not charged again, so its read is not cut.
-    let r = ask(&mut reader, &format!("read 0 {KEYS} 16"));
+    let r = reader.step_json(&format!("read 0 {KEYS} 16"));
     assert_eq!(r["corrupt"], 0, "{r}");
     assert!(r["exact"].as_u64().unwrap() >= hits as u64, "{r}\n{e}");
     let m = t.mg.metrics();
@@ -715,7 +708,7 @@ fn owner_face_reads(m: &str, result: &str) -> f64 {
 /// staging released, no failure.
 fn loads_through_the_owner_face(t: &Topology, reader: &mut Background, r: &serde_json::Value) {
     let m1 = t.mg.metrics();
-    let l = ask(reader, &format!("load 0 {KEYS}"));
+    let l = reader.step_json(&format!("load 0 {KEYS}"));
     let m2 = t.mg.metrics();
     assert_eq!(l["corrupt"], 0, "{l}");
     assert_eq!(
@@ -784,7 +777,7 @@ fn ssd_reads_through_the_owner_face_are_counted_cut_and_paced() {
     t.write();
     let mut reader = t.reader();
     let m0 = t.mg.metrics();
-    let r = ask(&mut reader, &format!("read 0 {KEYS} 16"));
+    let r = reader.step_json(&format!("read 0 {KEYS} 16"));
     let m1 = t.mg.metrics();
     assert_eq!(r["corrupt"], 0, "{r}");
     let from_disk = r["offload_reads"].as_f64().unwrap();
@@ -823,8 +816,8 @@ fn ssd_reads_through_the_owner_face_are_counted_cut_and_paced() {
     // owner_face::tests::a_read_waits_for_room_until_a_release_or_its_deadline).
     let mut second = t.reader();
     let (l, l2) = std::thread::scope(|s| {
-        let a = s.spawn(|| ask(&mut reader, &format!("load 0 {KEYS}")));
-        let b = s.spawn(|| ask(&mut second, &format!("load 0 {KEYS}")));
+        let a = s.spawn(|| reader.step_json(&format!("load 0 {KEYS}")));
+        let b = s.spawn(|| second.step_json(&format!("load 0 {KEYS}")));
         (a.join().unwrap(), b.join().unwrap())
     });
     let m2 = t.mg.metrics();

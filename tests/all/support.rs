@@ -567,6 +567,11 @@ pub fn run_role_on(
     serde_json::from_str(&text).unwrap()
 }
 
+/// The JSON a role's `READY {...}` line carries.
+pub fn ready_json(line: &str) -> Result<serde_json::Value, serde_json::Error> {
+    serde_json::from_str(line.trim_start_matches("READY").trim())
+}
+
 /// The next `READY` line within `limit` (other lines are output the caller did not ask
 /// for, skipped).
 fn next_ready(lines: &std::sync::mpsc::Receiver<String>, limit: Duration) -> Option<String> {
@@ -701,6 +706,18 @@ impl Background {
         self.lines.recv_timeout(limit).unwrap_or_else(|_| {
             panic!(
                 "{} did not answer {line:?}\n{}",
+                self.proc.name,
+                self.proc.log_text()
+            )
+        })
+    }
+
+    /// Sends `line` and returns the JSON of the `READY {...}` line it answers with.
+    pub fn step_json(&mut self, line: &str) -> serde_json::Value {
+        let answer = self.step(line);
+        ready_json(&answer).unwrap_or_else(|e| {
+            panic!(
+                "{} answered {line:?} with {answer:?}: {e}\n{}",
                 self.proc.name,
                 self.proc.log_text()
             )
