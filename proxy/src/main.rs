@@ -409,6 +409,16 @@ fn sim(a: SimArgs) -> Result<(), String> {
     if ranks == 0 || ranks > 4096 {
         return Err("--ranks must be in 1..=4096".into());
     }
+    // A plugin's own log lines (`host::log`) are what its author debugs it by: shown
+    // on stderr, warnings and errors by default, more with RUST_LOG (`info`,
+    // `debug`). The table stays on stdout.
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr)
+        .try_init();
     let live = moongate::sim::Live {
         speed,
         high,

@@ -13,31 +13,39 @@
 //! Without hints it is exactly LRU (the `lru` plugin's order).
 //!
 //! Wrong hints are the danger: a `done` block read again is a miss LRU would not have
-//! had. The plugin guards itself by measuring how often it was wrong to trust them:
-//! - a victim it chose first because of its `done` hint that is put again (it was
-//!   read, missed and stored anew) came back: the hint was wrong;
-//! - a candidate read after its `done` hint (its age below the hint's) shows a wrong
-//!   hint too, and is treated as one nothing is known of.
+//! had, if LRU would have kept it until that read. The plugin guards itself by
+//! measuring how often trusting `done` hints cost such a miss, counting only what LRU
+//! would have kept (a wrong hint on a block LRU would have let go anyway costs nothing):
+//! - a victim it chose first because of its `done` hint that is put again (read, missed
+//!   and stored anew) within the time LRU would still have held it (the age of the
+//!   round's oldest candidate less the victim's own age, the victim's "slack");
+//! - a candidate read after its `done` hint (its age below the hint's) within the
+//!   oldest candidate's age of the hint: evicted when hinted, it would have been such a
+//!   miss. It is also treated as one nothing is known of.
 //!
-//! Once more than `max_wrong_share` of its `done`-first victims came back (after
-//! `min_samples` of them; counts decay by half every `window` victims, so the share
+//! Once the share of such costs among the `done`-hinted blocks measured (the victims,
+//! and the candidates read after their hint) is above `max_wrong_share` with
+//! confidence (more than `confidence_z` standard deviations of a binomial count above
+//! it, after `min_samples`; counts decay by half every `window` samples, so the share
 //! follows the source), `done` hints are not trusted and the order is plain LRU for
 //! them, except in one round of `explore_every`: those keep measuring the source, and
-//! trust returns when the share measured since falls back within the bound (after
+//! trust returns when the share measured since is no longer above the bound (after
 //! `min_samples` again). `upcoming` and `expect` are always used: wrong ones only keep
 //! a block longer.
 //!
-//! Config (JSON, optional): `{"max_wrong_share": 0.02, "min_samples": 200,
-//! "window": 5000, "explore_every": 64, "trust_done": true}` (the defaults: the best of
-//! the settings tried in `moongate sim` on the shipped trace; see
+//! Config (JSON, optional): `{"max_wrong_share": 0.0075, "confidence_z": 2.5,
+//! "min_samples": 200, "window": 5000, "explore_every": 256, "trust_done": true}` (the
+//! defaults: the best of the settings tried in `moongate sim` on the shipped trace; see
 //! docs/policy-science.md).
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasherDefault, DefaultHasher};
 
 /// A set with a fixed hasher: the default one seeds itself from WASI randomness, which
 /// moongate does not give plugins.
 type Set = HashSet<u64, BuildHasherDefault<DefaultHasher>>;
+/// Victims chosen by their `done` hint: key hash -> (evicted at, slack), in ms.
+type Evicted = HashMap<u64, (u64, u64), BuildHasherDefault<DefaultHasher>>;
 
 use moongate_policy_sdk::*;
 use serde::Deserialize;
@@ -45,9 +53,12 @@ use serde::Deserialize;
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, default)]
 struct Config {
-    /// The share of `done`-first victims that came back beyond which `done` hints are
-    /// not trusted.
+    /// The share of measured `done`-hinted blocks whose hint cost a miss LRU would not
+    /// have had, beyond which `done` hints are not trusted.
     max_wrong_share: f64,
+    /// How sure: the count of costs must exceed the bound's expected count by this
+    /// many binomial standard deviations (an early handful is not a verdict).
+    confidence_z: f64,
     /// Samples before the share is judged.
     min_samples: u64,
     /// Counts halve every this many samples.
@@ -61,16 +72,18 @@ struct Config {
 impl Default for Config {
     fn default() -> Self {
         Config {
-            max_wrong_share: 0.02,
+            max_wrong_share: 0.0075,
+            confidence_z: 2.5,
             min_samples: 200,
             window: 5000,
-            explore_every: 64,
+            explore_every: 256,
             trust_done: true,
         }
     }
 }
 
-/// Victims chosen by their `done` hint remembered (by key hash) to see them come back.
+/// Victims chosen by their `done` hint remembered (by key hash) to see them come back,
+/// and candidates seen read after their hint (each counted once).
 const REMEMBERED: usize = 1 << 16;
 
 /// A share of samples, halved every `window` samples.
@@ -92,20 +105,26 @@ impl Share {
         }
     }
 
-    fn over(&self, max: f64, min_samples: u64) -> bool {
-        self.total >= min_samples && self.hits as f64 > max * self.samples.max(1) as f64
+    /// Above `max` with confidence: more than `z` standard deviations over the count
+    /// `max` expects of the samples.
+    fn over(&self, max: f64, z: f64, min_samples: u64) -> bool {
+        let expected = max * self.samples.max(1) as f64;
+        self.total >= min_samples && self.hits as f64 > expected + z * expected.sqrt()
     }
 }
 
 struct HintLru {
     cfg: Config,
     trusted: bool,
-    /// `done`-first victims, and those of them put again.
+    /// `done`-hinted blocks measured, and those whose hint cost a miss.
     came_back: Share,
     /// Hinted rounds while distrusted (every `explore_every`-th uses `done` hints).
     rounds: u64,
-    remembered: Set,
+    remembered: Evicted,
     order: VecDeque<u64>,
+    /// Candidates seen read after their `done` hint.
+    seen: Set,
+    seen_order: VecDeque<u64>,
     metrics: Option<Metrics>,
 }
 
@@ -141,7 +160,7 @@ impl Policy for HintLru {
             )?,
             came_back: host::register_counter(
                 "done_victims_back",
-                "of those, put again (the hint was wrong)",
+                "of those, put again while LRU would still have held them (the hint cost a miss)",
             )?,
             trusted: host::register_gauge("done_hints_trusted", "1 while done hints are trusted")?,
         });
@@ -151,7 +170,7 @@ impl Policy for HintLru {
     }
 
     fn on_put(&mut self, call: PutCall) -> PutDecision {
-        let back = self.saw_put(&call.keys);
+        let back = self.saw_put(&call.keys, now_ms());
         self.report(0, back);
         PutDecision::admit_all()
     }
@@ -162,7 +181,7 @@ impl Policy for HintLru {
     }
 
     fn evict_hinted(&mut self, call: HintedEvictCall) -> Vec<Victim> {
-        let (victims, by_hint) = self.choose(call);
+        let (victims, by_hint) = self.choose(call, now_ms());
         self.report(by_hint, 0);
         victims
     }
@@ -175,8 +194,10 @@ impl HintLru {
             cfg,
             came_back: Share::default(),
             rounds: 0,
-            remembered: Set::default(),
+            remembered: Evicted::default(),
             order: VecDeque::new(),
+            seen: Set::default(),
+            seen_order: VecDeque::new(),
             metrics: None,
         }
     }
@@ -189,14 +210,16 @@ impl HintLru {
         }
     }
 
-    /// Counts the keys of a put that are victims chosen by their `done` hint.
-    fn saw_put(&mut self, keys: &PackedKeys) -> u64 {
+    /// Counts the keys of a put (at `now`, ms) that are victims chosen by their `done`
+    /// hint and back within their slack (later, LRU would have missed them too).
+    fn saw_put(&mut self, keys: &PackedKeys, now: u64) -> u64 {
         if self.remembered.is_empty() {
             return 0;
         }
         let back = keys
             .iter()
-            .filter(|k| self.remembered.remove(&hash(k)))
+            .filter_map(|k| self.remembered.remove(&hash(k)))
+            .filter(|&(at, slack)| now.saturating_sub(at) <= slack)
             .count() as u64;
         if back > 0 {
             self.came_back.add(0, back, self.cfg.window);
@@ -209,7 +232,7 @@ impl HintLru {
     /// fresh measure, which brings trust back once it is within the bound.
     fn judge(&mut self) {
         let (max, min) = (self.cfg.max_wrong_share, self.cfg.min_samples);
-        let over = self.came_back.over(max, min);
+        let over = self.came_back.over(max, self.cfg.confidence_z, min);
         if !self.cfg.trust_done {
             self.trusted = false;
         } else if self.trusted && over {
@@ -220,9 +243,40 @@ impl HintLru {
         }
     }
 
-    /// The victims of a hinted round, and how many were chosen by their `done` hint.
-    fn choose(&mut self, call: HintedEvictCall) -> (Vec<Victim>, u64) {
+    /// Counts the candidates read after their `done` hint soon enough that evicting
+    /// them when hinted would have cost a miss (`oldest`: the age LRU lets a block
+    /// reach), each once.
+    fn saw_read_after_hint(&mut self, call: &EvictCall, hints: &[CandidateHint], oldest: u64) {
+        let mut costly = 0u64;
+        for (i, h) in hints.iter().enumerate() {
+            let Some(&age) = call.age_ms.get(i) else {
+                break;
+            };
+            if h.kind != HintKind::Done || age >= h.age_ms || h.age_ms - age > oldest {
+                continue;
+            }
+            let k = hash(call.keys.get(i));
+            if self.seen.insert(k) {
+                self.seen_order.push_back(k);
+                costly += 1;
+            }
+        }
+        while self.seen_order.len() > REMEMBERED {
+            if let Some(old) = self.seen_order.pop_front() {
+                self.seen.remove(&old);
+            }
+        }
+        if costly > 0 {
+            self.came_back.add(costly, costly, self.cfg.window);
+        }
+    }
+
+    /// The victims of a hinted round at `now` (ms), and how many were chosen by their
+    /// `done` hint.
+    fn choose(&mut self, call: HintedEvictCall, now: u64) -> (Vec<Victim>, u64) {
         let HintedEvictCall { call, hints, .. } = call;
+        let oldest = call.age_ms.iter().copied().max().unwrap_or(0);
+        self.saw_read_after_hint(&call, &hints, oldest);
         self.judge();
         let trust = self.trusted || {
             self.rounds += 1;
@@ -262,7 +316,8 @@ impl HintLru {
             if class(i as usize) == 0 {
                 by_hint += 1;
                 let h = hash(call.keys.get(i as usize));
-                if self.remembered.insert(h) {
+                let slack = oldest.saturating_sub(call.age_ms[i as usize]);
+                if self.remembered.insert(h, (now, slack)).is_none() {
                     self.order.push_back(h);
                 }
             }
@@ -282,6 +337,11 @@ impl HintLru {
             .collect();
         (victims, by_hint)
     }
+}
+
+/// The host's clock, in ms.
+fn now_ms() -> u64 {
+    host::now_ns() / 1_000_000
 }
 
 /// Oldest first, larger first among equals (the `lru` plugin's order).
@@ -344,7 +404,7 @@ mod tests {
     }
 
     fn victims(p: &mut HintLru, c: HintedEvictCall) -> Vec<u32> {
-        p.choose(c).0.into_iter().map(|v| v.index).collect()
+        p.choose(c, 0).0.into_iter().map(|v| v.index).collect()
     }
 
     #[test]
@@ -414,6 +474,7 @@ mod tests {
     fn a_source_whose_done_victims_come_back_is_distrusted_then_trusted_again() {
         let mut p = HintLru::with(Config {
             max_wrong_share: 0.02,
+            confidence_z: 0.0,
             min_samples: 20,
             window: 100,
             explore_every: 8,
@@ -435,7 +496,7 @@ mod tests {
             assert_eq!(v, [0], "trusted: the done block first");
             // One in ten comes back: 10 % wrong, over the 2 % allowed.
             if round % 10 == 0 {
-                p.saw_put(&PackedKeys::from_keys(&[key.as_str()]));
+                p.saw_put(&PackedKeys::from_keys(&[key.as_str()]), 0);
             }
             round += 1;
             assert!(round < 100, "never distrusted");
@@ -462,7 +523,7 @@ mod tests {
         for i in 0..400 {
             let key = format!("y{i}");
             if victims(&mut p, done(&key)) == [0] {
-                p.saw_put(&PackedKeys::from_keys(&[key.as_str()]));
+                p.saw_put(&PackedKeys::from_keys(&[key.as_str()]), 0);
             }
         }
         assert!(!p.trusted);
@@ -471,5 +532,76 @@ mod tests {
             victims(&mut p, done(&format!("z{i}")));
         }
         assert!(p.trusted, "a source that improves is trusted again");
+    }
+    /// A `done`-first victim put again later than LRU would have held it (the oldest
+    /// candidate's age less its own) cost nothing LRU would not have lost: not counted.
+    #[test]
+    fn a_victim_back_after_lru_would_have_let_it_go_is_no_cost() {
+        let mut p = HintLru::with(Config::default());
+        // Oldest candidate 100 ms, the done victim 60 ms: LRU would have held it 40 ms.
+        let c = call(
+            &["soon", "old"],
+            &[60, 100],
+            10,
+            vec![hint(HintKind::Done, 50, 0), NONE],
+        );
+        assert_eq!(p.choose(c, 1000).0.len(), 1);
+        let c = call(
+            &["late", "old"],
+            &[60, 100],
+            10,
+            vec![hint(HintKind::Done, 50, 0), NONE],
+        );
+        assert_eq!(p.choose(c, 1000).0.len(), 1);
+        assert_eq!(p.saw_put(&PackedKeys::from_keys(&["soon"]), 1040), 1);
+        assert_eq!(p.saw_put(&PackedKeys::from_keys(&["late"]), 1041), 0);
+        assert_eq!((p.came_back.total, p.came_back.hits), (2, 1));
+    }
+
+    /// A candidate read after its `done` hint is measured once, as a cost when the read
+    /// came within the age LRU lets a block reach (evicted when hinted, it would have
+    /// been a miss), and not when it came later.
+    #[test]
+    fn a_done_block_read_soon_after_its_hint_counts_once_as_a_cost() {
+        let mut p = HintLru::with(Config::default());
+        let round = |p: &mut HintLru| {
+            // a: hinted 90 ms ago, read 80 ms ago (10 ms after the hint); b: hinted
+            // 900 ms ago, read 5 ms ago (895 ms after, past the oldest age, 500).
+            let c = call(
+                &["a", "b", "c"],
+                &[80, 5, 500],
+                10,
+                vec![
+                    hint(HintKind::Done, 90, 0),
+                    hint(HintKind::Done, 900, 0),
+                    NONE,
+                ],
+            );
+            victims(p, c)
+        };
+        assert_eq!(round(&mut p), [2], "both read after their hint: plain LRU");
+        assert_eq!((p.came_back.total, p.came_back.hits), (1, 1));
+        round(&mut p);
+        assert_eq!(
+            (p.came_back.total, p.came_back.hits),
+            (1, 1),
+            "counted once"
+        );
+    }
+
+    /// An early handful of costs is not a verdict: distrust needs the count to stand
+    /// `confidence_z` deviations above what the bound expects.
+    #[test]
+    fn distrust_waits_for_confidence() {
+        let s = Share {
+            samples: 1000,
+            hits: 12,
+            total: 1000,
+        };
+        // 0.75 % of 1,000 expects 7.5 (sd 2.7): 12 is over the bound, not by 2.5 sd.
+        assert!(s.over(0.0075, 0.0, 200));
+        assert!(!s.over(0.0075, 2.5, 200));
+        let s = Share { hits: 15, ..s };
+        assert!(s.over(0.0075, 2.5, 200));
     }
 }
