@@ -132,6 +132,7 @@ struct HintLru {
 struct Metrics {
     by_hint: u32,
     came_back: u32,
+    read_after: u32,
     trusted: u32,
 }
 
@@ -161,6 +162,10 @@ impl Policy for HintLru {
             came_back: host::register_counter(
                 "done_victims_back",
                 "of those, put again while LRU would still have held them (the hint cost a miss)",
+            )?,
+            read_after: host::register_counter(
+                "done_read_soon_after_hint",
+                "done candidates read within LRU's window of their hint (a miss, evicted when hinted)",
             )?,
             trusted: host::register_gauge("done_hints_trusted", "1 while done hints are trusted")?,
         });
@@ -268,6 +273,9 @@ impl HintLru {
         }
         if costly > 0 {
             self.came_back.add(costly, costly, self.cfg.window);
+            if let Some(m) = &self.metrics {
+                host::counter_add(m.read_after, costly);
+            }
         }
     }
 
