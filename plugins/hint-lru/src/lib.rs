@@ -121,7 +121,8 @@ struct HintLru {
     /// Hinted rounds while distrusted (every `explore_every`-th uses `done` hints).
     rounds: u64,
     remembered: Evicted,
-    order: VecDeque<u64>,
+    /// Victims in the order remembered, with when.
+    order: VecDeque<(u64, u64)>,
     /// Candidates seen read after their `done` hint.
     seen: Set,
     seen_order: VecDeque<u64>,
@@ -325,13 +326,15 @@ impl HintLru {
                 by_hint += 1;
                 let h = hash(call.keys.get(i as usize));
                 let slack = oldest.saturating_sub(call.age_ms[i as usize]);
-                if self.remembered.insert(h, (now, slack)).is_none() {
-                    self.order.push_back(h);
-                }
+                self.remembered.insert(h, (now, slack));
+                self.order.push_back((h, now));
             }
         }
         while self.order.len() > REMEMBERED {
-            if let Some(old) = self.order.pop_front() {
+            // Forgotten only if not evicted again since (a later entry stands for it).
+            if let Some((old, at)) = self.order.pop_front()
+                && self.remembered.get(&old).is_some_and(|&(t, _)| t == at)
+            {
                 self.remembered.remove(&old);
             }
         }
