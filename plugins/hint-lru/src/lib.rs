@@ -34,7 +34,7 @@
 //! a block longer.
 //!
 //! Config (JSON, optional): `{"max_wrong_share": 0.0075, "confidence_z": 2.5,
-//! "min_samples": 200, "window": 5000, "explore_every": 256, "trust_done": true}` (the
+//! "min_samples": 200, "window": 2500, "explore_every": 256, "trust_done": true}` (the
 //! defaults: the best of the settings tried in `moongate sim` on the shipped trace; see
 //! docs/policy-science.md).
 
@@ -75,7 +75,7 @@ impl Default for Config {
             max_wrong_share: 0.0075,
             confidence_z: 2.5,
             min_samples: 200,
-            window: 5000,
+            window: 2500,
             explore_every: 256,
             trust_done: true,
         }
