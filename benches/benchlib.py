@@ -105,6 +105,23 @@ def stop_all(procs):
                 pr.kill()
 
 
+def start_moongate(binary, work, name, config, procs):
+    """Writes `config` to WORK/NAME.toml and starts `binary run` with it on free loopback
+    ports (log WORK/NAME.log; RUST_LOG from the environment, else warn), appended to
+    `procs`. Returns (process, admin URL, listen address); the caller waits for it."""
+    admin, listen = free_port(), free_port()
+    cfg = f"{work}/{name}.toml"
+    with open(cfg, "w") as f:
+        f.write(config)
+    pr = subprocess.Popen(
+        [binary, "run", "--config", cfg, "--listen", f"127.0.0.1:{listen}",
+         "--admin", f"127.0.0.1:{admin}"],
+        stdout=open(f"{work}/{name}.log", "w"), stderr=subprocess.STDOUT,
+        env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")})
+    procs.append(pr)
+    return pr, f"http://127.0.0.1:{admin}", f"127.0.0.1:{listen}"
+
+
 def run_owner(master, metadata, segment_bytes, put=None):
     """The owner role: mounts a segment of `segment_bytes`, puts `put` ({key: bytes}),
     prints READY and holds the segment until stdin closes."""

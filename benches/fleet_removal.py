@@ -27,7 +27,8 @@ import urllib.parse
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import free_port, master_cmd, pct, run, start_etcd, stop_all, wait_http, work_dir  # noqa: E402,E501
+from benchlib import (free_port, master_cmd, pct, run, start_etcd, start_moongate,  # noqa: E402
+                      stop_all, wait_http, work_dir)
 
 MiB = 1 << 20
 
@@ -58,18 +59,12 @@ def main():
         members = {}
         for name, extra in (("a", ""), ("b", f"[kv]\nlisten = \"{kv}\"\nmetadata_url = "
                                               f"\"{metadata}\"\nreplica_cache_ms = 60000\n")):
-            admin, listen = free_port(), free_port()
-            cfg = f"{work}/{name}.toml"
-            with open(cfg, "w") as f:
-                f.write(f"[master_face]\nupstream = \"127.0.0.1:{rpc}\"\n{extra}"
-                        f"[fleet]\nenabled = true\netcd = \"{etcd}\"\ncluster = \"bench\"\n"
-                        f"member = \"{name}\"\n")
-            procs.append(subprocess.Popen(
-                [a.moongate, "run", "--config", cfg, "--listen", f"127.0.0.1:{listen}",
-                 "--admin", f"127.0.0.1:{admin}"],
-                stdout=open(f"{work}/{name}.log", "w"), stderr=subprocess.STDOUT,
-                env={**os.environ, "RUST_LOG": "warn"}))
-            members[name] = (f"http://127.0.0.1:{admin}", f"127.0.0.1:{listen}")
+            _, url, listen = start_moongate(
+                a.moongate, work, name,
+                f"[master_face]\nupstream = \"127.0.0.1:{rpc}\"\n{extra}"
+                f"[fleet]\nenabled = true\netcd = \"{etcd}\"\ncluster = \"bench\"\n"
+                f"member = \"{name}\"\n", procs)
+            members[name] = (url, listen)
         for url, _ in members.values():
             wait_http(f"{url}/ready")
         end = time.monotonic() + 30

@@ -22,7 +22,8 @@ import sys
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import free_port, master_cmd, run, start_etcd, stop_all, wait_http, work_dir  # noqa: E402
+from benchlib import (free_port, master_cmd, run, start_etcd, start_moongate,  # noqa: E402
+                      stop_all, wait_http, work_dir)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RANKS = 4
@@ -41,24 +42,18 @@ def shape(a, name, work):
         wait_http(f"http://127.0.0.1:{mport}/metrics", 30)
         listens, admins = [], []
         for i in range(1 if name == "one" else RANKS):
-            admin, listen = free_port(), free_port()
-            cfg = f"{work}/{name}-m{i}.toml"
             fleet = ""
             if etcd:
                 fleet = (f"[fleet]\nenabled = true\netcd = \"{etcd}\"\ncluster = \"replay\"\n"
                          f"member = \"m{i}\"\nrecords = {a.records}\n")
-            with open(cfg, "w") as f:
-                f.write(f"[master_face]\nupstream = \"127.0.0.1:{rpc}\"\n"
-                        f"[eviction]\nenabled = true\n"
-                        f"master_metrics_url = \"http://127.0.0.1:{mport}/metrics\"\n"
-                        f"high_watermark = 0.8\nlow_watermark = 0.7\ninterval_ms = 100\n{fleet}")
-            procs.append(subprocess.Popen(
-                [a.moongate, "run", "--config", cfg, "--listen", f"127.0.0.1:{listen}",
-                 "--admin", f"127.0.0.1:{admin}"],
-                stdout=open(f"{work}/{name}-m{i}.log", "w"), stderr=subprocess.STDOUT,
-                env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}))
-            wait_http(f"http://127.0.0.1:{admin}/ready", 60)
-            listens.append(f"127.0.0.1:{listen}")
+            _, admin, listen = start_moongate(
+                a.moongate, work, f"{name}-m{i}",
+                f"[master_face]\nupstream = \"127.0.0.1:{rpc}\"\n"
+                f"[eviction]\nenabled = true\n"
+                f"master_metrics_url = \"http://127.0.0.1:{mport}/metrics\"\n"
+                f"high_watermark = 0.8\nlow_watermark = 0.7\ninterval_ms = 100\n{fleet}", procs)
+            wait_http(f"{admin}/ready", 60)
+            listens.append(listen)
             admins.append(admin)
         out = f"{work}/{name}.json"
         cmd = [sys.executable, os.path.join(ROOT, "benches/replay.py"),
@@ -77,7 +72,7 @@ def shape(a, name, work):
         # afterwards (MOONGATE_KEEP_WORK=1 keeps them).
         for i, admin in enumerate(admins):
             with open(f"{work}/{name}-m{i}.metrics", "w") as f:
-                f.write(urllib.request.urlopen(f"http://127.0.0.1:{admin}/metrics").read().decode())
+                f.write(urllib.request.urlopen(f"{admin}/metrics").read().decode())
         with open(f"{work}/master-{name}.metrics", "w") as f:
             f.write(urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics").read().decode())
         return json.load(open(out))

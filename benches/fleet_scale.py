@@ -27,7 +27,8 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import free_port, master_cmd, run, start_etcd, stop_all, wait_http, work_dir  # noqa: E402
+from benchlib import (free_port, master_cmd, run, start_etcd, start_moongate,  # noqa: E402
+                      stop_all, wait_http, work_dir)
 
 
 def get(url):
@@ -73,24 +74,17 @@ def main():
         members = {}
 
         def start(i):
-            admin, listen = free_port(), free_port()
-            cfg = f"{work}/m{i}.toml"
             eviction = ""
             if a.traffic:
                 eviction = (f"[eviction]\nenabled = true\nmaster_metrics_url = "
                             f"\"http://127.0.0.1:{master_metrics}/metrics\"\n"
                             f"high_watermark = 0.8\nlow_watermark = 0.7\n")
-            with open(cfg, "w") as f:
-                f.write(f"[master_face]\nupstream = \"127.0.0.1:{rpc}\"\n{eviction}"
-                        f"[fleet]\nenabled = true\netcd = \"{etcd}\"\ncluster = \"bench\"\n"
-                        f"member = \"m{i}\"\ninterval_ms = {a.interval_ms}\n"
-                        f"lease_ttl_s = {a.lease_s}\nrecords = {a.records}\n")
-            pr = subprocess.Popen([a.moongate, "run", "--config", cfg, "--listen",
-                                   f"127.0.0.1:{listen}", "--admin", f"127.0.0.1:{admin}"],
-                                  stdout=open(f"{work}/m{i}.log", "w"), stderr=subprocess.STDOUT,
-                                  env={**os.environ, "RUST_LOG": "warn"})
-            procs.append(pr)
-            members[i] = (pr, f"http://127.0.0.1:{admin}", f"127.0.0.1:{listen}")
+            members[i] = start_moongate(
+                a.moongate, work, f"m{i}",
+                f"[master_face]\nupstream = \"127.0.0.1:{rpc}\"\n{eviction}"
+                f"[fleet]\nenabled = true\netcd = \"{etcd}\"\ncluster = \"bench\"\n"
+                f"member = \"m{i}\"\ninterval_ms = {a.interval_ms}\n"
+                f"lease_ttl_s = {a.lease_s}\nrecords = {a.records}\n", procs)
 
         for i in range(a.members):
             start(i)
