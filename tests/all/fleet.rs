@@ -341,8 +341,7 @@ fn hot_keys_after_eviction(records: bool) -> (Vec<u64>, u64, usize, f64) {
         Background::start_args("steps", &mg.listen, &master.metadata, &args, &logs)
     };
     let (mut writer, mut reader) = (steps(&a, "32"), steps(&b, "0"));
-    let bad = |line: String| -> Vec<u64> {
-        let v = ready_json(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
+    let bad = |v: Value| -> Vec<u64> {
         v["bad"]
             .as_array()
             .unwrap()
@@ -351,14 +350,26 @@ fn hot_keys_after_eviction(records: bool) -> (Vec<u64>, u64, usize, f64) {
             .collect()
     };
     // Hot keys (4 MiB), then older-looking filler (12 MiB): 0.5 of the pool.
-    assert_eq!(bad(writer.step("put hot/ 16 262144")), Vec::<u64>::new());
-    assert_eq!(bad(writer.step("put fill/ 48 262144")), Vec::<u64>::new());
+    assert_eq!(
+        bad(writer.step_json("put hot/ 16 262144")),
+        Vec::<u64>::new()
+    );
+    assert_eq!(
+        bad(writer.step_json("put fill/ 48 262144")),
+        Vec::<u64>::new()
+    );
     // The hot keys read through the other member, then left until their leases end.
-    assert_eq!(bad(reader.step("get hot/ 16 262144")), Vec::<u64>::new());
+    assert_eq!(
+        bad(reader.step_json("get hot/ 16 262144")),
+        Vec::<u64>::new()
+    );
     std::thread::sleep(Duration::from_millis(1_500));
     // 4 MiB more: 20 of 32 MiB, over the high watermark; down to 0.5 asks 4 MiB, well
     // within either member's share of the filler even if one member frees it all.
-    assert_eq!(bad(writer.step("put new/ 16 262144")), Vec::<u64>::new());
+    assert_eq!(
+        bad(writer.step_json("put new/ 16 262144")),
+        Vec::<u64>::new()
+    );
     let capacity = 32u64 << 20;
     let allocated = || allocated(&master);
     under(&master, (0.6 * capacity as f64) as u64, &[&a, &b], &logs);
@@ -377,11 +388,11 @@ fn hot_keys_after_eviction(records: bool) -> (Vec<u64>, u64, usize, f64) {
             assert!(text.contains(says), "{text}");
         }
     }
-    let missing = bad(reader.step("exist hot/ 16"));
+    let missing = bad(reader.step_json("exist hot/ 16"));
     // Misses of evicted keys through the member that never put them: explained by the
     // keys' homes (with records) or unknown to it (without).
     let why = "moongate_lookup_misses_total{reason=\"evicted_by_moongate\",arm=\"default\"}";
-    let gone = bad(reader.step("exist fill/ 48")).len() + missing.len();
+    let gone = bad(reader.step_json("exist fill/ 48")).len() + missing.len();
     let explained = || {
         [&a, &b]
             .iter()
@@ -669,19 +680,16 @@ fn by_weight_shares_hold_for_the_whole_pool_with_arms_by_member() {
     let mgs = members_ready(&master, &etcd, &ranks, &cfg);
     let logs = logs_of(&master, Some(&etcd), &mgs);
     let mut w = fill_writer(&master, &mgs, &logs);
-    let ok = |line: String| {
-        let v = ready_json(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
-        assert_eq!(v["bad"], serde_json::json!([]), "{v}");
-    };
+    let ok = |v: Value| assert_eq!(v["bad"], serde_json::json!([]), "{v}");
     // The pool is 64 MiB: 32 MiB per arm. b: 16 MiB through its ranks (clients 2, 3).
-    ok(w.step(&format!("put b/ {} {MIB} 2,3", 16 * MIB)));
+    ok(w.step_json(&format!("put b/ {} {MIB} 2,3", 16 * MIB)));
     // a: 64 MiB through its ranks, twice its share, 8 MiB at a time: each step waits
     // for the fleet to bring the pool back under a's high watermark. (Written at once,
     // the writer outruns 200 ms rounds and the master's own eviction, which takes the
     // oldest keys of any arm, runs: seen taking 4 of b's keys.)
     let high = 16 * MIB + 32 * MIB * 6 / 10;
     for step in 0..8 {
-        ok(w.step(&format!("put a/ {} {MIB} 0,1 {}", 8 * MIB, step * 8)));
+        ok(w.step_json(&format!("put a/ {} {MIB} 0,1 {}", 8 * MIB, step * 8)));
         wait_for(
             "the pool under a's high watermark",
             Duration::from_secs(30),
@@ -844,14 +852,8 @@ fn a_forced_removal_through_one_member_voids_another_members_replica_cache() {
     let logs = [&master.proc, &a.proc, &b.proc, &etcd.proc];
     let args = ["--segment-mib", "16"];
     let mut rank = Background::start_args("steps", &a.listen, &master.metadata, &args, &logs);
-    let ok = |line: String| {
-        assert_eq!(
-            ready_json(&line).unwrap()["bad"],
-            serde_json::json!([]),
-            "{line}"
-        )
-    };
-    ok(rank.step("put fv/ 2 5000"));
+    let ok = |v: Value| assert_eq!(v["bad"], serde_json::json!([]), "{v}");
+    ok(rank.step_json("put fv/ 2 5000"));
     let m = |mg: &Moongate, name: &str| metric_value(&mg.metrics(), name);
     let hits = || m(&b, "moongate_kv_replica_cache_total{result=\"hit\"}");
     for _ in 0..2 {
@@ -865,7 +867,7 @@ fn a_forced_removal_through_one_member_voids_another_members_replica_cache() {
     assert_eq!(hits(), 1.0, "the second read came from b's cache");
     // The rank's forced removal goes through a only (b's reads leased fv/0: forced
     // takes it anyway).
-    ok(rank.step("forcerm fv/ 1"));
+    ok(rank.step_json("forcerm fv/ 1"));
     wait_for(
         "b to read fv/0 as removed",
         Duration::from_secs(20),

@@ -127,11 +127,8 @@ fn a_forced_removal_through_the_master_face_voids_the_replica_cache() {
     let logs = [&master.proc, &mg.proc];
     let args = ["--segment-mib", "16"];
     let mut rank = Background::start_args("steps", &mg.listen, &master.metadata, &args, &logs);
-    let bad = |line: String| -> serde_json::Value {
-        ready_json(&line).unwrap_or_else(|e| panic!("{e}: {line}"))["bad"].clone()
-    };
     let none = serde_json::json!([]);
-    assert_eq!(bad(rank.step("put fr/ 2 5000")), none);
+    assert_eq!(rank.step_json("put fr/ 2 5000")["bad"], none);
     let cache = |r: &str| {
         metric_value(
             &mg.metrics(),
@@ -160,7 +157,7 @@ fn a_forced_removal_through_the_master_face_voids_the_replica_cache() {
     assert!(batch() == both, "a batch read other values");
     assert_eq!((cache("hit"), cache("miss")), (4.0, 2.0));
     // Our reads leased fr/0; a forced removal takes it anyway.
-    assert_eq!(bad(rank.step("forcerm fr/ 1")), none);
+    assert_eq!(rank.step_json("forcerm fr/ 1")["bad"], none);
     let (st, _) = http_bytes(&kv, "GET", "/v1/kv/fr%2F0", &[]).unwrap();
     assert_eq!(st, 404, "read through a voided replica list");
     assert_eq!((cache("hit"), cache("miss")), (4.0, 3.0));

@@ -568,7 +568,7 @@ pub fn run_role_on(
 }
 
 /// The JSON a role's `READY {...}` line carries.
-pub fn ready_json(line: &str) -> Result<serde_json::Value, serde_json::Error> {
+fn ready_json(line: &str) -> Result<serde_json::Value, serde_json::Error> {
     serde_json::from_str(line.trim_start_matches("READY").trim())
 }
 
