@@ -412,13 +412,7 @@ fn sim(a: SimArgs) -> Result<(), String> {
     // A plugin's own log lines (`host::log`) are what its author debugs it by: shown
     // on stderr, warnings and errors by default, more with RUST_LOG (`info`,
     // `debug`). The table stays on stdout.
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr)
-        .try_init();
+    init_logging("warn", LogFormat::Text);
     let live = moongate::sim::Live {
         speed,
         high,
@@ -484,14 +478,15 @@ fn sim(a: SimArgs) -> Result<(), String> {
     Ok(())
 }
 
-fn init_logging(cfg: &Config) {
+/// Logs to stderr at RUST_LOG, else at `level`.
+fn init_logging(level: &str, format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cfg.log.level));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
-    match cfg.log.format {
+    match format {
         LogFormat::Text => b.init(),
         LogFormat::Json => b.json().init(),
     }
@@ -588,7 +583,7 @@ fn main() -> ExitCode {
                 eprintln!("moongate: invalid configuration\n{e}");
                 return ExitCode::from(2);
             }
-            init_logging(&cfg);
+            init_logging(&cfg.log.level, cfg.log.format);
             let rt = match build_runtime(cfg.runtime.worker_threads) {
                 Ok(rt) => rt,
                 Err(e) => {
