@@ -83,6 +83,12 @@ test_extras() {
     echo "bootstrap: installing kubernetes-validate and bcrypt"
     "$venv/bin/pip" install -q --disable-pip-version-check "kubernetes-validate==1.37.0" "bcrypt==4.3.0"
   fi
+  # The Python package test installs clients/python as a user would (pip, setuptools'
+  # wheel build, no network at that point).
+  if ! "$venv/bin/python" -c "import wheel" >/dev/null 2>&1; then
+    echo "bootstrap: installing wheel"
+    "$venv/bin/pip" install -q --disable-pip-version-check "wheel==0.45.1"
+  fi
   if ! "$venv/bin/python" -c "import zmq, msgspec" >/dev/null 2>&1; then
     echo "bootstrap: installing pyzmq and msgspec"
     "$venv/bin/pip" install -q --disable-pip-version-check "pyzmq==27.3.0" "msgspec==0.23.0"

@@ -9,7 +9,7 @@ use std::process::Command;
 use crate::support::*;
 
 /// Where cargo puts the library: beside the moongate binary the tests run.
-fn lib_dir() -> PathBuf {
+pub(crate) fn lib_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_moongate"))
         .parent()
         .unwrap()
@@ -18,7 +18,7 @@ fn lib_dir() -> PathBuf {
 
 /// Builds the library as a C user does (`cargo build -p moongate-kv`), into the tests'
 /// target directory: a test run of this crate alone leaves the .a and .so as they were.
-fn build_library() {
+pub(crate) fn build_library() {
     let profile = lib_dir();
     let target = profile.parent().unwrap();
     let mut cargo = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
@@ -40,12 +40,18 @@ fn build_library() {
 /// Compiles tests/c/kv_abi.c against the library (`static`: libmoongate_kv.a, else the
 /// .so); the compiler's output is in the panic.
 fn build(out: &std::path::Path, static_lib: bool) -> PathBuf {
+    compile_c(out, "kv_abi", static_lib)
+}
+
+/// Compiles tests/c/`name`.c against the library into `out` (`static`: libmoongate_kv.a,
+/// else the .so); the compiler's output is in the panic.
+pub(crate) fn compile_c(out: &std::path::Path, name: &str, static_lib: bool) -> PathBuf {
     let root = repo_root();
     let lib = lib_dir();
     let exe = out.join(if static_lib {
-        "kv_abi_static"
+        format!("{name}_static")
     } else {
-        "kv_abi_shared"
+        format!("{name}_shared")
     });
     let mut cc = Command::new("cc");
     cc.args([
@@ -57,7 +63,7 @@ fn build(out: &std::path::Path, static_lib: bool) -> PathBuf {
         "-o",
     ])
     .arg(&exe)
-    .arg(root.join("tests/c/kv_abi.c"))
+    .arg(root.join(format!("tests/c/{name}.c")))
     .arg("-I")
     .arg(root.join("clients/rust/include"));
     if static_lib {

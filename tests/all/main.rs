@@ -10,7 +10,8 @@
 //! - Live, against the real `mooncake_master` and the real Mooncake Python client on
 //!   free loopback ports ([`support`] starts, probes and stops them): [`real_mooncake`],
 //!   [`master_face_failures`], [`policy_live`], [`eviction_live`], [`replay_live`],
-//!   [`kv_face`], [`kv_quic`], [`kv_bounds`] (hostile peers against every kv-face bound),
+//!   [`kv_face`], [`kv_quic`], [`kv_zero_copy`] (views and reservations of local engines),
+//!   [`kv_bounds`] (hostile peers against every kv-face bound),
 //!   [`kv_flood`] (2,000 stalled bodies while a new client is served),
 //!   [`arm_shares`] (experiment arms held to their capacity shares), [`owner_topology`]
 //!   (vLLM's owner with an SSD tier and requester-only ranks: served tiers, offload,
@@ -44,6 +45,7 @@ mod kv_face;
 mod kv_flood;
 mod kv_quic;
 mod kv_shm;
+mod kv_zero_copy;
 mod master_face_failures;
 mod owner_topology;
 mod policy_host;

@@ -81,6 +81,33 @@
 #define MG_ERR_NO_ROOM -12
 
 /*
+ No such lease or ticket on this handle: released, committed, aborted, expired
+ (`kv.lease_ms`), or another handle's.
+ */
+#define MG_ERR_NO_LEASE -14
+
+/*
+ Views and reservations need moongate's memory on this host: a `unix:` handle to a
+ moongate with `kv.shm` and `kv.zero_copy`; or the value is not in moongate's own
+ segment and moongate stages nothing (`kv.staging_bytes = 0`). Copy instead
+ ([`mg_get_into`], [`mg_put`]).
+ */
+#define MG_ERR_NOT_LOCAL -15
+
+/*
+ A view or reservation is in moongate's own segment: no byte was copied to view it,
+ and the engine's writes are the stored value.
+ */
+#define MG_IN_PLACE 0
+
+/*
+ A view was read into moongate's staging area first (its value lives on another
+ owner or on disk); a reservation is written into the staging area and sent on to
+ where the master placed it at commit.
+ */
+#define MG_STAGED 1
+
+/*
  A handle: where moongate is, a pool of connections to it, and the memory
  [`mg_alloc`] handed out. Opaque to C.
  */
@@ -238,6 +265,134 @@ void *mg_alloc(mg_client *c, size_t len);
  `c` a live handle; no other thread uses the memory at `p` any more.
  */
 int mg_free(mg_client *c, void *p);
+
+/*
+ Views the value of `key` where it lies, without copying it: `*data` and `*len` say
+ where it is in moongate's memory (mapped read-only into this process), until
+ [`mg_release`] of `*lease`, `kv.lease_ms` passing, or the handle's end. Returns
+ [`MG_IN_PLACE`] (in moongate's own segment), [`MG_STAGED`] (read into its staging
+ area first), or a negative `MG_ERR_*` (then no lease is held): [`MG_ERR_NOT_FOUND`],
+ [`MG_ERR_NOT_LOCAL`] (no shared memory on this handle, or nothing to stage into),
+ [`MG_ERR_BUSY`] (the value's memory is being rewritten, or staging is full: retry).
+ Writing through `*data` faults this process (the mapping is read-only).
+
+ # Safety
+ `c` a live handle; `key` NUL-terminated; `data`, `len` and `lease` writable.
+ */
+int mg_view(mg_client *c, const char *key, const void **data, size_t *len, uint64_t *lease);
+
+/*
+ Views `n` values under one lease (`*lease`; 0 when no item could be viewed, and
+ releasing 0 does nothing): `results[i]` is [`MG_IN_PLACE`], [`MG_STAGED`] or the item's
+ negative `MG_ERR_*`, with `data[i]` and `lens[i]` set for the viewed ones. Returns 0
+ when the call went through (look at `results`), or a negative `MG_ERR_*`.
+
+ # Safety
+ `c` a live handle; `keys` points to `n` NUL-terminated strings; `data`, `lens` and
+ `results` to `n` writable elements; `lease` writable.
+ */
+int mg_batch_view(mg_client *c,
+                  const char *const *keys,
+                  size_t n,
+                  const void **data,
+                  size_t *lens,
+                  int *results,
+                  uint64_t *lease);
+
+/*
+ Ends a view lease from [`mg_view`] or [`mg_batch_view`]: its pointers must not be
+ read after. 0 (also for lease 0), or [`MG_ERR_NO_LEASE`] for a lease this handle
+ does not hold (released already, expired, another handle's).
+
+ # Safety
+ `c` a live handle.
+ */
+int mg_release(mg_client *c, uint64_t lease);
+
+/*
+ The mappings of moongate's memory in this process, to register once with a GPU
+ runtime (e.g. `cudaHostRegister`) so that copies from views and into reservations
+ are DMA: per memory (the own segment, then the staging area) its read-only mapping
+ (where views point; register it read-only) then its writable one (where
+ reservations point). Up to `cap` entries are written to `bases` / `lens`; `*n` gets
+ how many there are. 0, [`MG_ERR_TOO_SMALL`] when `cap` is less than `*n` (nothing
+ written but `*n`), or another negative `MG_ERR_*`.
+
+ # Safety
+ `c` a live handle; `bases` and `lens` writable for `cap` elements; `n` writable.
+ */
+int mg_segments(mg_client *c, const void **bases, size_t *lens, size_t cap, size_t *n);
+
+/*
+ Reserves `len` bytes for `key` in moongate's memory: the policy decides the put and
+ the master places it (moongate's own segment preferred). `*data` is where to write
+ the value (a writable mapping here), `*ticket` what [`mg_commit`] publishes it with
+ or [`mg_abort`] drops it with. Nothing is readable before the commit; a ticket never
+ committed (aborted, `kv.lease_ms` passing, the handle's end) leaves no value and its
+ space returns. Returns [`MG_IN_PLACE`] (the bytes written are the stored replica),
+ [`MG_STAGED`] (written into the staging area, sent on to the master's placement at
+ commit), or a negative `MG_ERR_*` ([`MG_ERR_EXISTS`], [`MG_ERR_NO_ROOM`],
+ [`MG_ERR_BUSY`], [`MG_ERR_REFUSED`] by policy, [`MG_ERR_ARG`] over
+ `kv.max_value_bytes`, [`MG_ERR_NOT_LOCAL`]).
+
+ # Safety
+ `c` a live handle; `key` NUL-terminated; `data` and `ticket` writable.
+ */
+int mg_reserve(mg_client *c, const char *key, size_t len, void **data, uint64_t *ticket);
+
+/*
+ Reserves `n` values in one decision and one master call: key `keys[i]`, `lens[i]`
+ bytes, written at `data[i]` and published with `tickets[i]`; `results[i]` is
+ [`MG_IN_PLACE`], [`MG_STAGED`] or the item's negative `MG_ERR_*`. Returns 0 when the
+ call went through (look at `results`), or a negative `MG_ERR_*` (no ticket then).
+
+ # Safety
+ `c` a live handle; `keys` points to `n` NUL-terminated strings, `lens` to `n`
+ elements; `data`, `tickets` and `results` to `n` writable elements.
+ */
+int mg_batch_reserve(mg_client *c,
+                     const char *const *keys,
+                     const size_t *lens,
+                     size_t n,
+                     void **data,
+                     uint64_t *tickets,
+                     int *results);
+
+/*
+ Publishes a reservation: its bytes are the value of its key from now on (sent on to
+ every other replica first). 0, or a negative `MG_ERR_*` ([`MG_ERR_NO_LEASE`]: not a
+ ticket of this handle, or committed, aborted or expired already).
+
+ # Safety
+ `c` a live handle.
+ */
+int mg_commit(mg_client *c, uint64_t ticket);
+
+/*
+ Drops a reservation: nothing becomes visible and its space returns. 0 or
+ [`MG_ERR_NO_LEASE`].
+
+ # Safety
+ `c` a live handle.
+ */
+int mg_abort(mg_client *c, uint64_t ticket);
+
+/*
+ Commits `n` tickets in one master call: `results[i]` is 0 or the item's negative
+ `MG_ERR_*`. Returns 0 when the call went through (look at `results`).
+
+ # Safety
+ `c` a live handle; `tickets` points to `n` elements, `results` to `n` writable ones.
+ */
+int mg_batch_commit(mg_client *c, const uint64_t *tickets, size_t n, int *results);
+
+/*
+ Aborts `n` tickets in one master call, as [`mg_batch_commit`].
+
+ # Safety
+ As [`mg_batch_commit`].
+ */
+int mg_batch_abort(mg_client *c, const uint64_t *tickets, size_t n, int *results);
 
 #ifdef __cplusplus
 }  // extern "C"

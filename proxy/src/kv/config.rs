@@ -140,6 +140,29 @@ pub struct KvConfig {
     pub shm_max_bytes: u64,
     /// Registrations one connection may hold at once. Default 64.
     pub shm_max_regions: usize,
+    /// Zero-copy views and reservations for local engines on the shared-memory path
+    /// (docs/kv-api.md, "Zero copy"): engines map the own segment and the staging area
+    /// (read-only for views, writable for reservations). Default true; needs `kv.shm`.
+    /// Mapping the segment writable lets an engine write any byte of it, as any TE-TCP
+    /// peer of the segment already can; only `kv.shm_allowed_uids` get the mappings.
+    pub zero_copy: bool,
+    /// How long a view lease or a reservation lives unless released, committed or
+    /// aborted first (ms). Default 30000: a prefix load into GPU memory takes
+    /// milliseconds, and a lease an engine forgot holds its range against writers.
+    pub lease_ms: u64,
+    /// View leases plus reservations one engine (one handle's connections) may hold at
+    /// once. Default 4096: a few hundred prefixes in flight with batches of 64.
+    pub max_leases: usize,
+    /// Bytes of the staging area: views of values that are not in the own segment are
+    /// read into it, and reservations the master places elsewhere are written into it
+    /// and sent on at commit. Memory is taken as it is first used. Default 268435456
+    /// (256 MiB); 0 = none (such views and reservations are refused with
+    /// `MG_ERR_NOT_LOCAL`; the engine copies with `mg_get_into` / `mg_put`).
+    pub staging_bytes: u64,
+    /// Threads a large copy in or out of the own segment is cut over (copies of 8 MiB
+    /// and more, 4 MiB a thread at least). 0 (default) = the cores this process may
+    /// use, at most 8: one core copies ~10 GB/s, a host's memory 35-40 GB/s.
+    pub copy_threads: usize,
 }
 
 impl Default for KvConfig {
@@ -186,11 +209,24 @@ impl Default for KvConfig {
             shm_max_bytes_per_connection: 16 << 30,
             shm_max_bytes: 64 << 30,
             shm_max_regions: 64,
+            zero_copy: true,
+            lease_ms: 30_000,
+            max_leases: 4096,
+            staging_bytes: 256 << 20,
+            copy_threads: 0,
         }
     }
 }
 
 impl KvConfig {
+    /// Threads a large copy is cut over (`kv.copy_threads`, 0 = the cores, at most 8).
+    pub fn copy_threads(&self) -> usize {
+        if self.copy_threads > 0 {
+            return self.copy_threads;
+        }
+        std::thread::available_parallelism().map_or(1, |n| n.get().min(8))
+    }
+
     /// Appends every problem of this section to `errs` (nothing is checked while the kv
     /// face is off, except keys that need it on).
     pub fn validate(&self, errs: &mut Vec<String>) {
@@ -237,6 +273,13 @@ impl KvConfig {
                 );
                 positive(errs, "kv.shm_max_bytes", kv.shm_max_bytes);
                 positive(errs, "kv.shm_max_regions", kv.shm_max_regions as u64);
+                if kv.zero_copy {
+                    positive(errs, "kv.lease_ms", kv.lease_ms);
+                    positive(errs, "kv.max_leases", kv.max_leases as u64);
+                }
+            }
+            if kv.copy_threads > 256 {
+                errs.push("kv.copy_threads: at most 256".into());
             }
             if !kv.disk_root.is_empty() && !std::path::Path::new(&kv.disk_root).is_absolute() {
                 errs.push(format!(

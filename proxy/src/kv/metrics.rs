@@ -114,6 +114,16 @@ struct ResultLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WhereLabel {
+    place: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EndLabel {
+    end: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabel {
     reason: &'static str,
 }
@@ -172,10 +182,41 @@ pub struct KvMetrics {
     pub master_busy: Counter,
     /// Shared-memory calls `[op - 1][ok, error]` (register, release, get_into,
     /// put_from, batch_get_into), and the rest.
-    shm_calls: [[Counter; 2]; 7],
+    shm_calls: [[Counter; 2]; SHM_OPS.len()],
     shm_registered_bytes: Gauge,
     shm_denied: Counter,
+    /// Values viewed by local engines: `[in place, staged]`.
+    pub views: [Counter; 2],
+    /// View leases held now, and the bytes under them.
+    pub view_leases: Gauge,
+    pub viewed_bytes: Gauge,
+    /// Reservations (write tickets) open now, and how they ended:
+    /// `[committed, aborted, expired, orphaned, failed]`.
+    pub reservations: Gauge,
+    pub reservations_ended: [Counter; 5],
+    /// Staging bytes handed out now (`kv.staging_bytes`).
+    pub staging_bytes: Gauge,
+    /// Writes into the own segment that met a view: `[waited, rejected]`.
+    pub fenced_writes: [Counter; 2],
 }
+
+/// Shared-memory ops in label order (op `i + 1` is `SHM_OPS[i]`; the last is any other).
+const SHM_OPS: [&str; 14] = [
+    "register",
+    "release",
+    "get_into",
+    "put_from",
+    "batch_get_into",
+    "batch_put_from",
+    "hello",
+    "segments",
+    "view",
+    "release_view",
+    "reserve",
+    "commit",
+    "abort",
+    "other",
+];
 
 impl KvMetrics {
     pub fn register(registry: &mut Registry) -> KvMetrics {
@@ -286,7 +327,8 @@ impl KvMetrics {
         registry.register(
             "moongate_kv_shm_calls",
             "Shared-memory calls on the kv Unix socket by op (register, release, get_into, \
-             put_from, batch_get_into, batch_put_from, other) and result (ok, error)",
+             put_from, batch_get_into, batch_put_from, hello, segments, view, \
+             release_view, reserve, commit, abort, other) and result (ok, error)",
             shm.clone(),
         );
         let shm_registered_bytes = Gauge::default();
@@ -301,6 +343,51 @@ impl KvMetrics {
             "Shared-memory connections refused: the peer's uid is not in \
              kv.shm_allowed_uids",
             shm_denied.clone(),
+        );
+        let views = Family::<WhereLabel, Counter>::default();
+        registry.register(
+            "moongate_kv_views",
+            "Values local engines viewed, by place: in_place (in moongate's own segment, no copy) or \
+             staged (read into the staging area first)",
+            views.clone(),
+        );
+        let view_leases = Gauge::default();
+        registry.register(
+            "moongate_kv_view_leases",
+            "View leases local engines hold now",
+            view_leases.clone(),
+        );
+        let viewed_bytes = Gauge::default();
+        registry.register(
+            "moongate_kv_viewed_bytes",
+            "Bytes under view leases now (in place and staged)",
+            viewed_bytes.clone(),
+        );
+        let reservations = Gauge::default();
+        registry.register(
+            "moongate_kv_reservations",
+            "Reservations (mg_reserve tickets) open now",
+            reservations.clone(),
+        );
+        let ended = Family::<EndLabel, Counter>::default();
+        registry.register(
+            "moongate_kv_reservations_ended",
+            "Reservations by how they ended: committed, aborted, expired (kv.lease_ms), \
+             orphaned (the engine's connections ended), failed (commit refused)",
+            ended.clone(),
+        );
+        let staging_bytes = Gauge::default();
+        registry.register(
+            "moongate_kv_staging_bytes",
+            "Bytes of the staging area (kv.staging_bytes) held by views and reservations",
+            staging_bytes.clone(),
+        );
+        let fenced = Family::<ResultLabel, Counter>::default();
+        registry.register(
+            "moongate_kv_fenced_writes",
+            "Writes into the own segment that met a range a local engine views: waited \
+             (went ahead once the view ended) or rejected (the view outlasted the wait)",
+            fenced.clone(),
         );
         let x = |f: &Family<KvXferLabels, Counter>| {
             Transport::ALL.map(|t| t.label()).map(|transport| {
@@ -350,26 +437,27 @@ impl KvMetrics {
                 .map(|reason| bodies_shed.get_or_create(&ReasonLabel { reason }).clone()),
             share_refused,
             master_busy,
-            shm_calls: [
-                "register",
-                "release",
-                "get_into",
-                "put_from",
-                "batch_get_into",
-                "batch_put_from",
-                "other",
-            ]
-            .map(|op| {
+            shm_calls: SHM_OPS.map(|op| {
                 ["ok", "error"].map(|result| shm.get_or_create(&ShmLabels { op, result }).clone())
             }),
             shm_registered_bytes,
             shm_denied,
+            views: ["in_place", "staged"]
+                .map(|w| views.get_or_create(&WhereLabel { place: w }).clone()),
+            view_leases,
+            viewed_bytes,
+            reservations,
+            reservations_ended: ["committed", "aborted", "expired", "orphaned", "failed"]
+                .map(|end| ended.get_or_create(&EndLabel { end }).clone()),
+            staging_bytes,
+            fenced_writes: ["waited", "rejected"]
+                .map(|result| fenced.get_or_create(&ResultLabel { result }).clone()),
         }
     }
 
-    /// Counts one shared-memory call of protocol op `op` (1-5; others as `other`).
+    /// Counts one shared-memory call of protocol op `op` (unknown ones as `other`).
     pub fn shm_call(&self, op: u8, ok: bool) {
-        let i = usize::from(op).wrapping_sub(1).min(6);
+        let i = usize::from(op).wrapping_sub(1).min(SHM_OPS.len() - 1);
         self.shm_calls[i][usize::from(!ok)].inc();
     }
 

@@ -139,10 +139,36 @@ pub async fn start(
         cfg.master_connections,
     )
     .with_replica_cache(Duration::from_millis(cfg.replica_cache_ms));
+    let engines = if cfg.shm && cfg.zero_copy && !cfg.unix_path.is_empty() {
+        let staging = if cfg.staging_bytes > 0 {
+            let s = own::staging::Staging::new(cfg.staging_bytes).map_err(|e| {
+                StartError::Segment(format!("staging area of {} bytes: {e}", cfg.staging_bytes))
+            })?;
+            s.mem.set_copy_threads(cfg.copy_threads());
+            Some(Arc::new(s))
+        } else {
+            None
+        };
+        Some(api::zero_copy::Engines::new(
+            api::zero_copy::Rules {
+                lease: Duration::from_millis(cfg.lease_ms),
+                max_leases: cfg.max_leases,
+            },
+            staging,
+            metrics.clone(),
+        ))
+    } else {
+        None
+    };
     let mut segment_task = None;
     if cfg.segment_bytes > 0 {
         let (task, name, mem) =
             own_segment(cfg, upstream, store.client_id(), &metrics, shutdown.clone()).await?;
+        mem.set_copy_threads(cfg.copy_threads());
+        mem.count_fenced(metrics.fenced_writes.clone());
+        if let Some(e) = &engines {
+            e.set_own(mem.clone());
+        }
         store.xfer.set_own_segment(name, mem);
         segment_task = Some(task);
     }
@@ -186,7 +212,16 @@ pub async fn start(
             source,
         })?;
         tracing::info!(path = %cfg.unix_path, "kv face listening on a Unix socket");
-        let shm = cfg.shm.then(|| Arc::new(api::shm::ShmLimits::new(cfg)));
+        let shm = cfg.shm.then(|| {
+            let limits = api::shm::ShmLimits::new(cfg);
+            Arc::new(match &engines {
+                Some(e) => limits.with_engines(e.clone()),
+                None => limits,
+            })
+        });
+        if let Some(e) = &engines {
+            tokio::spawn(e.clone().run(state.clone(), shutdown.clone()));
+        }
         tokio::spawn(api::http::serve_unix(
             ul,
             path,
@@ -255,10 +290,10 @@ async fn own_segment(
     let host = local.ip().to_string();
     let name = format!("{host}:{}", local.port());
     // Any non-zero base works: peers only send it back as addresses inside the segment.
-    let mem = Arc::new(own::segment::Memory::new(
-        0x7e00_0000_0000,
-        cfg.segment_bytes,
-    ));
+    let mem = Arc::new(
+        own::segment::Memory::new(0x7e00_0000_0000, cfg.segment_bytes, "moongate-segment")
+            .map_err(|e| StartError::Segment(format!("{} bytes: {e}", cfg.segment_bytes)))?,
+    );
     let tcp_limit = metrics.conn_limit(
         Listener::SegmentTcp,
         cfg.segment_max_connections,

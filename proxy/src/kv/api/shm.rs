@@ -41,27 +41,17 @@ use super::state::{KvState, decided_put};
 use crate::codec::types::ErrorCode;
 use crate::kv::client::{ReadInto, StoreError};
 
-/// The first bytes of a shared-memory connection (and moongate's answer to them).
-pub const MAGIC: &[u8; 8] = b"MGSHM01\n";
+// The wire's numbers and the answer codes are the client library's (one definition:
+// clients/rust/src/shm.rs and capi.rs).
+pub use moongate_kv::shm::wire::MAGIC;
+use moongate_kv::shm::wire::*;
 
-const OP_REGISTER: u8 = 1;
-const OP_RELEASE: u8 = 2;
-const OP_GET_INTO: u8 = 3;
-const OP_PUT_FROM: u8 = 4;
-const OP_BATCH_GET_INTO: u8 = 5;
-const OP_BATCH_PUT_FROM: u8 = 6;
-
-// The answer codes: the C library's MG_ERR_* numbers (clients/rust/src/capi.rs).
-const ERR_ARG: i32 = -1;
-const ERR_NOT_FOUND: i32 = -2;
-const ERR_TOO_SMALL: i32 = -3;
-const ERR_BUSY: i32 = -5;
-const ERR_LEASED: i32 = -6;
-const ERR_REFUSED: i32 = -7;
-const ERR_NOMEM: i32 = -9;
-const ERR_EXISTS: i32 = -11;
-const ERR_NO_ROOM: i32 = -12;
-const ERR_DENIED: i32 = -13;
+use moongate_kv::capi::{
+    MG_ERR_ARG as ERR_ARG, MG_ERR_BUSY as ERR_BUSY, MG_ERR_DENIED as ERR_DENIED,
+    MG_ERR_EXISTS as ERR_EXISTS, MG_ERR_LEASED as ERR_LEASED, MG_ERR_NO_ROOM as ERR_NO_ROOM,
+    MG_ERR_NOMEM as ERR_NOMEM, MG_ERR_NOT_FOUND as ERR_NOT_FOUND, MG_ERR_NOT_LOCAL,
+    MG_ERR_REFUSED as ERR_REFUSED, MG_ERR_TOO_SMALL as ERR_TOO_SMALL,
+};
 
 /// File descriptors a peer may have in flight before it asks for them (one per
 /// register frame is all the protocol uses).
@@ -74,6 +64,8 @@ pub struct ShmLimits {
     pub total: u64,
     pub max_regions: usize,
     registered: AtomicU64,
+    /// Views and reservations (`kv.zero_copy`); `None` = off.
+    pub engines: Option<Arc<super::zero_copy::Engines>>,
 }
 
 impl ShmLimits {
@@ -91,7 +83,14 @@ impl ShmLimits {
             total: cfg.shm_max_bytes,
             max_regions: cfg.shm_max_regions,
             registered: AtomicU64::new(0),
+            engines: None,
         }
+    }
+
+    /// With views and reservations served by `engines`.
+    pub fn with_engines(mut self, engines: Arc<super::zero_copy::Engines>) -> ShmLimits {
+        self.engines = Some(engines);
+        self
     }
 
     /// Bytes registered now, on every connection.
@@ -219,9 +218,12 @@ impl Fail {
 }
 
 /// The one place store errors become shared-memory answer codes.
-fn code_of(e: &StoreError) -> i32 {
+pub(super) fn code_of(e: &StoreError) -> i32 {
     match e {
-        StoreError::Busy(_) | StoreError::MasterBusy | StoreError::NoLeader => ERR_BUSY,
+        StoreError::Busy(_)
+        | StoreError::MasterBusy
+        | StoreError::NoLeader
+        | StoreError::Fenced(_) => ERR_BUSY,
         StoreError::Refused(ErrorCode::OBJECT_ALREADY_EXISTS) => ERR_EXISTS,
         StoreError::Refused(ErrorCode::OBJECT_HAS_LEASE) => ERR_LEASED,
         StoreError::Refused(ErrorCode::NO_AVAILABLE_HANDLE) => ERR_NO_ROOM,
@@ -336,6 +338,68 @@ async fn write_all(sock: &UnixStream, mut b: &[u8]) -> io::Result<()> {
     Ok(())
 }
 
+/// Sends an answer frame with descriptors attached (SCM_RIGHTS, with its first bytes).
+async fn answer_with_fds(
+    sock: &UnixStream,
+    seq: u32,
+    body: &[u8],
+    fds: &[RawFd],
+) -> io::Result<()> {
+    let mut frame = Vec::with_capacity(12 + body.len());
+    frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    frame.extend_from_slice(&seq.to_le_bytes());
+    frame.extend_from_slice(&0i32.to_le_bytes());
+    frame.extend_from_slice(body);
+    // Room for 8 descriptors; two memories send four.
+    let mut control = [0u64; 8];
+    let fd_bytes = std::mem::size_of_val(fds);
+    // SAFETY: CMSG_SPACE is arithmetic.
+    let space = unsafe { libc::CMSG_SPACE(fd_bytes as u32) } as usize;
+    if fds.len() > 8 || space > std::mem::size_of_val(&control) {
+        return Err(io::Error::other("too many descriptors"));
+    }
+    let sent = loop {
+        sock.writable().await?;
+        let r = sock.try_io(Interest::WRITABLE, || {
+            let mut iov = libc::iovec {
+                iov_base: frame.as_ptr() as *mut libc::c_void,
+                iov_len: frame.len(),
+            };
+            // SAFETY: a zeroed msghdr is valid; its pointers are set to buffers we own.
+            let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+            msg.msg_iov = &mut iov;
+            msg.msg_iovlen = 1;
+            msg.msg_control = control.as_mut_ptr().cast();
+            msg.msg_controllen = space as _;
+            // SAFETY: the control buffer holds one cmsg of `fds` (CMSG_SPACE checked).
+            let n = unsafe {
+                let c = libc::CMSG_FIRSTHDR(&msg);
+                (*c).cmsg_level = libc::SOL_SOCKET;
+                (*c).cmsg_type = libc::SCM_RIGHTS;
+                (*c).cmsg_len = libc::CMSG_LEN(fd_bytes as u32) as _;
+                std::ptr::copy_nonoverlapping(
+                    fds.as_ptr(),
+                    libc::CMSG_DATA(c).cast::<RawFd>(),
+                    fds.len(),
+                );
+                libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL)
+            };
+            if n < 0 {
+                Err(io::Error::last_os_error())
+            } else {
+                Ok(n as usize)
+            }
+        });
+        match r {
+            Ok(n) => break n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    };
+    // The descriptors went with the first bytes; the rest is plain data.
+    write_all(sock, &frame[sent..]).await
+}
+
 /// Sends an answer frame: its 12-byte head and `body` in one vectored write where the
 /// socket takes it (no frame buffer is built per answer).
 async fn answer(sock: &UnixStream, seq: u32, status: i32, body: &[u8]) -> io::Result<()> {
@@ -386,12 +450,15 @@ impl<'a> Fields<'a> {
     }
 }
 
-/// One shared-memory connection: its registrations, released when it ends.
+/// One shared-memory connection: its registrations, released when it ends, and the
+/// engine it belongs to (its own, or the one its `OP_HELLO` token names).
 struct Conn<'a> {
     state: &'a KvState,
     limits: &'a ShmLimits,
     regions: Vec<Option<Region>>,
     bytes: u64,
+    engine: Option<Arc<super::zero_copy::Engine>>,
+    peer_pid: i32,
 }
 
 impl Drop for Conn<'_> {
@@ -632,6 +699,151 @@ impl Conn<'_> {
         Ok((r, items))
     }
 
+    fn engines(&self) -> Result<&Arc<super::zero_copy::Engines>, Fail> {
+        self.limits.engines.as_ref().ok_or_else(|| {
+            Fail(
+                MG_ERR_NOT_LOCAL,
+                "views and reservations are off (kv.zero_copy = false)".into(),
+            )
+        })
+    }
+
+    /// This connection's engine, made on first use when no `OP_HELLO` named one.
+    fn engine(&mut self) -> Result<Arc<super::zero_copy::Engine>, Fail> {
+        let engines = self.engines()?.clone();
+        Ok(self.engine.get_or_insert_with(|| engines.engine()).clone())
+    }
+
+    fn hello(&mut self, f: &mut Fields<'_>) -> Result<Vec<u8>, Fail> {
+        let token = f.u64()?;
+        let engines = self.engines()?.clone();
+        if self.engine.is_some() {
+            return Err(Fail::arg("this connection already belongs to an engine"));
+        }
+        self.engine = Some(engines.join(self.peer_pid, token));
+        Ok(engines.instance().to_le_bytes().to_vec())
+    }
+
+    /// The answer to `OP_SEGMENTS` and the descriptors to attach.
+    fn segments(&self) -> Result<(Vec<u8>, Vec<RawFd>), Fail> {
+        let engines = self.engines()?;
+        let mems = engines.memories();
+        let mut body = Vec::with_capacity(12 + mems.len() * 12);
+        body.extend_from_slice(&engines.instance().to_le_bytes());
+        body.extend_from_slice(&(mems.len() as u32).to_le_bytes());
+        let mut fds = Vec::with_capacity(2 * mems.len());
+        for (id, m) in mems {
+            body.extend_from_slice(&id.to_le_bytes());
+            body.extend_from_slice(&m.len.to_le_bytes());
+            let (rw, ro) = m.fds();
+            fds.push(rw);
+            fds.push(ro);
+        }
+        Ok((body, fds))
+    }
+
+    /// `u32 n, n x (u16 key_len, key)`.
+    fn keys(&self, f: &mut Fields<'_>) -> Result<Vec<Bytes>, Fail> {
+        let n = self.count(f)?;
+        let mut keys = Vec::with_capacity(n);
+        for _ in 0..n {
+            let klen = f.u16()? as usize;
+            keys.push(self.key(f.bytes(klen)?)?);
+        }
+        self.ended(f)?;
+        Ok(keys)
+    }
+
+    fn count(&self, f: &mut Fields<'_>) -> Result<usize, Fail> {
+        let n = f.u32()? as usize;
+        if n > self.state.max_batch_keys {
+            return Err(Fail::arg(format!(
+                "{n} items (kv.max_batch_keys = {})",
+                self.state.max_batch_keys
+            )));
+        }
+        Ok(n)
+    }
+
+    fn ended(&self, f: &Fields<'_>) -> Result<(), Fail> {
+        if f.0.is_empty() {
+            Ok(())
+        } else {
+            Err(Fail::arg("bytes after the last item"))
+        }
+    }
+
+    async fn view(&mut self, f: &mut Fields<'_>) -> Result<Vec<u8>, Fail> {
+        let keys = self.keys(f)?;
+        let engine = self.engine()?;
+        let (lease, items) = self
+            .engines()?
+            .view(self.state, &engine, keys)
+            .await
+            .map_err(|e| Fail(e.0, e.1))?;
+        let mut out = Vec::with_capacity(8 + items.len() * ITEM_BYTES);
+        out.extend_from_slice(&lease.to_le_bytes());
+        for it in items {
+            out.extend_from_slice(&it.status.to_le_bytes());
+            out.extend_from_slice(&it.memory.to_le_bytes());
+            out.extend_from_slice(&it.off.to_le_bytes());
+            out.extend_from_slice(&it.len.to_le_bytes());
+        }
+        Ok(out)
+    }
+
+    fn release_view(&mut self, f: &mut Fields<'_>) -> Result<Vec<u8>, Fail> {
+        let lease = f.u64()?;
+        self.ended(f)?;
+        let engine = self.engine()?;
+        self.engines()?
+            .release_lease(&engine, lease)
+            .map_err(|e| Fail(e.0, e.1))?;
+        Ok(Vec::new())
+    }
+
+    async fn reserve(&mut self, f: &mut Fields<'_>) -> Result<Vec<u8>, Fail> {
+        let n = self.count(f)?;
+        let mut items = Vec::with_capacity(n);
+        for _ in 0..n {
+            let len = f.u64()?;
+            let klen = f.u16()? as usize;
+            items.push((self.key(f.bytes(klen)?)?, len));
+        }
+        self.ended(f)?;
+        let engine = self.engine()?;
+        let got = self
+            .engines()?
+            .reserve(self.state, &engine, items)
+            .await
+            .map_err(|e| Fail(e.0, e.1))?;
+        let mut out = Vec::with_capacity(got.len() * ITEM_BYTES);
+        for it in got {
+            out.extend_from_slice(&it.status.to_le_bytes());
+            out.extend_from_slice(&it.memory.to_le_bytes());
+            out.extend_from_slice(&it.off.to_le_bytes());
+            out.extend_from_slice(&it.ticket.to_le_bytes());
+        }
+        Ok(out)
+    }
+
+    async fn end_tickets(&mut self, f: &mut Fields<'_>, commit: bool) -> Result<Vec<u8>, Fail> {
+        let n = self.count(f)?;
+        let mut tickets = Vec::with_capacity(n);
+        for _ in 0..n {
+            tickets.push(f.u64()?);
+        }
+        self.ended(f)?;
+        let engine = self.engine()?;
+        let engines = self.engines()?;
+        let codes = if commit {
+            engines.commit(self.state, &engine, &tickets).await
+        } else {
+            engines.abort(self.state, &engine, &tickets).await
+        };
+        Ok(codes.iter().flat_map(|c| c.to_le_bytes()).collect())
+    }
+
     async fn batch_get_into(&self, f: &mut Fields<'_>) -> Result<Vec<u8>, Fail> {
         let (r, items) = self.batch_items(f)?;
         let mut sorted: Vec<(usize, usize)> = items.iter().map(|(_, r)| *r).collect();
@@ -705,6 +917,8 @@ async fn serve(
         limits,
         regions: Vec::new(),
         bytes: 0,
+        engine: None,
+        peer_pid: sock.peer_cred()?.pid().unwrap_or(0),
     };
     // The largest body: a batch of kv.max_batch_keys items with the longest keys.
     let max_body = 8 + state.max_batch_keys * (18 + state.max_key_bytes);
@@ -730,6 +944,15 @@ async fn serve(
             Ok(Err(e)) => return Err(e),
         };
         let mut f = Fields(&body);
+        if op == OP_SEGMENTS {
+            let r = conn.segments();
+            state.metrics.shm_call(op, r.is_ok());
+            match r {
+                Ok((b, fds)) => answer_with_fds(sock, seq, &b, &fds).await?,
+                Err(Fail(code, msg)) => answer(sock, seq, code, msg.as_bytes()).await?,
+            }
+            continue;
+        }
         let r = match op {
             OP_REGISTER => match f.u64() {
                 Ok(n) => {
@@ -743,6 +966,12 @@ async fn serve(
             OP_PUT_FROM => conn.put_from(&mut f).await,
             OP_BATCH_GET_INTO => conn.batch_get_into(&mut f).await,
             OP_BATCH_PUT_FROM => conn.batch_put_from(&mut f).await,
+            OP_HELLO => conn.hello(&mut f),
+            OP_VIEW => conn.view(&mut f).await,
+            OP_RELEASE_VIEW => conn.release_view(&mut f),
+            OP_RESERVE => conn.reserve(&mut f).await,
+            OP_COMMIT => conn.end_tickets(&mut f, true).await,
+            OP_ABORT => conn.end_tickets(&mut f, false).await,
             other => Err(Fail::arg(format!("unknown op {other}"))),
         };
         state.metrics.shm_call(op, r.is_ok());

@@ -40,6 +40,7 @@ pub struct KvState {
 pub fn status_of(e: &StoreError) -> StatusCode {
     match e {
         StoreError::Busy(_)
+        | StoreError::Fenced(_)
         | StoreError::MasterBusy
         | StoreError::NoLeader
         | StoreError::ConnectionShare { .. } => StatusCode::SERVICE_UNAVAILABLE,

@@ -26,7 +26,10 @@ use crate::codec::message::{
     BatchPutEndArgs, BatchPutRevokeArgs, BatchPutStartArgs, KeyArgs, KeysArgs, PutEndArgs,
     PutRevokeArgs, PutStartArgs, RemoveArgs, Request, Response,
 };
-use crate::codec::types::{ErrorCode, ObjectMeta, ReplicaType, ReplicateConfig, Uuid};
+use crate::codec::types::{
+    ErrorCode, GetReplicaListResponse, ObjectMeta, ReplicaDescriptor, ReplicaType, ReplicateConfig,
+    Uuid,
+};
 use crate::kv::metrics::CacheResult;
 use crate::kv::metrics::KvMetrics;
 use crate::kv::transport::te_tcp::TeError;
@@ -35,8 +38,7 @@ pub use budget::{Budget, ByteBudget, Reserved};
 use cache::ReplicaCache;
 use master::MasterConns;
 use metadata::MetadataError;
-pub use transfer::{Source, Transfers};
-use transfer::{Stored, readable};
+pub use transfer::{Source, Stored, Transfers, readable};
 
 #[derive(Debug, Error)]
 pub enum StoreError {
@@ -79,6 +81,8 @@ pub enum StoreError {
     Body(String),
     #[error("the request body did not arrive within {0:?} (kv.timeout_ms)")]
     BodyTimeout(Duration),
+    #[error("busy: {0}; the master placed the value where a local engine still reads; retry")]
+    Fenced(crate::kv::own::fence::Fenced),
 }
 
 /// moongate as one Mooncake client (one client id, one tenant).
@@ -147,6 +151,12 @@ impl Located {
     pub fn size(&self) -> u64 {
         self.src.size()
     }
+}
+
+/// Whether a lookup's refusal means the value is not there for readers: not stored, or
+/// its put not ended yet (no replica complete: what a reader sees is "not stored yet").
+fn absent(e: ErrorCode) -> bool {
+    e == ErrorCode::OBJECT_NOT_FOUND || e == ErrorCode::REPLICA_IS_NOT_READY
 }
 
 /// A batch answer that has one entry per asked key, or `Unexpected`.
@@ -352,7 +362,7 @@ impl Store {
             .await?;
         let list = match resp {
             Response::GetReplicaList(Ok(l)) => l,
-            Response::GetReplicaList(Err(ErrorCode::OBJECT_NOT_FOUND)) => return Ok(None),
+            Response::GetReplicaList(Err(e)) if absent(e) => return Ok(None),
             Response::GetReplicaList(Err(e)) => return Err(StoreError::Refused(e)),
             _ => return Err(StoreError::Unexpected),
         };
@@ -432,7 +442,7 @@ impl Store {
                         }
                         Some(Located { src, cached: None })
                     }),
-                    Err(ErrorCode::OBJECT_NOT_FOUND) => Ok(None),
+                    Err(e) if absent(e) => Ok(None),
                     Err(e) => Err(StoreError::Refused(e)),
                 });
             }
@@ -616,28 +626,54 @@ impl Store {
         for ((_, v), s) in values.iter().zip(started) {
             jobs.push(self.write_allocated(s, v.as_ref()));
         }
-        let mut done = in_order(jobs, BATCH_CONCURRENCY).await;
+        let done = in_order(jobs, BATCH_CONCURRENCY).await;
+        let mut out: Vec<Option<Result<(), StoreError>>> = Vec::with_capacity(done.len());
+        let mut ending = Vec::new();
+        for (i, (allocated, r)) in done.into_iter().enumerate() {
+            if allocated {
+                ending.push((values[i].0.clone(), r));
+                out.push(None);
+            } else {
+                out.push(Some(r.map(|_| ())));
+            }
+        }
+        let mut ended = self.end_puts(ending).await?.into_iter();
+        Ok(out
+            .into_iter()
+            .map(|o| o.unwrap_or_else(|| ended.next().unwrap_or(Err(StoreError::Unexpected))))
+            .collect())
+    }
+
+    /// Ends puts the master allocated, each with how its bytes went: written ones with
+    /// one `BatchPutEnd(ALL)` (their disk replicas first with `BatchPutEnd(DISK)`), failed
+    /// ones revoked with one `BatchPutRevoke`, a disk replica that could not be written
+    /// revoked on its own. One result per key in order; `Err` as a whole when the
+    /// master's answers are unusable.
+    pub async fn end_puts(
+        &self,
+        items: Vec<(Bytes, Result<Stored, StoreError>)>,
+    ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
         let (mut ended, mut revoked, mut with_disk, mut disk_failed) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for (i, (allocated, r)) in done.iter().enumerate() {
-            match (allocated, r) {
-                (true, Ok(Stored::Memory)) => ended.push(i),
-                (true, Ok(Stored::MemoryAndDisk)) => {
+        for (i, (_, r)) in items.iter().enumerate() {
+            match r {
+                Ok(Stored::Memory) => ended.push(i),
+                Ok(Stored::MemoryAndDisk) => {
                     with_disk.push(i);
                     ended.push(i);
                 }
-                (true, Ok(Stored::DiskFailed)) => disk_failed.push(i),
-                (true, Err(_)) => revoked.push(i),
-                _ => {}
+                Ok(Stored::DiskFailed) => disk_failed.push(i),
+                Err(_) => revoked.push(i),
             }
         }
+        let mut done: Vec<Result<(), StoreError>> = items.iter().map(|_| Ok(())).collect();
         // Rare (a disk tier that cannot be written here): ended key by key.
         for i in disk_failed {
             if let Err(e) = self
-                .end_put(values[i].0.clone(), Ok(Stored::DiskFailed))
+                .end_put(items[i].0.clone(), Ok(Stored::DiskFailed))
                 .await
             {
-                done[i].1 = Err(e);
+                done[i] = Err(e);
             }
         }
         let end = |at: &[usize], replica_type| {
@@ -646,7 +682,7 @@ impl Store {
                 object_metas: at
                     .iter()
                     .map(|&i| ObjectMeta {
-                        key: values[i].0.clone(),
+                        key: items[i].0.clone(),
                         object_checksum: None,
                     })
                     .collect(),
@@ -664,14 +700,8 @@ impl Store {
         }
         if !revoked.is_empty() {
             // Best effort, as for a single put: the write error is what the caller sees.
-            let _ = self
-                .call(Request::BatchPutRevoke(BatchPutRevokeArgs {
-                    client_id: self.client_id,
-                    keys: revoked.iter().map(|&i| values[i].0.clone()).collect(),
-                    replica_type: ReplicaType::ALL,
-                    tenant_id: self.tenant.clone(),
-                }))
-                .await;
+            let keys = revoked.iter().map(|&i| items[i].0.clone()).collect();
+            let _ = self.revoke_puts(keys).await;
         }
         if !ended.is_empty() {
             let Response::BatchPutEnd(v) = end(&ended, ReplicaType::ALL).await? else {
@@ -679,11 +709,97 @@ impl Store {
             };
             for (&i, r) in ended.iter().zip(per_key(v, ended.len())?) {
                 if let Err(e) = r {
-                    done[i].1 = Err(StoreError::Refused(e));
+                    done[i] = Err(StoreError::Refused(e));
                 }
             }
         }
-        Ok(done.into_iter().map(|(_, r)| r.map(|_| ())).collect())
+        for (d, (_, r)) in done.iter_mut().zip(items) {
+            if let Err(e) = r {
+                *d = Err(e);
+            }
+        }
+        Ok(done)
+    }
+
+    /// Revokes puts the master allocated and that will not be written (one
+    /// `BatchPutRevoke(ALL)`): their space returns and no reader ever sees them.
+    pub async fn revoke_puts(&self, keys: Vec<Bytes>) -> Result<(), StoreError> {
+        self.call(Request::BatchPutRevoke(BatchPutRevokeArgs {
+            client_id: self.client_id,
+            keys,
+            replica_type: ReplicaType::ALL,
+            tenant_id: self.tenant.clone(),
+        }))
+        .await
+        .map(|_| ())
+    }
+
+    /// Sends a put-family start (from [`Store::put_start`] or [`Store::batch_put_start`],
+    /// possibly rewritten by a policy whose `fixup` puts denied keys back): per key of
+    /// the call, the replicas the master allocated or why it did not.
+    pub async fn start_puts(
+        &self,
+        start: Request,
+        fixup: Option<&crate::policy::Fixup>,
+        keys: usize,
+    ) -> Result<Vec<Result<Vec<ReplicaDescriptor>, ErrorCode>>, StoreError> {
+        let resp = self.call(start).await?;
+        let resp = match fixup {
+            Some(f) => f.apply(resp),
+            None => resp,
+        };
+        match resp {
+            Response::PutStart(r) if keys == 1 => Ok(vec![r]),
+            Response::BatchPutStart(v) => per_key(v, keys),
+            _ => Err(StoreError::Unexpected),
+        }
+    }
+
+    /// Writes `value` to every replica of `replicas` but `skip` (the one whose bytes are
+    /// already in place): memory replicas, then disk ones, as a put writes them.
+    pub async fn write_replicas_but(
+        &self,
+        replicas: &[ReplicaDescriptor],
+        skip: Option<usize>,
+        value: &[u8],
+    ) -> Result<Stored, StoreError> {
+        if let Some(i) = skip {
+            let rest: Vec<_> = replicas
+                .iter()
+                .enumerate()
+                .filter(|(j, _)| *j != i)
+                .map(|(_, r)| r.clone())
+                .collect();
+            return self.xfer.write_replicas(&rest, value).await;
+        }
+        self.xfer.write_replicas(replicas, value).await
+    }
+
+    /// The replica lists of `keys` from the master (one `BatchGetReplicaList`, never the
+    /// replica cache, so each read lease is granted now): per key its list, `None` when
+    /// absent, or the master's refusal.
+    pub async fn replica_lists(
+        &self,
+        keys: Vec<Bytes>,
+    ) -> Result<Vec<Result<Option<GetReplicaListResponse>, StoreError>>, StoreError> {
+        let n = keys.len();
+        let resp = self
+            .call(Request::BatchGetReplicaList(KeysArgs {
+                keys: keys.into(),
+                tenant_id: self.tenant.clone(),
+            }))
+            .await?;
+        let Response::BatchGetReplicaList(v) = resp else {
+            return Err(StoreError::Unexpected);
+        };
+        Ok(per_key(v, n)?
+            .into_iter()
+            .map(|r| match r {
+                Ok(list) => Ok(Some(list)),
+                Err(e) if absent(e) => Ok(None),
+                Err(e) => Err(StoreError::Refused(e)),
+            })
+            .collect())
     }
 
     /// Writes one key of a batch that `BatchPutStart` allocated; `(allocated, outcome)`.

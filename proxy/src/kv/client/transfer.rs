@@ -49,10 +49,7 @@ impl Stored {
 
 /// One replica a streamed put writes to.
 enum Sink<'a> {
-    Local {
-        mem: &'a crate::kv::own::segment::Memory,
-        off: usize,
-    },
+    Local(crate::kv::own::memory::Writing<'a>),
     Tcp {
         s: tokio::net::TcpStream,
         peer: String,
@@ -74,8 +71,8 @@ impl Sink<'_> {
     async fn send(&mut self, at: u64, chunk: &Bytes) -> Result<(), StoreError> {
         use tokio::io::AsyncWriteExt;
         match self {
-            Sink::Local { mem, off } => {
-                mem.write_at(*off + at as usize, chunk);
+            Sink::Local(w) => {
+                w.put(at as usize, chunk);
                 Ok(())
             }
             Sink::Tcp { s, peer, .. } => s
@@ -94,7 +91,7 @@ impl Sink<'_> {
     /// Waits until the owner has the bytes; the transport index for metrics.
     async fn finish(self, store: &Transfers) -> Result<Transport, StoreError> {
         match self {
-            Sink::Local { .. } => Ok(Transport::Local),
+            Sink::Local(_) => Ok(Transport::Local),
             Sink::Tcp {
                 s,
                 peer,
@@ -283,7 +280,7 @@ impl Source {
 
 /// The first complete memory replica of an object (what Mooncake's client reads too),
 /// else its complete disk replica.
-pub(super) fn readable(list: &GetReplicaListResponse) -> Result<Source, StoreError> {
+pub fn readable(list: &GetReplicaListResponse) -> Result<Source, StoreError> {
     let complete = || {
         list.replicas
             .iter()
@@ -301,6 +298,18 @@ pub(super) fn readable(list: &GetReplicaListResponse) -> Result<Source, StoreErr
             })
         })
         .ok_or(StoreError::NoMemoryReplica)
+}
+
+/// Begins a write of a replica the master placed in moongate's own segment, waiting (as
+/// the segment's TE-TCP side does) for a view over the range to end.
+async fn begin_own_write(
+    mem: &Memory,
+    off: usize,
+    len: u64,
+) -> Result<crate::kv::own::memory::Writing<'_>, StoreError> {
+    mem.begin_write_within(off, len as usize, crate::kv::own::segment::FENCE_WAIT)
+        .await
+        .map_err(StoreError::Fenced)
 }
 
 /// The transports of the client core and what they need: the metadata server (where a
@@ -368,9 +377,14 @@ impl Transfers {
         }
     }
 
+    /// moongate's own segment once it is mounted: its name and memory.
+    pub fn own_segment(&self) -> Option<(&Bytes, &Arc<Memory>)> {
+        self.own.get().map(|(n, m)| (n, m))
+    }
+
     /// Where a replica in moongate's own segment lives: `None` for other segments, an
     /// error for a range outside the segment.
-    pub(super) fn in_own_segment(
+    pub fn in_own_segment(
         &self,
         d: &crate::codec::types::BufferDescriptor,
     ) -> Result<Option<(&crate::kv::own::segment::Memory, usize)>, StoreError> {
@@ -610,7 +624,7 @@ impl Transfers {
     /// A write to the replica `d`, ready for its bytes: in place, QUIC, or TE-TCP.
     async fn open_sink(&self, d: &BufferDescriptor) -> Result<Sink<'_>, StoreError> {
         if let Some((mem, off)) = self.in_own_segment(d)? {
-            return Ok(Sink::Local { mem, off });
+            return Ok(Sink::Local(begin_own_write(mem, off, d.size).await?));
         }
         let seg = self.segment_of(d).await?;
         let (addr, len) = (d.buffer_address, d.size);
@@ -645,7 +659,7 @@ impl Transfers {
 
     /// Writes every memory replica (any failure fails the put), then every disk replica
     /// (a failure there keeps the memory replicas: [`Stored::MemoryOnly`]).
-    pub(super) async fn write_replicas(
+    pub async fn write_replicas(
         &self,
         replicas: &[crate::codec::types::ReplicaDescriptor],
         value: &[u8],
@@ -691,7 +705,7 @@ impl Transfers {
                 });
             }
             if let Some((own, off)) = self.in_own_segment(d)? {
-                own.write_at(off, value);
+                begin_own_write(own, off, d.size).await?.put(0, value);
                 self.metrics.transfer(Transport::Local, Dir::Write, d.size);
                 continue;
             }

@@ -2,10 +2,12 @@
 //! Mooncake client can land in it, and the owner side of the transfer engine's TCP
 //! transport that serves it to unmodified clients.
 //!
-//! The memory is a set of 1 MiB pages, each behind its own lock, addressed from an
-//! advertised base address (any non-zero number works: owners map addresses to their own
-//! storage, data-plane spec B.7). Transfers copy through a bounded chunk buffer, never
-//! holding a page lock across socket I/O.
+//! The memory ([`Memory`]) is a memfd addressed from an advertised base address (any
+//! non-zero number works: owners map addresses to their own storage, data-plane spec
+//! B.7); engines on this host may map it for views. Transfers copy through a bounded
+//! chunk buffer. A WRITE over a range an engine holds a view of waits for the view to
+//! end, up to [`FENCE_WAIT`], then is rejected ([`super::fence`]): the viewed bytes never
+//! change under the engine.
 //!
 //! Owner protocol (spec B): a 24-byte header; a request is served iff `size > 0`, the
 //! range does not overflow and lies inside the segment; otherwise v2 peers get status 1
@@ -16,7 +18,7 @@
 //! TE-TCP, the listener trusts the network: anyone who reaches it reads and writes the
 //! segment (`kv.segment_tcp = false` serves it over authenticated QUIC only).
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -25,72 +27,12 @@ use tokio_util::sync::CancellationToken;
 
 use crate::accept::{ConnLimit, Idle};
 
-const PAGE: usize = 1 << 20;
-/// Bytes moved per step between socket and pages.
+/// Bytes moved per step between socket and memory.
 const CHUNK: usize = 256 << 10;
 const STATUS_OK: [u8; 8] = [0, 0, 0, 0, 0x56, 0x54, 0x43, 0x4d];
 const STATUS_REJECTED: [u8; 8] = [1, 0, 0, 0, 0x56, 0x54, 0x43, 0x4d];
 
-/// Segment memory: `len` bytes at advertised addresses `[base, base + len)`.
-pub struct Memory {
-    pub base: u64,
-    pub len: u64,
-    pages: Vec<Mutex<Box<[u8]>>>,
-}
-
-impl Memory {
-    pub fn new(base: u64, len: u64) -> Memory {
-        let n = (len as usize).div_ceil(PAGE);
-        Memory {
-            base,
-            len,
-            pages: (0..n)
-                .map(|_| Mutex::new(vec![0u8; PAGE].into_boxed_slice()))
-                .collect(),
-        }
-    }
-
-    /// The offset of `[addr, addr + size)` in the segment, if it lies inside.
-    pub fn offset_of(&self, addr: u64, size: u64) -> Option<usize> {
-        let end = addr.checked_add(size)?;
-        (size > 0 && addr >= self.base && end <= self.base + self.len)
-            .then(|| (addr - self.base) as usize)
-    }
-
-    pub fn write_at(&self, off: usize, mut data: &[u8]) {
-        self.each_page(off, data.len(), |page| {
-            let n = page.len();
-            page.copy_from_slice(&data[..n]);
-            data = &data[n..];
-        });
-    }
-
-    /// `len` bytes from `off` in a new vector, copied once (not zeroed first).
-    pub fn read_vec(&self, off: usize, len: usize) -> Vec<u8> {
-        let mut out = Vec::with_capacity(len);
-        self.each_page(off, len, |page| out.extend_from_slice(page));
-        out
-    }
-
-    pub fn read_at(&self, off: usize, mut out: &mut [u8]) {
-        self.each_page(off, out.len(), |page| {
-            let (to, rest) = std::mem::take(&mut out).split_at_mut(page.len());
-            to.copy_from_slice(page);
-            out = rest;
-        });
-    }
-
-    /// Calls `f` with each page's part of `[off, off + len)` in order, that page locked.
-    fn each_page(&self, mut off: usize, mut len: usize, mut f: impl FnMut(&mut [u8])) {
-        while len > 0 {
-            let (p, within) = (off / PAGE, off % PAGE);
-            let n = (PAGE - within).min(len);
-            f(&mut self.pages[p].lock().unwrap_or_else(|e| e.into_inner())[within..within + n]);
-            off += n;
-            len -= n;
-        }
-    }
-}
+pub use super::memory::Memory;
 
 /// Serves TE-TCP requests for `mem` until shutdown, at most `limit` connections at
 /// once, each closed after `idle` without bytes.
@@ -144,7 +86,15 @@ pub enum ConnError {
         addr: u64,
         size: u64,
     },
+    #[error("rejected WRITE of {size} bytes at {addr:#x}: an engine holds a view there")]
+    Fenced { addr: u64, size: u64 },
 }
+
+/// How long a WRITE over a viewed range waits for the view to end. Views last as long as
+/// an engine's load into GPU memory (milliseconds); a writer reaching a viewed range
+/// means the master reused memory it freed under a lease (a forced removal, an upsert),
+/// and Mooncake's writers retry a failed put.
+pub const FENCE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Serves requests on one connection (a TCP socket or a QUIC stream) until EOF.
 pub async fn serve_conn<S>(mut s: S, mem: &Memory) -> Result<(), ConnError>
@@ -178,13 +128,23 @@ where
             chunk.resize(CHUNK.min(size), 0);
         }
         if write {
+            let Ok(w) = mem.begin_write_within(off, size, FENCE_WAIT).await else {
+                if v2 {
+                    let _ = s.write_all(&STATUS_REJECTED).await;
+                }
+                return Err(ConnError::Fenced {
+                    addr,
+                    size: size as u64,
+                });
+            };
             let mut done = 0;
             while done < size {
                 let n = CHUNK.min(size - done);
                 s.read_exact(&mut chunk[..n]).await?;
-                mem.write_at(off + done, &chunk[..n]);
+                w.put(done, &chunk[..n]);
                 done += n;
             }
+            drop(w);
             // Acknowledged only now: every byte is in place.
             if v2 {
                 s.write_all(&STATUS_OK).await?;
@@ -201,27 +161,5 @@ where
                 done += n;
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn ranges_and_page_crossing_copies() {
-        let m = Memory::new(0x1000_0000, 3 * PAGE as u64);
-        assert_eq!(m.offset_of(0x1000_0000, 1), Some(0));
-        assert_eq!(m.offset_of(0x1000_0000, 0), None);
-        assert_eq!(m.offset_of(0x0fff_ffff, 2), None);
-        assert_eq!(m.offset_of(0x1000_0000 + 3 * PAGE as u64 - 1, 2), None);
-        assert_eq!(m.offset_of(u64::MAX, 2), None);
-        let data: Vec<u8> = (0..PAGE + 10).map(|i| i as u8).collect();
-        m.write_at(PAGE - 5, &data);
-        let mut back = vec![0u8; data.len()];
-        m.read_at(PAGE - 5, &mut back);
-        assert_eq!(back, data);
-        assert_eq!(m.read_vec(PAGE - 5, data.len()), data);
-        assert_eq!(m.read_vec(PAGE - 5, 3), data[..3]);
     }
 }

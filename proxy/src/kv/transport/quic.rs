@@ -588,7 +588,7 @@ mod tests {
     #[tokio::test]
     async fn a_segment_over_quic_with_a_pinned_certificate() {
         let id = Identity::load_or_generate("", "").unwrap();
-        let mem = Arc::new(Memory::new(0x1000, 8 << 20));
+        let mem = Arc::new(Memory::new(0x1000, 8 << 20, "t").unwrap());
         let ep = server("127.0.0.1:0".parse().unwrap(), &id, "").unwrap();
         let addr = ep.local_addr().unwrap();
         let stop = CancellationToken::new();

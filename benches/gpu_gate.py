@@ -1,0 +1,588 @@
+#!/usr/bin/env python3
+"""The prefix gate on a GPU: a Llama-architecture transformer (transformers' Llama,
+random weights, bf16, sdpa) prefills P tokens; its KV (K and V per layer) is stored
+through moongate from GPU memory (reservations, DMA); the engine process exits; a new
+engine process loads the prefix into GPU memory (views, DMA) and computes the next
+token. Checked: the KV bytes identical (checksums on the GPU), the next-token logits
+bitwise equal to those computed from KV that never left the GPU. Reported per model
+shape and P: recompute time, load GB/s, TTFT with the cache vs recompute, store GB/s.
+
+Beside it, in the same run, the same bytes (1 GiB as 64 values) moved into GPU memory
+by: the host's pinned H2D copy (the link), moongate's views, moongate's copying path
+(mg_batch_get_into into registered mg_alloc memory, then H2D), Mooncake's embedded
+client (batch_get_into a registered pinned buffer over TE-TCP from moongate's segment,
+then H2D), and Mooncake's owner with a dummy client (its shared-memory path, then H2D);
+and Mooncake's CUDA client (0.3.14) through moongate's master face, reading straight
+into GPU memory over TCP (bytes and moongate's frame errors checked).
+
+Runs on the GPU host (docs/results.md names it); not CI. Everything it needs travels in
+.gpu/ (scripts/gpu_pack.sh) and the repository:
+
+    python3 benches/gpu_gate.py --pack .gpu --out OUT [--shapes 8b,70b10] [--tokens 2048,8192,32768]
+
+Prints one JSON document (also OUT/gpu_gate.json) and a table.
+"""
+import argparse
+import ctypes
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
+from benchlib import free_port, stop_all, wait_http  # noqa: E402
+
+MiB = 1 << 20
+GiB = 1 << 30
+SHAPES = {
+    # Llama-3-8B.
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8),
+    # Llama-3-70B's layer shape, 10 layers (prefill and KV both scale with layers).
+    "70b10": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=10,
+                  num_attention_heads=64, num_key_value_heads=8),
+}
+MICRO_N, MICRO_SIZE = 64, 16 * MiB  # 1 GiB as 64 values
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- engine processes --
+
+def model_of(shape, seed=0):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+                      **SHAPES[shape])
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        m = LlamaForCausalLM(cfg)
+    torch.set_default_dtype(torch.float32)
+    m.eval()
+    # The same weights in every process (seeded on the GPU): checked by their sum.
+    with torch.no_grad():
+        fp = float(sum(p.float().sum().item() for p in list(m.parameters())[:8]))
+    return m, fp
+
+
+def kv_of(cache):
+    if hasattr(cache, "layers"):
+        return [(l.keys, l.values) for l in cache.layers]
+    return list(zip(cache.key_cache, cache.value_cache))
+
+
+def cache_of(kv):
+    from transformers import DynamicCache
+    c = DynamicCache()
+    for i, (k, v) in enumerate(kv):
+        c.update(k, v, i)
+    return c
+
+
+def checksum(tensors):
+    """A position-weighted sum of every tensor's bytes (as int32 words), on the GPU."""
+    import torch
+    total = 0
+    for t in tensors:
+        w = t.contiguous().view(torch.int32).reshape(-1).to(torch.int64)
+        idx = torch.arange(w.numel(), device=w.device, dtype=torch.int64) % 65521 + 1
+        total = (total + int((w * idx).sum().item())) % (1 << 61)
+    return total
+
+
+def tokens(p, seed=1):
+    import torch
+    g = torch.Generator().manual_seed(seed * 1000003 + p)
+    return torch.randint(0, 128000, (1, p + 1), generator=g).cuda()
+
+
+def keys_for(shape, p, layers):
+    return [f"gate/{shape}/{p}/{i}/{kv}" for i in range(layers) for kv in ("k", "v")]
+
+
+def role_prefill(a):
+    """Prefills each P, stores its KV through moongate, computes the reference next-token
+    logits from the KV still on the GPU; writes what the loader checks."""
+    import torch
+    import moongate_kv
+    import moongate_kv.torch as mgt
+    m, fp = model_of(a.shape)
+    c = moongate_kv.Client(f"unix:{a.sock}")
+    t = time.perf_counter()
+    mgt.register(c, read=False, write=True)
+    reg_s = time.perf_counter() - t
+    out = {"weights": fp, "register_s": reg_s, "runs": {}}
+    with torch.no_grad():
+        # Warm-up: kernels, cuBLAS handles.
+        m(tokens(256)[:, :256], use_cache=True, logits_to_keep=1)
+        for p in [int(x) for x in a.tokens.split(",")]:
+            ids = tokens(p)
+            torch.cuda.synchronize()
+            # Recompute: the whole prompt (P + 1 tokens), next-token logits only.
+            t = time.perf_counter()
+            m(ids, use_cache=True, logits_to_keep=1)
+            torch.cuda.synchronize()
+            recompute = time.perf_counter() - t
+            r = m(ids[:, :p], use_cache=True, logits_to_keep=1)
+            kv = kv_of(r.past_key_values)
+            flat = [x for pair in kv for x in pair]
+            keys = keys_for(a.shape, p, len(kv))
+            nbytes = sum(x.numel() * x.element_size() for x in flat)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            staged = mgt.store(c, keys, flat)
+            store_s = time.perf_counter() - t
+            ref = m(ids[:, p:], past_key_values=r.past_key_values, use_cache=True).logits
+            torch.save(ref.cpu(), os.path.join(a.work, f"ref-{a.shape}-{p}.pt"))
+            out["runs"][str(p)] = {
+                "kv_bytes": nbytes, "values": len(flat), "recompute_s": recompute,
+                "store_s": store_s, "store_GBps": nbytes / store_s / 1e9, "staged": staged,
+                "checksum": checksum(flat),
+                "shapes": [list(x.shape) for x in flat[:2]], "dtype": str(flat[0].dtype)}
+            log(f"prefill {a.shape} P={p}: recompute {recompute*1e3:.1f} ms, "
+                f"store {nbytes / store_s / 1e9:.2f} GB/s ({staged} staged)")
+            del r, kv, flat
+            torch.cuda.empty_cache()
+    c.close()
+    print(json.dumps(out), flush=True)
+
+
+def role_load(a):
+    """A new engine: loads each P's KV into GPU memory through moongate's views, builds
+    the cache, computes the next token; checks bytes and logits."""
+    import torch
+    import moongate_kv
+    import moongate_kv.torch as mgt
+    stored = json.loads(open(os.path.join(a.work, f"prefill-{a.shape}.json")).read())
+    m, fp = model_of(a.shape)
+    assert fp == stored["weights"], f"weights differ across processes: {fp} {stored['weights']}"
+    c = moongate_kv.Client(f"unix:{a.sock}")
+    t = time.perf_counter()
+    mgt.register(c, read=True, write=False)
+    out = {"register_s": time.perf_counter() - t, "runs": {}}
+    layers = SHAPES[a.shape]["num_hidden_layers"]
+    kvh, hd = SHAPES[a.shape]["num_key_value_heads"], 128
+    with torch.no_grad():
+        # Warm-up decode on a small cache (a serving engine is warm).
+        small = [torch.randn(1, kvh, 16, hd, device="cuda", dtype=torch.bfloat16)
+                 for _ in range(2 * layers)]
+        m(tokens(16)[:, 16:], past_key_values=cache_of(list(zip(small[::2], small[1::2]))),
+          use_cache=True)
+        for p in [int(x) for x in a.tokens.split(",")]:
+            s = stored["runs"][str(p)]
+            ids = tokens(p)
+            keys = keys_for(a.shape, p, layers)
+            dst = [torch.empty(1, kvh, p, hd, device="cuda", dtype=torch.bfloat16)
+                   for _ in keys]
+            loads = []
+            for _ in range(a.reps):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                staged = mgt.load(c, keys, dst)
+                torch.cuda.synchronize()
+                loads.append(time.perf_counter() - t)
+            ok_bytes = checksum(dst) == s["checksum"]
+            ref = torch.load(os.path.join(a.work, f"ref-{a.shape}-{p}.pt"))
+            # TTFT with the cache: load, cache, next token (timed once more, whole).
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            mgt.load(c, keys, dst)
+            cache = cache_of(list(zip(dst[::2], dst[1::2])))
+            logits = m(ids[:, p:], past_key_values=cache, use_cache=True).logits
+            torch.cuda.synchronize()
+            ttft = time.perf_counter() - t
+            equal = torch.equal(logits.cpu(), ref)
+            load_s = statistics.median(loads)
+            out["runs"][str(p)] = {
+                "load_s": load_s, "load_GBps": s["kv_bytes"] / load_s / 1e9,
+                "loads_s": loads, "staged": staged, "bytes_identical": ok_bytes,
+                "logits_bitwise_equal": equal, "ttft_cache_s": ttft,
+                "decode_s": ttft - loads[-1], "recompute_s": s["recompute_s"],
+                "ttft_speedup": s["recompute_s"] / ttft, "store_GBps": s["store_GBps"],
+                "kv_bytes": s["kv_bytes"], "values": s["values"]}
+            log(f"load {a.shape} P={p}: {s['kv_bytes'] / load_s / 1e9:.2f} GB/s, TTFT "
+                f"{ttft*1e3:.1f} ms vs recompute {s['recompute_s']*1e3:.1f} ms "
+                f"({s['recompute_s'] / ttft:.2f}x), bytes {ok_bytes}, logits {equal}")
+            del dst, cache
+            torch.cuda.empty_cache()
+    c.close()
+    print(json.dumps(out), flush=True)
+
+
+# ----------------------------------------------------------------- the same bytes --
+
+def gbps(secs, n=MICRO_N * MICRO_SIZE):
+    return {"median_GBps": n / statistics.median(secs) / 1e9, "best_GBps": n / min(secs) / 1e9,
+            "runs": len(secs)}
+
+
+def micro_values():
+    """64 GPU tensors of 16 MiB with distinct bytes."""
+    import torch
+    g = torch.Generator(device="cuda").manual_seed(7)
+    return [torch.randint(0, 255, (MICRO_SIZE,), dtype=torch.uint8, device="cuda", generator=g)
+            for _ in range(MICRO_N)]
+
+
+def role_micro(a):
+    """1 GiB as 64 values into GPU memory: the link, moongate's views, moongate's copying
+    path; and the store from GPU memory through reservations."""
+    import torch
+    import moongate_kv
+    import moongate_kv.torch as mgt
+    out = {}
+    vals = micro_values()
+    n = MICRO_N * MICRO_SIZE
+    # The link: one pinned buffer of 1 GiB to the GPU and back.
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    for name, f in [("pinned_h2d", lambda: dev.copy_(host, non_blocking=True)),
+                    ("pinned_d2h", lambda: host.copy_(dev, non_blocking=True))]:
+        secs = []
+        for _ in range(a.reps + 1):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            f()
+            torch.cuda.synchronize()
+            secs.append(time.perf_counter() - t)
+        out[name] = gbps(secs[1:])
+    del host, dev
+    c = moongate_kv.Client(f"unix:{a.sock}")
+    t = time.perf_counter()
+    maps = mgt.register(c)
+    out["register"] = {"seconds": time.perf_counter() - t,
+                       "bytes": sum(length for _, length, _ in maps)}
+    keys = [f"micro/{i}" for i in range(MICRO_N)]
+    # Store from GPU memory: new keys each round, removed after it (untimed).
+    secs = []
+    for r in range(a.reps):
+        ks = [f"micro/s{r}/{i}" for i in range(MICRO_N)]
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        mgt.store(c, ks, vals)
+        secs.append(time.perf_counter() - t)
+        for k in ks:
+            for _ in range(100):
+                try:
+                    c.remove(k)
+                    break
+                except moongate_kv.MoongateError:
+                    time.sleep(0.05)
+    out["moongate_store_from_gpu"] = gbps(secs)
+    mgt.store(c, keys, vals)
+    dst = [torch.empty(MICRO_SIZE, dtype=torch.uint8, device="cuda") for _ in keys]
+    secs = []
+    for _ in range(a.reps + 1):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        mgt.load(c, keys, dst)
+        torch.cuda.synchronize()
+        secs.append(time.perf_counter() - t)
+    out["moongate_view_to_gpu"] = gbps(secs[1:])
+    out["moongate_view_bytes_equal"] = all(torch.equal(x, y) for x, y in zip(dst, vals))
+    # The copying path: mg_batch_get_into registered mg_alloc memory, then H2D.
+    lib = ctypes.CDLL(moongate_kv.library_path())
+    lib.mg_connect.restype = ctypes.c_void_p
+    lib.mg_connect.argtypes = [ctypes.c_char_p]
+    lib.mg_alloc.restype = ctypes.c_void_p
+    lib.mg_alloc.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    lib.mg_batch_get_into.argtypes = [
+        ctypes.c_void_p, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_void_p),
+        ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t, ctypes.POINTER(ctypes.c_int64)]
+    h = lib.mg_connect(f"unix:{a.sock}".encode())
+    buf = lib.mg_alloc(h, n)
+    rt = torch.cuda.cudart()
+    rt.cudaHostRegister(buf, n, 1)
+    hostbuf = torch.frombuffer((ctypes.c_uint8 * n).from_address(buf), dtype=torch.uint8)
+    ks = (ctypes.c_char_p * MICRO_N)(*[k.encode() for k in keys])
+    ptrs = (ctypes.c_void_p * MICRO_N)(*[buf + i * MICRO_SIZE for i in range(MICRO_N)])
+    caps = (ctypes.c_size_t * MICRO_N)(*[MICRO_SIZE] * MICRO_N)
+    res = (ctypes.c_int64 * MICRO_N)()
+    secs, into = [], []
+    for _ in range(a.reps + 1):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        assert lib.mg_batch_get_into(h, ks, ptrs, caps, MICRO_N, res) == 0
+        t1 = time.perf_counter()
+        for i, d in enumerate(dst):
+            d.copy_(hostbuf[i * MICRO_SIZE:(i + 1) * MICRO_SIZE], non_blocking=True)
+        torch.cuda.synchronize()
+        secs.append(time.perf_counter() - t)
+        into.append(t1 - t)
+    assert list(res) == [MICRO_SIZE] * MICRO_N, list(res)
+    out["moongate_copy_to_gpu"] = gbps(secs[1:])
+    out["moongate_copy_into_host"] = gbps(into[1:])
+    out["moongate_copy_bytes_equal"] = all(torch.equal(x, y) for x, y in zip(dst, vals))
+    c.close()
+    print(json.dumps(out), flush=True)
+
+
+def role_mooncake(a):
+    """Mooncake's own clients moving the same 64 values into GPU memory: `embedded`
+    (no segment; batch_get_into a registered pinned buffer, then H2D) or `dummy` (of the
+    owner at --owner; its shared-memory buffer registered with CUDA, then H2D)."""
+    import torch
+    from mooncake.store import MooncakeDistributedStore
+    vals = micro_values()
+    n = MICRO_N * MICRO_SIZE
+    keys = [f"micro/{i}" for i in range(MICRO_N)]
+    s = MooncakeDistributedStore()
+    if a.kind == "dummy":
+        assert s.setup_dummy(n + 64 * MiB, 64 * MiB, a.owner) == 0, "setup_dummy"
+        base = s.alloc_from_mem_pool(n)
+        assert base, "alloc_from_mem_pool"
+        assert s.register_buffer(base, n) == 0
+        host = torch.frombuffer((ctypes.c_uint8 * n).from_address(base), dtype=torch.uint8)
+        torch.cuda.cudart().cudaHostRegister(base, n, 1)
+        for i, k in enumerate(keys):
+            host[i * MICRO_SIZE:(i + 1) * MICRO_SIZE].copy_(vals[i])
+            if not s.is_exist(k):
+                assert s.put_from(k, base + i * MICRO_SIZE, MICRO_SIZE) == 0, k
+    else:
+        assert s.setup("127.0.0.1", a.metadata, 0, 64 * MiB, "tcp", "", a.master) == 0, "setup"
+        host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        base = host.data_ptr()
+        assert s.register_buffer(base, n) == 0
+    ptrs = [base + i * MICRO_SIZE for i in range(MICRO_N)]
+    sizes = [MICRO_SIZE] * MICRO_N
+    dst = [torch.empty(MICRO_SIZE, dtype=torch.uint8, device="cuda") for _ in keys]
+    secs, into = [], []
+    for _ in range(a.reps + 1):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        got = list(s.batch_get_into(keys, ptrs, sizes))
+        t1 = time.perf_counter()
+        for i, d in enumerate(dst):
+            d.copy_(host[i * MICRO_SIZE:(i + 1) * MICRO_SIZE], non_blocking=True)
+        torch.cuda.synchronize()
+        secs.append(time.perf_counter() - t)
+        into.append(t1 - t)
+        assert got == sizes, got
+    out = {"to_gpu": gbps(secs[1:]), "into_host": gbps(into[1:]),
+           "bytes_equal": all(torch.equal(x, y) for x, y in zip(dst, vals))}
+    s.close()
+    print(json.dumps(out), flush=True)
+
+
+def role_cuda_client(a):
+    """Mooncake 0.3.14's CUDA client with the real driver, through moongate's master
+    face: puts from GPU memory and gets straight into GPU memory over TCP."""
+    import torch
+    from mooncake.store import MooncakeDistributedStore
+    vals = micro_values()[:16]
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", a.metadata, 0, 64 * MiB, "tcp", "", a.master) == 0, "setup"
+    src = torch.cat(vals)
+    dst = torch.zeros_like(src)
+    for t in (src, dst):
+        assert s.register_buffer(t.data_ptr(), t.numel()) == 0, "register GPU memory"
+    keys = [f"cuda/{i}" for i in range(len(vals))]
+    rcs = [s.put_from(k, src.data_ptr() + i * MICRO_SIZE, MICRO_SIZE) for i, k in enumerate(keys)]
+    secs = []
+    for _ in range(a.reps + 1):
+        dst.zero_()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        got = [s.get_into(k, dst.data_ptr() + i * MICRO_SIZE, MICRO_SIZE)
+               for i, k in enumerate(keys)]
+        torch.cuda.synchronize()
+        secs.append(time.perf_counter() - t)
+    out = {"put_rcs": rcs, "get_sizes": got, "bytes_equal": torch.equal(src, dst),
+           "to_gpu": gbps(secs[1:], len(vals) * MICRO_SIZE)}
+    for k in keys:
+        s.remove(k)
+    s.close()
+    print(json.dumps(out), flush=True)
+
+
+# --------------------------------------------------------------------------- driver --
+
+def sub(a, role, extra, env, timeout=900):
+    cmd = [sys.executable, __file__, "--role", role, "--sock", a.sock, "--work", a.work,
+           "--reps", str(a.reps)] + extra
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    sys.stderr.write(r.stderr[-4000:] if r.returncode else "".join(
+        l + "\n" for l in r.stderr.splitlines() if not l.startswith(("W", "I")) or "GB/s" in l))
+    if r.returncode != 0:
+        raise SystemExit(f"{role} {extra}: exit {r.returncode}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def metric(admin, name):
+    import urllib.request
+    with urllib.request.urlopen(f"{admin}/metrics", timeout=5) as r:
+        total = 0.0
+        for line in r.read().decode().splitlines():
+            if line.startswith(name):
+                total += float(line.split()[-1])
+        return total
+
+
+def driver(a):
+    import torch
+    pack = os.path.abspath(a.pack)
+    os.makedirs(a.out, exist_ok=True)
+    a.work = os.path.abspath(os.path.join(a.out, "work"))
+    os.makedirs(a.work, exist_ok=True)
+    env = dict(os.environ)
+    env["MOONGATE_KV_LIB"] = os.path.join(pack, "libmoongate_kv.so")
+    import mooncake
+    mc = os.path.dirname(mooncake.__file__)
+    out = {"host": {"cores": os.cpu_count(), "gpu": torch.cuda.get_device_name(0),
+                    "torch": torch.__version__, "mooncake": getattr(mooncake, "__version__", "?"),
+                    "date": time.strftime("%Y-%m-%d")}}
+    procs = []
+    try:
+        mport, hport = free_port(), free_port()
+        master = f"127.0.0.1:{mport}"
+        metadata = f"http://127.0.0.1:{hport}/metadata"
+        procs.append(subprocess.Popen(
+            [os.path.join(mc, "mooncake_master"), f"--rpc_port={mport}",
+             "--rpc_address=127.0.0.1", "--enable_http_metadata_server=true",
+             "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={hport}",
+             f"--metrics_port={free_port()}", "--default_kv_lease_ttl=2000"],
+            stdout=subprocess.DEVNULL, stderr=open(f"{a.work}/master.log", "w")))
+        a.sock = f"{a.work}/kv.sock"
+        kv, seg, admin, listen = free_port(), free_port(), free_port(), free_port()
+        with open(f"{a.work}/mg.toml", "w") as f:
+            f.write(f'[master_face]\nupstream = "{master}"\n'
+                    f'[kv]\nlisten = "127.0.0.1:{kv}"\nunix_path = "{a.sock}"\n'
+                    f'metadata_url = "{metadata}"\nsegment_bytes = {a.segment_gib * GiB}\n'
+                    f'segment_listen = "127.0.0.1:{seg}"\nmax_value_bytes = {1 << 30}\n')
+        mg = subprocess.Popen(
+            [os.path.join(pack, "moongate"), "run", "--config", f"{a.work}/mg.toml",
+             "--listen", f"127.0.0.1:{listen}", "--admin", f"127.0.0.1:{admin}"],
+            stdout=subprocess.DEVNULL, stderr=open(f"{a.work}/moongate.log", "w"),
+            env={**env, "RUST_LOG": "info"})
+        procs.append(mg)
+        admin_url = f"http://127.0.0.1:{admin}"
+        wait_http(f"{admin_url}/ready", 60)
+        deadline = time.time() + 60
+        while "own segment mounted" not in open(f"{a.work}/moongate.log").read():
+            if time.time() > deadline:
+                raise SystemExit("own segment not mounted")
+            time.sleep(0.2)
+        if "micro" in a.parts:
+            out["micro"] = sub(a, "micro", [], env)
+            out["mooncake_embedded"] = sub(a, "mooncake", ["--kind", "embedded", "--master",
+                                                           master, "--metadata", metadata], env)
+        if "cuda" in a.parts:
+            out["mooncake_0_3_14_cuda_client_through_moongate"] = sub(
+                a, "cuda_client", ["--master", f"127.0.0.1:{listen}", "--metadata", metadata],
+                env)
+            out["mooncake_0_3_14_cuda_client_through_moongate"]["moongate_frame_errors"] = \
+                metric(admin_url, "moongate_master_frame_errors")
+        if "gate" in a.parts:
+            out["gate"] = {}
+            for shape in a.shapes.split(","):
+                pre = sub(a, "prefill", ["--shape", shape, "--tokens", a.tokens], env)
+                with open(f"{a.work}/prefill-{shape}.json", "w") as f:
+                    json.dump(pre, f)
+                load = sub(a, "load", ["--shape", shape, "--tokens", a.tokens], env)
+                out["gate"][shape] = {"prefill": pre, "load": load}
+        mg.send_signal(signal.SIGTERM)
+        mg.wait(timeout=60)
+        procs.remove(mg)
+        if "micro" in a.parts:
+            oport = free_port()
+            procs.append(subprocess.Popen(
+                [os.path.join(mc, "mooncake_client"), "--host=127.0.0.1", f"--port={oport}",
+                 f"--master_server_address={master}", f"--metadata_server={metadata}",
+                 "--global_segment_size=2 GB", "--protocol=tcp", "--logtostderr"],
+                stdout=subprocess.DEVNULL, stderr=open(f"{a.work}/owner.log", "w")))
+            deadline = time.time() + 60
+            while True:
+                try:
+                    out["mooncake_dummy"] = sub(a, "mooncake", ["--kind", "dummy", "--owner",
+                                                                f"127.0.0.1:{oport}"], env)
+                    break
+                except SystemExit:
+                    if time.time() > deadline:
+                        raise
+                    time.sleep(1)
+    finally:
+        stop_all(procs)
+    summarize(out)
+    text = json.dumps(out, indent=1)
+    with open(os.path.join(a.out, "gpu_gate.json"), "w") as f:
+        f.write(text)
+    print(text)
+    table(out)
+
+
+def summarize(out):
+    m = out.get("micro")
+    if not m:
+        return
+    link = m["pinned_h2d"]["median_GBps"]
+    view = m["moongate_view_to_gpu"]["median_GBps"]
+    r = {"view_vs_link": view / link}
+    if "mooncake_dummy" in out:
+        r["view_vs_mooncake_dummy"] = view / out["mooncake_dummy"]["to_gpu"]["median_GBps"]
+    if "mooncake_embedded" in out:
+        r["view_vs_mooncake_embedded"] = view / out["mooncake_embedded"]["to_gpu"]["median_GBps"]
+    out["ratios"] = r
+
+
+def table(out):
+    h = out["host"]
+    print(f"\nhost: {h['gpu']}, {h['cores']} cores, torch {h['torch']}, {h['date']}")
+    m = out.get("micro")
+    if m:
+        print("1 GiB as 64 values into GPU memory (median GB/s):")
+        rows = [("pinned H2D (the link)", m["pinned_h2d"]), ("moongate views", m["moongate_view_to_gpu"]),
+                ("moongate copy path", m["moongate_copy_to_gpu"]),
+                ("moongate store from GPU", m["moongate_store_from_gpu"])]
+        for k in ["mooncake_embedded", "mooncake_dummy"]:
+            if k in out:
+                rows.append((k.replace("_", " "), out[k]["to_gpu"]))
+        for name, v in rows:
+            print(f"  {name:28s} {v['median_GBps']:7.2f}")
+        print("  ratios:", json.dumps(out.get("ratios", {})))
+    for shape, g in out.get("gate", {}).items():
+        print(f"gate {shape}: P | KV MiB | recompute ms | load GB/s | TTFT ms | speedup | store GB/s | exact")
+        for p, r in g["load"]["runs"].items():
+            print(f"  {p:>6} | {r['kv_bytes'] / MiB:7.0f} | {r['recompute_s'] * 1e3:9.1f} | "
+                  f"{r['load_GBps']:8.2f} | {r['ttft_cache_s'] * 1e3:7.1f} | {r['ttft_speedup']:6.2f}x | "
+                  f"{r['store_GBps']:8.2f} | {r['bytes_identical'] and r['logits_bitwise_equal']}")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--role", default="driver")
+    p.add_argument("--pack", default=os.path.join(ROOT, ".gpu"))
+    p.add_argument("--out", default="/tmp/gpu_gate")
+    p.add_argument("--work")
+    p.add_argument("--sock")
+    p.add_argument("--shape", default="8b")
+    p.add_argument("--shapes", default="8b,70b10")
+    p.add_argument("--tokens", default="2048,8192,32768")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--segment-gib", type=int, default=10)
+    p.add_argument("--parts", default="micro,cuda,gate")
+    p.add_argument("--kind", default="embedded")
+    p.add_argument("--master")
+    p.add_argument("--metadata")
+    p.add_argument("--owner")
+    a = p.parse_args()
+    roles = {"prefill": role_prefill, "load": role_load, "micro": role_micro,
+             "mooncake": role_mooncake, "cuda_client": role_cuda_client}
+    if a.role in roles:
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+        roles[a.role](a)
+    else:
+        driver(a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,400 @@
+"""moongate's kv face from Python, over the C library libmoongate_kv.
+
+    import moongate_kv
+    c = moongate_kv.Client("unix:/run/moongate/kv.sock")
+    c.put("model/0/blk42", b"...")
+    with c.view("model/0/blk42") as v:       # no copy: v.buffer is moongate's memory
+        first = bytes(v.buffer[:16])
+    r = c.reserve("model/0/blk43", 4096)     # write where the value will live
+    r.buffer[:] = b"x" * 4096
+    r.commit()
+
+GPU tensors: `moongate_kv.torch` (imports torch when used).
+
+The binding is ctypes over the C ABI (clients/rust/include/moongate_kv.h): nothing to
+compile at install time, no dependency, importable without torch, and every call
+releases the GIL while it runs, so threads overlap their calls. The library is found
+at $MOONGATE_KV_LIB, beside this file, on the loader's path, or in the repository's
+target/release (a checkout built with `cargo build --release -p moongate-kv`).
+
+Errors raise `MoongateError` (its `code` is the C library's MG_ERR_*), or one of its
+subclasses for the codes callers branch on: `NotFound`, `Busy`, `Exists`, `NoRoom`,
+`NoLease`, `NotLocal`.
+"""
+import ctypes
+import ctypes.util
+import os
+import threading
+
+__all__ = [
+    "Client", "View", "Views", "Reservation", "MoongateError", "NotFound", "Busy",
+    "Exists", "NoRoom", "NoLease", "NotLocal", "IN_PLACE", "STAGED", "library_path",
+]
+
+IN_PLACE = 0
+STAGED = 1
+
+ERR_ARG, ERR_NOT_FOUND, ERR_TOO_SMALL, ERR_TRANSPORT, ERR_BUSY = -1, -2, -3, -4, -5
+ERR_LEASED, ERR_REFUSED, ERR_PROTOCOL, ERR_NOMEM, ERR_INTERNAL = -6, -7, -8, -9, -10
+ERR_EXISTS, ERR_NO_ROOM, ERR_DENIED, ERR_NO_LEASE, ERR_NOT_LOCAL = -11, -12, -13, -14, -15
+
+
+class MoongateError(Exception):
+    """A call failed: `code` is the C library's MG_ERR_* (negative)."""
+
+    def __init__(self, code, message):
+        super().__init__(f"{message} (MG_ERR {code})")
+        self.code = code
+
+
+class NotFound(MoongateError, KeyError):
+    pass
+
+
+class Busy(MoongateError):
+    pass
+
+
+class Exists(MoongateError):
+    pass
+
+
+class NoRoom(MoongateError):
+    pass
+
+
+class NoLease(MoongateError):
+    pass
+
+
+class NotLocal(MoongateError):
+    pass
+
+
+_BY_CODE = {ERR_NOT_FOUND: NotFound, ERR_BUSY: Busy, ERR_EXISTS: Exists,
+            ERR_NO_ROOM: NoRoom, ERR_NO_LEASE: NoLease, ERR_NOT_LOCAL: NotLocal}
+
+
+def _error(code, message):
+    return _BY_CODE.get(code, MoongateError)(code, message)
+
+
+def library_path():
+    """Where libmoongate_kv.so is loaded from (see the module's note)."""
+    env = os.environ.get("MOONGATE_KV_LIB")
+    if env:
+        return env
+    here = os.path.dirname(os.path.abspath(__file__))
+    beside = os.path.join(here, "libmoongate_kv.so")
+    if os.path.exists(beside):
+        return beside
+    repo = os.path.join(here, "..", "..", "..", "target", "release", "libmoongate_kv.so")
+    if os.path.exists(repo):
+        return os.path.normpath(repo)
+    found = ctypes.util.find_library("moongate_kv")
+    if found:
+        return found
+    raise OSError("libmoongate_kv.so not found: set MOONGATE_KV_LIB, or build it with "
+                  "`cargo build --release -p moongate-kv`")
+
+
+_lib = None
+_lib_lock = threading.Lock()
+_P = ctypes.c_void_p
+_SZ = ctypes.c_size_t
+_KEYS = ctypes.POINTER(ctypes.c_char_p)
+
+
+def _load():
+    global _lib
+    with _lib_lock:
+        if _lib is not None:
+            return _lib
+        lib = ctypes.CDLL(library_path())
+        sig = {
+            "mg_connect": (_P, [ctypes.c_char_p]),
+            "mg_close": (None, [_P]),
+            "mg_last_error": (ctypes.c_char_p, [_P]),
+            "mg_put": (ctypes.c_int, [_P, ctypes.c_char_p, _P, _SZ]),
+            "mg_get_into": (ctypes.c_int64, [_P, ctypes.c_char_p, _P, _SZ]),
+            "mg_exists": (ctypes.c_int, [_P, _KEYS, _SZ, ctypes.POINTER(ctypes.c_uint8)]),
+            "mg_remove": (ctypes.c_int, [_P, ctypes.c_char_p]),
+            "mg_view": (ctypes.c_int, [_P, ctypes.c_char_p, ctypes.POINTER(_P),
+                                       ctypes.POINTER(_SZ), ctypes.POINTER(ctypes.c_uint64)]),
+            "mg_batch_view": (ctypes.c_int, [_P, _KEYS, _SZ, ctypes.POINTER(_P),
+                                             ctypes.POINTER(_SZ), ctypes.POINTER(ctypes.c_int),
+                                             ctypes.POINTER(ctypes.c_uint64)]),
+            "mg_release": (ctypes.c_int, [_P, ctypes.c_uint64]),
+            "mg_segments": (ctypes.c_int, [_P, ctypes.POINTER(_P), ctypes.POINTER(_SZ), _SZ,
+                                           ctypes.POINTER(_SZ)]),
+            "mg_reserve": (ctypes.c_int, [_P, ctypes.c_char_p, _SZ, ctypes.POINTER(_P),
+                                          ctypes.POINTER(ctypes.c_uint64)]),
+            "mg_batch_reserve": (ctypes.c_int, [_P, _KEYS, ctypes.POINTER(_SZ), _SZ,
+                                                ctypes.POINTER(_P),
+                                                ctypes.POINTER(ctypes.c_uint64),
+                                                ctypes.POINTER(ctypes.c_int)]),
+            "mg_commit": (ctypes.c_int, [_P, ctypes.c_uint64]),
+            "mg_abort": (ctypes.c_int, [_P, ctypes.c_uint64]),
+            "mg_batch_commit": (ctypes.c_int, [_P, ctypes.POINTER(ctypes.c_uint64), _SZ,
+                                               ctypes.POINTER(ctypes.c_int)]),
+            "mg_batch_abort": (ctypes.c_int, [_P, ctypes.POINTER(ctypes.c_uint64), _SZ,
+                                              ctypes.POINTER(ctypes.c_int)]),
+        }
+        for name, (res, args) in sig.items():
+            f = getattr(lib, name)
+            f.restype = res
+            f.argtypes = args
+        _lib = lib
+        return lib
+
+
+def _key(k):
+    return k.encode() if isinstance(k, str) else bytes(k)
+
+
+def _keys(keys):
+    ks = [_key(k) for k in keys]
+    return ks, (ctypes.c_char_p * len(ks))(*ks)
+
+
+def _drop(mv):
+    """Releases a memoryview of moongate's memory (views taken of it stay valid Python
+    objects, but must not be used after the lease ends)."""
+    if mv is not None:
+        try:
+            mv.release()
+        except BufferError:
+            pass
+
+
+def _memory(address, length, writable):
+    """A memoryview of `length` bytes at `address` (read-only unless `writable`)."""
+    if length == 0:
+        return memoryview(b"")
+    mv = memoryview((ctypes.c_char * length).from_address(address)).cast("B")
+    return mv if writable else mv.toreadonly()
+
+
+class View:
+    """One value viewed under its own lease; `buffer` is valid until `release()` (or
+    the end of a `with` block). `staged`: read into moongate's staging area first."""
+
+    def __init__(self, client, address, length, lease, place):
+        self._client, self.address, self.length, self.lease = client, address, length, lease
+        self.staged = place == STAGED
+        self.buffer = _memory(address, length, False)
+
+    def release(self):
+        if self.lease:
+            _drop(self.buffer)
+            self._client.release(self.lease)
+            self.lease = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+class Views:
+    """Values viewed under one lease: per key `buffers[i]` (None where `results[i]` is
+    an error code), `addresses[i]`, `lengths[i]`; `results[i]` is IN_PLACE, STAGED or a
+    negative MG_ERR_*."""
+
+    def __init__(self, client, keys, addresses, lengths, results, lease):
+        self._client, self.keys, self.lease = client, keys, lease
+        self.addresses, self.lengths, self.results = addresses, lengths, results
+        self.buffers = [_memory(a, n, False) if r >= 0 else None
+                        for a, n, r in zip(addresses, lengths, results)]
+
+    def check(self):
+        """Raises for the first key that could not be viewed."""
+        for k, r in zip(self.keys, self.results):
+            if r < 0:
+                raise _error(r, f"{k}: not viewed")
+        return self
+
+    def release(self):
+        if self.lease:
+            for b in self.buffers:
+                _drop(b)
+            self._client.release(self.lease)
+            self.lease = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+class Reservation:
+    """Room for one value in moongate's memory: write `buffer`, then `commit()` (or
+    `abort()`). `staged`: sent on to where the master placed it at commit."""
+
+    def __init__(self, client, key, address, length, ticket, place):
+        self._client, self.key, self.address, self.length = client, key, address, length
+        self.ticket, self.staged = ticket, place == STAGED
+        self.buffer = _memory(address, length, True)
+
+    def commit(self):
+        _drop(self.buffer)
+        self._client.commit([self.ticket]).raise_first()
+
+    def abort(self):
+        _drop(self.buffer)
+        self._client.abort([self.ticket])
+
+
+class _Codes(list):
+    def raise_first(self, what="ticket"):
+        for c in self:
+            if c < 0:
+                raise _error(c, f"{what}: refused")
+        return self
+
+
+class Client:
+    """A handle on moongate's kv face: "unix:PATH" (shared memory, views and
+    reservations) or "tcp:HOST:PORT" (copies only). Thread-safe; close() ends its
+    leases and reservations."""
+
+    def __init__(self, address):
+        self._lib = _load()
+        self._h = self._lib.mg_connect(address.encode())
+        if not self._h:
+            raise MoongateError(ERR_TRANSPORT, self._lib.mg_last_error(None).decode())
+
+    def close(self):
+        if self._h:
+            self._lib.mg_close(self._h)
+            self._h = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _fail(self, code):
+        return _error(code, self._lib.mg_last_error(self._h).decode(errors="replace"))
+
+    def _check(self, rc):
+        if rc < 0:
+            raise self._fail(rc)
+        return rc
+
+    # Copies -----------------------------------------------------------------------
+
+    def put(self, key, data):
+        """Stores `data` (any bytes-like object) under `key`."""
+        buf = (ctypes.c_char * len(data)).from_buffer_copy(data) if not isinstance(
+            data, bytes) else data
+        self._check(self._lib.mg_put(self._h, _key(key), buf, len(data)))
+
+    def get_into(self, key, buffer):
+        """Reads the value into `buffer` (writable bytes-like); its length."""
+        mv = memoryview(buffer).cast("B")
+        addr = ctypes.addressof((ctypes.c_char * len(mv)).from_buffer(mv)) if len(mv) else None
+        n = self._lib.mg_get_into(self._h, _key(key), addr, len(mv))
+        return self._check(n)
+
+    def get(self, key):
+        """The value of `key` as bytes (a view copied out when local, else a read)."""
+        try:
+            with self.view(key) as v:
+                return bytes(v.buffer)
+        except NotLocal:
+            pass
+        cap = 1 << 20
+        while True:
+            buf = bytearray(cap)
+            n = self._lib.mg_get_into(self._h, _key(key),
+                                      (ctypes.c_char * cap).from_buffer(buf), cap)
+            if n == ERR_TOO_SMALL and cap < (1 << 34):
+                cap *= 4
+                continue
+            self._check(n)
+            return bytes(buf[:n])
+
+    def exists(self, keys):
+        ks, arr = _keys(keys)
+        out = (ctypes.c_uint8 * max(len(ks), 1))()
+        self._check(self._lib.mg_exists(self._h, arr, len(ks), out))
+        return [bool(out[i]) for i in range(len(ks))]
+
+    def remove(self, key):
+        self._check(self._lib.mg_remove(self._h, _key(key)))
+
+    # Zero copy --------------------------------------------------------------------
+
+    def segments(self):
+        """moongate's memory mapped here: [(address, length, writable)], to register
+        once with a GPU runtime (the read-only ones are where views point)."""
+        n = _SZ(0)
+        bases = (_P * 8)()
+        lens = (_SZ * 8)()
+        self._check(self._lib.mg_segments(self._h, bases, lens, 8, ctypes.byref(n)))
+        return [(bases[i], lens[i], i % 2 == 1) for i in range(n.value)]
+
+    def view(self, key):
+        data, length, lease = _P(), _SZ(), ctypes.c_uint64()
+        place = self._check(self._lib.mg_view(self._h, _key(key), ctypes.byref(data),
+                                              ctypes.byref(length), ctypes.byref(lease)))
+        return View(self, data.value or 0, length.value, lease.value, place)
+
+    def batch_view(self, keys):
+        keys = list(keys)
+        ks, arr = _keys(keys)
+        n = len(ks)
+        data, lens = (_P * max(n, 1))(), (_SZ * max(n, 1))()
+        res, lease = (ctypes.c_int * max(n, 1))(), ctypes.c_uint64()
+        self._check(self._lib.mg_batch_view(self._h, arr, n, data, lens, res,
+                                            ctypes.byref(lease)))
+        return Views(self, keys, [data[i] or 0 for i in range(n)],
+                     [lens[i] for i in range(n)], [res[i] for i in range(n)], lease.value)
+
+    def release(self, lease):
+        self._check(self._lib.mg_release(self._h, lease))
+
+    def reserve(self, key, length):
+        data, ticket = _P(), ctypes.c_uint64()
+        place = self._check(self._lib.mg_reserve(self._h, _key(key), length,
+                                                 ctypes.byref(data), ctypes.byref(ticket)))
+        return Reservation(self, key, data.value, length, ticket.value, place)
+
+    def batch_reserve(self, keys, lengths):
+        """One reservation per key (None where refused: `codes[i]` says why)."""
+        keys = list(keys)
+        ks, arr = _keys(keys)
+        n = len(ks)
+        lens = (_SZ * max(n, 1))(*lengths)
+        data = (_P * max(n, 1))()
+        tickets = (ctypes.c_uint64 * max(n, 1))()
+        res = (ctypes.c_int * max(n, 1))()
+        self._check(self._lib.mg_batch_reserve(self._h, arr, lens, n, data, tickets, res))
+        out = [Reservation(self, keys[i], data[i], lengths[i], tickets[i], res[i])
+               if res[i] >= 0 else None for i in range(n)]
+        return out, _Codes(res[i] for i in range(n))
+
+    def _end(self, fn, tickets):
+        tickets = list(tickets)
+        n = len(tickets)
+        arr = (ctypes.c_uint64 * max(n, 1))(*tickets)
+        res = (ctypes.c_int * max(n, 1))()
+        self._check(fn(self._h, arr, n, res))
+        return _Codes(res[i] for i in range(n))
+
+    def commit(self, tickets):
+        """Publishes reservations: per ticket 0 or a negative MG_ERR_*."""
+        return self._end(self._lib.mg_batch_commit, tickets)
+
+    def abort(self, tickets):
+        return self._end(self._lib.mg_batch_abort, tickets)
