@@ -441,6 +441,12 @@ fn the_python_package_installs_and_views_reserves_and_copies() {
     let dir = tempdir();
     let (mg, _kv, sock) = kv_unix_moongate(&master, dir.path(), 64 << 20, "");
     build_library();
+    // Installed from a copy: setuptools writes its build files beside the sources.
+    let src = dir.path().join("src");
+    std::fs::create_dir_all(src.join("moongate_kv")).unwrap();
+    for f in ["pyproject.toml", "moongate_kv/__init__.py", "moongate_kv/torch.py"] {
+        std::fs::copy(repo_root().join("clients/python").join(f), src.join(f)).unwrap();
+    }
     let site = dir.path().join("site");
     let o = Command::new(python())
         .args([
@@ -454,7 +460,7 @@ fn the_python_package_installs_and_views_reserves_and_copies() {
         ])
         .arg("--target")
         .arg(&site)
-        .arg(repo_root().join("clients/python"))
+        .arg(&src)
         .output()
         .unwrap();
     assert!(
