@@ -14,13 +14,13 @@ use crate::support::*;
 const MAGIC: &[u8; 8] = b"MGSHM01\n";
 
 /// A raw shared-memory connection.
-struct Raw {
+pub(crate) struct Raw {
     s: UnixStream,
     seq: u32,
 }
 
 impl Raw {
-    fn open(path: &Path) -> Raw {
+    pub(crate) fn open(path: &Path) -> Raw {
         let mut s = UnixStream::connect(path).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
         s.write_all(MAGIC).unwrap();
@@ -31,7 +31,7 @@ impl Raw {
     }
 
     /// Sends one frame (with `fd` attached) and reads its answer: (status, body).
-    fn call(&mut self, op: u8, body: &[u8], fd: Option<RawFd>) -> (i32, Vec<u8>) {
+    pub(crate) fn call(&mut self, op: u8, body: &[u8], fd: Option<RawFd>) -> (i32, Vec<u8>) {
         self.seq += 1;
         let mut f = Vec::new();
         f.extend_from_slice(&(body.len() as u32).to_le_bytes());

@@ -499,3 +499,50 @@ fn the_python_package_installs_and_views_reserves_and_copies() {
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
+
+/// Malformed view, release, reserve, commit and hello frames: each gets its error on the
+/// connection, which stays usable; nothing else is affected.
+#[test]
+fn bad_zero_copy_frames_get_errors_and_the_connection_carries_on() {
+    let master = Master::start();
+    let dir = tempdir();
+    let (mg, kv, sock) =
+        kv_unix_moongate(&master, dir.path(), 16 << 20, "max_batch_keys = 8\n");
+    let mut raw = crate::kv_shm::Raw::open(&sock);
+    let n = |v: u32| v.to_le_bytes().to_vec();
+    let key = |k: &str| {
+        let mut b = (k.len() as u16).to_le_bytes().to_vec();
+        b.extend_from_slice(k.as_bytes());
+        b
+    };
+    let cases: Vec<(&str, u8, Vec<u8>, i32)> = vec![
+        ("view: more keys than kv.max_batch_keys", 9, n(9), capi::MG_ERR_ARG),
+        ("view: a key longer than its frame", 9, [n(1), vec![200, 0, b'a']].concat(), capi::MG_ERR_ARG),
+        ("view: an empty key", 9, [n(1), key("")].concat(), capi::MG_ERR_ARG),
+        ("view: bytes after the last key", 9, [n(1), key("a"), vec![1]].concat(), capi::MG_ERR_ARG),
+        ("release: short", 10, vec![1, 2], capi::MG_ERR_ARG),
+        ("release: unknown lease", 10, 42u64.to_le_bytes().to_vec(), capi::MG_ERR_NO_LEASE),
+        ("reserve: 0 bytes", 11, [n(1), 0u64.to_le_bytes().to_vec(), key("z")].concat(), capi::MG_ERR_ARG),
+        ("reserve: over max_value_bytes", 11, [n(1), u64::MAX.to_le_bytes().to_vec(), key("z")].concat(), capi::MG_ERR_ARG),
+        ("reserve: truncated", 11, [n(2), 8u64.to_le_bytes().to_vec(), key("z")].concat(), capi::MG_ERR_ARG),
+        ("commit: truncated", 12, [n(2), 1u64.to_le_bytes().to_vec()].concat(), capi::MG_ERR_ARG),
+        ("hello: short", 7, vec![1], capi::MG_ERR_ARG),
+    ];
+    for (what, op, body, want) in cases {
+        let (st, msg) = raw.call(op, &body, None);
+        assert_eq!(st, want, "{what}: {}", String::from_utf8_lossy(&msg));
+    }
+    // An unknown ticket per item; a second hello on the same connection.
+    let (st, body) = raw.call(12, &[n(1), 7u64.to_le_bytes().to_vec()].concat(), None);
+    assert_eq!((st, body), (0, capi::MG_ERR_NO_LEASE.to_le_bytes().to_vec()));
+    let (st, _) = raw.call(7, &5u64.to_le_bytes(), None);
+    assert_eq!(st, 0);
+    let (st, _) = raw.call(7, &5u64.to_le_bytes(), None);
+    assert_eq!(st, capi::MG_ERR_ARG, "a second hello");
+    // Still serving: a view of a missing key on this connection, HTTP beside it.
+    let (st, body) = raw.call(9, &[n(1), key("missing")].concat(), None);
+    assert_eq!(st, 0);
+    assert_eq!(&body[8..12], &capi::MG_ERR_NOT_FOUND.to_le_bytes());
+    let (st, _) = http(&kv, "PUT", "/v1/kv/after", b"fine").unwrap();
+    assert_eq!(st, 201, "{}", mg.proc.log_text());
+}

@@ -45,7 +45,10 @@ def register(client, read=True, write=True):
         for addr, length, writable in maps:
             flags = _PORTABLE | (0 if writable else _READ_ONLY)
             err = rt.cudaHostRegister(addr, length, flags)
-            code = getattr(err, "value", err)
+            try:
+                code = int(err)
+            except TypeError:
+                code = getattr(err, "value", err)
             if code not in (0, 712):  # 712: already registered
                 raise RuntimeError(f"cudaHostRegister({addr:#x}, {length}) failed: {err}")
     _registered[key] = maps

@@ -458,6 +458,7 @@ struct Conn<'a> {
     regions: Vec<Option<Region>>,
     bytes: u64,
     engine: Option<Arc<super::zero_copy::Engine>>,
+    said_hello: bool,
     peer_pid: i32,
 }
 
@@ -717,9 +718,14 @@ impl Conn<'_> {
     fn hello(&mut self, f: &mut Fields<'_>) -> Result<Vec<u8>, Fail> {
         let token = f.u64()?;
         let engines = self.engines()?.clone();
-        if self.engine.is_some() {
-            return Err(Fail::arg("this connection already belongs to an engine"));
+        // Before it, the connection was its own engine: taken over if it holds nothing.
+        let holds = self.engine.as_ref().is_some_and(|e| e.held() != (0, 0));
+        if self.said_hello || holds {
+            return Err(Fail::arg(
+                "hello comes once, before this connection holds leases or reservations",
+            ));
         }
+        self.said_hello = true;
         self.engine = Some(engines.join(self.peer_pid, token));
         Ok(engines.instance().to_le_bytes().to_vec())
     }
@@ -918,6 +924,7 @@ async fn serve(
         regions: Vec::new(),
         bytes: 0,
         engine: None,
+        said_hello: false,
         peer_pid: sock.peer_cred()?.pid().unwrap_or(0),
     };
     // The largest body: a batch of kv.max_batch_keys items with the longest keys.

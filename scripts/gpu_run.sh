@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# On the GPU host: unpacks .gpu/ (scripts/gpu_pack.sh made it here), puts on
+# LD_LIBRARY_PATH only the libraries the host lacks, finds the CUDA 13 runtime torch
+# ships, and runs benches/gpu_gate.py with the given arguments (results under $OUT, or
+# /tmp/gpu_gate).
+#
+#   bash scripts/gpu_run.sh [--parts micro,cuda,gate] [--shapes 8b,70b10] [--tokens ...]
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+pack=$root/.gpu
+work=${GPU_WORK:-/tmp/moongate-gpu}
+mkdir -p "$work"
+python3 - "$pack" "$work" <<'EOF'
+import lzma, os, shutil, sys, tarfile
+pack, work = sys.argv[1:]
+for f in ["moongate", "libmoongate_kv.so"]:
+    with lzma.open(os.path.join(pack, f + ".xz")) as src, open(os.path.join(work, f), "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.chmod(os.path.join(work, f), 0o755)
+for t in ["mooncake.tar.xz", "libs.tar.xz"]:
+    with tarfile.open(os.path.join(pack, t)) as tf:
+        tf.extractall(work)
+EOF
+# Only what the host lacks: its own copies of the rest win.
+mkdir -p "$work/missing"
+for l in "$work"/libs/*; do
+  n=$(basename "$l")
+  ldconfig -p | grep -q " $n " || ln -sf "$l" "$work/missing/$n"
+done
+cudart=$(python3 - <<'EOF'
+import glob, os, site
+for d in site.getsitepackages():
+    for p in glob.glob(os.path.join(d, "nvidia", "**", "libcudart.so.13"), recursive=True):
+        print(os.path.dirname(p)); raise SystemExit
+EOF
+)
+export LD_LIBRARY_PATH="$work/missing${cudart:+:$cudart}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export PYTHONPATH="$work:$root/clients/python${PYTHONPATH:+:$PYTHONPATH}"
+export MOONGATE_KV_LIB=$work/libmoongate_kv.so
+export MC_TCP_BIND_ADDRESS=127.0.0.1
+echo "gpu_run: missing libraries carried: $(ls "$work/missing" | tr '\n' ' ')"
+echo "gpu_run: CUDA runtime from ${cudart:-the system}"
+exec python3 benches/gpu_gate.py --pack "$work" --out "${OUT:-/tmp/gpu_gate}" "$@"
