@@ -315,7 +315,7 @@ def role_mooncake(a):
 def driver(a):
     work = work_dir("moongate-kvshm-")
     procs = []
-    out = {}
+    out = {"host": {"cores": os.cpu_count()}}
     try:
         mport, hport = free_port(), free_port()
         master = f"127.0.0.1:{mport}"

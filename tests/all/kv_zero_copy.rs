@@ -444,7 +444,11 @@ fn the_python_package_installs_and_views_reserves_and_copies() {
     // Installed from a copy: setuptools writes its build files beside the sources.
     let src = dir.path().join("src");
     std::fs::create_dir_all(src.join("moongate_kv")).unwrap();
-    for f in ["pyproject.toml", "moongate_kv/__init__.py", "moongate_kv/torch.py"] {
+    for f in [
+        "pyproject.toml",
+        "moongate_kv/__init__.py",
+        "moongate_kv/torch.py",
+    ] {
         std::fs::copy(repo_root().join("clients/python").join(f), src.join(f)).unwrap();
     }
     let site = dir.path().join("site");
@@ -506,8 +510,7 @@ fn the_python_package_installs_and_views_reserves_and_copies() {
 fn bad_zero_copy_frames_get_errors_and_the_connection_carries_on() {
     let master = Master::start();
     let dir = tempdir();
-    let (mg, kv, sock) =
-        kv_unix_moongate(&master, dir.path(), 16 << 20, "max_batch_keys = 8\n");
+    let (mg, kv, sock) = kv_unix_moongate(&master, dir.path(), 16 << 20, "max_batch_keys = 8\n");
     let mut raw = crate::kv_shm::Raw::open(&sock);
     let n = |v: u32| v.to_le_bytes().to_vec();
     let key = |k: &str| {
@@ -516,16 +519,61 @@ fn bad_zero_copy_frames_get_errors_and_the_connection_carries_on() {
         b
     };
     let cases: Vec<(&str, u8, Vec<u8>, i32)> = vec![
-        ("view: more keys than kv.max_batch_keys", 9, n(9), capi::MG_ERR_ARG),
-        ("view: a key longer than its frame", 9, [n(1), vec![200, 0, b'a']].concat(), capi::MG_ERR_ARG),
-        ("view: an empty key", 9, [n(1), key("")].concat(), capi::MG_ERR_ARG),
-        ("view: bytes after the last key", 9, [n(1), key("a"), vec![1]].concat(), capi::MG_ERR_ARG),
+        (
+            "view: more keys than kv.max_batch_keys",
+            9,
+            n(9),
+            capi::MG_ERR_ARG,
+        ),
+        (
+            "view: a key longer than its frame",
+            9,
+            [n(1), vec![200, 0, b'a']].concat(),
+            capi::MG_ERR_ARG,
+        ),
+        (
+            "view: an empty key",
+            9,
+            [n(1), key("")].concat(),
+            capi::MG_ERR_ARG,
+        ),
+        (
+            "view: bytes after the last key",
+            9,
+            [n(1), key("a"), vec![1]].concat(),
+            capi::MG_ERR_ARG,
+        ),
         ("release: short", 10, vec![1, 2], capi::MG_ERR_ARG),
-        ("release: unknown lease", 10, 42u64.to_le_bytes().to_vec(), capi::MG_ERR_NO_LEASE),
-        ("reserve: 0 bytes", 11, [n(1), 0u64.to_le_bytes().to_vec(), key("z")].concat(), capi::MG_ERR_ARG),
-        ("reserve: over max_value_bytes", 11, [n(1), u64::MAX.to_le_bytes().to_vec(), key("z")].concat(), capi::MG_ERR_ARG),
-        ("reserve: truncated", 11, [n(2), 8u64.to_le_bytes().to_vec(), key("z")].concat(), capi::MG_ERR_ARG),
-        ("commit: truncated", 12, [n(2), 1u64.to_le_bytes().to_vec()].concat(), capi::MG_ERR_ARG),
+        (
+            "release: unknown lease",
+            10,
+            42u64.to_le_bytes().to_vec(),
+            capi::MG_ERR_NO_LEASE,
+        ),
+        (
+            "reserve: 0 bytes",
+            11,
+            [n(1), 0u64.to_le_bytes().to_vec(), key("z")].concat(),
+            capi::MG_ERR_ARG,
+        ),
+        (
+            "reserve: over max_value_bytes",
+            11,
+            [n(1), u64::MAX.to_le_bytes().to_vec(), key("z")].concat(),
+            capi::MG_ERR_ARG,
+        ),
+        (
+            "reserve: truncated",
+            11,
+            [n(2), 8u64.to_le_bytes().to_vec(), key("z")].concat(),
+            capi::MG_ERR_ARG,
+        ),
+        (
+            "commit: truncated",
+            12,
+            [n(2), 1u64.to_le_bytes().to_vec()].concat(),
+            capi::MG_ERR_ARG,
+        ),
         ("hello: short", 7, vec![1], capi::MG_ERR_ARG),
     ];
     for (what, op, body, want) in cases {
@@ -534,7 +582,10 @@ fn bad_zero_copy_frames_get_errors_and_the_connection_carries_on() {
     }
     // An unknown ticket per item; a second hello on the same connection.
     let (st, body) = raw.call(12, &[n(1), 7u64.to_le_bytes().to_vec()].concat(), None);
-    assert_eq!((st, body), (0, capi::MG_ERR_NO_LEASE.to_le_bytes().to_vec()));
+    assert_eq!(
+        (st, body),
+        (0, capi::MG_ERR_NO_LEASE.to_le_bytes().to_vec())
+    );
     let (st, _) = raw.call(7, &5u64.to_le_bytes(), None);
     assert_eq!(st, 0);
     let (st, _) = raw.call(7, &5u64.to_le_bytes(), None);
@@ -545,4 +596,44 @@ fn bad_zero_copy_frames_get_errors_and_the_connection_carries_on() {
     assert_eq!(&body[8..12], &capi::MG_ERR_NOT_FOUND.to_le_bytes());
     let (st, _) = http(&kv, "PUT", "/v1/kv/after", b"fine").unwrap();
     assert_eq!(st, 201, "{}", mg.proc.log_text());
+}
+
+/// A view through the replica cache is checked against the writes since its entry was
+/// looked up: a client that goes to the master directly (no moongate sees its removal)
+/// force-removes a cached key and puts another value into its range; the view of the
+/// removed key then asks the master again and finds it gone, instead of answering the
+/// other value's bytes as the removed key's.
+#[test]
+fn a_cached_view_of_a_range_written_since_asks_the_master_again() {
+    let master = Master::start();
+    let dir = tempdir();
+    let (mg, kv, sock) = kv_unix_moongate(&master, dir.path(), 16 << 20, "replica_cache_ms = 60000\n");
+    let logs = [&master.proc, &mg.proc];
+    // Straight to the master: moongate relays none of its calls.
+    let mut peer = Background::start_args(
+        "steps",
+        &master.rpc,
+        &master.metadata,
+        &["--segment-mib", "0"],
+        &logs,
+    );
+    let h = Handle::open(&sock);
+    let original = value_of("c/0", 1 << 20);
+    h.store("c/0", &original);
+    // A read fills the replica cache.
+    let (st, _) = http_bytes(&kv, "GET", "/v1/kv/c%2F0", b"").unwrap();
+    assert_eq!(st, 200);
+    // Past the read lease (10 s on the master by default), the key is force-removed and
+    // another value takes its range (the master reuses what it freed last).
+    std::thread::sleep(Duration::from_millis(200));
+    let r = peer.step_json("forcerm c/ 1");
+    assert_eq!(r["bad"], serde_json::json!([]), "{r}");
+    let r = peer.step_json(&format!("put d/ 1 {}", 1 << 20));
+    assert_eq!(r["bad"], serde_json::json!([]), "{r}");
+    let k = CString::new("c/0").unwrap();
+    let (mut p, mut n, mut lease) = (std::ptr::null(), 0usize, 0u64);
+    // SAFETY: live handle, NUL-terminated key, out-pointers to locals.
+    let rc = unsafe { capi::mg_view(h.0, k.as_ptr(), &mut p, &mut n, &mut lease) };
+    assert_eq!(rc, capi::MG_ERR_NOT_FOUND, "{}", h.error());
+    peer.end(Duration::from_secs(30));
 }

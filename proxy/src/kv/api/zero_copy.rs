@@ -36,10 +36,8 @@ use tokio_util::sync::CancellationToken;
 use super::state::{KvState, code_of as outcome_code};
 use crate::codec::Method;
 use crate::codec::message::Request;
-use crate::codec::types::{
-    GetReplicaListResponse, ReplicaDescriptor, ReplicaLocation, ReplicaStatus,
-};
-use crate::kv::client::{ReadInto, StoreError, Stored, readable};
+use crate::codec::types::{ReplicaDescriptor, ReplicaLocation};
+use crate::kv::client::{ReadInto, Source, StoreError, Stored};
 use crate::kv::own::memory::Memory;
 use crate::kv::own::segment::FENCE_WAIT;
 use crate::kv::own::staging::{Slot, Staging};
@@ -329,19 +327,20 @@ impl Engines {
         let mut bytes = 0u64;
         let mut master_ttl: Option<u64> = None;
         let mut pending: Vec<usize> = (0..n).collect();
-        // A value whose range was being written when it was looked up is looked up
-        // again (twice at most): the master has moved it, or the write was its own put.
+        // Looked up through the replica cache (a hot block costs no master call: its
+        // entry carries the write sequence number from before its lookup). A value whose
+        // range was written since, or is being written, is looked up again from the
+        // master (twice at most): the master has moved it, or the write was its own put.
         for _ in 0..3 {
             if pending.is_empty() {
                 break;
             }
-            let since = self.own.get().map_or(0, |m| m.fence().write_seq());
             let ask: Vec<Bytes> = pending.iter().map(|&i| keys[i].clone()).collect();
-            let lists = state.store.replica_lists(ask).await.map_err(fail_of)?;
+            let located = state.store.locate_many(ask).await.map_err(fail_of)?;
             let mut again = Vec::new();
             let mut staged = Vec::new();
-            for (&i, list) in pending.iter().zip(lists) {
-                let list = match list {
+            for (&i, loc) in pending.iter().zip(located) {
+                let loc = match loc {
                     Ok(Some(l)) => l,
                     Ok(None) => {
                         items[i] = Some(ViewItem::failed(MG_ERR_NOT_FOUND));
@@ -352,37 +351,55 @@ impl Engines {
                         continue;
                     }
                 };
-                match self.in_place(state, &list) {
-                    Some((off, len)) => {
-                        let Some(own) = self.own.get() else { continue };
-                        if own.fence().view(off, len, since).is_err() {
-                            again.push(i);
-                            continue;
-                        }
-                        held.push(Held::InPlace {
-                            off,
-                            len,
-                            key: keys[i].clone(),
-                        });
-                        master_ttl = Some(
-                            master_ttl.map_or(list.lease_ttl_ms, |t| t.min(list.lease_ttl_ms)),
-                        );
-                        bytes += len as u64;
-                        self.metrics.views[0].inc();
-                        items[i] = Some(ViewItem {
-                            status: PLACE_IN_PLACE,
-                            memory: MEMORY_SEGMENT,
-                            off: off as u64,
-                            len: len as u64,
-                        });
+                let here = match (&loc.src, self.own.get()) {
+                    (Source::Memory(d), Some(own)) => state
+                        .store
+                        .xfer
+                        .in_own_segment(d)
+                        .ok()
+                        .flatten()
+                        .map(|(_, off)| (own, off, d.size as usize)),
+                    _ => None,
+                };
+                let Some((own, off, len)) = here else {
+                    staged.push((i, loc.src));
+                    continue;
+                };
+                let moved = own.fence().view(off, len, loc.seq).is_err();
+                // From the cache: answered only if no removal or lost master voided the
+                // lists meanwhile (as a cached read is).
+                let voided = loc
+                    .cached_epoch()
+                    .is_some_and(|e| e != state.store.places_epoch());
+                if moved || voided {
+                    if !moved {
+                        own.fence().unview(off, len);
                     }
-                    None => staged.push((i, list)),
+                    state.store.forget_replica(&keys[i]);
+                    again.push(i);
+                    continue;
                 }
+                held.push(Held::InPlace {
+                    off,
+                    len,
+                    key: keys[i].clone(),
+                });
+                if loc.lease_ms > 0 {
+                    master_ttl = Some(master_ttl.map_or(loc.lease_ms, |t| t.min(loc.lease_ms)));
+                }
+                bytes += len as u64;
+                self.metrics.views[0].inc();
+                items[i] = Some(ViewItem {
+                    status: PLACE_IN_PLACE,
+                    memory: MEMORY_SEGMENT,
+                    off: off as u64,
+                    len: len as u64,
+                });
             }
             // Elsewhere: read into staging, 16 at once.
             let jobs: Vec<_> = staged
                 .into_iter()
-                .map(|(i, list)| async move { (i, self.stage(state, &list).await) })
+                .map(|(i, src)| async move { (i, self.stage(state, &src).await) })
                 .collect();
             for (i, r) in
                 crate::kv::client::in_order(jobs, crate::kv::client::BATCH_CONCURRENCY).await
@@ -439,41 +456,18 @@ impl Engines {
         ))
     }
 
-    /// The own segment's range of the object's first complete memory replica there.
-    fn in_place(&self, state: &KvState, list: &GetReplicaListResponse) -> Option<(usize, usize)> {
-        self.own.get()?;
-        list.replicas
-            .iter()
-            .filter(|r| r.status == ReplicaStatus::COMPLETE)
-            .find_map(|r| match &r.location {
-                ReplicaLocation::Memory(m) => state
-                    .store
-                    .xfer
-                    .in_own_segment(&m.buffer_descriptor)
-                    .ok()
-                    .flatten()
-                    .map(|(_, off)| (off, m.buffer_descriptor.size as usize)),
-                _ => None,
-            })
-    }
-
     /// Reads a value that is not in the own segment into a new staging slot: the slot
     /// and the value's length, or a code.
-    async fn stage(
-        &self,
-        state: &KvState,
-        list: &GetReplicaListResponse,
-    ) -> Result<(Slot, u64), i32> {
+    async fn stage(&self, state: &KvState, src: &Source) -> Result<(Slot, u64), i32> {
         let Some(st) = &self.staging else {
             return Err(MG_ERR_NOT_LOCAL);
         };
-        let src = readable(list).map_err(|e| code_of(&e))?;
         let size = src.size() as usize;
         let slot = st.alloc(size).ok_or(MG_ERR_BUSY)?;
         self.metrics.staging_bytes.set(st.used() as i64);
         // SAFETY: the slot is this call's alone until it is given back.
         let dst = unsafe { std::slice::from_raw_parts_mut(st.mem.address_of(slot.off), size) };
-        match state.store.read_into(&src, dst).await {
+        match state.store.read_into(src, dst).await {
             Ok(ReadInto::Read(n)) => Ok((slot, n as u64)),
             Ok(_) => {
                 self.free_staged(slot);

@@ -31,6 +31,20 @@ struct Entry {
     at: BufferDescriptor,
     until: Instant,
     epoch: u64,
+    /// The own segment's write sequence number read before the master was asked
+    /// ([`crate::kv::own::fence::Fence::write_seq`]): a view through this entry is refused
+    /// if its range was written since.
+    seq: u64,
+    lease_ms: u64,
+}
+
+/// A cached replica: where it is, the write sequence number from before it was looked
+/// up, and the read lease the master granted with it.
+#[derive(Debug, Clone)]
+pub struct Hit {
+    pub at: BufferDescriptor,
+    pub seq: u64,
+    pub lease_ms: u64,
 }
 
 /// Entries the replica cache holds at most (expired ones are swept when it is full).
@@ -50,16 +64,26 @@ impl ReplicaCache {
 
     /// Where `key` is, if an entry taken in places epoch `epoch` is still in time.
     pub fn get(&self, key: &Bytes, epoch: u64) -> Option<BufferDescriptor> {
+        self.hit(key, epoch).map(|h| h.at)
+    }
+
+    /// As [`ReplicaCache::get`], with what a view needs of the entry.
+    pub fn hit(&self, key: &Bytes, epoch: u64) -> Option<Hit> {
         let e = self.entries.lock().unwrap_or_else(|p| p.into_inner());
         e.map
             .get(key)
             .filter(|v| v.epoch == epoch && v.until > Instant::now())
-            .map(|v| v.at.clone())
+            .map(|v| Hit {
+                at: v.at.clone(),
+                seq: v.seq,
+                lease_ms: v.lease_ms,
+            })
     }
 
     /// Keeps `d` for `key` for the cache's ttl, at most half the granted lease;
-    /// `epoch` is the places epoch read before the master was asked.
-    pub fn put(&self, key: Bytes, d: &BufferDescriptor, lease_ttl_ms: u64, epoch: u64) {
+    /// `epoch` and `seq` are the places epoch and the own segment's write sequence
+    /// number read before the master was asked.
+    pub fn put(&self, key: Bytes, d: &BufferDescriptor, lease_ttl_ms: u64, epoch: u64, seq: u64) {
         let ttl = self.ttl.min(Duration::from_millis(lease_ttl_ms / 2));
         if ttl.is_zero() {
             return;
@@ -82,6 +106,8 @@ impl ReplicaCache {
                 at: d.clone(),
                 until: now + ttl,
                 epoch,
+                seq,
+                lease_ms: lease_ttl_ms,
             },
         );
     }
@@ -120,12 +146,12 @@ mod tests {
     #[test]
     fn an_entry_holds_only_in_the_epoch_it_was_asked_in() {
         let c = ReplicaCache::new(Duration::from_secs(5));
-        c.put(k("a"), &at(1), 10_000, 7);
+        c.put(k("a"), &at(1), 10_000, 7, 0);
         assert_eq!(c.get(&k("a"), 7).map(|d| d.buffer_address), Some(1));
         // A removal (or a lost master, a new leader) advanced the epoch: void.
         assert_eq!(c.get(&k("a"), 8), None);
         // An answer asked for before the epoch moved is kept but never used.
-        c.put(k("b"), &at(2), 10_000, 7);
+        c.put(k("b"), &at(2), 10_000, 7, 0);
         assert_eq!(c.get(&k("b"), 8), None);
     }
 
@@ -133,11 +159,11 @@ mod tests {
     fn an_entry_lives_at_most_half_the_lease() {
         let c = ReplicaCache::new(Duration::from_secs(5));
         // A 2 ms lease: kept 1 ms.
-        c.put(k("a"), &at(1), 2, 0);
+        c.put(k("a"), &at(1), 2, 0, 0);
         std::thread::sleep(Duration::from_millis(20));
         assert_eq!(c.get(&k("a"), 0), None);
         // No lease: not kept at all.
-        c.put(k("b"), &at(1), 0, 0);
+        c.put(k("b"), &at(1), 0, 0, 0);
         assert_eq!(c.len(), 1);
     }
 
@@ -145,18 +171,18 @@ mod tests {
     fn a_full_cache_of_live_entries_is_not_swept_on_every_insert() {
         let c = ReplicaCache::new(Duration::from_secs(60));
         for i in 0..REPLICA_CACHE_ENTRIES {
-            c.put(Bytes::from(format!("k{i}")), &at(i as u64), 600_000, 0);
+            c.put(Bytes::from(format!("k{i}")), &at(i as u64), 600_000, 0, 0);
         }
         // The first insert past the bound sweeps (nothing expired) and is dropped; the
         // next ones wait for the next sweep instead of scanning 65,536 entries each.
-        c.put(k("over"), &at(1), 600_000, 0);
+        c.put(k("over"), &at(1), 600_000, 0, 0);
         let next = c.entries.lock().unwrap().next_sweep;
         assert!(next > Instant::now());
-        c.put(k("over2"), &at(1), 600_000, 0);
+        c.put(k("over2"), &at(1), 600_000, 0, 0);
         assert_eq!(c.len(), REPLICA_CACHE_ENTRIES);
         assert_eq!(c.entries.lock().unwrap().next_sweep, next);
         // A key already held is refreshed in place.
-        c.put(k("k3"), &at(99), 600_000, 1);
+        c.put(k("k3"), &at(99), 600_000, 1, 0);
         assert_eq!(c.get(&k("k3"), 1).map(|d| d.buffer_address), Some(99));
     }
 }

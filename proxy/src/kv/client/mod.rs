@@ -27,8 +27,7 @@ use crate::codec::message::{
     PutRevokeArgs, PutStartArgs, RemoveArgs, Request, Response,
 };
 use crate::codec::types::{
-    ErrorCode, GetReplicaListResponse, ObjectMeta, ReplicaDescriptor, ReplicaType, ReplicateConfig,
-    Uuid,
+    ErrorCode, ObjectMeta, ReplicaDescriptor, ReplicaType, ReplicateConfig, Uuid,
 };
 use crate::kv::metrics::CacheResult;
 use crate::kv::metrics::KvMetrics;
@@ -144,12 +143,22 @@ pub enum ReadInto {
 pub struct Located {
     pub src: Source,
     cached: Option<u64>,
+    /// The own segment's write sequence number from before the lookup that found it
+    /// (a view of it checks that its range was not written since).
+    pub seq: u64,
+    /// The read lease the master granted with it (0: not known).
+    pub lease_ms: u64,
 }
 
 impl Located {
     /// The value's size as located (what a batch reserves budget for).
     pub fn size(&self) -> u64 {
         self.src.size()
+    }
+
+    /// The places epoch it was found under when it came from the replica cache.
+    pub fn cached_epoch(&self) -> Option<u64> {
+        self.cached
     }
 }
 
@@ -251,6 +260,27 @@ impl Store {
         self.budget.grow(r, more).await
     }
 
+    /// The own segment's write sequence number now (0 without one): read before a lookup
+    /// whose answer a view may use.
+    pub fn write_seq(&self) -> u64 {
+        self.xfer
+            .own_segment()
+            .map_or(0, |(_, m)| m.fence().write_seq())
+    }
+
+    /// Drops the replica cache's entry for `key` (its next lookup asks the master).
+    pub fn forget_replica(&self, key: &Bytes) {
+        if let Some(c) = &self.replicas {
+            c.forget(key);
+        }
+    }
+
+    /// The upstream's places epoch now (it moves when a removal, a lost master or a new
+    /// leader voids what lookups said).
+    pub fn places_epoch(&self) -> u64 {
+        self.master.places_epoch()
+    }
+
     /// The deadline of one master call or transfer (`kv.timeout_ms`).
     pub fn call_timeout(&self) -> Duration {
         self.call_timeout
@@ -284,6 +314,7 @@ impl Store {
     /// The value of `key`, or `None` when the store does not have it.
     pub async fn get(&self, key: Bytes) -> Result<Option<Value>, StoreError> {
         let mut epoch = self.master.places_epoch();
+        let mut seq = self.write_seq();
         if let Some(cache) = &self.replicas {
             if let Some(d) = cache.get(&key, epoch) {
                 let room = self.reserve(d.size).await?;
@@ -296,6 +327,7 @@ impl Store {
                         // Voided while it was read: what was read may not be the value.
                         self.metrics.replica_cache(CacheResult::Stale);
                         epoch = self.master.places_epoch();
+                        seq = self.write_seq();
                     }
                     Err(e) => {
                         tracing::debug!(error = %e, "cached replica unreadable; asking the master");
@@ -315,7 +347,7 @@ impl Store {
                 let room = self.reserve(d.size).await?;
                 let v = self.xfer.fetch(&d, Some(room)).await?;
                 if let Some(cache) = &self.replicas {
-                    cache.put(key, &d, lease_ttl_ms, epoch);
+                    cache.put(key, &d, lease_ttl_ms, epoch, seq);
                 }
                 Ok(Some(v))
             }
@@ -331,11 +363,14 @@ impl Store {
     /// the length `dst` lacks room for (nothing read), or [`ReadInto::Absent`].
     pub async fn get_into(&self, key: Bytes, dst: &mut [u8]) -> Result<ReadInto, StoreError> {
         let epoch = self.master.places_epoch();
+        let seq = self.write_seq();
         if let Some(cache) = &self.replicas {
             if let Some(d) = cache.get(&key, epoch) {
                 let loc = Located {
                     src: Source::Memory(d),
                     cached: Some(epoch),
+                    seq,
+                    lease_ms: 0,
                 };
                 return self.read_located_into(&key, &loc, dst).await;
             }
@@ -346,7 +381,7 @@ impl Store {
         };
         self.read_into(&src, dst).await.inspect(|_| {
             if let (Some(cache), Source::Memory(d)) = (&self.replicas, &src) {
-                cache.put(key, d, lease_ttl_ms, epoch);
+                cache.put(key, d, lease_ttl_ms, epoch, seq);
             }
         })
     }
@@ -401,18 +436,21 @@ impl Store {
         keys: Vec<Bytes>,
     ) -> Result<Vec<Result<Option<Located>, StoreError>>, StoreError> {
         let epoch = self.master.places_epoch();
+        let seq = self.write_seq();
         let mut found: Vec<Option<Result<Option<Located>, StoreError>>> =
             Vec::with_capacity(keys.len());
         let mut ask = Vec::new();
         for k in &keys {
-            let hit = self.replicas.as_ref().and_then(|c| c.get(k, epoch));
+            let hit = self.replicas.as_ref().and_then(|c| c.hit(k, epoch));
             if hit.is_none() && self.replicas.is_some() {
                 self.metrics.replica_cache(CacheResult::Miss);
             }
-            found.push(hit.map(|d| {
+            found.push(hit.map(|h| {
                 Ok(Some(Located {
-                    src: Source::Memory(d),
+                    src: Source::Memory(h.at),
                     cached: Some(epoch),
+                    seq: h.seq,
+                    lease_ms: h.lease_ms,
                 }))
             }));
             if found.last().is_some_and(Option::is_none) {
@@ -438,9 +476,14 @@ impl Store {
                 *slot = Some(match r {
                     Ok(list) => readable(&list).map(|src| {
                         if let (Some(cache), Source::Memory(d)) = (&self.replicas, &src) {
-                            cache.put(key, d, list.lease_ttl_ms, epoch);
+                            cache.put(key, d, list.lease_ttl_ms, epoch, seq);
                         }
-                        Some(Located { src, cached: None })
+                        Some(Located {
+                            src,
+                            cached: None,
+                            seq,
+                            lease_ms: list.lease_ttl_ms,
+                        })
                     }),
                     Err(e) if absent(e) => Ok(None),
                     Err(e) => Err(StoreError::Refused(e)),
@@ -521,6 +564,7 @@ impl Store {
         budget: bool,
     ) -> Result<Option<(Source, Option<Reserved>)>, StoreError> {
         let epoch = self.master.places_epoch();
+        let seq = self.write_seq();
         let Some((src, lease_ttl_ms)) = self.locate(key).await? else {
             return Ok(None);
         };
@@ -529,7 +573,7 @@ impl Store {
             _ => None,
         };
         if let (Some(cache), Source::Memory(d)) = (&self.replicas, &src) {
-            cache.put(key.clone(), d, lease_ttl_ms, epoch);
+            cache.put(key.clone(), d, lease_ttl_ms, epoch, seq);
         }
         Ok(Some((src, extra)))
     }
@@ -773,33 +817,6 @@ impl Store {
             return self.xfer.write_replicas(&rest, value).await;
         }
         self.xfer.write_replicas(replicas, value).await
-    }
-
-    /// The replica lists of `keys` from the master (one `BatchGetReplicaList`, never the
-    /// replica cache, so each read lease is granted now): per key its list, `None` when
-    /// absent, or the master's refusal.
-    pub async fn replica_lists(
-        &self,
-        keys: Vec<Bytes>,
-    ) -> Result<Vec<Result<Option<GetReplicaListResponse>, StoreError>>, StoreError> {
-        let n = keys.len();
-        let resp = self
-            .call(Request::BatchGetReplicaList(KeysArgs {
-                keys: keys.into(),
-                tenant_id: self.tenant.clone(),
-            }))
-            .await?;
-        let Response::BatchGetReplicaList(v) = resp else {
-            return Err(StoreError::Unexpected);
-        };
-        Ok(per_key(v, n)?
-            .into_iter()
-            .map(|r| match r {
-                Ok(list) => Ok(Some(list)),
-                Err(e) if absent(e) => Ok(None),
-                Err(e) => Err(StoreError::Refused(e)),
-            })
-            .collect())
     }
 
     /// Writes one key of a batch that `BatchPutStart` allocated; `(allocated, outcome)`.
