@@ -607,7 +607,8 @@ fn bad_zero_copy_frames_get_errors_and_the_connection_carries_on() {
 fn a_cached_view_of_a_range_written_since_asks_the_master_again() {
     let master = Master::start();
     let dir = tempdir();
-    let (mg, kv, sock) = kv_unix_moongate(&master, dir.path(), 16 << 20, "replica_cache_ms = 60000\n");
+    let (mg, kv, sock) =
+        kv_unix_moongate(&master, dir.path(), 16 << 20, "replica_cache_ms = 60000\n");
     let logs = [&master.proc, &mg.proc];
     // Straight to the master: moongate relays none of its calls.
     let mut peer = Background::start_args(
