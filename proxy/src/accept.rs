@@ -20,15 +20,39 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::CancellationToken;
 
-pub async fn next(
-    listener: &TcpListener,
+/// A listener [`next`] takes connections from: TCP or a Unix socket.
+pub trait Listener {
+    type Conn;
+    type Addr;
+    fn poll_accept(&self, cx: &mut Context<'_>) -> Poll<io::Result<(Self::Conn, Self::Addr)>>;
+}
+
+impl Listener for TcpListener {
+    type Conn = TcpStream;
+    type Addr = SocketAddr;
+    fn poll_accept(&self, cx: &mut Context<'_>) -> Poll<io::Result<(TcpStream, SocketAddr)>> {
+        TcpListener::poll_accept(self, cx)
+    }
+}
+
+impl Listener for tokio::net::UnixListener {
+    type Conn = tokio::net::UnixStream;
+    type Addr = tokio::net::unix::SocketAddr;
+    fn poll_accept(&self, cx: &mut Context<'_>) -> Poll<io::Result<(Self::Conn, Self::Addr)>> {
+        tokio::net::UnixListener::poll_accept(self, cx)
+    }
+}
+
+/// The next connection of `listener`, or `None` once `shutdown` is cancelled.
+pub async fn next<L: Listener>(
+    listener: &L,
     shutdown: &CancellationToken,
     what: &'static str,
-) -> Option<(TcpStream, SocketAddr)> {
+) -> Option<(L::Conn, L::Addr)> {
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return None,
-            r = listener.accept() => match r {
+            r = std::future::poll_fn(|cx| listener.poll_accept(cx)) => match r {
                 Ok(a) => return Some(a),
                 Err(e) => {
                     tracing::warn!(listener = what, error = %e, "accept failed");

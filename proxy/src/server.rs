@@ -111,7 +111,7 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
     );
     let admin_task = tokio::spawn(admin::serve(listeners.admin, state, shutdown.clone()));
     let segment_task = match listeners.kv {
-        Some(l) => parts.kv(&upstream, l, &hints).await?,
+        Some(l) => parts.kv(&upstream, l, &hints, eviction.clone()).await?,
         None => None,
     };
     let tracker = TaskTracker::new();
@@ -392,14 +392,18 @@ impl Parts<'_> {
         upstream: &crate::upstream::Upstream,
         listener: TcpListener,
         hints: &Arc<crate::hints::Hints>,
+        eviction: Option<Arc<crate::eviction::Eviction>>,
     ) -> Result<Option<tokio::task::JoinHandle<()>>, RunError> {
         let kv = crate::kv::start(
             &self.cfg.kv,
             upstream,
             listener,
-            self.policy.clone(),
-            hints.clone(),
-            self.metrics.kv.clone(),
+            crate::kv::Uses {
+                policy: self.policy.clone(),
+                hints: hints.clone(),
+                eviction,
+                metrics: self.metrics.kv.clone(),
+            },
             self.shutdown.clone(),
         )
         .await?;

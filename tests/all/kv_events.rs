@@ -200,7 +200,12 @@ fn every_event_of_a_real_workload_reaches_a_vllm_subscriber_and_gaps_replay() {
 }
 
 /// `tests/py/kv_events_sub.py` on moongate's endpoints, decoding `encoding`.
-fn subscriber(endpoint: &str, replay: &str, encoding: &str, mg: &Moongate) -> Background {
+pub(crate) fn subscriber(
+    endpoint: &str,
+    replay: &str,
+    encoding: &str,
+    mg: &Moongate,
+) -> Background {
     let dir = tempdir();
     let mut cmd = Command::new(python());
     cmd.arg(repo_root().join("tests/py/kv_events_sub.py"))
@@ -211,7 +216,7 @@ fn subscriber(endpoint: &str, replay: &str, encoding: &str, mg: &Moongate) -> Ba
 }
 
 /// Every event the subscriber received, in order.
-fn received(sub: &mut Background, mg: &Moongate) -> (Value, Vec<Value>) {
+pub(crate) fn received(sub: &mut Background, mg: &Moongate) -> (Value, Vec<Value>) {
     wait_published(mg);
     let batches = mg.metric("moongate_events_batches_total");
     sub.step(&format!("finish {batches}"));

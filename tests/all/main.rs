@@ -44,6 +44,7 @@ mod kv_events;
 mod kv_face;
 mod kv_flood;
 mod kv_quic;
+mod kv_seen;
 mod kv_shm;
 mod kv_zero_copy;
 mod master_face_failures;

@@ -26,6 +26,8 @@
 //!   cache, the put/get protocol, metadata, the disk tier, transport choice);
 //! - [`transport`]: TE-TCP, QUIC between moongates, RDMA detection;
 //! - [`own`]: moongate's own segment and its registration;
+//! - [`seen`]: what the kv face's master calls tell the key table (eviction, KV events,
+//!   miss reasons);
 //! - [`config`], [`metrics`]: this face's config section and metric handles.
 //!
 //! [`start`] builds all of it from `[kv]`; the server only calls it.
@@ -35,6 +37,7 @@ pub mod client;
 pub mod config;
 pub mod metrics;
 pub mod own;
+pub mod seen;
 pub mod transport;
 
 use std::sync::Arc;
@@ -76,6 +79,17 @@ pub struct Kv {
     pub segment_task: Option<JoinHandle<()>>,
 }
 
+/// What the kv face uses of the rest of moongate.
+pub struct Uses {
+    /// The policies that decide its puts, as the master face's.
+    pub policy: Arc<Registry>,
+    /// Where `POST /v1/hints` goes.
+    pub hints: Arc<crate::hints::Hints>,
+    /// The key table its traffic feeds (`[eviction]` or `[events]` on).
+    pub eviction: Option<Arc<crate::eviction::Eviction>>,
+    pub metrics: Arc<KvMetrics>,
+}
+
 /// Builds and serves the kv face on `listener` (bound by the caller, so a bad address
 /// fails start-up with the other listeners): the client core, its transports, the own
 /// segment when `kv.segment_bytes` > 0, the Unix socket and the QUIC API when
@@ -84,11 +98,15 @@ pub async fn start(
     cfg: &KvConfig,
     upstream: &crate::upstream::Upstream,
     listener: TcpListener,
-    policy: Arc<Registry>,
-    hints: Arc<crate::hints::Hints>,
-    metrics: Arc<KvMetrics>,
+    uses: Uses,
     shutdown: CancellationToken,
 ) -> Result<Kv, StartError> {
+    let Uses {
+        policy,
+        hints,
+        eviction,
+        metrics,
+    } = uses;
     let timeout = Duration::from_millis(cfg.timeout_ms);
     // Validated with the config: the URL parses.
     let md = client::metadata::Metadata::new(&cfg.metadata_url, timeout)
@@ -139,6 +157,18 @@ pub async fn start(
         cfg.master_connections,
     )
     .with_replica_cache(Duration::from_millis(cfg.replica_cache_ms));
+    // The key table learns of engines' traffic as of Mooncake clients'.
+    let store = match eviction {
+        Some(ev) => {
+            let client = store.client_id();
+            store.with_heard(Arc::new(seen::KeyTableFeed {
+                eviction: ev,
+                policy: policy.clone(),
+                client,
+            }))
+        }
+        None => store,
+    };
     let engines = if cfg.shm && cfg.zero_copy && !cfg.unix_path.is_empty() {
         let staging = if cfg.staging_bytes > 0 {
             let s = own::staging::Staging::new(cfg.staging_bytes).map_err(|e| {

@@ -14,7 +14,6 @@ mod signal;
 pub mod split;
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
@@ -51,20 +50,9 @@ pub struct Shared {
 /// spawned on `tracker` so the caller can wait for them to drain.
 pub async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, tracker: TaskTracker) {
     let limit = Arc::new(Semaphore::new(shared.cfg.max_connections));
-    loop {
-        let accepted = tokio::select! {
-            _ = shared.shutdown.cancelled() => return,
-            r = listener.accept() => r,
-        };
-        let (sock, peer) = match accepted {
-            Ok(a) => a,
-            Err(e) => {
-                // Usually out of file descriptors: back off instead of spinning.
-                tracing::warn!(error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
+    while let Some((sock, peer)) =
+        crate::accept::next(&listener, &shared.shutdown, "master face").await
+    {
         let Ok(permit) = limit.clone().try_acquire_owned() else {
             shared.metrics.connection(ConnOutcome::rejected_limit);
             tracing::warn!(%peer, max = shared.cfg.max_connections,

@@ -1053,7 +1053,7 @@ impl<'a> Answering<'a> {
         if let Some(e) = self.entry {
             e.ticket.finish(&Outcome {
                 method: method.name(),
-                code: -900,
+                code: ErrorCode::RPC_FAIL.0,
                 failed: true,
                 latency: Some(self.latency),
                 keys: 0,
@@ -1092,7 +1092,7 @@ impl<'a> Answering<'a> {
         if let Some(e) = self.entry {
             e.ticket.finish(&Outcome {
                 method: self.method.map_or("unknown", Method::name),
-                code: -900,
+                code: ErrorCode::RPC_FAIL.0,
                 failed: true,
                 latency: Some(self.latency),
                 keys: 0,

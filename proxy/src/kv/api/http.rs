@@ -465,18 +465,7 @@ pub async fn serve_unix(
     idle: Duration,
     shutdown: CancellationToken,
 ) {
-    loop {
-        let sock = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            r = listener.accept() => match r {
-                Ok((s, _)) => s,
-                Err(e) => {
-                    tracing::warn!(listener = "kv-unix", error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
+    while let Some((sock, _)) = crate::accept::next(&listener, &shutdown, "kv-unix").await {
         let Some(slot) = limit.admit() else {
             continue;
         };

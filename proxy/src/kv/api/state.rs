@@ -73,7 +73,7 @@ pub fn code_of(r: Result<(), &StoreError>) -> i32 {
     match r {
         Ok(()) => 0,
         Err(StoreError::Refused(c)) => c.0,
-        Err(_) => -900,
+        Err(_) => ErrorCode::RPC_FAIL.0,
     }
 }
 

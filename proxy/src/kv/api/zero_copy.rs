@@ -847,7 +847,7 @@ impl Engines {
                 let keys: Vec<Bytes> = renew.into_iter().collect();
                 for part in keys.chunks(state.max_batch_keys.max(1)) {
                     // ExistKey grants (renews) the read lease of every key it finds.
-                    if let Err(e) = state.store.exists(part.to_vec()).await {
+                    if let Err(e) = state.store.renew_leases(part.to_vec()).await {
                         tracing::debug!(error = %e, "renewing viewed keys' leases failed");
                     }
                 }

@@ -84,6 +84,17 @@ pub enum StoreError {
     Fenced(crate::kv::own::fence::Fenced),
 }
 
+/// Hears the client core's master calls and their answers: how the rest of moongate
+/// (the key table and what it feeds: eviction, KV events, miss reasons, a fleet's access
+/// records) learns of what engines do through the kv face, as it learns of what
+/// Mooncake's clients do through the master face.
+pub trait Heard: Send + Sync {
+    /// Whether this call's answer is of interest (a copy of the call is kept until then).
+    fn wants(&self, req: &Request) -> bool;
+    /// A call and the master's answer.
+    fn heard(&self, req: &Request, resp: &Response);
+}
+
 /// moongate as one Mooncake client (one client id, one tenant).
 pub struct Store {
     client_id: Uuid,
@@ -95,6 +106,7 @@ pub struct Store {
     replicas: Option<ReplicaCache>,
     pub xfer: Transfers,
     metrics: Arc<KvMetrics>,
+    heard: Option<Arc<dyn Heard>>,
 }
 
 /// Keys of one batch part transferred at once (each may itself use several
@@ -221,7 +233,14 @@ impl Store {
             replicas: None,
             xfer,
             metrics,
+            heard: None,
         }
+    }
+
+    /// Tells `h` of every master call and its answer.
+    pub fn with_heard(mut self, h: Arc<dyn Heard>) -> Store {
+        self.heard = Some(h);
+        self
     }
 
     /// Reuses replica descriptors for up to `ttl` (never longer than half the read
@@ -287,7 +306,13 @@ impl Store {
     }
 
     async fn call(&self, req: Request) -> Result<Response, StoreError> {
-        self.master.call(req).await
+        let Some(h) = self.heard.as_ref().filter(|h| h.wants(&req)) else {
+            return self.master.call(req).await;
+        };
+        let asked = req.clone();
+        let resp = self.master.call(req).await?;
+        h.heard(&asked, &resp);
+        Ok(resp)
     }
 
     pub async fn exists(&self, keys: Vec<Bytes>) -> Result<Vec<bool>, StoreError> {
@@ -910,6 +935,18 @@ impl Store {
             Response::PutEnd(Err(e)) => Err(StoreError::Refused(e)),
             _ => Err(StoreError::Unexpected),
         }
+    }
+
+    /// Renews the master's read lease of `keys` (one `BatchExistKey`, which grants it),
+    /// unheard: it is moongate keeping views alive, not an engine's lookup.
+    pub async fn renew_leases(&self, keys: Vec<Bytes>) -> Result<(), StoreError> {
+        self.master
+            .call(Request::BatchExistKey(KeysArgs {
+                keys: keys.into(),
+                tenant_id: self.tenant.clone(),
+            }))
+            .await
+            .map(|_| ())
     }
 
     /// Removes `key`; `false` when it was not there.

@@ -1,0 +1,55 @@
+//! What the kv face's traffic tells the key table: every master call the kv face makes
+//! for an engine (puts, their ends and revokes, lookups, existence checks, removals) and
+//! its answer go to [`crate::eviction::Eviction::record`], as the master face's do, so
+//! keys engines store through the kv face (HTTP, the Unix socket, shared memory, QUIC,
+//! reservations and views) are moongate's evictor's to choose, are announced in KV
+//! events, and their misses explained.
+//!
+//! The arm a call is accounted to is the one the active set assigns the kv face's
+//! client id and the call's first key, as its put decisions are assigned.
+
+use std::sync::Arc;
+
+use crate::calls::{CallExt, Tracked};
+use crate::codec::message::{Request, Response};
+use crate::codec::types::Uuid;
+use crate::eviction::Eviction;
+use crate::kv::client::Heard;
+use crate::policy::registry::Registry;
+
+/// Feeds the key table from the kv face's master calls.
+pub struct KeyTableFeed {
+    pub eviction: Arc<Eviction>,
+    pub policy: Arc<Registry>,
+    /// The kv face's Mooncake client id.
+    pub client: Uuid,
+}
+
+impl Heard for KeyTableFeed {
+    fn wants(&self, req: &Request) -> bool {
+        // What `Tracked::of` reads, without building it for calls it does not.
+        matches!(
+            req,
+            Request::PutStart(_)
+                | Request::BatchPutStart(_)
+                | Request::PutEnd(_)
+                | Request::BatchPutEnd(_)
+                | Request::PutRevoke(_)
+                | Request::BatchPutRevoke(_)
+                | Request::GetReplicaList(_)
+                | Request::BatchGetReplicaList(_)
+                | Request::ExistKey(_)
+                | Request::BatchExistKey(_)
+                | Request::Remove(_)
+        )
+    }
+
+    fn heard(&self, req: &Request, resp: &Response) {
+        let Some(t) = Tracked::of(req) else {
+            return;
+        };
+        let set = self.policy.current();
+        let arm = set.pick(&self.client, req.first_key());
+        self.eviction.record(&t, resp, arm, &set.arms[arm].name);
+    }
+}
