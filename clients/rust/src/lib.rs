@@ -17,6 +17,7 @@
 
 pub mod capi;
 pub mod quic;
+pub mod records;
 pub mod shm;
 
 use std::io::{self, BufRead, BufReader, Read, Write};
@@ -410,33 +411,20 @@ impl Client {
 /// One key of a batch get: the value, `None` when absent, or why it was not read.
 pub type KeyResult = Result<Option<Vec<u8>>, Error>;
 
-/// A batch put body: `u16 key_len | key | u64 value_len | value` per record (LE).
+/// A batch put body ([`records`]).
 fn put_records(items: &[(&str, &[u8])]) -> Result<Vec<u8>, Error> {
     let mut b = Vec::new();
     for (k, v) in items {
-        let klen = u16::try_from(k.len())
-            .map_err(|_| Error::Protocol(format!("key of {} bytes", k.len())))?;
-        b.extend_from_slice(&klen.to_le_bytes());
-        b.extend_from_slice(k.as_bytes());
-        b.extend_from_slice(&(v.len() as u64).to_le_bytes());
-        b.extend_from_slice(v);
+        records::put_record(&mut b, k.as_bytes(), v)
+            .ok_or_else(|| Error::Protocol(format!("key of {} bytes", k.len())))?;
     }
     Ok(b)
 }
 
-/// A batch get answer: `(status, payload)` per key, `u16 status | u64 len | payload`.
-fn get_records(mut b: &[u8]) -> Result<Vec<(u16, &[u8])>, Error> {
-    let mut out = Vec::new();
-    while !b.is_empty() {
-        let cut = || Error::Protocol("a batch answer ends inside a record".into());
-        let head = b.get(..10).ok_or_else(cut)?;
-        let status = u16::from_le_bytes([head[0], head[1]]);
-        let len = u64::from_le_bytes(head[2..10].try_into().map_err(|_| cut())?) as usize;
-        let payload = b.get(10..10usize.saturating_add(len)).ok_or_else(cut)?;
-        out.push((status, payload));
-        b = &b[10 + len..];
-    }
-    Ok(out)
+/// A batch get answer ([`records`]): `(status, payload)` per key.
+fn get_records(b: &[u8]) -> Result<Vec<(u16, &[u8])>, Error> {
+    records::parse_get_answer(b)
+        .ok_or_else(|| Error::Protocol("a batch answer ends inside a record".into()))
 }
 
 /// The `(status, error)` of each entry of a batch put answer

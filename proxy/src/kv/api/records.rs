@@ -1,21 +1,15 @@
-//! The binary record formats of the kv face's batch calls. Pure: knows no sockets, no
-//! store and no HTTP beyond pulling body frames.
-//!
-//! All integers are little-endian.
-//! - A batch put body is a sequence of `u16 key_len | key | u64 value_len | value`.
-//! - A batch get answer is a sequence of `u16 status | u64 len | payload`, one per asked
-//!   key in order: the value when `status` is 200, else `{"error": "..."}`.
+//! The kv face's batch records read from a body as it arrives. The format itself is
+//! defined once, in the client crate both sides use ([`moongate_kv::records`]: a put
+//! record is `u16 key_len | key | u64 value_len | value`, a get record `u16 status | u64
+//! len | payload`, little-endian). Pure: knows no sockets, no store and no HTTP beyond
+//! pulling body frames.
 
 use bytes::{Buf, Bytes, BytesMut};
 use http_body_util::BodyExt;
 use thiserror::Error;
 
-/// Content type of both record streams.
-pub const CONTENT_TYPE: &str = "application/x-moongate-records";
-
-/// Bytes before the key of a put record, and before the payload of a get record.
-const KEY_HEAD: usize = 2;
-const LEN_HEAD: usize = 8;
+pub use moongate_kv::records::CONTENT_TYPE;
+use moongate_kv::records::{KEY_HEAD, LEN_HEAD};
 
 #[derive(Debug, Error)]
 pub enum RecordError {
@@ -31,39 +25,14 @@ pub enum RecordError {
 
 /// The head of one get-answer record.
 pub fn get_head(status: u16, len: u64) -> Bytes {
-    let mut b = BytesMut::with_capacity(KEY_HEAD + LEN_HEAD);
-    b.extend_from_slice(&status.to_le_bytes());
-    b.extend_from_slice(&len.to_le_bytes());
-    b.freeze()
+    Bytes::copy_from_slice(&moongate_kv::records::get_head(status, len))
 }
 
-/// One put record, whole (for clients and tests).
+/// One put record, whole (for tests and tools).
 pub fn put_record(key: &[u8], value: &[u8]) -> Vec<u8> {
-    let mut b = Vec::with_capacity(KEY_HEAD + key.len() + LEN_HEAD + value.len());
-    b.extend_from_slice(&(key.len() as u16).to_le_bytes());
-    b.extend_from_slice(key);
-    b.extend_from_slice(&(value.len() as u64).to_le_bytes());
-    b.extend_from_slice(value);
+    let mut b = Vec::new();
+    moongate_kv::records::put_record(&mut b, key, value).expect("a short key");
     b
-}
-
-/// Splits a whole get answer into `(status, payload)` records (for clients and tests);
-/// `None` when it is not a sequence of whole records.
-pub fn parse_get_answer(mut b: &[u8]) -> Option<Vec<(u16, Vec<u8>)>> {
-    let mut out = Vec::new();
-    while !b.is_empty() {
-        if b.len() < KEY_HEAD + LEN_HEAD {
-            return None;
-        }
-        let status = b.get_u16_le();
-        let len = usize::try_from(b.get_u64_le()).ok()?;
-        if b.len() < len {
-            return None;
-        }
-        out.push((status, b[..len].to_vec()));
-        b = &b[len..];
-    }
-    Some(out)
 }
 
 /// Pulls put records out of a request body as it arrives: the caller reads a record's
@@ -131,7 +100,7 @@ where
         if !self.fill(KEY_HEAD).await? {
             return Err(RecordError::Truncated(self.buf.len()));
         }
-        let klen = usize::from(u16::from_le_bytes([self.buf[0], self.buf[1]]));
+        let klen = moongate_kv::records::key_len([self.buf[0], self.buf[1]]);
         if klen == 0 {
             return Err(RecordError::EmptyKey);
         }
@@ -243,19 +212,6 @@ mod tests {
         let mut r = PutReader::new(body_in_frames(huge, 5));
         let (_, n) = r.next_head().await.unwrap().unwrap();
         assert!(matches!(r.skip(n).await, Err(RecordError::Truncated(_))));
-    }
-
-    #[test]
-    fn get_answers_round_trip() {
-        let mut b = get_head(200, 3).to_vec();
-        b.extend_from_slice(b"abc");
-        b.extend_from_slice(&get_head(404, 0));
-        assert_eq!(
-            parse_get_answer(&b),
-            Some(vec![(200, b"abc".to_vec()), (404, vec![])])
-        );
-        assert_eq!(parse_get_answer(&b[..5]), None);
-        assert_eq!(parse_get_answer(&b[..12]), None);
     }
 
     #[test]
