@@ -332,11 +332,11 @@ async fn route(
             "/experiments" => json(StatusCode::OK, &experiments_view(&state.policy)),
             "/fleet" => json(StatusCode::OK, &fleet_view(&state)),
             "/ranks" => {
-                let set = state.policy.current();
                 let view = state.topology.report(|p| {
                     let who = p.assign.or(p.client()).unwrap_or_default();
+                    let (set, arm) = state.policy.arm_for(&who, None);
                     set.arms
-                        .get(set.pick(&who, None))
+                        .get(arm)
                         .map_or_else(String::new, |a| a.name.clone())
                 });
                 json(StatusCode::OK, &view)

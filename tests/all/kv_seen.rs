@@ -58,9 +58,10 @@ fn kv_face_traffic_reaches_eviction_events_and_miss_reasons() {
         )
         .unwrap();
         assert_eq!(st, 201, "{k}: {body}");
-        // Read back (a lookup the table counts as a hit).
+        // Read back (a lookup the table counts as a hit); moongate's evictor may have
+        // taken it already once the pool is over the mark.
         let (st, _) = http_bytes(&kv, "GET", &format!("/v1/kv/kv%2Fblk%2F{i}"), b"").unwrap();
-        assert_eq!(st, 200);
+        assert!(st == 200 || st == 404, "{k}: {st}");
     }
     wait_for(
         "kv-face keys evicted by moongate",

@@ -48,8 +48,7 @@ impl Heard for KeyTableFeed {
         let Some(t) = Tracked::of(req) else {
             return;
         };
-        let set = self.policy.current();
-        let arm = set.pick(&self.client, req.first_key());
+        let (set, arm) = self.policy.arm_for(&self.client, req.first_key());
         self.eviction.record(&t, resp, arm, &set.arms[arm].name);
     }
 }

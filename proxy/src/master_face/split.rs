@@ -35,28 +35,22 @@ pub fn points(
     if n < 2 || !crate::calls::splittable(req.method()) {
         return Vec::new();
     }
-    let mut points: Vec<usize> = if max_keys > 0 && n > max_keys {
-        (1..n.div_ceil(max_keys)).map(|i| i * max_keys).collect()
-    } else {
-        Vec::new()
-    };
-    if policy.splits_batches(arm) {
-        let zeros;
-        let sizes = match crate::calls::put::Put::of(req) {
-            Some(p) => p.sizes(),
-            None => {
-                zeros = vec![0; n];
-                &zeros[..]
-            }
-        };
-        let from_plugin = policy.split_points(arm, sizes, put_bytes_in_flight, 0);
-        if !from_plugin.is_empty() {
-            points.extend(from_plugin);
-            points.sort_unstable();
-            points.dedup();
-        }
+    let by_count = (max_keys > 0 && n > max_keys)
+        .then(|| (1..n.div_ceil(max_keys)).map(move |i| i * max_keys))
+        .into_iter()
+        .flatten();
+    if !policy.splits_batches(arm) {
+        return by_count.collect();
     }
-    points
+    let zeros;
+    let sizes = match crate::calls::put::Put::of(req) {
+        Some(p) => p.sizes(),
+        None => {
+            zeros = vec![0; n];
+            &zeros[..]
+        }
+    };
+    policy.cut(arm, sizes, put_bytes_in_flight, 0, by_count)
 }
 
 /// The answers of a split call's parts so far.

@@ -486,28 +486,26 @@ impl OwnerFace {
                 acc += s;
             }
         }
-        if n > 1 {
-            let set = self.policy.current();
-            // The key as the master face sees it: without the tenant that releases with
-            // tenants prefix (`tenant\0key`).
-            let key = call
-                .keys()
-                .next()
-                .map(|k| k.splitn(2, |&b| b == 0).last().unwrap_or(k));
-            if let Some(arm) = set.arms.get(set.pick(client, key)) {
-                points.extend(self.policy.split_points(
-                    arm,
-                    sizes,
-                    staged,
-                    self.cfg.max_staged_bytes,
-                ));
-            }
+        if n < 2 {
+            return std::iter::once(0..n).collect();
         }
-        points.sort_unstable();
-        points.dedup();
+        // The key as the master face sees it: without the tenant that releases with
+        // tenants prefix (`tenant\0key`).
+        let key = call
+            .keys()
+            .next()
+            .map(|k| k.splitn(2, |&b| b == 0).last().unwrap_or(k));
+        let (set, arm) = self.policy.arm_for(client, key);
+        let points = self.policy.cut(
+            &set.arms[arm],
+            sizes,
+            staged,
+            self.cfg.max_staged_bytes,
+            points,
+        );
         let mut ranges = Vec::with_capacity(points.len() + 1);
         let mut from = 0;
-        for p in points.into_iter().filter(|&p| p > 0 && p < n) {
+        for p in points {
             ranges.push(from..p);
             from = p;
         }

@@ -347,6 +347,35 @@ impl Registry {
         apply_lookup(resp, &keep)
     }
 
+    /// The arm the active set assigns to calls of `who` about `key` (what a decision of
+    /// theirs is accounted to): the set and the arm's index. The one place faces learn an
+    /// arm outside a decision.
+    pub fn arm_for(&self, who: &Uuid, key: Option<&[u8]>) -> (Arc<ActiveSet>, usize) {
+        let set = self.current();
+        let arm = set.pick(who, key);
+        (set, arm)
+    }
+
+    /// Where a batch of keys weighing `sizes` is cut, the one place split points are
+    /// assembled: the caller's own `bounds` (part starts it needs: every N keys, where a
+    /// byte bound runs out) and the arm's plugin's `split` points (given the bytes in
+    /// flight and the limit), rising, inside `1..sizes.len()`, each once.
+    pub fn cut(
+        &self,
+        arm: &Arm,
+        sizes: &[u64],
+        in_flight: u64,
+        limit: u64,
+        bounds: impl IntoIterator<Item = usize>,
+    ) -> Vec<usize> {
+        let n = sizes.len();
+        let mut points: Vec<usize> = bounds.into_iter().filter(|&p| p > 0 && p < n).collect();
+        points.extend(self.split_points(arm, sizes, in_flight, limit));
+        points.sort_unstable();
+        points.dedup();
+        points
+    }
+
     /// Whether the arm's plugin chooses batch split points (`split`).
     pub fn splits_batches(&self, arm: &Arm) -> bool {
         arm.plugin.interest().contains(Interest::BATCH_SPLIT)

@@ -51,14 +51,17 @@ fn failed_record(status: StatusCode, msg: &str) -> [Bytes; 2] {
 /// Where a batch of values weighing `sizes` is cut: the active arm's `split` hook when
 /// it has one (it sees the node's budget), else parts of `kv.batch_part_bytes`.
 pub(super) fn part_starts(state: &KvState, first_key: &Bytes, sizes: &[u64]) -> Vec<usize> {
-    let set = state.policy.current();
-    let arm = &set.arms[set.pick(&state.store.client_id(), Some(&first_key[..]))];
+    let (set, arm) = state
+        .policy
+        .arm_for(&state.store.client_id(), Some(&first_key[..]));
+    let arm = &set.arms[arm];
     if state.policy.splits_batches(arm) {
-        state.policy.split_points(
+        state.policy.cut(
             arm,
             sizes,
             state.store.inflight_bytes(),
             state.store.budget_bytes(),
+            [],
         )
     } else {
         records::cut_by_bytes(sizes, state.batch_part_bytes)
