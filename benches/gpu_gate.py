@@ -49,6 +49,17 @@ SHAPES = {
                   num_attention_heads=64, num_key_value_heads=8),
 }
 MICRO_N, MICRO_SIZE = 64, 16 * MiB  # 1 GiB as 64 values
+# `--device cpu --shapes tiny` runs the gate's logic on a machine without a GPU (a
+# smoke test of the script itself; its figures mean nothing).
+SHAPES["tiny"] = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+DEVICE = os.environ.get("GATE_DEVICE", "cuda")
+
+
+def sync():
+    import torch
+    if DEVICE == "cuda":
+        sync()
 
 
 def log(*a):
@@ -60,7 +71,8 @@ def log(*a):
 def model_of(shape, seed=0):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+    vocab = 1000 if shape == "tiny" else 128256
+    cfg = LlamaConfig(vocab_size=vocab, max_position_embeddings=131072, rope_theta=500000.0,
                       **SHAPES[shape])
     try:
         cfg._attn_implementation = "sdpa"
@@ -68,7 +80,7 @@ def model_of(shape, seed=0):
         pass
     torch.manual_seed(seed)
     torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         m = LlamaForCausalLM(cfg)
     torch.set_default_dtype(torch.float32)
     m.eval()
@@ -103,10 +115,10 @@ def checksum(tensors):
     return total
 
 
-def tokens(p, seed=1):
+def tokens(p, seed=1, vocab=1000):
     import torch
     g = torch.Generator().manual_seed(seed * 1000003 + p)
-    return torch.randint(0, 128000, (1, p + 1), generator=g).cuda()
+    return torch.randint(0, vocab, (1, p + 1), generator=g).to(DEVICE)
 
 
 def keys_for(shape, p, layers):
@@ -130,18 +142,18 @@ def role_prefill(a):
         m(tokens(256)[:, :256], use_cache=True, logits_to_keep=1)
         for p in [int(x) for x in a.tokens.split(",")]:
             ids = tokens(p)
-            torch.cuda.synchronize()
+            sync()
             # Recompute: the whole prompt (P + 1 tokens), next-token logits only.
             t = time.perf_counter()
             m(ids, use_cache=True, logits_to_keep=1)
-            torch.cuda.synchronize()
+            sync()
             recompute = time.perf_counter() - t
             r = m(ids[:, :p], use_cache=True, logits_to_keep=1)
             kv = kv_of(r.past_key_values)
             flat = [x for pair in kv for x in pair]
             keys = keys_for(a.shape, p, len(kv))
             nbytes = sum(x.numel() * x.element_size() for x in flat)
-            torch.cuda.synchronize()
+            sync()
             t = time.perf_counter()
             staged = mgt.store(c, keys, flat)
             store_s = time.perf_counter() - t
@@ -173,11 +185,12 @@ def role_load(a):
     t = time.perf_counter()
     mgt.register(c, read=True, write=False)
     out = {"register_s": time.perf_counter() - t, "runs": {}}
-    layers = SHAPES[a.shape]["num_hidden_layers"]
-    kvh, hd = SHAPES[a.shape]["num_key_value_heads"], 128
+    sh = SHAPES[a.shape]
+    layers = sh["num_hidden_layers"]
+    kvh, hd = sh["num_key_value_heads"], sh["hidden_size"] // sh["num_attention_heads"]
     with torch.no_grad():
         # Warm-up decode on a small cache (a serving engine is warm).
-        small = [torch.randn(1, kvh, 16, hd, device="cuda", dtype=torch.bfloat16)
+        small = [torch.randn(1, kvh, 16, hd, device=DEVICE, dtype=torch.bfloat16)
                  for _ in range(2 * layers)]
         m(tokens(16)[:, 16:], past_key_values=cache_of(list(zip(small[::2], small[1::2]))),
           use_cache=True)
@@ -185,24 +198,24 @@ def role_load(a):
             s = stored["runs"][str(p)]
             ids = tokens(p)
             keys = keys_for(a.shape, p, layers)
-            dst = [torch.empty(1, kvh, p, hd, device="cuda", dtype=torch.bfloat16)
+            dst = [torch.empty(1, kvh, p, hd, device=DEVICE, dtype=torch.bfloat16)
                    for _ in keys]
             loads = []
             for _ in range(a.reps):
-                torch.cuda.synchronize()
+                sync()
                 t = time.perf_counter()
                 staged = mgt.load(c, keys, dst)
-                torch.cuda.synchronize()
+                sync()
                 loads.append(time.perf_counter() - t)
             ok_bytes = checksum(dst) == s["checksum"]
             ref = torch.load(os.path.join(a.work, f"ref-{a.shape}-{p}.pt"))
             # TTFT with the cache: load, cache, next token (timed once more, whole).
-            torch.cuda.synchronize()
+            sync()
             t = time.perf_counter()
             mgt.load(c, keys, dst)
             cache = cache_of(list(zip(dst[::2], dst[1::2])))
             logits = m(ids[:, p:], past_key_values=cache, use_cache=True).logits
-            torch.cuda.synchronize()
+            sync()
             ttft = time.perf_counter() - t
             equal = torch.equal(logits.cpu(), ref)
             load_s = statistics.median(loads)
@@ -232,8 +245,8 @@ def gbps(secs, n=MICRO_N * MICRO_SIZE):
 def micro_values():
     """64 GPU tensors of 16 MiB with distinct bytes."""
     import torch
-    g = torch.Generator(device="cuda").manual_seed(7)
-    return [torch.randint(0, 255, (MICRO_SIZE,), dtype=torch.uint8, device="cuda", generator=g)
+    g = torch.Generator(device=DEVICE).manual_seed(7)
+    return [torch.randint(0, 255, (MICRO_SIZE,), dtype=torch.uint8, device=DEVICE, generator=g)
             for _ in range(MICRO_N)]
 
 
@@ -247,16 +260,16 @@ def role_micro(a):
     vals = micro_values()
     n = MICRO_N * MICRO_SIZE
     # The link: one pinned buffer of 1 GiB to the GPU and back.
-    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=DEVICE == "cuda")
+    dev = torch.empty(n, dtype=torch.uint8, device=DEVICE)
     for name, f in [("pinned_h2d", lambda: dev.copy_(host, non_blocking=True)),
                     ("pinned_d2h", lambda: host.copy_(dev, non_blocking=True))]:
         secs = []
         for _ in range(a.reps + 1):
-            torch.cuda.synchronize()
+            sync()
             t = time.perf_counter()
             f()
-            torch.cuda.synchronize()
+            sync()
             secs.append(time.perf_counter() - t)
         out[name] = gbps(secs[1:])
     del host, dev
@@ -270,7 +283,7 @@ def role_micro(a):
     secs = []
     for r in range(a.reps):
         ks = [f"micro/s{r}/{i}" for i in range(MICRO_N)]
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         mgt.store(c, ks, vals)
         secs.append(time.perf_counter() - t)
@@ -283,13 +296,13 @@ def role_micro(a):
                     time.sleep(0.05)
     out["moongate_store_from_gpu"] = gbps(secs)
     mgt.store(c, keys, vals)
-    dst = [torch.empty(MICRO_SIZE, dtype=torch.uint8, device="cuda") for _ in keys]
+    dst = [torch.empty(MICRO_SIZE, dtype=torch.uint8, device=DEVICE) for _ in keys]
     secs = []
     for _ in range(a.reps + 1):
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         mgt.load(c, keys, dst)
-        torch.cuda.synchronize()
+        sync()
         secs.append(time.perf_counter() - t)
     out["moongate_view_to_gpu"] = gbps(secs[1:])
     out["moongate_view_bytes_equal"] = all(torch.equal(x, y) for x, y in zip(dst, vals))
@@ -304,8 +317,8 @@ def role_micro(a):
         ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t, ctypes.POINTER(ctypes.c_int64)]
     h = lib.mg_connect(f"unix:{a.sock}".encode())
     buf = lib.mg_alloc(h, n)
-    rt = torch.cuda.cudart()
-    rt.cudaHostRegister(buf, n, 1)
+    if DEVICE == "cuda":
+        torch.cuda.cudart().cudaHostRegister(buf, n, 1)
     hostbuf = torch.frombuffer((ctypes.c_uint8 * n).from_address(buf), dtype=torch.uint8)
     ks = (ctypes.c_char_p * MICRO_N)(*[k.encode() for k in keys])
     ptrs = (ctypes.c_void_p * MICRO_N)(*[buf + i * MICRO_SIZE for i in range(MICRO_N)])
@@ -313,13 +326,13 @@ def role_micro(a):
     res = (ctypes.c_int64 * MICRO_N)()
     secs, into = [], []
     for _ in range(a.reps + 1):
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         assert lib.mg_batch_get_into(h, ks, ptrs, caps, MICRO_N, res) == 0
         t1 = time.perf_counter()
         for i, d in enumerate(dst):
             d.copy_(hostbuf[i * MICRO_SIZE:(i + 1) * MICRO_SIZE], non_blocking=True)
-        torch.cuda.synchronize()
+        sync()
         secs.append(time.perf_counter() - t)
         into.append(t1 - t)
     assert list(res) == [MICRO_SIZE] * MICRO_N, list(res)
@@ -346,28 +359,29 @@ def role_mooncake(a):
         assert base, "alloc_from_mem_pool"
         assert s.register_buffer(base, n) == 0
         host = torch.frombuffer((ctypes.c_uint8 * n).from_address(base), dtype=torch.uint8)
-        torch.cuda.cudart().cudaHostRegister(base, n, 1)
+        if DEVICE == "cuda":
+            torch.cuda.cudart().cudaHostRegister(base, n, 1)
         for i, k in enumerate(keys):
             host[i * MICRO_SIZE:(i + 1) * MICRO_SIZE].copy_(vals[i])
             if not s.is_exist(k):
                 assert s.put_from(k, base + i * MICRO_SIZE, MICRO_SIZE) == 0, k
     else:
         assert s.setup("127.0.0.1", a.metadata, 0, 64 * MiB, "tcp", "", a.master) == 0, "setup"
-        host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        host = torch.empty(n, dtype=torch.uint8, pin_memory=DEVICE == "cuda")
         base = host.data_ptr()
         assert s.register_buffer(base, n) == 0
     ptrs = [base + i * MICRO_SIZE for i in range(MICRO_N)]
     sizes = [MICRO_SIZE] * MICRO_N
-    dst = [torch.empty(MICRO_SIZE, dtype=torch.uint8, device="cuda") for _ in keys]
+    dst = [torch.empty(MICRO_SIZE, dtype=torch.uint8, device=DEVICE) for _ in keys]
     secs, into = [], []
     for _ in range(a.reps + 1):
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         got = list(s.batch_get_into(keys, ptrs, sizes))
         t1 = time.perf_counter()
         for i, d in enumerate(dst):
             d.copy_(host[i * MICRO_SIZE:(i + 1) * MICRO_SIZE], non_blocking=True)
-        torch.cuda.synchronize()
+        sync()
         secs.append(time.perf_counter() - t)
         into.append(t1 - t)
         assert got == sizes, got
@@ -394,11 +408,11 @@ def role_cuda_client(a):
     secs = []
     for _ in range(a.reps + 1):
         dst.zero_()
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         got = [s.get_into(k, dst.data_ptr() + i * MICRO_SIZE, MICRO_SIZE)
                for i, k in enumerate(keys)]
-        torch.cuda.synchronize()
+        sync()
         secs.append(time.perf_counter() - t)
     out = {"put_rcs": rcs, "get_sizes": got, "bytes_equal": torch.equal(src, dst),
            "to_gpu": gbps(secs[1:], len(vals) * MICRO_SIZE)}
@@ -441,7 +455,8 @@ def driver(a):
     env["MOONGATE_KV_LIB"] = os.path.join(pack, "libmoongate_kv.so")
     import mooncake
     mc = os.path.dirname(mooncake.__file__)
-    out = {"host": {"cores": os.cpu_count(), "gpu": torch.cuda.get_device_name(0),
+    gpu = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "none (--device cpu)"
+    out = {"host": {"cores": os.cpu_count(), "gpu": gpu,
                     "torch": torch.__version__, "mooncake": getattr(mooncake, "__version__", "?"),
                     "date": time.strftime("%Y-%m-%d")}}
     procs = []
@@ -453,7 +468,7 @@ def driver(a):
             [os.path.join(mc, "mooncake_master"), f"--rpc_port={mport}",
              "--rpc_address=127.0.0.1", "--enable_http_metadata_server=true",
              "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={hport}",
-             f"--metrics_port={free_port()}", "--default_kv_lease_ttl=2000"],
+             f"--metrics_port={free_port()}"],
             stdout=subprocess.DEVNULL, stderr=open(f"{a.work}/master.log", "w")))
         a.sock = f"{a.work}/kv.sock"
         kv, seg, admin, listen = free_port(), free_port(), free_port(), free_port()
@@ -577,7 +592,12 @@ def main():
     p.add_argument("--master")
     p.add_argument("--metadata")
     p.add_argument("--owner")
+    p.add_argument("--device", default=os.environ.get("GATE_DEVICE", "cuda"),
+                   help="cpu: a smoke test of this script on a machine without a GPU")
     a = p.parse_args()
+    global DEVICE
+    DEVICE = a.device
+    os.environ["GATE_DEVICE"] = a.device  # for the roles it starts
     roles = {"prefill": role_prefill, "load": role_load, "micro": role_micro,
              "mooncake": role_mooncake, "cuda_client": role_cuda_client}
     if a.role in roles:
