@@ -1159,12 +1159,7 @@ pub unsafe extern "C" fn mg_view(
                 };
                 Ok((l, item, at))
             })?;
-            if item.status < 0 {
-                return Err(Fail(
-                    item.status,
-                    format!("{key}: {}", describe(item.status)),
-                ));
-            }
+            one(key, item.status)?;
             // SAFETY: writable by the contract.
             unsafe {
                 *data = at as *const c_void;
@@ -1174,6 +1169,15 @@ pub unsafe extern "C" fn mg_view(
             Ok(item.status)
         },
     )
+}
+
+/// A single-item call's item status: its place, or its failure with a message that
+/// names the key.
+fn one(key: &str, status: c_int) -> Result<c_int, Fail> {
+    if status < 0 {
+        return Err(Fail(status, format!("{key}: {}", describe(status))));
+    }
+    Ok(status)
 }
 
 /// What a per-item code means, for `mg_last_error` after a single-item call.
@@ -1369,12 +1373,7 @@ pub unsafe extern "C" fn mg_reserve(
                 };
                 Ok((it, at))
             })?;
-            if item.status < 0 {
-                return Err(Fail(
-                    item.status,
-                    format!("{key}: {}", describe(item.status)),
-                ));
-            }
+            one(key, item.status)?;
             // SAFETY: writable by the contract.
             unsafe {
                 *data = at as *mut c_void;

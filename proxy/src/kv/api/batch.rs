@@ -17,10 +17,10 @@ use hyper::StatusCode;
 
 use super::intake::RoomError;
 use super::records::{self, PutReader, RecordError};
-use super::state::{KvState, code_of, decide, status_of};
+use super::state::{KvState, code_of, status_of};
 use crate::codec::Method;
 use crate::kv::client::{BATCH_CONCURRENCY, Located, StoreError};
-use crate::policy::{self, Sending};
+use crate::policy;
 
 /// The outcome of one key of a batch.
 #[derive(Debug)]
@@ -198,19 +198,13 @@ pub(super) async fn store_part<V: AsRef<[u8]> + Sync>(
             .collect(),
     );
     let started = std::time::Instant::now();
-    let (ticket, start, fixup) = match decide(state, start) {
-        Sending::Upstream {
-            ticket,
-            request,
-            fixup,
-            ..
-        } => (ticket, request, fixup),
+    let (ticket, start, fixup) = match super::state::decide_start(state, start) {
+        Ok(up) => up,
         // Every key refused by the policy (the decision is finished).
-        Sending::Answered { refused, .. } => {
-            return Ok(refused
-                .denied
+        Err(codes) => {
+            return Ok(codes
                 .into_iter()
-                .map(|(_, c)| Err(StoreError::Refused(c)))
+                .map(|c| Err(StoreError::Refused(c)))
                 .collect());
         }
     };

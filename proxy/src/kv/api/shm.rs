@@ -540,29 +540,16 @@ impl Conn<'_> {
                 ),
             ));
         }
-        // SAFETY: a new shared mapping of a sealed descriptor at least `len` long.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                ulen,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
+        // Sealed against shrinking and at least `len` long (both checked above).
+        let p = match crate::kv::own::memory::map_shared(fd.as_raw_fd(), ulen) {
+            Ok(p) => p,
+            Err(e) => {
+                self.limits.give_back(len);
+                return Err(Fail(ERR_NOMEM, format!("mmap of {len} bytes: {e}")));
+            }
         };
-        if p == libc::MAP_FAILED {
-            self.limits.give_back(len);
-            return Err(Fail(
-                ERR_NOMEM,
-                format!("mmap of {len} bytes: {}", io::Error::last_os_error()),
-            ));
-        }
         self.bytes += len;
-        let region = Region {
-            ptr: p.cast(),
-            len: ulen,
-        };
+        let region = Region { ptr: p, len: ulen };
         let id = match self.regions.iter().position(Option::is_none) {
             Some(i) => {
                 self.regions[i] = Some(region);

@@ -67,6 +67,26 @@ pub fn decide(state: &KvState, start: Request) -> Sending {
     state.policy.decide(&set, &start, None).send(start)
 }
 
+/// What goes upstream for a put-family start the policy decided: its ticket, the
+/// request (perhaps rewritten) and the fixup that puts denied keys back in the answer.
+pub type Upstream = (crate::policy::Ticket, Request, Option<crate::policy::Fixup>);
+
+/// A put-family start through the policy: what goes upstream, or, when the policy
+/// refused every key, each key's code (the decision is finished then).
+pub fn decide_start(state: &KvState, start: Request) -> Result<Upstream, Vec<ErrorCode>> {
+    match decide(state, start) {
+        Sending::Upstream {
+            ticket,
+            request,
+            fixup,
+            ..
+        } => Ok((ticket, request, fixup)),
+        Sending::Answered { refused, .. } => {
+            Err(refused.denied.into_iter().map(|(_, c)| c).collect())
+        }
+    }
+}
+
 /// The code a put's per-key result reports to the policy (`observe`, guardrail): 0, the
 /// master's refusal, or -900 for anything else (transport, transfer, timeout).
 pub fn code_of(r: Result<(), &StoreError>) -> i32 {

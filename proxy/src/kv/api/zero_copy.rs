@@ -41,7 +41,7 @@ use crate::kv::client::{ReadInto, Source, StoreError, Stored};
 use crate::kv::own::memory::Memory;
 use crate::kv::own::segment::FENCE_WAIT;
 use crate::kv::own::staging::{Slot, Staging};
-use crate::policy::{Outcome, Sending};
+use crate::policy::Outcome;
 
 /// A failed call or item: a negative `MG_ERR_*` and its message.
 #[derive(Debug)]
@@ -536,18 +536,12 @@ impl Engines {
             }
         }
         let started = Instant::now();
-        let (decision, request, fixup) = match super::state::decide(state, start) {
-            Sending::Upstream {
-                ticket,
-                request,
-                fixup,
-                ..
-            } => (ticket, request, fixup),
-            Sending::Answered { refused, .. } => {
-                return Ok(refused
-                    .denied
+        let (decision, request, fixup) = match super::state::decide_start(state, start) {
+            Ok(up) => up,
+            Err(codes) => {
+                return Ok(codes
                     .into_iter()
-                    .map(|(_, c)| ReserveItem::failed(super::shm::code_of(&StoreError::Refused(c))))
+                    .map(|c| ReserveItem::failed(code_of(&StoreError::Refused(c))))
                     .collect());
             }
         };

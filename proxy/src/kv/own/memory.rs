@@ -97,24 +97,11 @@ impl Memory {
         check(ro, "reopening the memfd read-only")?;
         // SAFETY: a new descriptor we own.
         let ro_fd = unsafe { OwnedFd::from_raw_fd(ro) };
-        // SAFETY: a new shared mapping of our own sealed descriptor.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                ulen,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(os("mmap")(io::Error::last_os_error()));
-        }
+        let p = map_shared(fd.as_raw_fd(), ulen).map_err(os("mmap"))?;
         Ok(Memory {
             base,
             len,
-            ptr: p.cast(),
+            ptr: p,
             fd,
             ro_fd,
             fence: Fence::default(),
@@ -258,6 +245,26 @@ impl Memory {
         // SAFETY: in bounds of the mapping.
         unsafe { self.ptr.add(off) }
     }
+}
+
+/// A new read-write shared mapping of `len` bytes of `fd` (a memfd sealed against
+/// shrinking, at least `len` long: what keeps accesses through it from faulting).
+pub fn map_shared(fd: RawFd, len: usize) -> io::Result<*mut u8> {
+    // SAFETY: a new mapping at an address the kernel chooses; nothing else is there.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(p.cast())
 }
 
 /// A write in progress into `[off, off + len)` of a [`Memory`]: no view can begin over
