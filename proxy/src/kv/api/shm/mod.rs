@@ -41,6 +41,12 @@ use super::state::{KvState, decided_put};
 use crate::codec::types::ErrorCode;
 use crate::kv::client::{ReadInto, StoreError};
 
+mod frames;
+mod zero_copy_ops;
+
+pub use frames::starts_with_magic;
+use frames::{Fields, Reader, answer, answer_with_fds, write_all};
+
 // The wire's numbers and the answer codes are the client library's (one definition:
 // clients/rust/src/shm.rs and capi.rs).
 pub use moongate_kv::shm::wire::MAGIC;
@@ -65,7 +71,7 @@ pub struct ShmLimits {
     pub max_regions: usize,
     registered: AtomicU64,
     /// Views and reservations (`kv.zero_copy`); `None` = off.
-    pub engines: Option<Arc<super::zero_copy::Engines>>,
+    pub engines: Option<Arc<crate::kv::api::zero_copy::Engines>>,
 }
 
 impl ShmLimits {
@@ -88,7 +94,7 @@ impl ShmLimits {
     }
 
     /// With views and reservations served by `engines`.
-    pub fn with_engines(mut self, engines: Arc<super::zero_copy::Engines>) -> ShmLimits {
+    pub fn with_engines(mut self, engines: Arc<crate::kv::api::zero_copy::Engines>) -> ShmLimits {
         self.engines = Some(engines);
         self
     }
@@ -109,47 +115,6 @@ impl ShmLimits {
     fn give_back(&self, len: u64) {
         self.registered.fetch_sub(len, Ordering::AcqRel);
     }
-}
-
-/// Whether the connection starts with [`MAGIC`], without consuming a byte: waits for
-/// eight bytes or the first that differs. `false` too when the peer closes or sends
-/// nothing within `within`.
-pub async fn starts_with_magic(sock: &UnixStream, within: Duration) -> bool {
-    let peek = async {
-        let mut buf = [0u8; 8];
-        loop {
-            sock.readable().await?;
-            let n = match sock.try_io(Interest::READABLE, || {
-                // SAFETY: recv into a buffer of its stated length.
-                let n = unsafe {
-                    libc::recv(
-                        sock.as_raw_fd(),
-                        buf.as_mut_ptr().cast(),
-                        buf.len(),
-                        libc::MSG_PEEK,
-                    )
-                };
-                if n < 0 {
-                    Err(io::Error::last_os_error())
-                } else {
-                    Ok(n as usize)
-                }
-            }) {
-                Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                Err(e) => return Err(e),
-            };
-            if n == 0 || buf[..n] != MAGIC[..n] {
-                return Ok(false);
-            }
-            if n == MAGIC.len() {
-                return Ok(true);
-            }
-            // A partial magic: wait for more without spinning.
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-    };
-    matches!(tokio::time::timeout(within, peek).await, Ok(Ok(true)))
 }
 
 /// A registration: another process's memory mapped here, unmapped on drop.
@@ -238,218 +203,6 @@ impl From<StoreError> for Fail {
     }
 }
 
-/// Reads frames with `recvmsg`, keeping the file descriptors that arrive with them.
-struct Reader<'a> {
-    sock: &'a UnixStream,
-    buf: Vec<u8>,
-    fds: VecDeque<OwnedFd>,
-    /// What one `recvmsg` reads into: once per connection, not a 64 KiB array zeroed
-    /// on the stack (and carried in the future) at every read.
-    scratch: Box<[u8]>,
-}
-
-impl Reader<'_> {
-    /// Reads more bytes (and any descriptors) into the buffer; `Ok(false)` at the end.
-    async fn fill(&mut self) -> io::Result<bool> {
-        // Room for MAX_PENDING_FDS descriptors in one control message.
-        let mut control = [0u64; 8];
-        let chunk = &mut self.scratch;
-        loop {
-            self.sock.readable().await?;
-            let r = self.sock.try_io(Interest::READABLE, || {
-                let mut iov = libc::iovec {
-                    iov_base: chunk.as_mut_ptr().cast(),
-                    iov_len: chunk.len(),
-                };
-                // SAFETY: zeroed msghdr is valid; its pointers are set below.
-                let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-                msg.msg_iov = &mut iov;
-                msg.msg_iovlen = 1;
-                msg.msg_control = control.as_mut_ptr().cast();
-                msg.msg_controllen = std::mem::size_of_val(&control) as _;
-                // SAFETY: every buffer in msg is ours and of its stated length.
-                let n = unsafe {
-                    libc::recvmsg(self.sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC)
-                };
-                if n < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                let mut fds = Vec::new();
-                // SAFETY: walking the control messages recvmsg filled in.
-                unsafe {
-                    let mut c = libc::CMSG_FIRSTHDR(&msg);
-                    while !c.is_null() {
-                        if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS
-                        {
-                            let data = libc::CMSG_DATA(c).cast::<RawFd>();
-                            let bytes = (*c).cmsg_len as usize - (data as usize - c as usize);
-                            for i in 0..bytes / std::mem::size_of::<RawFd>() {
-                                fds.push(OwnedFd::from_raw_fd(data.add(i).read_unaligned()));
-                            }
-                        }
-                        c = libc::CMSG_NXTHDR(&msg, c);
-                    }
-                }
-                let truncated = msg.msg_flags & libc::MSG_CTRUNC != 0;
-                Ok((n as usize, fds, truncated))
-            });
-            let (n, fds, truncated) = match r {
-                Ok(v) => v,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                Err(e) => return Err(e),
-            };
-            if truncated || self.fds.len() + fds.len() > MAX_PENDING_FDS {
-                return Err(io::Error::other("more file descriptors than registrations"));
-            }
-            self.fds.extend(fds);
-            self.buf.extend_from_slice(&chunk[..n]);
-            return Ok(n > 0);
-        }
-    }
-
-    /// The next `n` bytes; `Ok(None)` when the connection ended cleanly first.
-    async fn take(&mut self, n: usize) -> io::Result<Option<Vec<u8>>> {
-        while self.buf.len() < n {
-            if !self.fill().await? {
-                return if self.buf.is_empty() {
-                    Ok(None)
-                } else {
-                    Err(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        "connection ended inside a frame",
-                    ))
-                };
-            }
-        }
-        let rest = self.buf.split_off(n);
-        Ok(Some(std::mem::replace(&mut self.buf, rest)))
-    }
-}
-
-async fn write_all(sock: &UnixStream, mut b: &[u8]) -> io::Result<()> {
-    while !b.is_empty() {
-        sock.writable().await?;
-        match sock.try_write(b) {
-            Ok(n) => b = &b[n..],
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
-/// Sends an answer frame with descriptors attached (SCM_RIGHTS, with its first bytes).
-async fn answer_with_fds(
-    sock: &UnixStream,
-    seq: u32,
-    body: &[u8],
-    fds: &[RawFd],
-) -> io::Result<()> {
-    let mut frame = Vec::with_capacity(12 + body.len());
-    frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    frame.extend_from_slice(&seq.to_le_bytes());
-    frame.extend_from_slice(&0i32.to_le_bytes());
-    frame.extend_from_slice(body);
-    // Room for 8 descriptors; two memories send four.
-    let mut control = [0u64; 8];
-    let fd_bytes = std::mem::size_of_val(fds);
-    // SAFETY: CMSG_SPACE is arithmetic.
-    let space = unsafe { libc::CMSG_SPACE(fd_bytes as u32) } as usize;
-    if fds.len() > 8 || space > std::mem::size_of_val(&control) {
-        return Err(io::Error::other("too many descriptors"));
-    }
-    let sent = loop {
-        sock.writable().await?;
-        let r = sock.try_io(Interest::WRITABLE, || {
-            let mut iov = libc::iovec {
-                iov_base: frame.as_ptr() as *mut libc::c_void,
-                iov_len: frame.len(),
-            };
-            // SAFETY: a zeroed msghdr is valid; its pointers are set to buffers we own.
-            let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-            msg.msg_iov = &mut iov;
-            msg.msg_iovlen = 1;
-            msg.msg_control = control.as_mut_ptr().cast();
-            msg.msg_controllen = space as _;
-            // SAFETY: the control buffer holds one cmsg of `fds` (CMSG_SPACE checked).
-            let n = unsafe {
-                let c = libc::CMSG_FIRSTHDR(&msg);
-                (*c).cmsg_level = libc::SOL_SOCKET;
-                (*c).cmsg_type = libc::SCM_RIGHTS;
-                (*c).cmsg_len = libc::CMSG_LEN(fd_bytes as u32) as _;
-                std::ptr::copy_nonoverlapping(
-                    fds.as_ptr(),
-                    libc::CMSG_DATA(c).cast::<RawFd>(),
-                    fds.len(),
-                );
-                libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL)
-            };
-            if n < 0 {
-                Err(io::Error::last_os_error())
-            } else {
-                Ok(n as usize)
-            }
-        });
-        match r {
-            Ok(n) => break n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-            Err(e) => return Err(e),
-        }
-    };
-    // The descriptors went with the first bytes; the rest is plain data.
-    write_all(sock, &frame[sent..]).await
-}
-
-/// Sends an answer frame: its 12-byte head and `body` in one vectored write where the
-/// socket takes it (no frame buffer is built per answer).
-async fn answer(sock: &UnixStream, seq: u32, status: i32, body: &[u8]) -> io::Result<()> {
-    let mut head = [0u8; 12];
-    head[..4].copy_from_slice(&(body.len() as u32).to_le_bytes());
-    head[4..8].copy_from_slice(&seq.to_le_bytes());
-    head[8..].copy_from_slice(&status.to_le_bytes());
-    let mut parts = [io::IoSlice::new(&head), io::IoSlice::new(body)];
-    let mut left: &mut [io::IoSlice<'_>] = &mut parts;
-    while !left.is_empty() {
-        sock.writable().await?;
-        match sock.try_write_vectored(left) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => io::IoSlice::advance_slices(&mut left, n),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
-/// A frame body being read field by field.
-struct Fields<'a>(&'a [u8]);
-
-impl<'a> Fields<'a> {
-    fn bytes(&mut self, n: usize) -> Result<&'a [u8], Fail> {
-        if self.0.len() < n {
-            return Err(Fail::arg("frame body too short"));
-        }
-        let (a, b) = self.0.split_at(n);
-        self.0 = b;
-        Ok(a)
-    }
-    fn u16(&mut self) -> Result<u16, Fail> {
-        Ok(u16::from_le_bytes(
-            self.bytes(2)?.try_into().unwrap_or_default(),
-        ))
-    }
-    fn u32(&mut self) -> Result<u32, Fail> {
-        Ok(u32::from_le_bytes(
-            self.bytes(4)?.try_into().unwrap_or_default(),
-        ))
-    }
-    fn u64(&mut self) -> Result<u64, Fail> {
-        Ok(u64::from_le_bytes(
-            self.bytes(8)?.try_into().unwrap_or_default(),
-        ))
-    }
-}
-
 /// One shared-memory connection: its registrations, released when it ends, and the
 /// engine it belongs to (its own, or the one its `OP_HELLO` token names).
 struct Conn<'a> {
@@ -457,7 +210,7 @@ struct Conn<'a> {
     limits: &'a ShmLimits,
     regions: Vec<Option<Region>>,
     bytes: u64,
-    engine: Option<Arc<super::zero_copy::Engine>>,
+    engine: Option<Arc<crate::kv::api::zero_copy::Engine>>,
     said_hello: bool,
     peer_pid: i32,
 }
@@ -687,156 +440,6 @@ impl Conn<'_> {
         Ok((r, items))
     }
 
-    fn engines(&self) -> Result<&Arc<super::zero_copy::Engines>, Fail> {
-        self.limits.engines.as_ref().ok_or_else(|| {
-            Fail(
-                MG_ERR_NOT_LOCAL,
-                "views and reservations are off (kv.zero_copy = false)".into(),
-            )
-        })
-    }
-
-    /// This connection's engine, made on first use when no `OP_HELLO` named one.
-    fn engine(&mut self) -> Result<Arc<super::zero_copy::Engine>, Fail> {
-        let engines = self.engines()?.clone();
-        Ok(self.engine.get_or_insert_with(|| engines.engine()).clone())
-    }
-
-    fn hello(&mut self, f: &mut Fields<'_>) -> Result<Vec<u8>, Fail> {
-        let token = f.u64()?;
-        let engines = self.engines()?.clone();
-        // Before it, the connection was its own engine: taken over if it holds nothing.
-        let holds = self.engine.as_ref().is_some_and(|e| e.held() != (0, 0));
-        if self.said_hello || holds {
-            return Err(Fail::arg(
-                "hello comes once, before this connection holds leases or reservations",
-            ));
-        }
-        self.said_hello = true;
-        self.engine = Some(engines.join(self.peer_pid, token));
-        Ok(engines.instance().to_le_bytes().to_vec())
-    }
-
-    /// The answer to `OP_SEGMENTS` and the descriptors to attach.
-    fn segments(&self) -> Result<(Vec<u8>, Vec<RawFd>), Fail> {
-        let engines = self.engines()?;
-        let mems = engines.memories();
-        let mut body = Vec::with_capacity(12 + mems.len() * 12);
-        body.extend_from_slice(&engines.instance().to_le_bytes());
-        body.extend_from_slice(&(mems.len() as u32).to_le_bytes());
-        let mut fds = Vec::with_capacity(2 * mems.len());
-        for (id, m) in mems {
-            body.extend_from_slice(&id.to_le_bytes());
-            body.extend_from_slice(&m.len.to_le_bytes());
-            let (rw, ro) = m.fds();
-            fds.push(rw);
-            fds.push(ro);
-        }
-        Ok((body, fds))
-    }
-
-    /// `u32 n, n x (u16 key_len, key)`.
-    fn keys(&self, f: &mut Fields<'_>) -> Result<Vec<Bytes>, Fail> {
-        let n = self.count(f)?;
-        let mut keys = Vec::with_capacity(n);
-        for _ in 0..n {
-            let klen = f.u16()? as usize;
-            keys.push(self.key(f.bytes(klen)?)?);
-        }
-        self.ended(f)?;
-        Ok(keys)
-    }
-
-    fn count(&self, f: &mut Fields<'_>) -> Result<usize, Fail> {
-        let n = f.u32()? as usize;
-        if n > self.state.max_batch_keys {
-            return Err(Fail::arg(format!(
-                "{n} items (kv.max_batch_keys = {})",
-                self.state.max_batch_keys
-            )));
-        }
-        Ok(n)
-    }
-
-    fn ended(&self, f: &Fields<'_>) -> Result<(), Fail> {
-        if f.0.is_empty() {
-            Ok(())
-        } else {
-            Err(Fail::arg("bytes after the last item"))
-        }
-    }
-
-    async fn view(&mut self, f: &mut Fields<'_>) -> Result<Vec<u8>, Fail> {
-        let keys = self.keys(f)?;
-        let engine = self.engine()?;
-        let (lease, items) = self
-            .engines()?
-            .view(self.state, &engine, keys)
-            .await
-            .map_err(|e| Fail(e.0, e.1))?;
-        let mut out = Vec::with_capacity(8 + items.len() * ITEM_BYTES);
-        out.extend_from_slice(&lease.to_le_bytes());
-        for it in items {
-            out.extend_from_slice(&it.status.to_le_bytes());
-            out.extend_from_slice(&it.memory.to_le_bytes());
-            out.extend_from_slice(&it.off.to_le_bytes());
-            out.extend_from_slice(&it.len.to_le_bytes());
-        }
-        Ok(out)
-    }
-
-    fn release_view(&mut self, f: &mut Fields<'_>) -> Result<Vec<u8>, Fail> {
-        let lease = f.u64()?;
-        self.ended(f)?;
-        let engine = self.engine()?;
-        self.engines()?
-            .release_lease(&engine, lease)
-            .map_err(|e| Fail(e.0, e.1))?;
-        Ok(Vec::new())
-    }
-
-    async fn reserve(&mut self, f: &mut Fields<'_>) -> Result<Vec<u8>, Fail> {
-        let n = self.count(f)?;
-        let mut items = Vec::with_capacity(n);
-        for _ in 0..n {
-            let len = f.u64()?;
-            let klen = f.u16()? as usize;
-            items.push((self.key(f.bytes(klen)?)?, len));
-        }
-        self.ended(f)?;
-        let engine = self.engine()?;
-        let got = self
-            .engines()?
-            .reserve(self.state, &engine, items)
-            .await
-            .map_err(|e| Fail(e.0, e.1))?;
-        let mut out = Vec::with_capacity(got.len() * ITEM_BYTES);
-        for it in got {
-            out.extend_from_slice(&it.status.to_le_bytes());
-            out.extend_from_slice(&it.memory.to_le_bytes());
-            out.extend_from_slice(&it.off.to_le_bytes());
-            out.extend_from_slice(&it.ticket.to_le_bytes());
-        }
-        Ok(out)
-    }
-
-    async fn end_tickets(&mut self, f: &mut Fields<'_>, commit: bool) -> Result<Vec<u8>, Fail> {
-        let n = self.count(f)?;
-        let mut tickets = Vec::with_capacity(n);
-        for _ in 0..n {
-            tickets.push(f.u64()?);
-        }
-        self.ended(f)?;
-        let engine = self.engine()?;
-        let engines = self.engines()?;
-        let codes = if commit {
-            engines.commit(self.state, &engine, &tickets).await
-        } else {
-            engines.abort(self.state, &engine, &tickets).await
-        };
-        Ok(codes.iter().flat_map(|c| c.to_le_bytes()).collect())
-    }
-
     async fn batch_get_into(&self, f: &mut Fields<'_>) -> Result<Vec<u8>, Fail> {
         let (r, items) = self.batch_items(f)?;
         let mut sorted: Vec<(usize, usize)> = items.iter().map(|(_, r)| *r).collect();
@@ -889,12 +492,7 @@ async fn serve(
     limits: &ShmLimits,
     idle: Duration,
 ) -> io::Result<()> {
-    let mut rd = Reader {
-        sock,
-        buf: Vec::new(),
-        fds: VecDeque::new(),
-        scratch: vec![0u8; 64 * 1024].into_boxed_slice(),
-    };
+    let mut rd = Reader::new(sock);
     if rd.take(MAGIC.len()).await?.as_deref() != Some(&MAGIC[..]) {
         return Ok(());
     }
