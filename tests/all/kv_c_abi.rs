@@ -138,17 +138,7 @@ fn a_c_program_uses_every_call_over_each_listener() {
             run.env("LD_LIBRARY_PATH", lib_dir());
         }
         let o = run.output().unwrap();
-        let said = format!(
-            "{}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        );
-        assert!(
-            o.status.success() && said.contains("all ok"),
-            "{} over {address}:\n{said}\n--- moongate ---\n{}",
-            exe.display(),
-            mg.proc.log_text()
-        );
+        all_ok(&format!("{} over {address}", exe.display()), &o, &mg);
         // Over the Unix socket, mg_alloc memory took the shared-memory path (one
         // registration, each kind of call); over TCP nothing does.
         let m = mg.metrics();

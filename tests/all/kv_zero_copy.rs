@@ -18,24 +18,12 @@ use crate::support::*;
 /// Builds tests/c/kv_zero_copy.c (static library).
 fn program(dir: &std::path::Path) -> std::path::PathBuf {
     build_library();
-    let _ = lib_dir();
     compile_c(dir, "kv_zero_copy", true)
 }
 
 fn run(exe: &std::path::Path, args: &[&str], mg: &Moongate) -> String {
     let o = Command::new(exe).args(args).output().unwrap();
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    assert!(
-        o.status.success() && said.contains("all ok"),
-        "kv_zero_copy {args:?}: {}\n{said}\n--- moongate ---\n{}",
-        o.status,
-        mg.proc.log_text()
-    );
-    said
+    all_ok(&format!("kv_zero_copy {args:?}"), &o, mg)
 }
 
 fn gauge(mg: &Moongate, name: &str) -> f64 {
@@ -480,17 +468,7 @@ fn the_python_package_installs_and_views_reserves_and_copies() {
         .current_dir(dir.path())
         .output()
         .unwrap();
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    assert!(
-        o.status.success() && said.contains("all ok"),
-        "kv_python.py: {}\n{said}\n--- moongate ---\n{}",
-        o.status,
-        mg.proc.log_text()
-    );
+    all_ok("kv_python.py", &o, &mg);
     // Importable without torch: the helpers are a module of their own.
     let o = Command::new(python())
         .args([

@@ -1006,3 +1006,20 @@ pub fn request_over<S: std::io::Read + std::io::Write>(
         .unwrap_or(0);
     Ok((status, out[head_end..].to_vec()))
 }
+
+/// What a test program printed (stdout then stderr), after checking that it exited 0 and
+/// said "all ok"; the panic quotes it and moongate's log, named `what`.
+pub fn all_ok(what: &str, o: &std::process::Output, mg: &Moongate) -> String {
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        o.status.success() && said.contains("all ok"),
+        "{what}: {}\n{said}\n--- moongate ---\n{}",
+        o.status,
+        mg.proc.log_text()
+    );
+    said
+}
