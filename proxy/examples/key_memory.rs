@@ -3,7 +3,7 @@
 //! before and after. `cargo run --release --example key_memory [N] [KEY_BYTES]`.
 
 use bytes::Bytes;
-use moongate::eviction::{History, KeyTable, Tier, Why};
+use moongate::keys::{History, KeyTable, Tier, Why};
 
 fn rss_bytes() -> u64 {
     let s = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();

@@ -92,8 +92,9 @@ pub struct AdminState {
     pub policy: Arc<Registry>,
     /// Bearer token for mutating endpoints; empty = loopback only.
     pub token: String,
-    /// The key table and its history, when eviction is on (`GET /keys/{key}`).
-    pub eviction: Option<Arc<crate::eviction::Eviction>>,
+    /// Where answered calls go: its key table and history (`GET /keys/{key}`), and
+    /// the access records other members send (`POST /fleet/records`).
+    pub answered: Arc<crate::answered::Sink>,
     /// The master face's peers and owners (`GET /ranks`).
     pub topology: Arc<crate::topology::Topology>,
     /// This moongate's fleet, when `[fleet]` is on (`GET /fleet`).
@@ -262,7 +263,7 @@ fn key_view(
     if !authorized(state, req, loopback) {
         return unauthorized("key history needs");
     }
-    let Some(ev) = &state.eviction else {
+    let Some(ev) = state.answered.keys() else {
         return error(
             StatusCode::NOT_FOUND,
             "no key table: it is kept with [eviction] enabled = true",
@@ -553,7 +554,7 @@ async fn fleet_records(
     if !authorized(state, &req, loopback) {
         return unauthorized("access records need");
     }
-    let (Some(fleet), Some(ev)) = (&state.fleet, &state.eviction) else {
+    let (Some(fleet), true) = (&state.fleet, state.answered.keeps_keys()) else {
         return error(
             StatusCode::NOT_FOUND,
             "this moongate takes no access records: it needs [fleet] and a key table ([eviction] or [events] on)",
@@ -576,7 +577,7 @@ async fn fleet_records(
         Ok(recs) => {
             fleet.metrics.records_received_bytes.inc_by(n);
             let set = state.policy.current();
-            ev.accept(recs, |i| {
+            state.answered.accept(recs, |i| {
                 set.arms
                     .get(i)
                     .map_or_else(|| format!("arm{i}"), |a| a.name.clone())

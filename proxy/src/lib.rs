@@ -8,7 +8,7 @@
 //!   step, a cap per listener, an idle deadline).
 //! - [`codec`]: the master RPC wire format, sans-IO; wire types only.
 //! - [`calls`]: what each family of master methods means (keys, split, merge, tier
-//!   tally, what answers tell the eviction table).
+//!   tally, what answers tell the key table).
 //! - [`hints`]: what the serving stack tells moongate of the future (upcoming reads,
 //!   ended sessions, expected turns): the bounded table and the body it is read from.
 //! - [`upstream`]: moongate's own connections to the master and to HTTP endpoints.
@@ -20,7 +20,13 @@
 //!   registry credentials); bytes only.
 //! - [`policy_feed`]: feeds the registry from outside (start-up `from` references, the
 //!   watched directory's files and `.oci` references, the admin API's pulls).
-//! - [`eviction`]: the key table and the evictor.
+//! - [`keys`]: the key table, its history and what its changes announce.
+//! - [`answered`]: what an answered call tells, as one value with one sink (the key
+//!   table, SSD usage and tiers served, the fleet's access records).
+//! - [`fleet`]: moongates of one cluster through etcd (membership, rounds, access
+//!   records, hand-over).
+//! - [`topology`], [`owner_face`]: who is behind the connections; ranks' SSD reads.
+//! - [`eviction`]: the evictor over the key table.
 //! - [`kv`]: the kv face (API, client core, transports, own segment).
 //! - [`master_face`]: the sans-IO session per client connection and its tokio shell.
 //! - [`metrics`], [`admin`], [`config`]: composition of every part's metrics, the admin
@@ -31,6 +37,7 @@
 
 pub mod accept;
 pub mod admin;
+pub mod answered;
 pub mod calls;
 pub mod codec;
 pub mod config;
@@ -38,6 +45,7 @@ pub mod events;
 pub mod eviction;
 pub mod fleet;
 pub mod hints;
+pub mod keys;
 pub mod kv;
 pub mod master_face;
 pub mod metrics;

@@ -1,6 +1,6 @@
 //! Every metric moongate exports, registered once at start-up. Each part registers its
 //! own families ([`crate::master_face::metrics`], [`crate::policy::metrics`],
-//! [`crate::eviction::metrics`], [`crate::events::metrics`], [`crate::kv::metrics`], [`crate::upstream::leader`]);
+//! [`crate::eviction::metrics`], [`crate::keys::metrics`], [`crate::events::metrics`], [`crate::kv::metrics`], [`crate::upstream::leader`]);
 //! this file only composes them.
 //! Exposed by the admin endpoint in the OpenMetrics text format; `docs/operations.md`
 //! lists every metric.
@@ -21,6 +21,8 @@ pub struct Metrics {
     pub registry: Registry,
     pub master: Arc<MasterFaceMetrics>,
     pub eviction: Arc<EvictionMetrics>,
+    /// The key table's size and the reasons of lookup misses.
+    pub keys: Arc<crate::keys::metrics::KeyMetrics>,
     pub events: Arc<crate::events::metrics::EventsMetrics>,
     pub kv: Arc<KvMetrics>,
     /// The policy layer's families, and the counters and gauges plugins register.
@@ -42,6 +44,7 @@ impl Metrics {
         let mut registry = Registry::default();
         let master = Arc::new(MasterFaceMetrics::register(&mut registry));
         let eviction = Arc::new(EvictionMetrics::register(&mut registry));
+        let keys = Arc::new(crate::keys::metrics::KeyMetrics::register(&mut registry));
         let events = Arc::new(crate::events::metrics::EventsMetrics::register(
             &mut registry,
         ));
@@ -63,6 +66,7 @@ impl Metrics {
             registry,
             master,
             eviction,
+            keys,
             events,
             kv,
             policy,

@@ -64,22 +64,35 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
     let events_stop = CancellationToken::new();
     let (events, events_thread) = parts.events(&events_stop).await?;
     let topology = Arc::new(crate::topology::Topology::new(metrics.topology.clone()));
-    let eviction = parts.eviction(events, &upstream, &topology);
-    let admin_addr = listeners
-        .admin
-        .local_addr()
-        .map(|a| a.to_string())
-        .unwrap_or_default();
-    let (fleet, records_task) = parts.fleet(eviction.as_ref(), &upstream, admin_addr);
-    parts.policy_watch();
     let hints = Arc::new(crate::hints::Hints::new(
         cfg.hints.clone(),
         cfg.kv.max_key_bytes,
         metrics.hints.clone(),
     ));
-    if let Some(ev) = &eviction {
-        ev.set_hints(hints.clone());
+    let keys = parts.keys(events);
+    let admin_addr = listeners
+        .admin
+        .local_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_default();
+    let (fleet, records, records_task) = parts.fleet(keys.as_ref(), &upstream, admin_addr);
+    let answered = Arc::new(crate::answered::Sink::new(
+        keys.clone(),
+        records,
+        topology.clone(),
+    ));
+    if let Some(keys) = keys {
+        parts.evictor(
+            &upstream,
+            crate::eviction::Parts {
+                keys,
+                topology: topology.clone(),
+                fleet: fleet.clone(),
+                hints: hints.clone(),
+            },
+        );
     }
+    parts.policy_watch();
     crate::hints::subscriber::start(
         hints.clone(),
         &cfg.hints.subscribe,
@@ -93,7 +106,7 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
         ready: AtomicBool::new(false),
         policy: policy.clone(),
         token: cfg.admin.token.clone(),
-        eviction: eviction.clone(),
+        answered: answered.clone(),
         topology: topology.clone(),
     });
     tokio::spawn(admin::ready_probe(
@@ -111,7 +124,7 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
     );
     let admin_task = tokio::spawn(admin::serve(listeners.admin, state, shutdown.clone()));
     let segment_task = match listeners.kv {
-        Some(l) => parts.kv(&upstream, l, &hints, eviction.clone()).await?,
+        Some(l) => parts.kv(&upstream, l, &hints, answered.clone()).await?,
         None => None,
     };
     let tracker = TaskTracker::new();
@@ -132,7 +145,7 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
         shutdown: shutdown.clone(),
         policy: policy.clone(),
         put_bytes_in_flight: Default::default(),
-        eviction,
+        answered,
         topology,
     });
     let accept = tokio::spawn(master_face::accept_loop(
@@ -285,46 +298,56 @@ impl Parts<'_> {
         Ok((Some(events), Some(thread)))
     }
 
-    /// The key table, kept for eviction and for events; the evictor runs only with
-    /// eviction on.
-    fn eviction(
-        &self,
-        events: Option<Arc<crate::events::Events>>,
-        upstream: &crate::upstream::Upstream,
-        topology: &Arc<crate::topology::Topology>,
-    ) -> Option<Arc<crate::eviction::Eviction>> {
+    /// The key table, kept for eviction and for events (`[eviction]` or `[events]` on).
+    fn keys(&self, events: Option<Arc<crate::events::Events>>) -> Option<Arc<crate::keys::Keys>> {
         let cfg = &self.cfg.eviction;
         if !cfg.enabled && events.is_none() {
             return None;
         }
-        let ev = crate::eviction::Eviction::new(cfg.clone(), self.metrics.eviction.clone(), events);
-        if cfg.enabled {
-            tokio::spawn(ev.clone().run(
-                self.policy.clone(),
-                upstream.clone(),
-                topology.clone(),
-                self.shutdown.clone(),
-            ));
-            tracing::info!(master_metrics = %cfg.master_metrics_url,
-                high_watermark = cfg.high_watermark, "eviction on");
-        }
-        Some(ev)
+        let bounds = crate::keys::Bounds {
+            max_keys: cfg.max_keys,
+            lease_ms: cfg.lease_ms,
+            history_keys: cfg.history_keys,
+        };
+        Some(Arc::new(crate::keys::Keys::new(
+            bounds,
+            self.metrics.keys.clone(),
+            events,
+        )))
     }
 
-    /// This member of a fleet (`[fleet]` on): membership, and the access records'
-    /// task when a key table is kept (its handle: it sends the last records at exit).
+    /// The evictor over the key table, with `[eviction]` on.
+    fn evictor(&self, upstream: &crate::upstream::Upstream, parts: crate::eviction::Parts) {
+        let cfg = &self.cfg.eviction;
+        if !cfg.enabled {
+            return;
+        }
+        let ev = crate::eviction::Evictor::new(cfg.clone(), self.metrics.eviction.clone(), parts);
+        tokio::spawn(Arc::new(ev).run(
+            self.policy.clone(),
+            upstream.clone(),
+            self.shutdown.clone(),
+        ));
+        tracing::info!(master_metrics = %cfg.master_metrics_url,
+            high_watermark = cfg.high_watermark, "eviction on");
+    }
+
+    /// This member of a fleet (`[fleet]` on): membership; with a key table, the access
+    /// records' forwarder and its task (its handle: it sends the last records at exit).
+    #[allow(clippy::type_complexity)]
     fn fleet(
         &self,
-        eviction: Option<&Arc<crate::eviction::Eviction>>,
+        keys: Option<&Arc<crate::keys::Keys>>,
         upstream: &crate::upstream::Upstream,
         admin_addr: String,
     ) -> (
         Option<Arc<crate::fleet::Fleet>>,
+        Option<Arc<crate::fleet::forward::Forwarder>>,
         Option<tokio::task::JoinHandle<()>>,
     ) {
         let cfg = self.cfg;
         if !cfg.fleet.enabled {
-            return (None, None);
+            return (None, None, None);
         }
         // Validated with the config: enabled means an etcd is known.
         let endpoints = cfg
@@ -336,30 +359,24 @@ impl Parts<'_> {
             self.metrics.fleet.clone(),
             cfg.admin.token.clone(),
         );
-        if let Some(ev) = eviction {
-            ev.set_fleet(fleet.clone());
-        }
         // Access records need a key table to be home to keys; without one this member
         // neither sends nor takes them.
-        let records_task = match (&fleet.records, eviction) {
-            (Some(f), Some(ev)) => {
-                let ev = ev.clone();
-                let hand_over = Box::new({
-                    let f = f.clone();
-                    move |homes: &crate::fleet::forward::Homes| ev.hand_over(&f, homes)
-                });
-                Some(tokio::spawn(
-                    f.clone().run(hand_over, self.shutdown.clone()),
-                ))
-            }
+        let records = fleet.records.clone().filter(|_| keys.is_some());
+        let records_task = match (&records, keys) {
+            (Some(f), Some(keys)) => Some(tokio::spawn(crate::fleet::send::run(
+                f.clone(),
+                keys.clone(),
+                self.shutdown.clone(),
+            ))),
             _ => None,
         };
-        let snapshot = fleet_snapshot(
-            self.policy.clone(),
-            eviction.cloned(),
-            admin_addr,
-            records_task.is_some(),
-        );
+        let snapshot = crate::fleet::membership::Snapshot {
+            policy: self.policy.clone(),
+            keys: keys.cloned(),
+            evicted: self.metrics.eviction.removed_bytes.clone(),
+            admin: admin_addr,
+            records: records_task.is_some(),
+        };
         tracing::info!(member = %fleet.me, cluster = %cfg.fleet.cluster, ?endpoints, "fleet on");
         tokio::spawn(crate::fleet::membership::run(
             fleet.clone(),
@@ -368,7 +385,7 @@ impl Parts<'_> {
             upstream.clone(),
             self.shutdown.clone(),
         ));
-        (Some(fleet), records_task)
+        (Some(fleet), records, records_task)
     }
 
     /// The watched plugin directory (`policy.watch_dir`), when set.
@@ -392,7 +409,7 @@ impl Parts<'_> {
         upstream: &crate::upstream::Upstream,
         listener: TcpListener,
         hints: &Arc<crate::hints::Hints>,
-        eviction: Option<Arc<crate::eviction::Eviction>>,
+        answered: Arc<crate::answered::Sink>,
     ) -> Result<Option<tokio::task::JoinHandle<()>>, RunError> {
         let kv = crate::kv::start(
             &self.cfg.kv,
@@ -401,7 +418,7 @@ impl Parts<'_> {
             crate::kv::Uses {
                 policy: self.policy.clone(),
                 hints: hints.clone(),
-                eviction,
+                answered,
                 metrics: self.metrics.kv.clone(),
             },
             self.shutdown.clone(),
@@ -468,24 +485,4 @@ impl Running {
         }
         let _ = self.admin_task.await;
     }
-}
-
-/// What this member publishes to its fleet: its key table's bytes per arm (when it keeps
-/// one) and each arm's lookups and hits through it.
-fn fleet_snapshot(
-    policy: Arc<crate::policy::registry::Registry>,
-    eviction: Option<Arc<crate::eviction::Eviction>>,
-    admin: String,
-    records: bool,
-) -> crate::fleet::membership::Snapshot {
-    Arc::new(move || {
-        let set = policy.current();
-        let mut rec = match &eviction {
-            Some(e) => e.fleet_record(&set),
-            None => crate::fleet::Record::of_arms(&set, &[]),
-        };
-        rec.admin = admin.clone();
-        rec.records = records;
-        rec
-    })
 }

@@ -1,6 +1,6 @@
 //! The lookup family: `GetReplicaList` and `BatchGetReplicaList`. Keys, how a batch is
 //! cut and merged, which tiers the answers name (tier metrics), and what they tell the
-//! eviction table.
+//! key table.
 
 use std::ops::Range;
 

@@ -1,6 +1,6 @@
 //! What each family of master methods means: a room per family that knows its keys, how
 //! its batches are cut and their answers merged, what its answers say about tiers, and
-//! what they tell the eviction table. Adding a method (or another Mooncake version's
+//! what they tell the key table. Adding a method (or another Mooncake version's
 //! layout of one) touches the codec's wire table, the one [`call`] / [`answer`] match
 //! here, and its room; nothing else.
 //!
@@ -345,7 +345,7 @@ impl AnswerExt for Response {
     }
 }
 
-/// What a forwarded request's answer can tell the eviction table, taken from the
+/// What a forwarded request's answer can tell the key table, taken from the
 /// request on its way up (the answer alone does not name the keys).
 /// Keys are per tenant: every tracked call carries the tenant it names.
 #[derive(Debug, Clone, PartialEq, Eq)]

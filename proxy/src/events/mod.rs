@@ -8,7 +8,7 @@
 //! - [`publisher`]: the PUB and replay sockets (bytes only);
 //! - [`config`], [`metrics`].
 //!
-//! What a change means is decided by the key table ([`crate::eviction`]): a put whose
+//! What a change means is decided by the key table ([`crate::keys`]): a put whose
 //! end succeeded is stored, a removal, a `RemoveAll`, an eviction by moongate or a key
 //! found gone on a lookup is removed. How a key maps to a block hash and parent is the
 //! active policy's `block-keys` hook, called here, off the request path.

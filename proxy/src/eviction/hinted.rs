@@ -145,8 +145,8 @@ mod tests {
 
     use super::*;
     use crate::codec::types::Tier;
-    use crate::eviction::table::Entry;
     use crate::eviction::{Round, victims};
+    use crate::keys::Entry;
     use crate::metrics::Metrics;
     use crate::policy::fake::Fake;
     use crate::policy::{Policy, PolicyConfig};
@@ -163,7 +163,7 @@ mod tests {
             complete: true,
             on_disk: false,
             client: Default::default(),
-            segment: crate::eviction::table::NO_SEGMENT,
+            segment: crate::keys::table::NO_SEGMENT,
             tries: 0,
         }
     }

@@ -61,7 +61,6 @@ pub struct EvictionMetrics {
     keys: [Counter; 6],
     pub removed_bytes: Counter,
     errors: [Counter; 2],
-    pub table_keys: Gauge,
     /// Master memory usage (allocated / capacity) in parts per million at the last read.
     pub usage_ppm: Gauge,
     /// Bytes on owners' SSDs, as the master counts them (pool-wide).
@@ -72,15 +71,6 @@ pub struct EvictionMetrics {
     arm_bytes: Family<ArmLabel, Gauge>,
     arm_share: Family<ArmLabel, Gauge>,
     arm_removed: Family<ArmLabel, Counter>,
-    misses: Family<MissLabels, Counter>,
-    miss_handles:
-        std::sync::Mutex<std::collections::HashMap<String, [Counter; super::history::WHYS.len()]>>,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
-pub struct MissLabels {
-    reason: super::history::Why,
-    arm: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
@@ -110,27 +100,6 @@ impl EvictionMetrics {
         // The arm's removals series exists from its first interval (at 0), so a
         // dashboard shows "nothing evicted" rather than "no data".
         let _ = self.arm_removed.get_or_create(&l);
-    }
-
-    /// Lookup misses explained. The handles of an arm are made once, on its first miss
-    /// (all reasons at once, so a dashboard shows zeros), then found by its name without
-    /// allocating.
-    pub fn missed(&self, reason: super::history::Why, arm: &str, n: u64) {
-        let mut handles = self.miss_handles.lock().unwrap_or_else(|p| p.into_inner());
-        if !handles.contains_key(arm) {
-            let made = super::history::WHYS.map(|reason| {
-                self.misses
-                    .get_or_create(&MissLabels {
-                        reason,
-                        arm: arm.to_string(),
-                    })
-                    .clone()
-            });
-            handles.insert(arm.to_string(), made);
-        }
-        if let Some(h) = handles.get(arm) {
-            h[reason as usize].inc_by(n);
-        }
     }
 
     /// Bytes removed from an arm's keys.
@@ -184,12 +153,6 @@ impl EvictionMetrics {
             "Bytes of keys moongate removed",
             removed_bytes.clone(),
         );
-        let table_keys = Gauge::default();
-        registry.register(
-            "moongate_eviction_table_keys",
-            "Keys in moongate's eviction table",
-            table_keys.clone(),
-        );
         let usage_ppm = Gauge::default();
         registry.register(
             "moongate_master_memory_usage_ppm",
@@ -229,17 +192,7 @@ impl EvictionMetrics {
             "Bytes moongate removed from each arm's keys",
             arm_removed.clone(),
         );
-        let misses = Family::<MissLabels, Counter>::default();
-        registry.register(
-            "moongate_lookup_misses",
-            "Lookup misses by why, as far as this moongate saw (never_stored, \
-             evicted_by_moongate, removed_by_client, refused_by_policy, evicted_by_master), \
-             and the arm that served the lookup (eviction on: it keeps the key table)",
-            misses.clone(),
-        );
         EvictionMetrics {
-            misses,
-            miss_handles: Default::default(),
             arm_bytes,
             arm_share,
             arm_removed,
@@ -248,7 +201,6 @@ impl EvictionMetrics {
             keys,
             removed_bytes,
             errors,
-            table_keys,
             usage_ppm,
             ssd_bytes,
         }

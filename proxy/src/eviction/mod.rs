@@ -1,10 +1,9 @@
 //! moongate-driven eviction: the policy, not the master's own LRU, picks which keys go
 //! when memory runs short.
 //!
-//! - The master face records what it sees ([`Eviction::record`]): keys whose put start
-//!   the master accepted (size, tier), lookups that found them (last access, hits),
-//!   removals. No extra RPC.
-//! - A task ([`Eviction::run`]) checks the triggers every `interval_ms`: the master's
+//! - The candidates are the key table's ([`crate::keys`]): what every face saw stored,
+//!   read and removed, through [`crate::answered`]. No extra RPC.
+//! - A task ([`Evictor::run`]) checks the triggers every `interval_ms`: the master's
 //!   memory usage from its Prometheus endpoint against `high_watermark`, and puts the
 //!   master denied with NO_AVAILABLE_HANDLE.
 //! - A round takes the least recently used candidates, asks each experiment arm's
@@ -22,33 +21,25 @@
 
 pub mod config;
 pub mod hinted;
-pub mod history;
 pub mod metrics;
-pub mod table;
 pub mod usage;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use tokio_util::sync::CancellationToken;
 
-use crate::calls::Seen;
-pub use crate::calls::{Track, Tracked};
 use crate::codec::message::{RemoveArgs, Request, Response};
 use crate::codec::types::ErrorCode;
-use crate::events::{Change, Changes, Events, What};
-use crate::fleet::forward::Homes;
-use crate::fleet::records::{self, Record};
+use crate::keys::table::NO_SEGMENT;
+use crate::keys::{Entry, Keys, Why};
 use crate::policy::active::ActiveSet;
 use crate::policy::host::wit;
 use crate::policy::registry::Registry;
 use crate::upstream::{Conn, HttpUrl};
 use config::EvictionConfig;
-pub use history::{History, Why};
 use metrics::{EvictionMetrics, Stage, Trigger, Victim};
-pub use table::{Entry, KeyTable, Tier};
 
 /// Removals per pipelined burst on moongate's own connection.
 const CHUNK: usize = 1000;
@@ -58,10 +49,6 @@ const CHUNK: usize = 1000;
 /// either way.
 const MIN_CUT_KEYS: usize = 64;
 
-/// A put started this long ago that has not ended is given up (Mooncake's master
-/// discards unfinished puts after 30 s, `put_start_discard_timeout_sec`): a lookup that
-/// misses it forgets it. Younger ones are puts under way.
-const PUT_STALE_MS: u64 = 30_000;
 /// Replica clears that clear nothing before the table forgets a key (offload on).
 const CLEAR_TRIES: u8 = 3;
 
@@ -96,402 +83,46 @@ fn cut_age(cands: &[(Bytes, Entry)], need: u64, now: u64) -> u64 {
     0
 }
 
-/// The evictor's shared state: the key table, the denial count, the metric handles.
-pub struct Eviction {
+/// The evictor: the triggers, the rounds and the removals, over the key table
+/// ([`crate::keys`]) it reads candidates from.
+pub struct Evictor {
     pub cfg: EvictionConfig,
-    pub table: KeyTable,
-    /// Why keys that left the table left: explains lookup misses.
-    pub history: History,
-    /// Bytes of puts the master denied with NO_AVAILABLE_HANDLE since the last check.
-    denied_bytes: AtomicU64,
-    clock: Instant,
+    keys: Arc<Keys>,
     metrics: Arc<EvictionMetrics>,
     usage_url: Option<HttpUrl>,
-    /// KV events (`[events]` on): what the table sees stored and gone, for routers.
-    events: Option<Arc<Events>>,
-    /// The master face's owners: with an SSD tier offloading, victims lose only their
-    /// memory replica (set when the evictor starts).
-    topology: std::sync::OnceLock<Arc<crate::topology::Topology>>,
+    /// The owners: with an SSD tier offloading, victims lose only their memory replica.
+    topology: Arc<crate::topology::Topology>,
     /// The fleet (`[fleet]` on): this moongate frees only its portion of what the pool
     /// or an arm must free, the other members the rest.
-    fleet: std::sync::OnceLock<Arc<crate::fleet::Fleet>>,
+    fleet: Option<Arc<crate::fleet::Fleet>>,
     /// What the serving stack said of keys and blocks: read by plugins with
-    /// `evict-hinted` (set when the evictor starts).
-    hints: std::sync::OnceLock<Arc<crate::hints::Hints>>,
+    /// `evict-hinted`.
+    hints: Arc<crate::hints::Hints>,
 }
 
-impl Eviction {
-    /// The table and the evictor's state; `events`: where stores and removals go when KV
-    /// events are on.
-    pub fn new(
-        cfg: EvictionConfig,
-        metrics: Arc<EvictionMetrics>,
-        events: Option<Arc<Events>>,
-    ) -> Arc<Eviction> {
-        let usage_url = HttpUrl::parse(&cfg.master_metrics_url);
-        Arc::new(Eviction {
-            table: KeyTable::new(cfg.max_keys, cfg.lease_ms),
-            history: History::new(cfg.history_keys),
+/// What the evictor works with besides its config and metrics.
+pub struct Parts {
+    pub keys: Arc<Keys>,
+    pub topology: Arc<crate::topology::Topology>,
+    pub fleet: Option<Arc<crate::fleet::Fleet>>,
+    pub hints: Arc<crate::hints::Hints>,
+}
+
+impl Evictor {
+    pub fn new(cfg: EvictionConfig, metrics: Arc<EvictionMetrics>, parts: Parts) -> Evictor {
+        Evictor {
+            usage_url: HttpUrl::parse(&cfg.master_metrics_url),
             cfg,
-            denied_bytes: AtomicU64::new(0),
-            clock: Instant::now(),
             metrics,
-            usage_url,
-            events,
-            topology: std::sync::OnceLock::new(),
-            fleet: std::sync::OnceLock::new(),
-            hints: std::sync::OnceLock::new(),
-        })
-    }
-
-    /// Gives the evictor the hint table its plugins' `evict-hinted` reads.
-    pub fn set_hints(&self, hints: Arc<crate::hints::Hints>) {
-        let _ = self.hints.set(hints);
-    }
-
-    /// Joins the evictor to a fleet: from now on it frees its portion of each need.
-    pub fn set_fleet(&self, fleet: Arc<crate::fleet::Fleet>) {
-        let _ = self.fleet.set(fleet);
-    }
-
-    /// What this member adds to its fleet record: keys and bytes per arm of its table,
-    /// bytes it evicted, pool-wide rounds it called as leader.
-    pub fn fleet_record(&self, set: &ActiveSet) -> crate::fleet::Record {
-        let (done_by, done_seq) = self.fleet.get().map(|f| f.round_done()).unwrap_or_default();
-        crate::fleet::Record {
-            keys: self.table.len() as u64,
-            evicted_bytes: self.metrics.removed_bytes.get(),
-            rounds_called: self.fleet.get().map_or(0, |f| f.rounds_called()),
-            round_done_by: done_by,
-            round_done_seq: done_seq,
-            ..crate::fleet::Record::of_arms(set, &self.table.arm_bytes())
+            keys: parts.keys,
+            topology: parts.topology,
+            fleet: parts.fleet,
+            hints: parts.hints,
         }
     }
 
     fn now_ms(&self) -> u64 {
-        self.clock.elapsed().as_millis() as u64
-    }
-
-    /// Updates the table from a successful answer to a tracked request (`arm`: the arm
-    /// that served the call). What the answer means is the method family's business
-    /// ([`crate::calls`]); the table only applies it. In a fleet with access records,
-    /// what concerns keys homed at another member goes there instead
-    /// ([`crate::fleet::records`]).
-    pub fn record(&self, t: &Tracked, resp: &Response, arm: usize, arm_name: &str) {
-        let now = self.now_ms();
-        let routes = self.routes();
-        for seen in t.seen(resp) {
-            match &routes {
-                Some((f, homes)) => {
-                    let arm8 = arm.min(u8::MAX as usize) as u8;
-                    let rec = |what| Record {
-                        tenant: t.tenant.clone(),
-                        client: t.client,
-                        arm: arm8,
-                        what,
-                    };
-                    if matches!(seen, Seen::Cleared) {
-                        f.broadcast(homes, &rec(records::What::Seen(Seen::Cleared)));
-                    }
-                    let (mine, theirs) = records::split(seen, |k| homes.other(&t.tenant, k));
-                    for (h, s) in theirs {
-                        f.queue(homes, h, &rec(records::What::Seen(s)));
-                    }
-                    if let Some(s) = mine {
-                        self.apply(&t.tenant, t.client, s, arm, arm_name, now);
-                    }
-                }
-                None => self.apply(&t.tenant, t.client, seen, arm, arm_name, now),
-            }
-        }
-        self.metrics.table_keys.set(self.table.len() as i64);
-    }
-
-    /// The forwarder and its ring, when access records travel (a fleet with
-    /// `fleet.records` on and another member on the ring).
-    fn routes(&self) -> Option<(&crate::fleet::forward::Forwarder, Arc<Homes>)> {
-        let f = self.fleet.get()?.records.as_deref()?;
-        let homes = f.homes();
-        homes.shared().then_some((f, homes))
-    }
-
-    /// Takes access records other members sent for keys homed here (`POST
-    /// /fleet/records`): as if this member's master face had seen them. `arm_name`
-    /// names an arm by index (for miss reasons).
-    pub fn accept(&self, recs: Vec<Record>, arm_name: impl Fn(usize) -> String) {
-        let now = self.now_ms();
-        for r in recs {
-            match r.what {
-                records::What::Seen(s) => {
-                    let arm = usize::from(r.arm);
-                    self.apply(&r.tenant, r.client, s, arm, &arm_name(arm), now);
-                }
-                records::What::Offloaded(keys) => {
-                    self.mark_on_disk(keys.iter().map(|k| (&r.tenant, k)), now)
-                }
-                records::What::Adopt(items) => self.table.adopt(&r.tenant, &items, now),
-            }
-        }
-        self.metrics.table_keys.set(self.table.len() as i64);
-    }
-
-    /// Sends the entries whose home is now another member there (the ring changed, or
-    /// this member is leaving): in records of at most 1,024 entries, ages and leases as
-    /// durations.
-    pub fn hand_over(&self, f: &crate::fleet::forward::Forwarder, homes: &Homes) {
-        const PER_RECORD: usize = 1024;
-        let now = self.now_ms();
-        let moved = self.table.drain_where(|t, k| homes.other(t, k).is_some());
-        if moved.is_empty() {
-            return;
-        }
-        let n = moved.len();
-        let mut groups: std::collections::HashMap<(usize, Bytes), Vec<records::Adopted>> =
-            std::collections::HashMap::new();
-        for (tenant, key, e, segment) in moved {
-            let Some(h) = homes.other(&tenant, &key) else {
-                continue;
-            };
-            groups
-                .entry((h, tenant))
-                .or_default()
-                .push(records::Adopted {
-                    key,
-                    client: e.client,
-                    arm: e.arm,
-                    size: e.size,
-                    tier: e.tier,
-                    age_ms: now.saturating_sub(e.last_ms),
-                    hits: e.hits,
-                    lease_left_ms: e.leased_until_ms.saturating_sub(now),
-                    complete: e.complete,
-                    on_disk: e.on_disk,
-                    segment,
-                    tries: e.tries,
-                });
-        }
-        for ((h, tenant), items) in groups {
-            for chunk in items.chunks(PER_RECORD) {
-                let r = Record {
-                    tenant: tenant.clone(),
-                    client: Default::default(),
-                    arm: 0,
-                    what: records::What::Adopt(chunk.to_vec()),
-                };
-                f.queue(homes, h, &r);
-            }
-        }
-        if let Some(fleet) = self.fleet.get() {
-            fleet.metrics.handed_over.inc_by(n as u64);
-        }
-        self.metrics.table_keys.set(self.table.len() as i64);
-        tracing::info!(
-            entries = n,
-            "fleet: key-table entries handed to their new homes"
-        );
-    }
-
-    /// Applies one thing seen about keys homed here.
-    fn apply(
-        &self,
-        tenant: &Bytes,
-        client: crate::codec::types::Uuid,
-        seen: Seen,
-        arm: usize,
-        arm_name: &str,
-        now: u64,
-    ) {
-        let arm8 = arm.min(u8::MAX as usize) as u8;
-        match seen {
-            Seen::Stored(keys) => {
-                for (k, _, _) in &keys {
-                    self.history.clear(tenant, k);
-                }
-                self.table.put(tenant, &keys, arm, now)
-            }
-            Seen::Denied(bytes) => {
-                self.denied_bytes.fetch_add(bytes, Ordering::Relaxed);
-            }
-            Seen::Placed(keys) => self.table.placed(tenant, &keys, client),
-            Seen::Completed(keys) => match &self.events {
-                Some(ev) => {
-                    let mut c = Changes::new(What::Stored);
-                    self.table
-                        .complete(tenant, keys.iter(), |k, e| c.push(e.arm, Some(e.tier), k));
-                    c.send(ev);
-                }
-                None => self.table.complete(tenant, keys.iter(), |_, _| {}),
-            },
-            Seen::Found(keys) => {
-                let found = keys.iter().map(|(k, tier)| (k, *tier));
-                match &self.events {
-                    // A key served from its SSD copy lost its memory copy to the
-                    // master's own eviction: announced when seen, as a miss is.
-                    Some(ev) => {
-                        let mut c = Changes::new(What::Removed);
-                        self.table
-                            .hit(tenant, found, now, |k, e, was| c.push(e.arm, Some(was), k));
-                        c.send(ev);
-                    }
-                    None => self.table.hit(tenant, found, now, |_, _, _| {}),
-                }
-            }
-            Seen::Missed(keys) => self.missed(tenant, &keys, arm_name, now),
-            Seen::Removed(keys) => {
-                match &self.events {
-                    Some(ev) => {
-                        let mut c = Changes::new(What::Removed);
-                        for k in &keys {
-                            match self.table.take(tenant, k) {
-                                Some(e) => announce_gone(&mut c, k, &e),
-                                None => c.push(arm8, None, k),
-                            }
-                        }
-                        c.send(ev);
-                    }
-                    None => self.table.forget(tenant, keys.iter()),
-                }
-                self.history
-                    .note(tenant, keys.iter(), Why::removed_by_client, arm8, now);
-            }
-            Seen::Cleared => {
-                let gone = self.table.clear(tenant);
-                if let Some(ev) = &self.events {
-                    ev.send(Change {
-                        what: What::Cleared,
-                        arm: arm8,
-                        tier: None,
-                        keys: Vec::new(),
-                    });
-                }
-                self.history
-                    .note(tenant, gone.iter(), Why::removed_by_client, arm8, now);
-            }
-        }
-    }
-
-    /// Keys an owner wrote to its SSD: the table marks them (eviction then keeps that
-    /// copy), and KV events announce the new medium. Keys homed at another member go
-    /// there.
-    pub fn offloaded(&self, items: &[crate::calls::offload::Item]) {
-        let now = self.now_ms();
-        let Some((f, homes)) = self.routes() else {
-            return self.mark_on_disk(items.iter().map(|i| (&i.tenant, &i.key)), now);
-        };
-        let mut theirs: std::collections::HashMap<(usize, Bytes), Vec<Bytes>> =
-            std::collections::HashMap::new();
-        let mut mine = Vec::new();
-        for i in items {
-            match homes.other(&i.tenant, &i.key) {
-                Some(h) => theirs
-                    .entry((h, i.tenant.clone()))
-                    .or_default()
-                    .push(i.key.clone()),
-                None => mine.push(i),
-            }
-        }
-        for ((h, tenant), keys) in theirs {
-            let r = Record {
-                tenant,
-                client: Default::default(),
-                arm: 0,
-                what: records::What::Offloaded(keys),
-            };
-            f.queue(&homes, h, &r);
-        }
-        self.mark_on_disk(mine.into_iter().map(|i| (&i.tenant, &i.key)), now);
-    }
-
-    fn mark_on_disk<'a>(&self, keys: impl Iterator<Item = (&'a Bytes, &'a Bytes)>, now: u64) {
-        match &self.events {
-            Some(ev) => {
-                let mut c = Changes::new(What::Stored);
-                self.table
-                    .on_disk(keys, now, |k, e| c.push(e.arm, Some(Tier::LocalDisk), k));
-                c.send(ev);
-            }
-            None => self.table.on_disk(keys, now, |_, _| {}),
-        }
-    }
-
-    /// Explains lookup misses: a key the table holds was stored and is gone without
-    /// moongate removing it (the master evicted it); otherwise the history says why, or
-    /// it was never stored through this moongate (as far as it remembers).
-    fn missed(&self, tenant: &Bytes, keys: &[Bytes], arm_name: &str, now: u64) {
-        if keys.is_empty() {
-            return;
-        }
-        let mut by_why = [0u64; history::WHYS.len()];
-        let mut gone = self.events.as_ref().map(|_| Changes::new(What::Removed));
-        for k in keys {
-            let why = if let Some(e) = self.table.take_missed(tenant, k, now, PUT_STALE_MS) {
-                // The master's own eviction, announced when seen.
-                if let Some(c) = &mut gone {
-                    c.push(e.arm, Some(e.tier), k);
-                }
-                self.history.note(
-                    tenant,
-                    std::iter::once(k),
-                    Why::evicted_by_master,
-                    e.arm,
-                    now,
-                );
-                Why::evicted_by_master
-            } else {
-                self.history
-                    .last(tenant, k)
-                    .map_or(Why::never_stored, |e| e.why)
-            };
-            by_why[why as usize] += 1;
-        }
-        for (i, n) in by_why.into_iter().enumerate() {
-            if n > 0 {
-                self.metrics.missed(history::WHYS[i], arm_name, n);
-            }
-        }
-        if let (Some(c), Some(ev)) = (gone, &self.events) {
-            c.send(ev);
-        }
-    }
-
-    /// Keys a policy denied at put (they never reached the master).
-    pub fn refused(&self, tenant: &Bytes, keys: &[&Bytes], arm: usize) {
-        let arm = arm.min(u8::MAX as usize) as u8;
-        self.history.note(
-            tenant,
-            keys.iter().copied(),
-            Why::refused_by_policy,
-            arm,
-            self.now_ms(),
-        );
-    }
-
-    /// What moongate knows of one key: its table entry, or why it left.
-    pub fn key_state(&self, tenant: &Bytes, key: &Bytes) -> serde_json::Value {
-        let now = self.now_ms();
-        let entry = self.table.get(tenant, key).map(|e| {
-            serde_json::json!({
-                "size": e.size,
-                "tier": format!("{:?}", e.tier),
-                "arm": e.arm,
-                "hits": e.hits,
-                "last_access_ms_ago": now.saturating_sub(e.last_ms),
-                "put_ended": e.complete,
-            })
-        });
-        let last = self.history.last(tenant, key).map(|e| {
-            serde_json::json!({
-                "why": format!("{:?}", e.why),
-                "arm": e.arm,
-                "ms_ago": now.saturating_sub(e.at_ms),
-            })
-        });
-        serde_json::json!({
-            "key": String::from_utf8_lossy(key),
-            "tenant": String::from_utf8_lossy(tenant),
-            "stored": entry,
-            "last_end": last,
-        })
+        self.keys.now_ms()
     }
 
     /// Runs the triggers and rounds until shutdown.
@@ -499,16 +130,14 @@ impl Eviction {
         self: Arc<Self>,
         policy: Arc<Registry>,
         upstream: crate::upstream::Upstream,
-        topology: Arc<crate::topology::Topology>,
         shutdown: CancellationToken,
     ) {
-        let _ = self.topology.set(topology);
         let mut conn: Option<(String, Conn)> = None;
         let mut usage_failing = false;
         let interval = Duration::from_millis(self.cfg.interval_ms);
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut rounds = self.fleet.get().map(|f| f.rounds_heard());
+        let mut rounds = self.fleet.as_deref().map(|f| f.rounds_heard());
         // When this member, as leader, last called a round.
         let mut called_at: Option<tokio::time::Instant> = None;
         loop {
@@ -522,8 +151,8 @@ impl Eviction {
                 // The leader called a pool-wide round: this member's portion of that
                 // excess, now, as every other member frees its own.
                 let set = policy.current();
-                if let Some(f) = self.fleet.get().filter(|_| !by_weight(&set)) {
-                    let mine = self.table.arm_bytes().iter().sum();
+                if let Some(f) = self.fleet.as_deref().filter(|_| !by_weight(&set)) {
+                    let mine = self.keys.table.arm_bytes().iter().sum();
                     let need = self.whole_keys(f.portion(mine, excess, pool), mine);
                     tracing::debug!(excess, mine, portion = need, "fleet: the leader's round");
                     let cut = (round.age_ms > 0).then(|| round.age_ms + since(round.at_ms));
@@ -538,7 +167,7 @@ impl Eviction {
                     )
                     .await;
                 }
-                if let Some(f) = self.fleet.get() {
+                if let Some(f) = self.fleet.as_deref() {
                     f.round_freed(&round);
                 }
                 continue;
@@ -587,7 +216,7 @@ impl Eviction {
             if usage_need > 0 && !shares {
                 // In a fleet only the leader calls pool-wide rounds (every member hears
                 // of it and frees its portion at once); alone, all of the excess.
-                match self.fleet.get() {
+                match self.fleet.as_deref() {
                     None => need = usage_need,
                     // The last round may still be under way at the other members
                     // (delivered through etcd, then their removals): the usage read
@@ -607,10 +236,10 @@ impl Eviction {
                     {
                         called_at = Some(tokio::time::Instant::now());
                         let pool = capacity.map_or(0, |(_, allocated)| allocated);
-                        let mine = self.table.arm_bytes().iter().sum();
+                        let mine = self.keys.table.arm_bytes().iter().sum();
                         need = self.whole_keys(f.portion(mine, usage_need, pool), mine);
                         let now = self.now_ms();
-                        let cands = self.table.candidates(self.cfg.max_candidates, now);
+                        let cands = self.keys.table.candidates(self.cfg.max_candidates, now);
                         f.call_round(usage_need, pool, cut_age(&cands, need, now));
                         leader_cands = Some(cands);
                         tracing::debug!(
@@ -624,13 +253,13 @@ impl Eviction {
                 }
                 trigger = Some(Trigger::Usage);
             }
-            let denied = self.denied_bytes.swap(0, Ordering::Relaxed);
+            let denied = self.keys.take_denied();
             if self.cfg.on_put_denials && denied > 0 {
                 need = need.max(denied);
                 trigger.get_or_insert(Trigger::Denials);
             }
             if set.arms.len() >= 2 && !by_weight(&set) {
-                let bytes = self.table.arm_bytes();
+                let bytes = self.keys.table.arm_bytes();
                 for (i, arm) in set.arms.iter().enumerate() {
                     self.metrics
                         .arm_bytes(&arm.name, bytes.get(i).copied().unwrap_or(0), 0);
@@ -641,7 +270,8 @@ impl Eviction {
                 for (arm, need) in self.arm_needs(&set, capacity, allocated) {
                     self.metrics.round(Trigger::ArmShare);
                     let cands =
-                        self.table
+                        self.keys
+                            .table
                             .candidates_of(arm, self.cfg.max_candidates, self.now_ms());
                     let r = self
                         .round(&mut conn, &cands, need, true, &policy, &upstream)
@@ -667,7 +297,7 @@ impl Eviction {
     /// that is noise, but N members rounding up together free N/2 keys too many
     /// (measured: 16 members with 1 MiB keys took the pool 0.04 under the low watermark).
     fn whole_keys(&self, portion: u64, mine: u64) -> u64 {
-        let keys = self.table.len() as u64;
+        let keys = self.keys.table.len() as u64;
         let half_key = mine.checked_div(keys).unwrap_or(0) / 2;
         portion.saturating_sub(half_key)
     }
@@ -693,7 +323,8 @@ impl Eviction {
         }
         self.metrics.round(trigger);
         let now = self.now_ms();
-        let cands = cands.unwrap_or_else(|| self.table.candidates(self.cfg.max_candidates, now));
+        let cands =
+            cands.unwrap_or_else(|| self.keys.table.candidates(self.cfg.max_candidates, now));
         let need = match cut {
             Some(age) => {
                 let older: u64 = cands
@@ -721,9 +352,9 @@ impl Eviction {
     /// In a fleet an arm's bytes are every member's, and this member frees its portion
     /// of the arm's excess (its bytes of the arm over the fleet's).
     fn arm_needs(&self, set: &ActiveSet, capacity: u64, allocated: u64) -> Vec<(usize, u64)> {
-        let mine = self.table.arm_bytes();
+        let mine = self.keys.table.arm_bytes();
         let mine_of = |i: usize| mine.get(i).copied().unwrap_or(0);
-        let fleet_raw: Vec<u64> = match self.fleet.get() {
+        let fleet_raw: Vec<u64> = match self.fleet.as_deref() {
             Some(f) => {
                 let view = f.view();
                 set.arms
@@ -772,7 +403,7 @@ impl Eviction {
         // With an SSD tier offloading, moongate frees memory only from keys already on
         // an SSD (it drops their memory replica): a key with no other copy is left to
         // the master, which offloads before it evicts (`offload_on_evict`) or drops it.
-        let topo = self.topology.get().filter(|t| t.offloading());
+        let topo = Some(&*self.topology).filter(|t| t.offloading());
         let on_disk: Vec<(Bytes, Entry)>;
         let cands = match topo {
             Some(_) => {
@@ -859,8 +490,7 @@ impl Eviction {
                 })
             })
             .collect();
-        let mut removed = Vec::new();
-        let mut gone = self.events.as_ref().map(|_| Changes::new(What::Removed));
+        let mut gone = self.keys.departures();
         for (chunk, entries) in reqs.chunks(CHUNK).zip(chosen.chunks(CHUNK)) {
             let answers = c
                 .call_all(chunk, self.call_timeout())
@@ -872,7 +502,7 @@ impl Eviction {
                 let result = match a {
                     Ok(Response::Remove(Ok(()))) => {
                         self.metrics.removed_bytes.inc_by(e.size);
-                        self.history.note(
+                        self.keys.history.note(
                             &e.tenant,
                             std::iter::once(k),
                             Why::evicted_by_moongate,
@@ -884,19 +514,13 @@ impl Eviction {
                         {
                             self.metrics.arm_removed(&arm.name, e.size);
                         }
-                        removed.push((e.tenant.clone(), k.clone()));
-                        if let Some(c) = &mut gone {
-                            announce_gone(c, k, e);
-                        }
+                        gone.whole(k, e);
                         Victim::Removed
                     }
                     Ok(Response::Remove(Err(ErrorCode::OBJECT_HAS_LEASE))) => Victim::Leased,
                     Ok(Response::Remove(Err(ErrorCode::OBJECT_NOT_FOUND))) => {
                         // Already gone (the master evicted it): gone all the same.
-                        removed.push((e.tenant.clone(), k.clone()));
-                        if let Some(c) = &mut gone {
-                            announce_gone(c, k, e);
-                        }
+                        gone.whole(k, e);
                         Victim::NotFound
                     }
                     other => {
@@ -907,23 +531,11 @@ impl Eviction {
                 self.metrics.victim(result);
             }
         }
-        tracing::debug!(removed = removed.len(), "eviction round");
-        if let Some(t) = self.topology.get() {
-            t.ssd_removed(removed.iter().map(|(t, k)| (&t[..], &k[..])));
-        }
-        self.end_round(gone, &removed);
+        tracing::debug!(removed = gone.keys().len(), "eviction round");
+        self.topology
+            .ssd_removed(gone.keys().iter().map(|(t, k)| (&t[..], &k[..])));
+        self.keys.depart(gone);
         Ok(())
-    }
-
-    /// The end of a round: announce what went, and the table forgets it.
-    fn end_round(&self, gone: Option<Changes>, forgotten: &[(Bytes, Bytes)]) {
-        if let (Some(c), Some(ev)) = (gone, &self.events) {
-            c.send(ev);
-        }
-        for (tenant, key) in forgotten {
-            self.table.forget(tenant, std::iter::once(key));
-        }
-        self.metrics.table_keys.set(self.table.len() as i64);
     }
 
     /// With an SSD tier offloading: drops only the victims' memory replicas
@@ -943,7 +555,7 @@ impl Eviction {
         let mut groups: std::collections::BTreeMap<(u64, u64, u16), Vec<usize>> =
             Default::default();
         for (i, (_, e)) in chosen.iter().enumerate() {
-            if e.segment == table::NO_SEGMENT {
+            if e.segment == NO_SEGMENT {
                 self.metrics.victim(Victim::Kept);
                 continue;
             }
@@ -952,10 +564,9 @@ impl Eviction {
                 .or_default()
                 .push(i);
         }
-        let mut memory_gone = self.events.as_ref().map(|_| Changes::new(What::Removed));
-        let mut forgotten = Vec::new();
+        let mut gone = self.keys.departures();
         for ((first, second, seg), idx) in groups {
-            let Some(endpoint) = self.table.segment(seg) else {
+            let Some(endpoint) = self.keys.table.segment(seg) else {
                 continue;
             };
             let name = topo.segment_name(&endpoint);
@@ -994,7 +605,7 @@ impl Eviction {
                         // a few tries, or the same stale keys would be chosen round
                         // after round. The master's own eviction stays the backstop.
                         self.metrics.victim(Victim::Kept);
-                        self.table.back_off(
+                        self.keys.table.back_off(
                             &e.tenant,
                             k,
                             self.now_ms() + self.cfg.lease_ms,
@@ -1009,28 +620,23 @@ impl Eviction {
                     if e.on_disk {
                         // Its memory copy is gone; its SSD copy still serves reads.
                         self.metrics.victim(Victim::MemoryCleared);
-                        if let Some(c) = &mut memory_gone {
-                            c.push(e.arm, Some(Tier::Memory), k);
-                        }
+                        gone.memory(k, e);
                     } else {
                         self.metrics.victim(Victim::Removed);
-                        self.history.note(
+                        self.keys.history.note(
                             &e.tenant,
                             std::iter::once(k),
                             Why::evicted_by_moongate,
                             e.arm,
                             self.now_ms(),
                         );
-                        if let Some(c) = &mut memory_gone {
-                            c.push(e.arm, Some(e.tier), k);
-                        }
+                        gone.whole(k, e);
                     }
-                    forgotten.push((e.tenant.clone(), k.clone()));
                 }
             }
         }
         // The table holds what uses memory: a key left only on an SSD leaves it.
-        self.end_round(memory_gone, &forgotten);
+        self.keys.depart(gone);
         Ok(())
     }
 
@@ -1042,10 +648,7 @@ impl Eviction {
         policy: &Registry,
         tiered: bool,
     ) -> Vec<(usize, wit::EvictScope)> {
-        let hints: &dyn hinted::HintSource = match self.hints.get() {
-            Some(h) => &**h,
-            None => &hinted::NoHints,
-        };
+        let hints: &dyn hinted::HintSource = &*self.hints;
         victims(
             policy,
             &policy.current(),
@@ -1252,31 +855,10 @@ fn lru(sizes: &[u64], need: u64) -> Vec<usize> {
     out
 }
 
-/// A whole key gone (removed by a client or by moongate): one event per medium it had,
-/// its SSD copy included.
-fn announce_gone(c: &mut Changes, k: &Bytes, e: &Entry) {
-    c.push(e.arm, Some(e.tier), k);
-    if e.on_disk && e.tier != Tier::LocalDisk {
-        c.push(e.arm, Some(Tier::LocalDisk), k);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn k(s: &'static str) -> Bytes {
-        Bytes::from_static(s.as_bytes())
-    }
-
-    /// A tracked call of tenant `default`.
-    fn tracked(what: Track) -> Tracked {
-        Tracked {
-            tenant: Bytes::from_static(b"default"),
-            what,
-            client: Default::default(),
-        }
-    }
+    use crate::keys::Tier;
 
     #[test]
     fn a_rounds_delay_counts_only_when_the_clocks_agree() {
@@ -1307,7 +889,7 @@ mod tests {
                     complete: true,
                     on_disk: false,
                     client: Default::default(),
-                    segment: table::NO_SEGMENT,
+                    segment: NO_SEGMENT,
                     tries: 0,
                 };
                 e.last_ms = i;
@@ -1350,7 +932,7 @@ mod tests {
             complete: true,
             on_disk: false,
             client: Default::default(),
-            segment: table::NO_SEGMENT,
+            segment: NO_SEGMENT,
             tries: 0,
         };
         let cands: Vec<(Bytes, Entry)> = (0..4).map(|_| (Bytes::new(), e(10))).collect();
@@ -1370,176 +952,5 @@ mod tests {
         let mut v = vec![];
         top_up(&mut v, &cands, 1000, 2);
         assert_eq!(v, m(&[0, 1]), "at most cap");
-    }
-
-    #[test]
-    fn answers_update_the_table() {
-        let ev = Eviction::new(
-            EvictionConfig::default(),
-            crate::metrics::Metrics::new().eviction.clone(),
-            None,
-        );
-        let tenant = Bytes::from_static(b"default");
-        let tracked = |what| Tracked {
-            tenant: tenant.clone(),
-            what,
-            client: Default::default(),
-        };
-        let t = tracked(Track::Put(vec![
-            (Bytes::from_static(b"a"), 100),
-            (Bytes::from_static(b"b"), 50),
-        ]));
-        ev.record(
-            &t,
-            &Response::BatchPutStart(vec![Ok(vec![]), Err(ErrorCode::NO_AVAILABLE_HANDLE)]),
-            0,
-            "a",
-        );
-        assert_eq!(ev.table.len(), 1);
-        assert_eq!(ev.denied_bytes.load(Ordering::Relaxed), 50);
-        ev.record(
-            &tracked(Track::End(vec![Bytes::from_static(b"a")])),
-            &Response::BatchPutEnd(vec![Ok(())]),
-            0,
-            "a",
-        );
-        let look = tracked(Track::Lookup(vec![Bytes::from_static(b"a")].into()));
-        ev.record(&look, &Response::BatchExistKey(vec![Ok(true)]), 0, "a");
-        assert!(ev.table.candidates(1, 0).is_empty(), "leased by the lookup");
-        assert_eq!(ev.table.candidates(1, u64::MAX)[0].1.hits, 1);
-        ev.record(&look, &Response::ExistKey(Ok(false)), 0, "a");
-        assert!(ev.table.is_empty(), "a miss means the master dropped it");
-        assert_eq!(
-            ev.history
-                .last(&tenant, &Bytes::from_static(b"a"))
-                .unwrap()
-                .why,
-            Why::evicted_by_master
-        );
-    }
-
-    #[test]
-    fn the_table_tells_events_what_was_stored_and_what_is_gone() {
-        use crate::events::{Change, Events, EventsConfig, What};
-        let metrics = crate::metrics::Metrics::new();
-        let (events, mut rx) = Events::new(&EventsConfig::default(), metrics.events.clone());
-        let ev = Eviction::new(
-            EvictionConfig::default(),
-            metrics.eviction.clone(),
-            Some(events),
-        );
-        ev.record(
-            &tracked(Track::Put(vec![(k("a"), 1), (k("b"), 1), (k("c"), 1)])),
-            &Response::BatchPutStart(vec![Ok(vec![]), Ok(vec![]), Ok(vec![])]),
-            2,
-            "x",
-        );
-        // Nothing is stored until the put ends; a repeated end says nothing new.
-        assert!(rx.try_recv().is_err());
-        for _ in 0..2 {
-            ev.record(
-                &tracked(Track::End(vec![k("a"), k("b"), k("c")])),
-                &Response::BatchPutEnd(vec![Ok(()), Ok(()), Ok(())]),
-                2,
-                "x",
-            );
-        }
-        let stored = rx.try_recv().unwrap();
-        assert_eq!(
-            (stored.what, stored.arm, stored.keys.len()),
-            (What::Stored, 2, 3)
-        );
-        assert!(rx.try_recv().is_err());
-        // A client's removal, a key found gone (the master's eviction), a RemoveAll.
-        ev.record(
-            &tracked(Track::Remove(k("a"))),
-            &Response::Remove(Ok(())),
-            0,
-            "x",
-        );
-        ev.record(
-            &tracked(Track::Lookup(vec![k("b"), k("never")].into())),
-            &Response::BatchExistKey(vec![Ok(false), Ok(false)]),
-            0,
-            "x",
-        );
-        ev.record(&tracked(Track::RemoveAll), &Response::RemoveAll(1), 0, "x");
-        let rest: Vec<Change> = std::iter::from_fn(|| rx.try_recv().ok()).collect();
-        let shapes: Vec<(What, Vec<Bytes>, u8)> =
-            rest.into_iter().map(|c| (c.what, c.keys, c.arm)).collect();
-        assert_eq!(
-            shapes,
-            [
-                (What::Removed, vec![k("a")], 2),
-                (What::Removed, vec![k("b")], 2),
-                (What::Cleared, vec![], 0),
-            ]
-        );
-    }
-
-    #[test]
-    fn every_miss_gets_a_reason() {
-        let metrics = crate::metrics::Metrics::new();
-        let ev = Eviction::new(EvictionConfig::default(), metrics.eviction.clone(), None);
-        let tenant = Bytes::from_static(b"default");
-        // "gone" stored then missed (the master dropped it); "rm" removed by a client;
-        // "ev" evicted by moongate; "no" refused by a policy; "new" never seen.
-        ev.record(
-            &tracked(Track::Put(vec![(k("gone"), 1), (k("rm"), 1)])),
-            &Response::BatchPutStart(vec![Ok(vec![]), Ok(vec![])]),
-            0,
-            "a",
-        );
-        ev.record(
-            &tracked(Track::End(vec![k("gone"), k("rm")])),
-            &Response::BatchPutEnd(vec![Ok(()), Ok(())]),
-            0,
-            "a",
-        );
-        ev.record(
-            &tracked(Track::Remove(k("rm"))),
-            &Response::Remove(Ok(())),
-            0,
-            "a",
-        );
-        ev.history
-            .note(&tenant, [k("ev")].iter(), Why::evicted_by_moongate, 1, 0);
-        ev.refused(&tenant, &[&k("no")], 1);
-        let keys = vec![k("gone"), k("rm"), k("ev"), k("no"), k("new")];
-        ev.record(
-            &tracked(Track::Lookup(keys.into())),
-            &Response::BatchExistKey(vec![Ok(false); 5]),
-            0,
-            "a",
-        );
-        let mut text = String::new();
-        prometheus_client::encoding::text::encode(&mut text, &metrics.registry).unwrap();
-        for why in [
-            "evicted_by_master",
-            "removed_by_client",
-            "evicted_by_moongate",
-            "refused_by_policy",
-            "never_stored",
-        ] {
-            assert!(
-                text.contains(&format!(
-                    "moongate_lookup_misses_total{{reason=\"{why}\",arm=\"a\"}} 1"
-                )),
-                "{why}: {text}"
-            );
-        }
-        // Stored again: its history is forgotten.
-        ev.record(
-            &tracked(Track::Put(vec![(k("rm"), 1)])),
-            &Response::BatchPutStart(vec![Ok(vec![])]),
-            0,
-            "a",
-        );
-        assert!(ev.history.last(&tenant, &k("rm")).is_none());
-        let state = ev.key_state(&tenant, &k("rm"));
-        assert!(
-            state["stored"].is_object() && state["last_end"].is_null(),
-            "{state}"
-        );
     }
 }

@@ -1,8 +1,7 @@
-//! Moves access records to the keys' home members: what this member gathered for each
-//! other member goes out every `fleet.records_flush_ms` as one `POST /fleet/records` to
-//! that member's admin endpoint, on a kept HTTP/1.1 connection. The only file of the
-//! fleet that talks to other members; what records mean is [`super::records`]' and the
-//! evictor's business.
+//! Where access records go: the ring of members that are homes to keys, and what this
+//! member gathered for each of them, bounded, until [`super::send`] posts it (every
+//! `fleet.records_flush_ms`, one `POST /fleet/records` to each member's admin endpoint).
+//! What records mean is [`super::records`]' and the key table's business.
 //!
 //! Records are hints: a batch a member cannot take (it died, it is slow, its pending
 //! bytes are full) is dropped and counted, never retried, and never blocks a request.
@@ -15,16 +14,10 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use bytes::{Bytes, BytesMut};
-use http_body_util::Full;
-use hyper::client::conn::http1::SendRequest;
-use tokio_util::sync::CancellationToken;
 
 use super::metrics::FleetMetrics;
 use super::records::{self, Record, Ring};
 use super::{FleetConfig, View};
-
-/// How long one POST may take before the batch counts as unsent.
-const POST_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The members that take records, and which of them this one is.
 #[derive(Debug, Default)]
@@ -33,7 +26,7 @@ pub struct Homes {
     /// This member's index on the ring (`None`: not on it yet; it keeps every key).
     me: Option<usize>,
     /// Each member's admin endpoint (by ring index).
-    admin: Vec<String>,
+    pub(super) admin: Vec<String>,
     /// Bumped on every change of the ring.
     pub generation: u64,
 }
@@ -80,13 +73,13 @@ impl Homes {
 /// Gathers records per member and sends them.
 pub struct Forwarder {
     me: String,
-    flush: Duration,
+    pub(super) flush: Duration,
     max_pending: usize,
     /// `admin.token`, sent as a bearer token (members share their admin settings).
-    token: String,
+    pub(super) token: String,
     homes: ArcSwap<Homes>,
     pending: Mutex<HashMap<String, BytesMut>>,
-    metrics: Arc<FleetMetrics>,
+    pub(super) metrics: Arc<FleetMetrics>,
 }
 
 impl Forwarder {
@@ -179,126 +172,6 @@ impl Forwarder {
             })
             .collect()
     }
-
-    /// Sends what is pending every `flush` until shutdown. `handover` runs first after
-    /// each change of the ring (to queue the entries whose home moved), and once more at
-    /// shutdown with a ring without this member, whose batches then go out before it
-    /// returns.
-    pub async fn run(
-        self: Arc<Self>,
-        handover: Box<dyn Fn(&Homes) + Send + Sync>,
-        shutdown: CancellationToken,
-    ) {
-        let mut conns: HashMap<String, SendRequest<Full<Bytes>>> = HashMap::new();
-        let mut tick = tokio::time::interval(self.flush);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut seen = 0;
-        loop {
-            let stopping = tokio::select! {
-                _ = shutdown.cancelled() => true,
-                _ = tick.tick() => false,
-            };
-            let mut homes = self.homes();
-            if stopping && homes.shared() {
-                homes = Arc::new(homes.without_me());
-                handover(&homes);
-            } else if homes.generation != seen {
-                seen = homes.generation;
-                if homes.shared() {
-                    handover(&homes);
-                }
-            }
-            let batches = self.take_pending();
-            if !batches.is_empty() {
-                let sends = batches.into_iter().map(|(member, body)| {
-                    let addr = homes
-                        .ring
-                        .members
-                        .iter()
-                        .position(|m| *m == member)
-                        .and_then(|i| homes.admin.get(i).cloned())
-                        .unwrap_or_default();
-                    let conn = conns.remove(&member);
-                    let token = self.token.clone();
-                    async move {
-                        let n = body.len() as u64;
-                        let r = tokio::time::timeout(POST_TIMEOUT, post(conn, &addr, &token, body))
-                            .await
-                            .unwrap_or_else(|_| Err(format!("no answer within {POST_TIMEOUT:?}")));
-                        (member, addr, n, r)
-                    }
-                });
-                for (member, addr, n, r) in futures_util::future::join_all(sends).await {
-                    match r {
-                        Ok(c) => {
-                            self.metrics.records_sent_bytes.inc_by(n);
-                            conns.insert(member, c);
-                        }
-                        Err(e) => {
-                            self.metrics.records_dropped[1].inc();
-                            tracing::debug!(%member, %addr, error = %e, "fleet: records not sent");
-                        }
-                    }
-                }
-            }
-            if stopping {
-                return;
-            }
-        }
-    }
-}
-
-/// One batch to one member, on `conn` when it is still open (a new connection
-/// otherwise); returns the connection for the next batch.
-async fn post(
-    conn: Option<SendRequest<Full<Bytes>>>,
-    addr: &str,
-    token: &str,
-    body: Bytes,
-) -> Result<SendRequest<Full<Bytes>>, String> {
-    if addr.is_empty() {
-        return Err("the member names no admin endpoint".into());
-    }
-    let open = match conn {
-        Some(mut c) => c.ready().await.is_ok().then_some(c),
-        None => None,
-    };
-    let mut send = match open {
-        Some(c) => c,
-        None => {
-            let s = tokio::net::TcpStream::connect(addr)
-                .await
-                .map_err(|e| format!("connect: {e}"))?;
-            let _ = s.set_nodelay(true);
-            let (send, driver) =
-                hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(s))
-                    .await
-                    .map_err(|e| e.to_string())?;
-            tokio::spawn(async move {
-                let _ = driver.await;
-            });
-            send
-        }
-    };
-    let mut b = hyper::Request::builder()
-        .method(hyper::Method::POST)
-        .uri("/fleet/records")
-        .header(hyper::header::HOST, addr)
-        .header(hyper::header::CONTENT_TYPE, "application/octet-stream");
-    if !token.is_empty() {
-        b = b.header(hyper::header::AUTHORIZATION, format!("Bearer {token}"));
-    }
-    let req = b.body(Full::new(body)).map_err(|e| e.to_string())?;
-    let resp = send.send_request(req).await.map_err(|e| e.to_string())?;
-    let status = resp.status();
-    // The answer is short; read it so the connection can carry the next batch.
-    let _ =
-        http_body_util::BodyExt::collect(http_body_util::Limited::new(resp.into_body(), 64 << 10))
-            .await;
-    if !status.is_success() {
-        return Err(format!("answered HTTP {status}"));
-    }
-    Ok(send)
 }
 
 #[cfg(test)]

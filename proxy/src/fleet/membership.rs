@@ -26,8 +26,32 @@ use tokio_util::sync::CancellationToken;
 use super::{Fleet, Record, Round, View};
 use crate::upstream::Upstream;
 
-/// Makes this member's record when it is due for publishing.
-pub type Snapshot = Arc<dyn Fn() -> Record + Send + Sync>;
+/// What this member's record is made of when it is due for publishing.
+pub struct Snapshot {
+    /// The arms in force (their lookups and hits through this member).
+    pub policy: Arc<crate::policy::registry::Registry>,
+    /// The key table, when this member keeps one.
+    pub keys: Option<Arc<crate::keys::Keys>>,
+    /// Bytes moongate's evictor removed (`moongate_eviction_removed_bytes`).
+    pub evicted: prometheus_client::metrics::counter::Counter,
+    /// This member's admin endpoint (where the others send access records).
+    pub admin: String,
+    /// Whether it takes access records.
+    pub records: bool,
+}
+
+impl Snapshot {
+    fn record(&self, fleet: &Fleet) -> Record {
+        let mut rec = fleet.record_of(
+            &self.policy.current(),
+            self.keys.as_deref(),
+            self.evicted.get(),
+        );
+        rec.admin = self.admin.clone();
+        rec.records = self.records;
+        rec
+    }
+}
 
 /// Keeps this member in the fleet until shutdown, then leaves it (revokes the lease, so
 /// the others see it go at once rather than when the lease runs out). Reconnects after
@@ -210,7 +234,7 @@ async fn publish(
     snapshot: &Snapshot,
     last: &mut Option<Vec<u8>>,
 ) -> Result<(), etcd_client::Error> {
-    let mut rec = snapshot();
+    let mut rec = snapshot.record(fleet);
     rec.member = fleet.me.clone();
     let body = serde_json::to_vec(&rec).unwrap_or_default();
     if last.as_deref() == Some(&body[..]) {

@@ -26,9 +26,11 @@
 
 pub mod config;
 pub mod forward;
+pub mod hand_over;
 pub mod membership;
 pub mod metrics;
 pub mod records;
+pub mod send;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -398,6 +400,27 @@ impl Fleet {
     /// The last round this member freed its portion of (its record).
     pub fn round_done(&self) -> (String, u64) {
         self.done.borrow().clone()
+    }
+
+    /// What this member publishes of itself: keys and bytes per arm of its key table
+    /// (when it keeps one), the bytes it evicted, the pool-wide rounds it called and the
+    /// last one it freed its portion of.
+    pub fn record_of(
+        &self,
+        set: &crate::policy::active::ActiveSet,
+        keys: Option<&crate::keys::Keys>,
+        evicted_bytes: u64,
+    ) -> Record {
+        let (round_done_by, round_done_seq) = self.round_done();
+        let arm_bytes = keys.map(|k| k.table.arm_bytes()).unwrap_or_default();
+        Record {
+            keys: keys.map_or(0, |k| k.table.len() as u64),
+            evicted_bytes,
+            rounds_called: self.rounds_called(),
+            round_done_by,
+            round_done_seq,
+            ..Record::of_arms(set, &arm_bytes)
+        }
     }
 
     /// Rounds freed, as they happen, for the membership task to publish.

@@ -32,26 +32,7 @@ const POINTS: u32 = 64;
 /// At most this many items per record (a batch is bounded by its body limit anyway).
 const MAX_ITEMS: u32 = 1 << 20;
 
-/// A key's table entry moved to a new home (a member joined or left).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Adopted {
-    pub key: Bytes,
-    /// The client that put it, and the experiment arm that served the put.
-    pub client: Uuid,
-    pub arm: u8,
-    pub size: u64,
-    pub tier: Tier,
-    /// How long ago it was last put or found, on the sender's clock.
-    pub age_ms: u64,
-    pub hits: u32,
-    /// How much longer a read lease holds it.
-    pub lease_left_ms: u64,
-    pub complete: bool,
-    pub on_disk: bool,
-    /// The memory replica's segment endpoint (empty when unknown).
-    pub segment: Bytes,
-    pub tries: u8,
-}
+pub use crate::keys::table::Adopted;
 
 /// What one record says: a [`Seen`] from another member's master face, an owner's
 /// offload notice, or entries handed over on a change of membership.

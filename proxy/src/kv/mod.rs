@@ -26,8 +26,8 @@
 //!   cache, the put/get protocol, metadata, the disk tier, transport choice);
 //! - [`transport`]: TE-TCP, QUIC between moongates, RDMA detection;
 //! - [`own`]: moongate's own segment and its registration;
-//! - [`seen`]: what the kv face's master calls tell the key table (eviction, KV events,
-//!   miss reasons);
+//! - [`seen`]: the kv face's answered master calls as observations, for the key table
+//!   (eviction, KV events, miss reasons) and the fleet's access records;
 //! - [`config`], [`metrics`]: this face's config section and metric handles.
 //!
 //! [`start`] builds all of it from `[kv]`; the server only calls it.
@@ -85,8 +85,8 @@ pub struct Uses {
     pub policy: Arc<Registry>,
     /// Where `POST /v1/hints` goes.
     pub hints: Arc<crate::hints::Hints>,
-    /// The key table its traffic feeds (`[eviction]` or `[events]` on).
-    pub eviction: Option<Arc<crate::eviction::Eviction>>,
+    /// Where what its master calls' answers say goes, as the master face's do.
+    pub answered: Arc<crate::answered::Sink>,
     pub metrics: Arc<KvMetrics>,
 }
 
@@ -104,7 +104,7 @@ pub async fn start(
     let Uses {
         policy,
         hints,
-        eviction,
+        answered,
         metrics,
     } = uses;
     let timeout = Duration::from_millis(cfg.timeout_ms);
@@ -158,16 +158,15 @@ pub async fn start(
     )
     .with_replica_cache(Duration::from_millis(cfg.replica_cache_ms));
     // The key table learns of engines' traffic as of Mooncake clients'.
-    let store = match eviction {
-        Some(ev) => {
-            let client = store.client_id();
-            store.with_heard(Arc::new(seen::KeyTableFeed {
-                eviction: ev,
-                policy: policy.clone(),
-                client,
-            }))
-        }
-        None => store,
+    let store = if answered.keeps_keys() {
+        let client = store.client_id();
+        store.with_heard(Arc::new(seen::Observer {
+            answered,
+            policy: policy.clone(),
+            client,
+        }))
+    } else {
+        store
     };
     let engines = if cfg.shm && cfg.zero_copy && !cfg.unix_path.is_empty() {
         let staging = if cfg.staging_bytes > 0 {

@@ -1,6 +1,7 @@
-//! What the kv face's traffic tells the key table: every master call the kv face makes
-//! for an engine (puts, their ends and revokes, lookups, existence checks, removals) and
-//! its answer go to [`crate::eviction::Eviction::record`], as the master face's do, so
+//! What the kv face's traffic tells the rest of moongate: every master call the kv face
+//! makes for an engine (puts, their ends and revokes, lookups, existence checks,
+//! removals) and its answer become one observation for [`crate::answered::Sink`], as the
+//! master face's answered calls do, so
 //! keys engines store through the kv face (HTTP, the Unix socket, shared memory, QUIC,
 //! reservations and views) are moongate's evictor's to choose, are announced in KV
 //! events, and their misses explained.
@@ -10,22 +11,22 @@
 
 use std::sync::Arc;
 
+use crate::answered::{Answered, Sink};
 use crate::calls::{CallExt, Tracked};
 use crate::codec::message::{Request, Response};
 use crate::codec::types::Uuid;
-use crate::eviction::Eviction;
 use crate::kv::client::Heard;
 use crate::policy::registry::Registry;
 
-/// Feeds the key table from the kv face's master calls.
-pub struct KeyTableFeed {
-    pub eviction: Arc<Eviction>,
+/// Turns the kv face's answered master calls into observations.
+pub struct Observer {
+    pub answered: Arc<Sink>,
     pub policy: Arc<Registry>,
     /// The kv face's Mooncake client id.
     pub client: Uuid,
 }
 
-impl Heard for KeyTableFeed {
+impl Heard for Observer {
     fn wants(&self, req: &Request) -> bool {
         // What `Tracked::of` reads, without building it for calls it does not.
         matches!(
@@ -49,6 +50,12 @@ impl Heard for KeyTableFeed {
             return;
         };
         let (set, arm) = self.policy.arm_for(&self.client, req.first_key());
-        self.eviction.record(&t, resp, arm, &set.arms[arm].name);
+        let said = self.answered.said(Some(&t), None, resp);
+        self.answered.answered(Answered {
+            said,
+            arm,
+            arm_name: &set.arms[arm].name,
+            read: None,
+        });
     }
 }

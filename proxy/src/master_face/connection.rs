@@ -669,6 +669,7 @@ mod tests {
         all: &Metrics,
     ) -> std::net::SocketAddr {
         let fake: Arc<dyn Policy> = Arc::new(Fake::new("p"));
+        let topology = Arc::new(crate::topology::Topology::new(all.topology.clone()));
         let shared = Arc::new(Shared {
             upstream: crate::upstream::Upstream::fixed(&cfg.upstream),
             cfg,
@@ -682,8 +683,8 @@ mod tests {
             )
             .unwrap(),
             put_bytes_in_flight: Default::default(),
-            eviction: None,
-            topology: Arc::new(crate::topology::Topology::new(all.topology.clone())),
+            answered: Arc::new(crate::answered::Sink::new(None, None, topology.clone())),
+            topology,
             owner_face: None,
         });
         let face = TcpListener::bind("127.0.0.1:0").await.unwrap();

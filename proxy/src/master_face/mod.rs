@@ -37,8 +37,9 @@ pub struct Shared {
     /// Bytes of put-family starts forwarded and not yet answered, across connections
     /// (what a `split` plugin sees as in flight).
     pub put_bytes_in_flight: Arc<std::sync::atomic::AtomicU64>,
-    /// The eviction table to feed from answers (`[eviction] enabled`).
-    pub eviction: Option<Arc<crate::eviction::Eviction>>,
+    /// Where what each answered call says goes (the key table, SSD usage, the tiers
+    /// served, the fleet's access records).
+    pub answered: Arc<crate::answered::Sink>,
     /// Who is behind each connection, what ranks were served, what owners offloaded.
     pub topology: Arc<crate::topology::Topology>,
     /// Relays of owners' SSD reads (`[owner_face] enabled`): lookup answers to ranks

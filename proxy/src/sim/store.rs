@@ -42,7 +42,7 @@ use crate::codec::types::{
     BufferDescriptor, ErrorCode, GetReplicaListResponse, MemoryDescriptor, ReplicaDescriptor,
     ReplicaLocation, ReplicaStatus, ReplicateConfig, Tier, Uuid,
 };
-use crate::eviction::Entry;
+use crate::keys::Entry;
 use crate::policy::Outcome;
 use crate::policy::registry::Registry;
 
@@ -450,7 +450,7 @@ impl<'a> Store<'a> {
                         complete: true,
                         on_disk: false,
                         client: Default::default(),
-                        segment: crate::eviction::table::NO_SEGMENT,
+                        segment: crate::keys::table::NO_SEGMENT,
                         tries: 0,
                     },
                 )

@@ -185,6 +185,14 @@ impl Peer {
     }
 }
 
+/// What one lookup answer said of SSD copies, per key (see [`Topology::ssd_seen`]).
+#[derive(Debug)]
+pub struct SsdSeen {
+    tag: u32,
+    /// The key's hash, and the owner and size of its SSD copy when the answer listed one.
+    items: Vec<(u64, Option<(Uuid, u64)>)>,
+}
+
 /// What an owner told the master about its SSD.
 #[derive(Debug, Default, Clone)]
 pub struct OwnerState {
@@ -476,50 +484,61 @@ impl Topology {
     }
 
     /// Whether SSD usage is being followed (an owner made an offload call): the master
-    /// face then hands lookups and removals to [`Topology::ssd_lookup`] and
-    /// [`Topology::ssd_removed`].
+    /// faces' observations then carry what lookups said of SSD copies
+    /// ([`Topology::ssd_seen`]), and removals end SSD copies ([`Topology::ssd_removed`]).
     pub fn ssd_tracking(&self) -> bool {
         self.ssd_on.load(Ordering::Relaxed)
     }
 
-    /// The master's own answer to a lookup (before any steering hides a replica): a key
-    /// listed with an SSD copy is on that owner's SSD (learnt, for keys offloaded before
-    /// moongate started); a key found without one, or not found, is not on any.
-    pub fn ssd_lookup(
-        &self,
+    /// What the master's own answer to a lookup (before any steering hides a replica)
+    /// says of SSD copies: a key listed with one is on that owner's SSD; a key found
+    /// without one, or not found, is on none. Taken before the face rewrites the answer,
+    /// applied with [`Topology::follow_ssd`].
+    pub fn ssd_seen(
         tenant: &Bytes,
         keys: &Keys,
         answers: &[Expected<GetReplicaListResponse>],
-    ) {
+    ) -> Option<SsdSeen> {
         if keys.len() != answers.len() {
-            return;
+            return None;
         }
         let tenant = ssd_tenant(tenant);
-        let tag = tenant_tag(tenant);
+        let items = keys
+            .iter()
+            .zip(answers)
+            .filter_map(|(k, a)| {
+                let h = key_hash(tenant, k);
+                match a {
+                    Ok(list) => Some((
+                        h,
+                        list.replicas.iter().find_map(|r| match &r.location {
+                            ReplicaLocation::LocalDisk(d) => Some((d.client_id, d.object_size)),
+                            _ => None,
+                        }),
+                    )),
+                    Err(ErrorCode::OBJECT_NOT_FOUND) => Some((h, None)),
+                    Err(_) => None,
+                }
+            })
+            .collect();
+        Some(SsdSeen {
+            tag: tenant_tag(tenant),
+            items,
+        })
+    }
+
+    /// Applies what a lookup answer said of SSD copies (learnt, for keys offloaded
+    /// before moongate started).
+    pub fn follow_ssd(&self, seen: &SsdSeen) {
         let mut ssd = lock(&self.ssd);
         let mut changed = Vec::new();
-        for (k, a) in keys.iter().zip(answers) {
-            let h = key_hash(tenant, k);
-            match a {
-                Ok(list) => {
-                    let disk = list.replicas.iter().find_map(|r| match &r.location {
-                        ReplicaLocation::LocalDisk(d) => Some(d),
-                        _ => None,
-                    });
-                    let owners = match disk {
-                        Some(d) => ssd.0.stored(d.client_id, tag, h, d.object_size, true),
-                        None => ssd.0.gone(h).into_iter().collect(),
-                    };
-                    for o in owners {
-                        push_once(&mut changed, o);
-                    }
-                }
-                Err(ErrorCode::OBJECT_NOT_FOUND) => {
-                    if let Some(o) = ssd.0.gone(h) {
-                        push_once(&mut changed, o);
-                    }
-                }
-                Err(_) => {}
+        for &(h, disk) in &seen.items {
+            let owners = match disk {
+                Some((owner, size)) => ssd.0.stored(owner, seen.tag, h, size, true),
+                None => ssd.0.gone(h).into_iter().collect(),
+            };
+            for o in owners {
+                push_once(&mut changed, o);
             }
         }
         self.publish_ssd(&mut ssd, &changed);
@@ -821,7 +840,7 @@ mod tests {
             lease_ttl_ms: 1,
             object_checksum: None,
         });
-        t.ssd_lookup(
+        let seen = Topology::ssd_seen(
             &default,
             &keys(&["a", "b", "c", "d"]),
             &[
@@ -831,14 +850,16 @@ mod tests {
                 on_ssd(owner, 50),
             ],
         );
+        t.follow_ssd(&seen.unwrap());
         assert_eq!(t.ssd_usage(owner).bytes, 150);
         assert_eq!(t.ssd_usage(owner).keys, 2);
         // An error other than "not found" says nothing.
-        t.ssd_lookup(
+        let seen = Topology::ssd_seen(
             &default,
             &keys(&["a"]),
             &[Err(ErrorCode::REPLICA_IS_NOT_READY)],
         );
+        t.follow_ssd(&seen.unwrap());
         assert_eq!(t.ssd_usage(owner).bytes, 150);
         t.ssd_removed(std::iter::once((&b"default"[..], &b"a"[..])));
         assert_eq!(t.ssd_usage(owner).bytes, 50);

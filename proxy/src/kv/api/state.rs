@@ -1,6 +1,7 @@
-//! What the kv API's connections share, and the two things every handler uses the same
-//! way: the one mapping from client-core errors to HTTP statuses, and the policy's
-//! decision lifecycle for puts (decide, then finish when the put has ended).
+//! What the kv API's connections share, and the things every handler uses the same
+//! way: the one mapping from client-core errors to HTTP statuses (and to the C ABI's
+//! codes), and the policy's decision lifecycle for puts (decide, then finish when the
+//! put has ended).
 
 use std::sync::Arc;
 
@@ -84,6 +85,25 @@ pub fn decide_start(state: &KvState, start: Request) -> Result<Upstream, Vec<Err
         Sending::Answered { refused, .. } => {
             Err(refused.denied.into_iter().map(|(_, c)| c).collect())
         }
+    }
+}
+
+/// The one place store errors become the C ABI's answer codes (the shared-memory
+/// socket's answers, views and reservations).
+pub fn abi_code_of(e: &StoreError) -> i32 {
+    use moongate_kv::capi::{
+        MG_ERR_ARG, MG_ERR_BUSY, MG_ERR_EXISTS, MG_ERR_LEASED, MG_ERR_NO_ROOM, MG_ERR_REFUSED,
+    };
+    match e {
+        StoreError::Busy(_)
+        | StoreError::MasterBusy
+        | StoreError::NoLeader
+        | StoreError::Fenced(_) => MG_ERR_BUSY,
+        StoreError::Refused(ErrorCode::OBJECT_ALREADY_EXISTS) => MG_ERR_EXISTS,
+        StoreError::Refused(ErrorCode::OBJECT_HAS_LEASE) => MG_ERR_LEASED,
+        StoreError::Refused(ErrorCode::NO_AVAILABLE_HANDLE) => MG_ERR_NO_ROOM,
+        StoreError::Refused(ErrorCode::INVALID_KEY | ErrorCode::INVALID_PARAMS) => MG_ERR_ARG,
+        _ => MG_ERR_REFUSED,
     }
 }
 

@@ -37,8 +37,7 @@ use bytes::Bytes;
 use tokio::io::Interest;
 use tokio::net::UnixStream;
 
-use super::state::{KvState, decided_put};
-use crate::codec::types::ErrorCode;
+use super::state::{KvState, abi_code_of as code_of, decided_put};
 use crate::kv::client::{ReadInto, StoreError};
 
 mod frames;
@@ -53,10 +52,8 @@ pub use moongate_kv::shm::wire::MAGIC;
 use moongate_kv::shm::wire::*;
 
 use moongate_kv::capi::{
-    MG_ERR_ARG as ERR_ARG, MG_ERR_BUSY as ERR_BUSY, MG_ERR_DENIED as ERR_DENIED,
-    MG_ERR_EXISTS as ERR_EXISTS, MG_ERR_LEASED as ERR_LEASED, MG_ERR_NO_ROOM as ERR_NO_ROOM,
-    MG_ERR_NOMEM as ERR_NOMEM, MG_ERR_NOT_FOUND as ERR_NOT_FOUND, MG_ERR_NOT_LOCAL,
-    MG_ERR_REFUSED as ERR_REFUSED, MG_ERR_TOO_SMALL as ERR_TOO_SMALL,
+    MG_ERR_ARG as ERR_ARG, MG_ERR_DENIED as ERR_DENIED, MG_ERR_NOMEM as ERR_NOMEM,
+    MG_ERR_NOT_FOUND as ERR_NOT_FOUND, MG_ERR_NOT_LOCAL, MG_ERR_TOO_SMALL as ERR_TOO_SMALL,
 };
 
 /// File descriptors a peer may have in flight before it asks for them (one per
@@ -179,21 +176,6 @@ struct Fail(i32, String);
 impl Fail {
     fn arg(msg: impl Into<String>) -> Fail {
         Fail(ERR_ARG, msg.into())
-    }
-}
-
-/// The one place store errors become shared-memory answer codes.
-pub(super) fn code_of(e: &StoreError) -> i32 {
-    match e {
-        StoreError::Busy(_)
-        | StoreError::MasterBusy
-        | StoreError::NoLeader
-        | StoreError::Fenced(_) => ERR_BUSY,
-        StoreError::Refused(ErrorCode::OBJECT_ALREADY_EXISTS) => ERR_EXISTS,
-        StoreError::Refused(ErrorCode::OBJECT_HAS_LEASE) => ERR_LEASED,
-        StoreError::Refused(ErrorCode::NO_AVAILABLE_HANDLE) => ERR_NO_ROOM,
-        StoreError::Refused(ErrorCode::INVALID_KEY | ErrorCode::INVALID_PARAMS) => ERR_ARG,
-        _ => ERR_REFUSED,
     }
 }
 

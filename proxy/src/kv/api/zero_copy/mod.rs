@@ -33,7 +33,7 @@ use moongate_kv::capi::{
 use moongate_kv::shm::wire::{MEMORY_SEGMENT, MEMORY_STAGING, PLACE_IN_PLACE, PLACE_STAGED};
 use tokio_util::sync::CancellationToken;
 
-use super::state::{KvState, code_of as outcome_code};
+use super::state::{KvState, abi_code_of as code_of, code_of as outcome_code};
 use crate::codec::Method;
 use crate::codec::message::Request;
 use crate::codec::types::{ReplicaDescriptor, ReplicaLocation};
@@ -425,10 +425,6 @@ fn no_lease(what: &str, id: u64) -> Fail {
             "no {what} {id} on this engine (released, committed, expired, or another handle's)"
         ),
     )
-}
-
-fn code_of(e: &StoreError) -> i32 {
-    super::shm::code_of(e)
 }
 
 fn fail_of(e: StoreError) -> Fail {

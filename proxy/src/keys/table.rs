@@ -16,6 +16,28 @@ use bytes::Bytes;
 pub use crate::codec::types::Tier;
 use crate::codec::types::Uuid;
 
+/// A key's table entry moved to a new home (a fleet member joined or left): ages and
+/// leases as durations, since the members' clocks differ.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Adopted {
+    pub key: Bytes,
+    /// The client that put it, and the experiment arm that served the put.
+    pub client: Uuid,
+    pub arm: u8,
+    pub size: u64,
+    pub tier: Tier,
+    /// How long ago it was last put or found, on the sender's clock.
+    pub age_ms: u64,
+    pub hits: u32,
+    /// How much longer a read lease holds it.
+    pub lease_left_ms: u64,
+    pub complete: bool,
+    pub on_disk: bool,
+    /// The memory replica's segment endpoint (empty when unknown).
+    pub segment: Bytes,
+    pub tries: u8,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Entry {
     /// The tenant the key was put under (Mooncake keys are per tenant).
@@ -419,7 +441,7 @@ impl KeyTable {
     /// Takes entries another member handed over (this member is their home now), aged
     /// and leased as the sender knew them, on this table's clock (`now_ms`). A key held
     /// already keeps the more recent of the two.
-    pub fn adopt(&self, tenant: &Bytes, items: &[crate::fleet::records::Adopted], now_ms: u64) {
+    pub fn adopt(&self, tenant: &Bytes, items: &[Adopted], now_ms: u64) {
         let tenant = Bytes::copy_from_slice(tenant);
         let mut t = self.lock();
         for a in items {
@@ -547,7 +569,7 @@ mod tests {
             (&b"default"[..], &b"a"[..], &b"10.0.0.1:1"[..])
         );
         // Sent at 500 on the sender's clock (age 100, lease left 900); taken at 10,000.
-        let a = crate::fleet::records::Adopted {
+        let a = Adopted {
             key: key.clone(),
             client: e.client,
             arm: e.arm,
