@@ -269,10 +269,12 @@ fn key_view(
             "no key table: it is kept with [eviction] enabled = true",
         );
     };
-    let key: Vec<u8> = form_urlencoded::parse(format!("k={}", raw.replace('+', "%2B")).as_bytes())
-        .next()
-        .map(|(_, v)| v.into_owned().into_bytes())
-        .unwrap_or_default();
+    let Some(key) = moongate_kv::decode_key(raw) else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "the key is not percent-encoded (a % must start two hex digits)",
+        );
+    };
     if key.is_empty() {
         return error(StatusCode::BAD_REQUEST, "missing key: GET /keys/{key}");
     }
@@ -296,57 +298,7 @@ async fn route(
         return key_view(&state, &req, &path["/keys/".len()..], loopback);
     }
     if method == Method::GET {
-        return match path.as_str() {
-            "/live" => text(StatusCode::OK, "live\n"),
-            "/ready" => {
-                let skewed = state.topology.skew_stuck(SKEW_STUCK_WITHIN);
-                if !state.ready.load(Ordering::Relaxed) {
-                    text(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        "not ready: the upstream master does not answer ServiceReady\n",
-                    )
-                } else if skewed > 0 {
-                    text(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        format!(
-                            "not ready: {skewed} client process(es) of another Mooncake \
-                             release than the master's had every data call refused \
-                             (master_face.bridge is off)\n"
-                        ),
-                    )
-                } else {
-                    text(StatusCode::OK, "ready\n")
-                }
-            }
-            "/metrics" => {
-                let mut r = text(StatusCode::OK, state.metrics.encode());
-                r.headers_mut().insert(
-                    hyper::header::CONTENT_TYPE,
-                    hyper::header::HeaderValue::from_static(
-                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                    ),
-                );
-                r
-            }
-            "/status" => json(StatusCode::OK, &status_view(&state)),
-            "/plugins" => json(StatusCode::OK, &state.policy.list()),
-            "/experiments" => json(StatusCode::OK, &experiments_view(&state.policy)),
-            "/fleet" => json(StatusCode::OK, &fleet_view(&state)),
-            "/ranks" => {
-                let view = state.topology.report(|p| {
-                    let who = p.assign.or(p.client()).unwrap_or_default();
-                    let (set, arm) = state.policy.arm_for(&who, None);
-                    set.arms
-                        .get(arm)
-                        .map_or_else(String::new, |a| a.name.clone())
-                });
-                json(StatusCode::OK, &view)
-            }
-            _ => text(
-                StatusCode::NOT_FOUND,
-                "not found; see the admin section of docs/operations.md\n",
-            ),
-        };
+        return view(&state, &path);
     }
     if method == Method::POST && path == "/fleet/records" {
         return fleet_records(&state, req, loopback).await;
@@ -367,86 +319,7 @@ async fn route(
         return unauthorized("changing policies needs");
     }
     match (method.as_str(), path.as_str()) {
-        ("POST", "/plugins") => {
-            let q = query(&req);
-            let Some(name) = q.get("name").cloned() else {
-                return error(StatusCode::BAD_REQUEST, "missing ?name=NAME");
-            };
-            let pin = q.get("sha256").cloned();
-            // A signature for an uploaded body: the `.minisig` file's text, base64 (a
-            // header holds no newlines). Files carry theirs beside them (`PATH.minisig`),
-            // registry artifacts in their manifest.
-            let header_sig = match req.headers().get(SIGNATURE_HEADER) {
-                None => None,
-                Some(v) => match v
-                    .to_str()
-                    .ok()
-                    .and_then(crate::supply::credentials::decode_base64)
-                    .and_then(|b| String::from_utf8(b).ok())
-                {
-                    Some(s) => Some(s),
-                    None => {
-                        return error(
-                            StatusCode::BAD_REQUEST,
-                            format!("{SIGNATURE_HEADER}: not base64 of a .minisig file's text"),
-                        );
-                    }
-                },
-            };
-            if let Some(from) = q.get("from") {
-                let r = crate::policy_feed::load_reference(&state.policy, &name, from, pin, false)
-                    .await;
-                return match r {
-                    Ok(info) => json(StatusCode::OK, &info),
-                    Err(e @ RegistryError::Pull(_)) => error(StatusCode::BAD_GATEWAY, e),
-                    Err(e) => registry_error(&e),
-                };
-            }
-            let cap = state.policy.max_plugin_bytes();
-            let body = match Limited::new(req.into_body(), cap).collect().await {
-                Ok(b) => b.to_bytes(),
-                Err(e) => {
-                    return error(
-                        StatusCode::PAYLOAD_TOO_LARGE,
-                        format!(
-                            "body unreadable or over {cap} bytes (policy.max_plugin_bytes): {e}"
-                        ),
-                    );
-                }
-            };
-            let (bytes, origin) = match (q.get("path"), body.is_empty()) {
-                (Some(p), true) => match tokio::fs::read(p).await {
-                    Ok(b) => (Bytes::from(b), Origin::file(std::path::Path::new(p))),
-                    Err(e) => {
-                        return error(StatusCode::BAD_REQUEST, format!("cannot read {p}: {e}"));
-                    }
-                },
-                (None, false) => (
-                    body,
-                    Origin {
-                        source: Some("upload".into()),
-                        signature: header_sig,
-                    },
-                ),
-                _ => {
-                    return error(
-                        StatusCode::BAD_REQUEST,
-                        "send the component bytes as the body, or an empty body and ?path=FILE, \
-                         or ?from=oci://HOST/REPO:TAG",
-                    );
-                }
-            };
-            let policy = state.policy.clone();
-            match tokio::task::spawn_blocking(move || {
-                policy.load_from(&name, &bytes, pin.as_deref(), &origin)
-            })
-            .await
-            {
-                Ok(Ok(info)) => json(StatusCode::OK, &info),
-                Ok(Err(e)) => registry_error(&e),
-                Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e),
-            }
-        }
+        ("POST", "/plugins") => load_plugin(&state, req).await,
         ("POST", "/plugins/rollback") => {
             match state.policy.rollback("requested by the admin API") {
                 Ok(g) => json(StatusCode::OK, &serde_json::json!({ "generation": g })),
@@ -479,6 +352,145 @@ async fn route(
                 Err(e) => registry_error(&e),
             }
         }
+    }
+}
+
+/// The read-only endpoints (`GET`), open to anyone who reaches the admin listener.
+fn view(state: &AdminState, path: &str) -> Response<Full<Bytes>> {
+    match path {
+        "/live" => text(StatusCode::OK, "live\n"),
+        "/ready" => ready(state),
+        "/metrics" => {
+            let mut r = text(StatusCode::OK, state.metrics.encode());
+            r.headers_mut().insert(
+                hyper::header::CONTENT_TYPE,
+                hyper::header::HeaderValue::from_static(
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                ),
+            );
+            r
+        }
+        "/status" => json(StatusCode::OK, &status_view(state)),
+        "/plugins" => json(StatusCode::OK, &state.policy.list()),
+        "/experiments" => json(StatusCode::OK, &experiments_view(&state.policy)),
+        "/fleet" => json(StatusCode::OK, &fleet_view(state)),
+        "/ranks" => {
+            let view = state.topology.report(|p| {
+                let who = p.assign.or(p.client()).unwrap_or_default();
+                let (set, arm) = state.policy.arm_for(&who, None);
+                set.arms
+                    .get(arm)
+                    .map_or_else(String::new, |a| a.name.clone())
+            });
+            json(StatusCode::OK, &view)
+        }
+        _ => text(
+            StatusCode::NOT_FOUND,
+            "not found; see the admin section of docs/operations.md\n",
+        ),
+    }
+}
+
+/// `GET /ready`: the master answers ServiceReady, and no client process had every data
+/// call refused for release skew.
+fn ready(state: &AdminState) -> Response<Full<Bytes>> {
+    let skewed = state.topology.skew_stuck(SKEW_STUCK_WITHIN);
+    if !state.ready.load(Ordering::Relaxed) {
+        text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: the upstream master does not answer ServiceReady\n",
+        )
+    } else if skewed > 0 {
+        text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "not ready: {skewed} client process(es) of another Mooncake \
+                 release than the master's had every data call refused \
+                 (master_face.bridge is off)\n"
+            ),
+        )
+    } else {
+        text(StatusCode::OK, "ready\n")
+    }
+}
+
+/// `POST /plugins?name=NAME`: a component from the body, a file (`?path=`) or a registry
+/// (`?from=`), checked (pin, signature) and loaded off the runtime.
+async fn load_plugin(state: &AdminState, req: Request<Incoming>) -> Response<Full<Bytes>> {
+    let q = query(&req);
+    let Some(name) = q.get("name").cloned() else {
+        return error(StatusCode::BAD_REQUEST, "missing ?name=NAME");
+    };
+    let pin = q.get("sha256").cloned();
+    // A signature for an uploaded body: the `.minisig` file's text, base64 (a
+    // header holds no newlines). Files carry theirs beside them (`PATH.minisig`),
+    // registry artifacts in their manifest.
+    let header_sig = match req.headers().get(SIGNATURE_HEADER) {
+        None => None,
+        Some(v) => match v
+            .to_str()
+            .ok()
+            .and_then(crate::supply::credentials::decode_base64)
+            .and_then(|b| String::from_utf8(b).ok())
+        {
+            Some(s) => Some(s),
+            None => {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    format!("{SIGNATURE_HEADER}: not base64 of a .minisig file's text"),
+                );
+            }
+        },
+    };
+    if let Some(from) = q.get("from") {
+        let r = crate::policy_feed::load_reference(&state.policy, &name, from, pin, false).await;
+        return match r {
+            Ok(info) => json(StatusCode::OK, &info),
+            Err(e @ RegistryError::Pull(_)) => error(StatusCode::BAD_GATEWAY, e),
+            Err(e) => registry_error(&e),
+        };
+    }
+    let cap = state.policy.max_plugin_bytes();
+    let body = match Limited::new(req.into_body(), cap).collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(e) => {
+            return error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("body unreadable or over {cap} bytes (policy.max_plugin_bytes): {e}"),
+            );
+        }
+    };
+    let (bytes, origin) = match (q.get("path"), body.is_empty()) {
+        (Some(p), true) => match tokio::fs::read(p).await {
+            Ok(b) => (Bytes::from(b), Origin::file(std::path::Path::new(p))),
+            Err(e) => {
+                return error(StatusCode::BAD_REQUEST, format!("cannot read {p}: {e}"));
+            }
+        },
+        (None, false) => (
+            body,
+            Origin {
+                source: Some("upload".into()),
+                signature: header_sig,
+            },
+        ),
+        _ => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "send the component bytes as the body, or an empty body and ?path=FILE, \
+                 or ?from=oci://HOST/REPO:TAG",
+            );
+        }
+    };
+    let policy = state.policy.clone();
+    match tokio::task::spawn_blocking(move || {
+        policy.load_from(&name, &bytes, pin.as_deref(), &origin)
+    })
+    .await
+    {
+        Ok(Ok(info)) => json(StatusCode::OK, &info),
+        Ok(Err(e)) => registry_error(&e),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e),
     }
 }
 

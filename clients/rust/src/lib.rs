@@ -94,6 +94,27 @@ pub fn encode_key(key: &str) -> String {
     out
 }
 
+/// The key a path segment names: [`encode_key`]'s inverse, the one definition both the
+/// client and the kv face use. `None` for a bad escape (a `%` not followed by two hex
+/// digits). No `+` rule: that is for query strings.
+pub fn decode_key(segment: &str) -> Option<Vec<u8>> {
+    let b = segment.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            let hex = b.get(i + 1..i + 3)?;
+            let v = u8::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok()?;
+            out.push(v);
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    Some(out)
+}
+
 fn json_string(s: &str, out: &mut String) {
     out.push('"');
     for c in s.chars() {
@@ -506,6 +527,16 @@ mod tests {
     #[test]
     fn keys_and_json() {
         assert_eq!(encode_key("a/b c"), "a%2Fb%20c");
+        for k in ["a/b c", "plain", "100%+é", ""] {
+            assert_eq!(decode_key(&encode_key(k)).as_deref(), Some(k.as_bytes()));
+        }
+        assert_eq!(
+            decode_key("a+b").as_deref(),
+            Some(&b"a+b"[..]),
+            "no + rule in paths"
+        );
+        assert_eq!(decode_key("a%2"), None, "a cut escape");
+        assert_eq!(decode_key("a%zz"), None, "not hex");
         let mut s = String::new();
         json_string("q\"\\\n", &mut s);
         assert_eq!(s, r#""q\"\\\u000a""#);

@@ -41,9 +41,14 @@ pub struct Answered<'a> {
 }
 
 /// What the master's own answer said of keys and SSD copies (owned: the face may
-/// rewrite the answer before the observation is handed over).
+/// rewrite the answer before the observation is handed over). Nothing, without a key
+/// table kept or SSD usage followed: a pointer's worth that the common call carries and
+/// drops for free.
 #[derive(Default)]
-pub struct Said {
+pub struct Said(Option<Box<SaidOf>>);
+
+#[derive(Default)]
+struct SaidOf {
     /// The call's tenant and client, when it was tracked.
     who: Option<(Bytes, Uuid)>,
     seen: Vec<Seen>,
@@ -97,60 +102,80 @@ impl Sink {
     /// What the master's answer says, read before the face rewrites it: per-key
     /// outcomes of a tracked call (a key table kept) and SSD copies listed by a lookup
     /// (SSD usage followed). `lookup`: the lookup's tenant and keys.
+    #[inline]
     pub fn said(
         &self,
         tracked: Option<&Tracked>,
         lookup: Option<(&Bytes, &KeyList)>,
         resp: &Response,
     ) -> Said {
-        let mut said = Said::default();
-        if let Some(t) = tracked.filter(|_| self.keys.is_some() || self.topology.ssd_tracking()) {
-            said.who = Some((t.tenant.clone(), t.client));
-            said.seen = t.seen(resp);
+        // Most calls: no table kept and no SSD followed, nothing to take.
+        if (tracked.is_none() || self.keys.is_none()) && !self.topology.ssd_tracking() {
+            return Said(None);
         }
-        if self.topology.ssd_tracking()
-            && let (Some((tenant, keys)), Some(answers)) =
-                (lookup, crate::calls::lookup::results(resp))
-        {
-            said.ssd = Topology::ssd_seen(tenant, keys, answers);
+        self.said_of(tracked, lookup, resp)
+    }
+
+    fn said_of(
+        &self,
+        tracked: Option<&Tracked>,
+        lookup: Option<(&Bytes, &KeyList)>,
+        resp: &Response,
+    ) -> Said {
+        let track = tracked.filter(|_| self.keys.is_some() || self.topology.ssd_tracking());
+        let ssd = match (lookup, self.topology.ssd_tracking()) {
+            (Some((tenant, keys)), true) => crate::calls::lookup::results(resp)
+                .and_then(|answers| Topology::ssd_seen(tenant, keys, answers)),
+            _ => None,
+        };
+        if track.is_none() && ssd.is_none() {
+            return Said(None);
         }
-        said
+        Said(Some(Box::new(SaidOf {
+            who: track.map(|t| (t.tenant.clone(), t.client)),
+            seen: track.map(|t| t.seen(resp)).unwrap_or_default(),
+            ssd,
+        })))
     }
 
     /// Takes one observation: the SSD copies followed, the key table (or the keys'
     /// home members) told, and a lookup's tiers counted to its peer. Returns what the
     /// lookup was (an owner's look before offloading is no read).
+    #[inline]
     pub fn answered(&self, a: Answered<'_>) -> LookupRole {
-        let Answered {
-            said,
-            arm,
-            arm_name,
-            read,
-        } = a;
-        if let Some(ssd) = &said.ssd {
-            self.topology.follow_ssd(ssd);
+        if let Said(Some(said)) = a.said {
+            self.take_said(*said, a.arm, a.arm_name);
         }
-        if let Some((tenant, client)) = &said.who {
-            if self.topology.ssd_tracking() {
-                for seen in &said.seen {
-                    match seen {
-                        Seen::Removed(keys) => self
-                            .topology
-                            .ssd_removed(keys.iter().map(|k| (&tenant[..], &k[..]))),
-                        Seen::Cleared => self.topology.ssd_cleared(tenant),
-                        _ => {}
-                    }
-                }
-            }
-            if let Some(keys) = &self.keys {
-                self.to_keys(keys, tenant, *client, said.seen, arm, arm_name);
-            }
-        }
-        match read {
+        match a.read {
             Some(r) => self
                 .topology
                 .lookup(r.peer, r.tenant, r.keys, r.answers, r.arm),
             None => LookupRole::Read,
+        }
+    }
+
+    /// What the master's answer said: SSD copies followed, the key table (or the keys'
+    /// home members) told.
+    fn take_said(&self, said: SaidOf, arm: usize, arm_name: &str) {
+        if let Some(ssd) = &said.ssd {
+            self.topology.follow_ssd(ssd);
+        }
+        let Some((tenant, client)) = &said.who else {
+            return;
+        };
+        if self.topology.ssd_tracking() {
+            for seen in &said.seen {
+                match seen {
+                    Seen::Removed(keys) => self
+                        .topology
+                        .ssd_removed(keys.iter().map(|k| (&tenant[..], &k[..]))),
+                    Seen::Cleared => self.topology.ssd_cleared(tenant),
+                    _ => {}
+                }
+            }
+        }
+        if let Some(keys) = &self.keys {
+            self.to_keys(keys, tenant, *client, said.seen, arm, arm_name);
         }
     }
 

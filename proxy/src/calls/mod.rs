@@ -318,6 +318,8 @@ impl AnswerExt for Response {
         self.errors().0
     }
 
+    // Inlined into the answer path, which calls it for every answer it finishes.
+    #[inline]
     fn errors(&self) -> (usize, Option<ErrorCode>) {
         let (mut n, mut first) = (0, None);
         visit_errors(self, |e| {

@@ -22,7 +22,12 @@
 pub mod config;
 pub mod hinted;
 pub mod metrics;
+mod removal;
 pub mod usage;
+mod victims;
+
+use victims::top_up;
+pub use victims::{Round, victims};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -147,64 +152,11 @@ impl Evictor {
                 r = next_round(&mut rounds) => Some(r),
             };
             if let Some(round) = heard {
-                let (excess, pool) = (round.excess, round.allocated);
-                // The leader called a pool-wide round: this member's portion of that
-                // excess, now, as every other member frees its own.
-                let set = policy.current();
-                if let Some(f) = self.fleet.as_deref().filter(|_| !by_weight(&set)) {
-                    let mine = self.keys.table.arm_bytes().iter().sum();
-                    let need = self.whole_keys(f.portion(mine, excess, pool), mine);
-                    tracing::debug!(excess, mine, portion = need, "fleet: the leader's round");
-                    let cut = (round.age_ms > 0).then(|| round.age_ms + since(round.at_ms));
-                    self.pool_round(
-                        &mut conn,
-                        None,
-                        need,
-                        cut,
-                        Trigger::Usage,
-                        &policy,
-                        &upstream,
-                    )
+                self.heard_round(&round, &mut conn, &policy, &upstream)
                     .await;
-                }
-                if let Some(f) = self.fleet.as_deref() {
-                    f.round_freed(&round);
-                }
                 continue;
             }
-            let mut usage_need = 0u64;
-            let mut capacity = None;
-            if let Some(url) = &self.usage_url {
-                match usage::master_usage(url, self.call_timeout()).await {
-                    Ok(u) => {
-                        if usage_failing {
-                            tracing::info!("master metrics readable again");
-                            usage_failing = false;
-                        }
-                        if let Some(b) = u.ssd_bytes {
-                            self.metrics.ssd_bytes.set(b as i64);
-                        }
-                        if u.capacity_bytes > 0 {
-                            capacity = Some((u.capacity_bytes, u.allocated_bytes));
-                            let ratio = u.allocated_bytes as f64 / u.capacity_bytes as f64;
-                            self.metrics.usage_ppm.set((ratio * 1e6) as i64);
-                            if ratio >= self.cfg.high_watermark {
-                                let target =
-                                    (self.cfg.low_watermark * u.capacity_bytes as f64) as u64;
-                                usage_need = u.allocated_bytes.saturating_sub(target);
-                            }
-                        }
-                    }
-                    Err(e) => {
-                        self.metrics.error(Stage::Usage);
-                        if !usage_failing {
-                            tracing::warn!(error = %e, url = %self.cfg.master_metrics_url,
-                                "cannot read the master's memory usage; usage trigger paused");
-                            usage_failing = true;
-                        }
-                    }
-                }
-            }
+            let (usage_need, capacity) = self.read_usage(&mut usage_failing).await;
             let set = policy.current();
             let shares = by_weight(&set) && capacity.is_some();
             let mut need = 0u64;
@@ -289,6 +241,70 @@ impl Evictor {
                     .await;
             }
         }
+    }
+
+    /// A pool-wide round another member (the leader) called: this member's portion of
+    /// its excess, now, as every other member frees its own; then word that it did.
+    async fn heard_round(
+        &self,
+        round: &crate::fleet::Round,
+        conn: &mut Option<(String, Conn)>,
+        policy: &Registry,
+        upstream: &crate::upstream::Upstream,
+    ) {
+        let Some(f) = self.fleet.as_deref() else {
+            return;
+        };
+        let (excess, pool) = (round.excess, round.allocated);
+        if !by_weight(&policy.current()) {
+            let mine = self.keys.table.arm_bytes().iter().sum();
+            let need = self.whole_keys(f.portion(mine, excess, pool), mine);
+            tracing::debug!(excess, mine, portion = need, "fleet: the leader's round");
+            let cut = (round.age_ms > 0).then(|| round.age_ms + since(round.at_ms));
+            self.pool_round(conn, None, need, cut, Trigger::Usage, policy, upstream)
+                .await;
+        }
+        f.round_freed(round);
+    }
+
+    /// The master's memory usage: the bytes over the low watermark once usage crossed
+    /// the high one (0 otherwise), and (capacity, allocated) when the page says. A page
+    /// that cannot be read pauses the usage trigger (logged once, counted).
+    async fn read_usage(&self, failing: &mut bool) -> (u64, Option<(u64, u64)>) {
+        let Some(url) = &self.usage_url else {
+            return (0, None);
+        };
+        let u = match usage::master_usage(url, self.call_timeout()).await {
+            Ok(u) => u,
+            Err(e) => {
+                self.metrics.error(Stage::Usage);
+                if !*failing {
+                    tracing::warn!(error = %e, url = %self.cfg.master_metrics_url,
+                        "cannot read the master's memory usage; usage trigger paused");
+                    *failing = true;
+                }
+                return (0, None);
+            }
+        };
+        if *failing {
+            tracing::info!("master metrics readable again");
+            *failing = false;
+        }
+        if let Some(b) = u.ssd_bytes {
+            self.metrics.ssd_bytes.set(b as i64);
+        }
+        if u.capacity_bytes == 0 {
+            return (0, None);
+        }
+        let ratio = u.allocated_bytes as f64 / u.capacity_bytes as f64;
+        self.metrics.usage_ppm.set((ratio * 1e6) as i64);
+        let need = if ratio >= self.cfg.high_watermark {
+            let target = (self.cfg.low_watermark * u.capacity_bytes as f64) as u64;
+            u.allocated_bytes.saturating_sub(target)
+        } else {
+            0
+        };
+        (need, Some((u.capacity_bytes, u.allocated_bytes)))
     }
 
     /// What to ask the victims to cover for a `portion` of a pool-wide round that every
@@ -473,173 +489,6 @@ impl Evictor {
         Ok(())
     }
 
-    /// Removes the victims' keys (`Remove`, not forced): every copy goes, an SSD's too.
-    async fn remove(
-        &self,
-        c: &mut Conn,
-        chosen: &[(Bytes, Entry)],
-        set: &ActiveSet,
-    ) -> Result<(), crate::upstream::CallError> {
-        let reqs: Vec<Request> = chosen
-            .iter()
-            .map(|(k, e)| {
-                Request::Remove(RemoveArgs {
-                    key: k.clone(),
-                    force: false,
-                    tenant_id: e.tenant.clone(),
-                })
-            })
-            .collect();
-        let mut gone = self.keys.departures();
-        for (chunk, entries) in reqs.chunks(CHUNK).zip(chosen.chunks(CHUNK)) {
-            let answers = c
-                .call_all(chunk, self.call_timeout())
-                .await
-                .inspect_err(|_| {
-                    self.metrics.error(Stage::Remove);
-                })?;
-            for ((k, e), a) in entries.iter().zip(answers) {
-                let result = match a {
-                    Ok(Response::Remove(Ok(()))) => {
-                        self.metrics.removed_bytes.inc_by(e.size);
-                        self.keys.history.note(
-                            &e.tenant,
-                            std::iter::once(k),
-                            Why::evicted_by_moongate,
-                            e.arm,
-                            self.now_ms(),
-                        );
-                        if let Some(arm) =
-                            set.arms.get(e.arm as usize).filter(|_| set.arms.len() > 1)
-                        {
-                            self.metrics.arm_removed(&arm.name, e.size);
-                        }
-                        gone.whole(k, e);
-                        Victim::Removed
-                    }
-                    Ok(Response::Remove(Err(ErrorCode::OBJECT_HAS_LEASE))) => Victim::Leased,
-                    Ok(Response::Remove(Err(ErrorCode::OBJECT_NOT_FOUND))) => {
-                        // Already gone (the master evicted it): gone all the same.
-                        gone.whole(k, e);
-                        Victim::NotFound
-                    }
-                    other => {
-                        tracing::debug!(key = ?k, answer = ?other, "eviction removal failed");
-                        Victim::Error
-                    }
-                };
-                self.metrics.victim(result);
-            }
-        }
-        tracing::debug!(removed = gone.keys().len(), "eviction round");
-        self.topology
-            .ssd_removed(gone.keys().iter().map(|(t, k)| (&t[..], &k[..])));
-        self.keys.depart(gone);
-        Ok(())
-    }
-
-    /// With an SSD tier offloading: drops only the victims' memory replicas
-    /// (`BatchReplicaClear` naming the memory segment and the client that put them), so
-    /// a copy on an owner's SSD stays; a key with no other copy goes, as with `Remove`.
-    /// A victim whose memory segment moongate does not know is kept: never a `Remove`,
-    /// which would delete the SSD copy too.
-    async fn clear_memory(
-        &self,
-        c: &mut Conn,
-        chosen: &[(Bytes, Entry)],
-        set: &ActiveSet,
-        topo: &crate::topology::Topology,
-    ) -> Result<(), crate::upstream::CallError> {
-        use crate::codec::message::ReplicaClearArgs;
-        // One call per (client, segment): the master checks both per key.
-        let mut groups: std::collections::BTreeMap<(u64, u64, u16), Vec<usize>> =
-            Default::default();
-        for (i, (_, e)) in chosen.iter().enumerate() {
-            if e.segment == NO_SEGMENT {
-                self.metrics.victim(Victim::Kept);
-                continue;
-            }
-            groups
-                .entry((e.client.first, e.client.second, e.segment))
-                .or_default()
-                .push(i);
-        }
-        let mut gone = self.keys.departures();
-        for ((first, second, seg), idx) in groups {
-            let Some(endpoint) = self.keys.table.segment(seg) else {
-                continue;
-            };
-            let name = topo.segment_name(&endpoint);
-            for part in idx.chunks(CHUNK) {
-                let req = Request::BatchReplicaClear(ReplicaClearArgs {
-                    keys: part.iter().map(|&i| chosen[i].0.clone()).collect(),
-                    client_id: crate::codec::types::Uuid { first, second },
-                    segment_name: name.clone(),
-                });
-                let answer = c
-                    .call_all(std::slice::from_ref(&req), self.call_timeout())
-                    .await
-                    .inspect_err(|_| self.metrics.error(Stage::Remove))?;
-                let cleared: std::collections::HashSet<Bytes> = match answer.into_iter().next() {
-                    Some(Ok(Response::BatchReplicaClear(Ok(keys)))) => {
-                        tracing::debug!(segment = ?name, asked = part.len(), cleared = ?keys,
-                            "memory replicas cleared");
-                        keys.into_iter().collect()
-                    }
-                    other => {
-                        tracing::debug!(answer = ?other, "replica clear failed");
-                        for _ in part {
-                            self.metrics.victim(Victim::Error);
-                        }
-                        continue;
-                    }
-                };
-                for &i in part {
-                    let (k, e) = &chosen[i];
-                    if !cleared.contains(k) {
-                        // The master cleared nothing: the key is under a lease (an
-                        // owner's offload lookup grants one), its memory replica is
-                        // already gone (the master evicted it, the SSD copy serves it),
-                        // or the key is gone. The answer does not say which: the key
-                        // waits a lease before it is tried again, and is forgotten after
-                        // a few tries, or the same stale keys would be chosen round
-                        // after round. The master's own eviction stays the backstop.
-                        self.metrics.victim(Victim::Kept);
-                        self.keys.table.back_off(
-                            &e.tenant,
-                            k,
-                            self.now_ms() + self.cfg.lease_ms,
-                            CLEAR_TRIES,
-                        );
-                        continue;
-                    }
-                    self.metrics.removed_bytes.inc_by(e.size);
-                    if let Some(arm) = set.arms.get(e.arm as usize).filter(|_| set.arms.len() > 1) {
-                        self.metrics.arm_removed(&arm.name, e.size);
-                    }
-                    if e.on_disk {
-                        // Its memory copy is gone; its SSD copy still serves reads.
-                        self.metrics.victim(Victim::MemoryCleared);
-                        gone.memory(k, e);
-                    } else {
-                        self.metrics.victim(Victim::Removed);
-                        self.keys.history.note(
-                            &e.tenant,
-                            std::iter::once(k),
-                            Why::evicted_by_moongate,
-                            e.arm,
-                            self.now_ms(),
-                        );
-                        gone.whole(k, e);
-                    }
-                }
-            }
-        }
-        // The table holds what uses memory: a key left only on an SSD leaves it.
-        self.keys.depart(gone);
-        Ok(())
-    }
-
     /// Victims (indexes into `cands`) covering `need` bytes, chosen by each arm's plugin.
     fn choose(
         &self,
@@ -661,141 +510,6 @@ impl Evictor {
                 hints,
             },
         )
-    }
-}
-
-/// One eviction round's terms, for [`victims`].
-pub struct Round<'a> {
-    /// Bytes to free.
-    pub need: u64,
-    /// The candidates' clock now (their `last_ms` is on it).
-    pub now_ms: u64,
-    /// Victims at most.
-    pub cap: usize,
-    /// Copies may sit on an owner's SSD (`Entry::on_disk`).
-    pub tiered: bool,
-    /// What the serving stack said of the candidates.
-    pub hints: &'a dyn hinted::HintSource,
-}
-
-/// Victims (indexes into `cands`, least recently used first) covering `round.need`
-/// bytes: each arm's plugin chooses among the keys its arm put, for its share of the
-/// bytes, at most `round.cap` in all. The live evictor and the simulator (`crate::sim`)
-/// both choose through here, so a plugin sees the same calls in both. `round.tiered`:
-/// copies may sit on an owner's SSD (`Entry::on_disk`), and a plugin with
-/// `evict-tiered` says per victim whether its memory copy goes or the whole key;
-/// otherwise every victim's scope is `Memory` (on a key with no other copy, the same as
-/// the whole key). With hints for any candidate, a plugin with `evict-hinted` reads
-/// them.
-pub fn victims<K: AsRef<[u8]>>(
-    policy: &Registry,
-    set: &ActiveSet,
-    cands: &[(K, Entry)],
-    round: &Round<'_>,
-) -> Vec<(usize, wit::EvictScope)> {
-    let Round {
-        need,
-        now_ms: now,
-        cap,
-        tiered,
-        hints,
-    } = *round;
-    let arms = set.arms.len().max(1);
-    let by_arm: Vec<Vec<usize>> = if arms == 1 {
-        vec![(0..cands.len()).collect()]
-    } else {
-        let mut by_arm = vec![Vec::new(); arms];
-        for (i, (_, e)) in cands.iter().enumerate() {
-            let a = if (e.arm as usize) < arms {
-                e.arm as usize
-            } else {
-                0
-            };
-            by_arm[a].push(i);
-        }
-        by_arm
-    };
-    let total: u128 = cands
-        .iter()
-        .map(|(_, e)| u128::from(e.size))
-        .sum::<u128>()
-        .max(1);
-    let mut victims = Vec::new();
-    for (a, idx) in by_arm.iter().enumerate() {
-        if idx.is_empty() || victims.len() >= cap {
-            continue;
-        }
-        let bytes: u128 = idx.iter().map(|&i| u128::from(cands[i].1.size)).sum();
-        let share = (u128::from(need) * bytes).div_ceil(total).max(1) as u64;
-        let call = wit::EvictCall {
-            keys: crate::policy::pack_keys(idx.iter().map(|&i| cands[i].0.as_ref())),
-            sizes: idx.iter().map(|&i| cands[i].1.size).collect(),
-            tiers: idx
-                .iter()
-                .map(|&i| crate::policy::view::wit_tier(cands[i].1.tier))
-                .collect(),
-            age_ms: idx
-                .iter()
-                .map(|&i| now.saturating_sub(cands[i].1.last_ms))
-                .collect(),
-            hits: idx.iter().map(|&i| cands[i].1.hits).collect(),
-            bytes_needed: share,
-        };
-        let on_disk: Option<Vec<bool>> =
-            tiered.then(|| idx.iter().map(|&i| cands[i].1.on_disk).collect());
-        let picked = set
-            .arms
-            .get(a)
-            .and_then(|arm| {
-                // Only a plugin with `evict-hinted` has its candidates looked up.
-                let hints = arm.plugin.reads_hints().then(|| {
-                    let tenants: Vec<&Bytes> = idx.iter().map(|&i| &cands[i].1.tenant).collect();
-                    hints.hints(policy, arm, &call.keys, &tenants)
-                });
-                let hints = hints.flatten();
-                policy.evict_victims(arm, &call, on_disk.as_deref(), hints.as_deref())
-            })
-            .unwrap_or_else(|| {
-                lru(&call.sizes, share)
-                    .into_iter()
-                    .map(|i| (i, wit::EvictScope::Memory))
-                    .collect()
-            });
-        let mut seen = vec![false; idx.len()];
-        for (p, scope) in picked {
-            if victims.len() >= cap {
-                break;
-            }
-            if p < idx.len() && !std::mem::replace(&mut seen[p], true) {
-                victims.push((idx[p], scope));
-            }
-        }
-    }
-    victims
-}
-
-/// Adds least recently used candidates not already chosen until `victims` cover `need`
-/// bytes (or `cap` victims); they lose their memory copy.
-fn top_up(
-    victims: &mut Vec<(usize, wit::EvictScope)>,
-    cands: &[(Bytes, Entry)],
-    need: u64,
-    cap: usize,
-) {
-    let mut chosen = vec![false; cands.len()];
-    let mut freed = 0u64;
-    for &(v, _) in victims.iter() {
-        chosen[v] = true;
-        freed = freed.saturating_add(cands[v].1.size);
-    }
-    for (i, (_, e)) in cands.iter().enumerate() {
-        if freed >= need || victims.len() >= cap {
-            break;
-        }
-        if !chosen[i] {
-            victims.push((i, wit::EvictScope::Memory));
-            freed = freed.saturating_add(e.size);
-        }
     }
 }
 
@@ -839,20 +553,6 @@ fn by_weight(set: &ActiveSet) -> bool {
             .experiment
             .as_ref()
             .is_some_and(|e| e.capacity == crate::policy::experiment::ArmCapacity::ByWeight)
-}
-
-/// Candidates are least recently used first: take them in order until `need` bytes.
-fn lru(sizes: &[u64], need: u64) -> Vec<usize> {
-    let mut freed = 0u64;
-    let mut out = Vec::new();
-    for (i, &s) in sizes.iter().enumerate() {
-        if freed >= need {
-            break;
-        }
-        freed = freed.saturating_add(s);
-        out.push(i);
-    }
-    out
 }
 
 #[cfg(test)]
@@ -906,51 +606,9 @@ mod tests {
     }
 
     #[test]
-    fn lru_takes_oldest_until_covered() {
-        assert_eq!(lru(&[10, 10, 10], 15), [0, 1]);
-        assert_eq!(lru(&[10, 10], 0), Vec::<usize>::new());
-        assert_eq!(lru(&[10], 100), [0]);
-    }
-
-    #[test]
     fn arm_usage_is_scaled_to_what_the_master_holds() {
         assert_eq!(arm_usage(&[60, 40], 200), [60, 40], "the table is not over");
         assert_eq!(arm_usage(&[60, 40], 50), [30, 20], "stale keys: scaled");
         assert_eq!(arm_usage(&[0, 0], 0), [0, 0]);
-    }
-
-    #[test]
-    fn top_up_adds_the_oldest_not_chosen_until_covered() {
-        let e = |size| Entry {
-            tenant: Bytes::new(),
-            size,
-            tier: Tier::Memory,
-            last_ms: 0,
-            hits: 0,
-            leased_until_ms: 0,
-            arm: 1,
-            complete: true,
-            on_disk: false,
-            client: Default::default(),
-            segment: NO_SEGMENT,
-            tries: 0,
-        };
-        let cands: Vec<(Bytes, Entry)> = (0..4).map(|_| (Bytes::new(), e(10))).collect();
-        let m = |v: &[usize]| -> Vec<(usize, wit::EvictScope)> {
-            v.iter().map(|&i| (i, wit::EvictScope::Memory)).collect()
-        };
-        let mut v = m(&[2]);
-        top_up(&mut v, &cands, 25, 100);
-        assert_eq!(
-            v,
-            m(&[2, 0, 1]),
-            "the plugin's pick stays; the oldest others fill in"
-        );
-        let mut v = m(&[3, 2, 1]);
-        top_up(&mut v, &cands, 25, 100);
-        assert_eq!(v, m(&[3, 2, 1]), "already covered");
-        let mut v = vec![];
-        top_up(&mut v, &cands, 1000, 2);
-        assert_eq!(v, m(&[0, 1]), "at most cap");
     }
 }

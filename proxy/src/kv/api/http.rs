@@ -74,27 +74,8 @@ fn key_of(path: &str) -> Option<Bytes> {
     if raw.is_empty() {
         return None;
     }
-    let decoded = form_urlencoded_decode(raw)?;
+    let decoded = moongate_kv::decode_key(raw)?;
     Some(Bytes::from(decoded))
-}
-
-/// Percent-decoding of a path segment (no `+` rule: that is for query strings).
-fn form_urlencoded_decode(s: &str) -> Option<Vec<u8>> {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'%' {
-            let hex = b.get(i + 1..i + 3)?;
-            let v = u8::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok()?;
-            out.push(v);
-            i += 3;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    Some(out)
 }
 
 /// A body read under the budget and the intake's rules ([`super::body`]), or the

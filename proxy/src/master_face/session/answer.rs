@@ -16,6 +16,7 @@ pub(super) struct Answering<'a> {
 }
 
 impl<'a> Answering<'a> {
+    #[inline]
     pub(super) fn new(
         method: Option<Method>,
         shown: Option<Method>,
@@ -42,6 +43,7 @@ impl<'a> Answering<'a> {
     }
 
     /// A response as received: decoded when typed and successful, else relayed.
+    #[inline]
     pub(super) fn response(&self, frame: &ResponseFrame, raw: &Bytes, out: &mut BytesMut) {
         if frame.header.err_code != errc::OK {
             self.transport_error(frame.header.err_code, &frame.body);
@@ -83,6 +85,7 @@ impl<'a> Answering<'a> {
     /// its results (for 64 keys, about a quarter of what moongate spent on the call over
     /// a bare relay; for one, ~300 instructions of decode and tally, measured). `false`: not such
     /// an answer, or its body does not count (the decode then says why).
+    #[inline]
     pub(super) fn counted_exists(&self, body: &Bytes, raw: &Bytes, out: &mut BytesMut) -> bool {
         let (method, count): (_, fn(&Bytes) -> _) = match self.method {
             Some(m @ Method::BatchExistKey) => (m, ExistCounts::of_batch),
@@ -113,6 +116,7 @@ impl<'a> Answering<'a> {
 
     /// Counts an answer's per-key errors and ends its call's ticket (the policy's
     /// `on-answer`, experiment outcomes).
+    #[inline]
     pub(super) fn finish(
         &self,
         method: Method,
@@ -137,6 +141,7 @@ impl<'a> Answering<'a> {
 
     /// An answer the client's release cannot carry: the call fails as a whole with a
     /// message the client logs, counted, instead of bytes it would misread.
+    #[inline]
     pub(super) fn untranslatable(
         &self,
         method: Method,
@@ -180,6 +185,7 @@ impl<'a> Answering<'a> {
     }
 
     /// The master (or a part of a split call) failed the call as a whole.
+    #[inline]
     pub(super) fn transport_error(&self, err_code: u8, body: &Bytes) {
         self.m.error(ErrorKind::rpc, 1);
         if let Some(am) = self.am {
@@ -205,6 +211,7 @@ impl<'a> Answering<'a> {
 
     /// A decoded successful reply: fix up, steer, tally, finish, then write it out
     /// (`raw`, the bytes as received, when nothing changed it).
+    #[inline]
     pub(super) fn reply(
         &self,
         mut resp: Response,

@@ -21,6 +21,7 @@ pub(super) enum Bridge {
 /// Whether the releases' layouts differ for this call: its own (by type code: the
 /// call encoded in the master's layout keeps its code, or not) or its answer's (the
 /// answers naming replicas changed at 0.3.13).
+#[inline]
 pub(super) fn layouts_differ(
     req: &Request,
     style: BodyStyle,
@@ -48,6 +49,7 @@ pub(super) fn layouts_differ(
 /// What to do with a call in `style` from a client known as `client` (what its
 /// connection or process identified, else `master_face.client_release`); logs a
 /// difference once per connection.
+#[inline]
 pub(super) fn bridge(
     shared: &Shared,
     (req, style, body): (&Request, BodyStyle, &Bytes),
@@ -115,6 +117,7 @@ pub(super) fn bridge(
 /// The answer to a call refused for release skew: the whole call fails with a
 /// message the client logs (`invalid_rpc_arguments`, as the master would answer it,
 /// but saying why).
+#[inline]
 pub(super) fn skew_refusal(
     seq: u32,
     method: Method,

@@ -19,6 +19,7 @@ pub(super) enum Next {
 }
 
 /// Decodes, decides and forwards one request (what goes upstream is appended to `out`).
+#[inline]
 pub(super) fn on_request(
     shared: &Shared,
     out: &mut BytesMut,
@@ -177,6 +178,7 @@ pub(super) fn on_request(
 /// What the master's own answer says of keys on owners' SSDs (their usage).
 /// Tells the key table's history which keys of a put a policy denied (they never reach
 /// the master, so no answer will say so).
+#[inline]
 pub(super) fn note_refused(
     shared: &Shared,
     req: &Request,
@@ -193,6 +195,7 @@ pub(super) fn note_refused(
     }
 }
 
+#[inline]
 pub(super) fn entry(
     shared: &Shared,
     ticket: Ticket,
@@ -219,6 +222,7 @@ pub(super) fn entry(
 }
 
 /// The tenant and keys of a lookup or existence check, moved out of it.
+#[inline]
 pub(super) fn lookup_keys(req: Request) -> Option<(Bytes, Keys)> {
     match req {
         Request::GetReplicaList(a) | Request::ExistKey(a) => Some((a.tenant_id, Keys::one(a.key))),
@@ -228,6 +232,7 @@ pub(super) fn lookup_keys(req: Request) -> Option<(Bytes, Keys)> {
 }
 
 /// The lookup an existence check goes upstream as (see `steer_exists`).
+#[inline]
 pub(super) fn exist_as_lookup(m: Method) -> Method {
     match m {
         Method::ExistKey => Method::GetReplicaList,
@@ -246,6 +251,7 @@ pub(super) struct Received<'a> {
 }
 
 /// Calls that store, find or remove values (not the connection's own upkeep).
+#[inline]
 pub(super) fn moves_data(m: Method) -> bool {
     use Method::*;
     matches!(
@@ -270,6 +276,7 @@ pub(super) fn moves_data(m: Method) -> bool {
 
 /// Sends `req` upstream: as received, re-encoded (`changed`, or `reencode = "always"`),
 /// or as bounded parts of a batch. Returns the number of upstream calls.
+#[inline]
 pub(super) fn forward(
     shared: &Shared,
     out: &mut BytesMut,
@@ -336,6 +343,7 @@ pub(super) fn forward(
     1
 }
 
+#[inline]
 pub(super) fn decode_request(
     shared: &Shared,
     frame: &RequestFrame,
@@ -361,6 +369,7 @@ pub(super) fn decode_request(
     }
 }
 
+#[inline]
 pub(super) fn write_request(
     frame: &RequestFrame,
     req: &Request,
@@ -378,6 +387,7 @@ pub(super) fn write_request(
 }
 
 /// Put bytes a forwarded put-family start holds until it is answered.
+#[inline]
 pub(super) fn put_bytes(req: &Request, shared: &Shared) -> Option<InFlightBytes> {
     let put = calls::put::Put::of(req)?;
     Some(InFlightBytes::take(
