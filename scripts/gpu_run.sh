@@ -21,6 +21,11 @@ for f in ["moongate", "libmoongate_kv.so"]:
 for t in ["mooncake.tar.xz", "libs.tar.xz"]:
     with tarfile.open(os.path.join(pack, t)) as tf:
         tf.extractall(work)
+# A wheel is a zip: its executables come out without their mode bits.
+for f in ["mooncake_master", "mooncake_client"]:
+    p = os.path.join(work, "mooncake", f)
+    if os.path.exists(p):
+        os.chmod(p, 0o755)
 EOF
 # Only what the host lacks: its own copies of the rest win.
 mkdir -p "$work/missing"
