@@ -318,7 +318,8 @@ struct SimArgs {
     /// trace never reads again are announced done D ms after it), `expect:P[@W]` (for a
     /// share P of the requests, the blocks read again within W ms, default 60000, are
     /// announced expected within W), `wrong:F` (a share F of the done hints are wrong),
-    /// `ttl:MS` (done hints kept; default 60000), `seed:N`.
+    /// `ttl:MS` (a cap on how long done hints are kept; default none: in force until
+    /// their block is read or stored again), `seed:N`.
     /// See docs/policy-science.md.
     #[arg(long, value_name = "SPEC")]
     hints: Option<String>,

@@ -37,10 +37,17 @@ pub struct HintsConfig {
     /// Hints kept at most (keys and blocks alike); a full table drops its oldest.
     /// Each entry holds its key (or hash) and ~100 bytes besides (not measured).
     pub max_entries: usize,
-    /// How long a hint is kept (for `upcoming`, after the time it is due): a router's
-    /// queue drains in seconds; a minute outlives a queue's wait without keeping stale
-    /// hints.
+    /// How long an `upcoming` hint is kept after the time it is due (and when it is due
+    /// if it names no time): a router's queue drains in seconds; a minute outlives a
+    /// queue's wait without keeping stale hints.
     pub ttl_ms: u64,
+    /// An operator's cap on how long a `done` hint is kept; 0 (the default): none. A
+    /// block announced done stays done until it is read or stored again (the plugin sees
+    /// its age fall below the hint's), however long the cache holds it: on a trace whose
+    /// blocks stay cached for many minutes, a minute's lifetime threw most done hints
+    /// away before their blocks reached the eviction end (docs/policy-science.md). The
+    /// table stays bounded by `max_entries`, oldest out first.
+    pub done_ttl_ms: u64,
     /// The furthest an `in_ms` or an `expect`'s `within_ms` may reach: an agent's tool
     /// call can take minutes.
     pub max_ttl_ms: u64,
@@ -67,6 +74,7 @@ impl Default for HintsConfig {
             enabled: true,
             max_entries: 131_072,
             ttl_ms: 60_000,
+            done_ttl_ms: 0,
             max_ttl_ms: 600_000,
             max_names_per_call: 4_096,
             max_body_bytes: 1 << 20,
@@ -315,6 +323,7 @@ impl Hints {
             max_names: self.cfg.max_names_per_call,
             max_key_bytes: self.max_key_bytes,
             ttl_ms: self.cfg.ttl_ms,
+            done_ttl_ms: (self.cfg.done_ttl_ms > 0).then_some(self.cfg.done_ttl_ms),
             max_ttl_ms: self.cfg.max_ttl_ms,
         };
         let hints = parse::parse(body, &rules, now)?;

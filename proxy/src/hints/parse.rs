@@ -29,8 +29,13 @@ pub struct Rules {
     pub max_names: usize,
     /// Longest key.
     pub max_key_bytes: usize,
-    /// How long a hint is kept (after its due time, for `upcoming`).
+    /// How long an `upcoming` hint is kept after its due time (and its due time when
+    /// it names none).
     pub ttl_ms: u64,
+    /// The cap on how long a `done` hint is kept; `None`: none (it is in force until its
+    /// block is read or stored again, which a plugin sees by the block's age, and stays
+    /// until the table's bounds push it out).
+    pub done_ttl_ms: Option<u64>,
     /// The furthest an `in_ms` / `within_ms` may reach.
     pub max_ttl_ms: u64,
 }
@@ -179,7 +184,7 @@ fn one(
             {
                 return Err(invalid(format!("{at}.{f}"), "done takes no time"));
             }
-            (now_ms, now_ms + rules.ttl_ms)
+            (now_ms, rules.done_ttl_ms.map_or(u64::MAX, |t| now_ms + t))
         }
         Kind::Expect => {
             if in_ms.is_some() {
@@ -285,6 +290,7 @@ mod tests {
         max_names: 8,
         max_key_bytes: 16,
         ttl_ms: 1000,
+        done_ttl_ms: None,
         max_ttl_ms: 60_000,
     };
 
@@ -309,8 +315,15 @@ mod tests {
         assert_eq!(h[0].1.session.as_deref(), Some("r1"));
         assert_eq!(h[2].0, Name::Block(7));
         assert_eq!(h[3].0, Name::Digest(Bytes::from_static(&[10, 11])));
-        assert_eq!((h[2].1.kind, h[2].1.expires_ms), (Kind::Done, 1100));
+        // Done does not lapse with time, unless an operator caps it.
+        assert_eq!((h[2].1.kind, h[2].1.expires_ms), (Kind::Done, u64::MAX));
         assert_eq!((h[4].1.kind, h[4].1.expires_ms), (Kind::Expect, 5100));
+        let capped = Rules {
+            done_ttl_ms: Some(1000),
+            ..RULES
+        };
+        let h = parse(body.as_bytes(), &capped, 100).unwrap();
+        assert_eq!((h[2].1.kind, h[2].1.expires_ms), (Kind::Done, 1100));
         let Name::Key { tenant, .. } = &h[0].0 else {
             panic!()
         };

@@ -20,9 +20,13 @@
 //!   probability `F / (1 - F)` a block that the trace does read again later is announced
 //!   `done` too, drawn from the last 4,096 such blocks served (a misattributed session
 //!   end: recent, and alive).
-//! - `ttl:MS`: how long a `done` hint is kept (default 60000, the live `hints.ttl_ms`);
-//!   an `upcoming` one lapses when its request arrives (the live table keeps it
-//!   `ttl_ms` longer; read, it no longer matters).
+//! - `ttl:MS`: an operator's cap on how long a `done` hint is kept (the live
+//!   `hints.done_ttl_ms`). By default none: a `done` hint is in force until its block is
+//!   read or stored again (a plugin sees the block's age below the hint's, as
+//!   `hint-lru` checks), a truth that does not expire with time; it stays visible after
+//!   that, so a plugin can tell a wrong hint by the read that followed it. An `upcoming`
+//!   one lapses when its request arrives (the live table keeps it `ttl_ms` longer; read,
+//!   it no longer matters).
 //! - `seed:N`: the draws' seed (default 1).
 //!
 //! Pure: the trace in, per-block hint state out, on the simulator's clock: trace time
@@ -52,8 +56,8 @@ pub struct HintSpec {
     pub expect_within_ms: u64,
     /// `wrong:F`: share of done hints that are wrong.
     pub wrong_share: f64,
-    /// `ttl:MS`: how long a done hint is kept.
-    pub ttl_ms: u64,
+    /// `ttl:MS`: the cap on how long a done hint is kept (`None`: no cap, the default).
+    pub ttl_ms: Option<u64>,
     pub seed: u64,
 }
 
@@ -66,7 +70,7 @@ impl Default for HintSpec {
             expect_share: 0.0,
             expect_within_ms: 60_000,
             wrong_share: 0.0,
-            ttl_ms: 60_000,
+            ttl_ms: None,
             seed: 1,
         }
     }
@@ -115,7 +119,7 @@ impl HintSpec {
                         return Err(bad("a share below 1"));
                     }
                 }
-                "ttl" => spec.ttl_ms = value.parse().map_err(|_| bad("milliseconds"))?,
+                "ttl" => spec.ttl_ms = Some(value.parse().map_err(|_| bad("milliseconds"))?),
                 "seed" => spec.seed = value.parse().map_err(|_| bad("a number"))?,
                 _ => {
                     return Err(format!(
@@ -367,7 +371,8 @@ impl<'t> HintModel<'t> {
             return Known::Expect { at_ms, due_ms };
         }
         let at = self.done_at[b as usize];
-        if at != u64::MAX && now_ms.saturating_sub(at) < self.clock(self.spec.ttl_ms) {
+        let capped = |ttl: u64| now_ms.saturating_sub(at) >= self.clock(ttl);
+        if at != u64::MAX && !self.spec.ttl_ms.is_some_and(capped) {
             return Known::Done { at_ms: at };
         }
         Known::None
@@ -438,8 +443,14 @@ mod tests {
             Known::None,
             "block 1 is read again: not done"
         );
-        assert_eq!(m.known(1, 200), Known::None, "expired after the ttl");
+        assert_eq!(m.known(1, 200), Known::None, "past the operator's cap");
         assert_eq!(m.announced, [0, 1, 0, 0]);
+        // No cap (the default): a done hint does not lapse with time.
+        let mut m = HintModel::new(HintSpec::parse("last:1@5").unwrap(), &t, 1.0);
+        m.arrive(0, 0);
+        m.served(0, 0);
+        m.arrive(1, 10);
+        assert_eq!(m.known(1, 1 << 40), Known::Done { at_ms: 5 });
         // Every true hint brings a wrong one (F / (1 - F) = 0.99 / 0.01 > 1).
         let mut w = HintModel::new(HintSpec::parse("last:1,wrong:0.99").unwrap(), &t, 1.0);
         w.arrive(0, 0);
