@@ -6,7 +6,8 @@
 # size, capacity per arm, speed, plugins and hints with `moongate sim --rules live`, and
 # prints both side by side, with the gain over lru in points and as a share of the
 # simulator's LRU-to-Belady gap. Not part of CI (minutes).
-# Args (env): HINTS (queue:64,last:0.5) SPEED (20) VALUE_SIZE (16384) SEGMENT_MIB (64, per
+# Args (env): TRACE (the shipped trace; benches/hints_heldout.py's stretched parts are
+# traces too) HINTS (queue:64,last:0.5) SPEED (20) VALUE_SIZE (16384) SEGMENT_MIB (64, per
 # arm: about 9 % of the trace's distinct blocks at 16 KiB) LIMIT (0: the whole trace)
 # LEASE_MS (the master's read lease, live and simulated; default 10,000 / SPEED: the
 # 0.3.13 master's 10 s in trace time, as a deployment serving the trace in real time
@@ -19,14 +20,15 @@ cd "$root"
 hints=${HINTS:-queue:64,last:0.5}; speed=${SPEED:-20}; size=${VALUE_SIZE:-16384}
 mib=${SEGMENT_MIB:-64}; limit=${LIMIT:-0}
 out=$(mktemp -d)
-# The simulator keeps a done hint 60,000 trace-ms; live, that is wall time over the speed.
+trace=${TRACE:-benches/traces/mooncake_fast25_synthetic.jsonl}
+# An upcoming hint is kept hints.ttl_ms past its due time: 60,000 trace-ms, in wall time
+# over the speed. Done hints have no cap, live or simulated.
 ttl=$(awk -v s="$speed" 'BEGIN { printf "%d", 60000 / s }')
 lease=${LEASE_MS:-$(awk -v s="$speed" 'BEGIN { printf "%d", 10000 / s }')}
 B=hint:hint-lru HINTS_TTL_MS=$ttl LEASE_MS=$lease CAPACITY=by-weight PROFILE=release bash benches/run_replay.sh \
   --speed "$speed" --value-size "$size" --segment-mib "$mib" --limit "$limit" \
-  --hints "$hints" --json "$out/live.json" >"$out/live.log" 2>&1 \
+  --hints "$hints" --json "$out/live.json" --trace "$trace" >"$out/live.log" 2>&1 \
   || { tail -n 40 "$out/live.log"; exit 1; }
-trace=benches/traces/mooncake_fast25_synthetic.jsonl
 if [ "$limit" != 0 ]; then head -n "$limit" "$trace" >"$out/trace.jsonl"; trace=$out/trace.jsonl; fi
 sim() {
   target/release/moongate sim --trace "$trace" --capacity "${mib}MiB" --block-size "$size" --policy lru --policy hint-lru "$@" \

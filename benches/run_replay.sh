@@ -8,7 +8,8 @@
 # the master and moongate logs. PROFILE=release measures a release build. CAPACITY=by-weight
 # gives each arm its own half of the capacity (default: one shared pool). B=NAME:PLUGIN
 # replaces the second arm (default prefix:prefix-evict); HINTS_TTL_MS sets hints.ttl_ms
-# (for --hints: the simulator's 60,000 trace-ms divided by --speed). LEASE_MS sets the
+# (for --hints: how long an upcoming hint outlives its due time; 60,000 trace-ms divided
+# by --speed). A --trace in the extra args replaces the shipped trace. LEASE_MS sets the
 # master's read lease (--default_kv_lease_ttl) and moongate's eviction.lease_ms with it
 # (default: the master's own, 10,000 in 0.3.13).
 set -euo pipefail
