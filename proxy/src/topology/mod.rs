@@ -771,6 +771,7 @@ fn key_hash(tenant: &[u8], key: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::calls::lookup::SERVED_UNKNOWN;
     use crate::codec::types::{LocalDiskDescriptor, ReplicaDescriptor, ReplicaStatus};
 
     fn topology() -> (Topology, prometheus_client::registry::Registry) {
@@ -808,6 +809,66 @@ mod tests {
         let mut s = String::new();
         prometheus_client::encoding::text::encode(&mut s, r).unwrap();
         s
+    }
+
+    /// A reader's lookup is counted once per key within the lease of its answer, into
+    /// the peer's totals and its last batch (`GET /ranks`' `last_batch`), which the next
+    /// counted lookup replaces; an owner's look at keys it was handed to offload is not
+    /// a read.
+    #[test]
+    fn a_lookup_is_the_peers_last_batch_and_counted_once_within_its_lease() {
+        let (t, _r) = topology();
+        let mut reg = prometheus_client::registry::Registry::default();
+        let arm = crate::policy::metrics::PolicyFamilies::register(&mut reg).arm("p", "1", "a");
+        let peer = t.join(PeerKey::Addr([127, 0, 0, 5].into()));
+        let tenant = Bytes::from_static(DEFAULT_TENANT);
+        let keys = |ks: &[&str]| -> Keys {
+            ks.iter()
+                .map(|k| Bytes::copy_from_slice(k.as_bytes()))
+                .collect()
+        };
+        let owner = Uuid {
+            first: 7,
+            second: 9,
+        };
+        let last = |p: &Peer| -> TierCounts { *lock(&p.last_batch) };
+        // Two keys from the SSD, one missing (lease 60 s).
+        let on_disk = |size| {
+            let mut a = on_ssd(owner, size);
+            if let Ok(l) = &mut a {
+                l.lease_ttl_ms = 60_000;
+            }
+            a
+        };
+        let role = t.lookup(
+            &peer,
+            &tenant,
+            &keys(&["a", "b", "c"]),
+            &[on_disk(100), on_disk(50), Err(ErrorCode::OBJECT_NOT_FOUND)],
+            &arm,
+        );
+        assert_eq!(role, LookupRole::Read);
+        assert_eq!(last(&peer)[2], (2, 150), "local_disk: 2 keys, 150 bytes");
+        assert_eq!(last(&peer)[SERVED_UNKNOWN].0, 1, "the missing key");
+        assert_eq!(peer.served()[2], (2, 150));
+        // The same keys again within their lease: nothing new, the last batch stays.
+        t.lookup(
+            &peer,
+            &tenant,
+            &keys(&["a", "b"]),
+            &[on_disk(100), on_disk(50)],
+            &arm,
+        );
+        assert_eq!(peer.served()[2], (2, 150), "counted once within the lease");
+        assert_eq!(last(&peer)[2], (2, 150));
+        // Another key: it is the last batch now; the totals add up.
+        t.lookup(&peer, &tenant, &keys(&["d"]), &[on_disk(10)], &arm);
+        assert_eq!(last(&peer)[2], (1, 10));
+        assert_eq!(last(&peer)[SERVED_UNKNOWN].0, 0);
+        assert_eq!(peer.served()[2], (3, 160));
+        let v = t.report(|_| String::new());
+        assert_eq!(v["peers"][0]["last_batch"]["local_disk"]["keys"], 1, "{v}");
+        assert_eq!(v["peers"][0]["served"]["local_disk"]["bytes"], 160, "{v}");
     }
 
     #[test]
