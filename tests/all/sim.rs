@@ -21,6 +21,32 @@ fn trace_slice(dir: &tempfile::TempDir, n: usize) -> std::path::PathBuf {
     p
 }
 
+/// `moongate sim --trace TRACE ARGS.. --json JSON [--hints HINTS]`, which must succeed:
+/// its JSON report.
+fn sim_report(
+    trace: &std::path::Path,
+    json: &std::path::Path,
+    args: &[&str],
+    hints: Option<&str>,
+) -> Value {
+    let mut c = moongate();
+    c.args(["sim", "--trace"])
+        .arg(trace)
+        .args(args)
+        .arg("--json")
+        .arg(json);
+    if let Some(h) = hints {
+        c.args(["--hints", h]);
+    }
+    let out = c.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap()
+}
+
 #[test]
 fn sim_reports_baselines_and_plugins_at_each_capacity() {
     let dir = tempdir();
@@ -90,21 +116,12 @@ fn sim_replays_hints_to_the_plugins() {
     let trace = trace_slice(&dir, 1200);
     let json = dir.path().join("r.json");
     let run = |hints: Option<&str>| -> Value {
-        let mut c = moongate();
-        c.args(["sim", "--trace"])
-            .arg(&trace)
-            .args(["--capacity", "5%", "--policy", "hint-lru", "--json"])
-            .arg(&json);
-        if let Some(h) = hints {
-            c.args(["--hints", h]);
-        }
-        let out = c.output().unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap()
+        sim_report(
+            &trace,
+            &json,
+            &["--capacity", "5%", "--policy", "hint-lru"],
+            hints,
+        )
     };
     let row = |r: &Value, policy: &str| -> Value {
         r["results"]
@@ -155,29 +172,15 @@ fn hint_lru_is_never_below_lru_without_hints_or_with_wrong_done_hints() {
     let json = dir.path().join("r.json");
     // Hits per capacity of `lru.wasm` and of the hint-lru row.
     let run = |plugin: &str, hints: Option<&str>| -> Vec<(u64, u64)> {
-        let mut c = moongate();
-        c.args(["sim", "--trace"])
-            .arg(&trace)
-            .args([
-                "--capacity",
-                "5%,10%",
-                "--policy",
-                "lru",
-                "--policy",
-                plugin,
-            ])
-            .arg("--json")
-            .arg(&json);
-        if let Some(h) = hints {
-            c.args(["--hints", h]);
-        }
-        let out = c.output().unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let r: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let args = [
+            "--capacity",
+            "5%,10%",
+            "--policy",
+            "lru",
+            "--policy",
+            plugin,
+        ];
+        let r = sim_report(&trace, &json, &args, hints);
         let rows = r["results"].as_array().unwrap();
         let hits = |policy: &dyn Fn(&str) -> bool, cap: f64| -> u64 {
             rows.iter()

@@ -33,19 +33,7 @@ impl Evictor {
             for ((k, e), a) in entries.iter().zip(answers) {
                 let result = match a {
                     Ok(Response::Remove(Ok(()))) => {
-                        self.metrics.removed_bytes.inc_by(e.size);
-                        self.keys.history.note(
-                            &e.tenant,
-                            std::iter::once(k),
-                            Why::evicted_by_moongate,
-                            e.arm,
-                            self.now_ms(),
-                        );
-                        if let Some(arm) =
-                            set.arms.get(e.arm as usize).filter(|_| set.arms.len() > 1)
-                        {
-                            self.metrics.arm_removed(&arm.name, e.size);
-                        }
+                        self.freed(k, e, set, true);
                         gone.whole(k, e);
                         Victim::Removed
                     }
@@ -145,23 +133,13 @@ impl Evictor {
                         );
                         continue;
                     }
-                    self.metrics.removed_bytes.inc_by(e.size);
-                    if let Some(arm) = set.arms.get(e.arm as usize).filter(|_| set.arms.len() > 1) {
-                        self.metrics.arm_removed(&arm.name, e.size);
-                    }
+                    self.freed(k, e, set, !e.on_disk);
                     if e.on_disk {
                         // Its memory copy is gone; its SSD copy still serves reads.
                         self.metrics.victim(Victim::MemoryCleared);
                         gone.memory(k, e);
                     } else {
                         self.metrics.victim(Victim::Removed);
-                        self.keys.history.note(
-                            &e.tenant,
-                            std::iter::once(k),
-                            Why::evicted_by_moongate,
-                            e.arm,
-                            self.now_ms(),
-                        );
                         gone.whole(k, e);
                     }
                 }
@@ -170,5 +148,24 @@ impl Evictor {
         // The table holds what uses memory: a key left only on an SSD leaves it.
         self.keys.depart(gone);
         Ok(())
+    }
+
+    /// A victim's bytes freed by moongate: counted (and per arm in an experiment); a
+    /// `whole` key gone is noted in the history as moongate's eviction (for miss
+    /// reasons).
+    fn freed(&self, k: &Bytes, e: &Entry, set: &ActiveSet, whole: bool) {
+        self.metrics.removed_bytes.inc_by(e.size);
+        if let Some(arm) = set.arms.get(e.arm as usize).filter(|_| set.arms.len() > 1) {
+            self.metrics.arm_removed(&arm.name, e.size);
+        }
+        if whole {
+            self.keys.history.note(
+                &e.tenant,
+                std::iter::once(k),
+                Why::evicted_by_moongate,
+                e.arm,
+                self.now_ms(),
+            );
+        }
     }
 }
