@@ -21,8 +21,10 @@ hints=${HINTS:-queue:64,last:0.5}; speed=${SPEED:-20}; size=${VALUE_SIZE:-16384}
 mib=${SEGMENT_MIB:-64}; limit=${LIMIT:-0}
 out=$(mktemp -d)
 trace=${TRACE:-benches/traces/mooncake_fast25_synthetic.jsonl}
-# An upcoming hint is kept hints.ttl_ms past its due time: 60,000 trace-ms, in wall time
-# over the speed. Done hints have no cap, live or simulated.
+# The replay names every upcoming read's in_ms, so hints.ttl_ms (when a hint naming no
+# time is due) is unused; it is set to the simulator's 60,000 trace-ms in wall time all
+# the same. Past due, hints hold one turnover of the cache, live and simulated; done
+# hints have no cap.
 ttl=$(awk -v s="$speed" 'BEGIN { printf "%d", 60000 / s }')
 lease=${LEASE_MS:-$(awk -v s="$speed" 'BEGIN { printf "%d", 10000 / s }')}
 B=hint:hint-lru HINTS_TTL_MS=$ttl LEASE_MS=$lease CAPACITY=by-weight PROFILE=release bash benches/run_replay.sh \

@@ -34,8 +34,8 @@ within W), `wrong:F` (a share F of the done announcements name a block that
 the trace does read again, drawn from the last 4,096 such blocks), `seed:N`. The same
 model, not the same draws as the simulator (Python's random, not its mixer). Every
 hint names the block's key in every arm (mirror: the same hints reach every policy; a
-plugin without `evict-hinted` ignores them). Times follow --speed; moongate's
-`hints.ttl_ms` should be the simulator's ttl (60,000 trace-ms) divided by it.
+plugin without `evict-hinted` ignores them). Times follow --speed; every upcoming read
+names its `in_ms`.
 
 Run through the wrapper `benches/replay` (it picks the project's virtualenv).
 """

@@ -119,4 +119,12 @@ fn a_replay_sends_hints_and_the_hint_reading_arm_sees_them() {
         "{r}\n{}",
         mg.metrics()
     );
+    // The evictor's rounds tell the table the cache's turnover, which upcoming and
+    // expect hints hold past their due time by.
+    assert!(
+        mg.metric("moongate_hints_turnover_ms") > 0.0,
+        "{}",
+        mg.metrics()
+    );
+    assert!(mg.metric("moongate_hints_bytes") > 0.0, "{}", mg.metrics());
 }

@@ -5,8 +5,8 @@
 //! 2. then blocks nothing is known of, least recently used first (plain LRU);
 //! 3. blocks a queued request will read (`upcoming`) or an expected turn will
 //!    (`expect`) go last, the one due furthest away first, until it is due: then the
-//!    block counts as one nothing is known of (moongate keeps an `upcoming` hint
-//!    `hints.ttl_ms` past its due time; kept protected, a block a request was announced
+//!    block counts as one nothing is known of (moongate keeps an `upcoming` hint one
+//!    turnover of the cache past its due time; kept protected, a block a request was announced
 //!    to read but did not, its prefix broken before it, cost the live replay most of
 //!    the hints' gain).
 //!

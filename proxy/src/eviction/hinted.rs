@@ -21,6 +21,10 @@ pub trait HintSource {
         keys: &wit::PackedKeys,
         tenants: &[&Bytes],
     ) -> Option<Vec<wit::CandidateHint>>;
+
+    /// A round took victims that had gone unread this long (their median, ms): the
+    /// cache's turnover, which `upcoming` and `expect` hints hold past their due time by.
+    fn turnover(&self, _age_ms: u64) {}
 }
 
 /// No hints: a round as before hints existed.
@@ -80,6 +84,10 @@ pub fn each(keys: &wit::PackedKeys) -> impl Iterator<Item = &[u8]> {
 }
 
 impl HintSource for Hints {
+    fn turnover(&self, age_ms: u64) {
+        Hints::turnover(self, age_ms);
+    }
+
     fn hints(
         &self,
         policy: &Registry,

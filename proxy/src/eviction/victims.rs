@@ -111,6 +111,14 @@ pub fn victims<K: AsRef<[u8]>>(
             }
         }
     }
+    if !victims.is_empty() {
+        let mut ages: Vec<u64> = victims
+            .iter()
+            .map(|&(i, _)| now.saturating_sub(cands[i].1.last_ms))
+            .collect();
+        let mid = ages.len() / 2;
+        hints.turnover(*ages.select_nth_unstable(mid).1);
+    }
     victims
 }
 

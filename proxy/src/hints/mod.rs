@@ -3,7 +3,7 @@
 //! session ended (`done`), an agent knows its next turn will come back when a tool
 //! returns (`expect`). They reach the table here through `POST /v1/hints` (the kv face)
 //! or `POST /hints` (the admin endpoint), or from a ZeroMQ publisher ([`subscriber`],
-//! `hints.subscribe`), bounded in size, rate, entries and time.
+//! `hints.subscribe`), bounded in size, rate, entries and bytes.
 //!
 //! Hints never change correctness: nothing is stored, refused or answered differently
 //! because of one; they are for the eviction policy to read.
@@ -35,12 +35,22 @@ pub struct HintsConfig {
     /// already put and remove keys.
     pub enabled: bool,
     /// Hints kept at most (keys and blocks alike); a full table drops its oldest.
-    /// Each entry holds its key (or hash) and ~100 bytes besides (not measured).
     pub max_entries: usize,
-    /// How long an `upcoming` hint is kept after the time it is due (and when it is due
-    /// if it names no time): a router's queue drains in seconds; a minute outlives a
-    /// queue's wait without keeping stale hints.
+    /// Bytes the table may hold, each entry reckoned as its key's (or digest's) bytes
+    /// plus a fixed overhead (`hints::table::ENTRY_OVERHEAD`, about 220 bytes); a full
+    /// table drops its oldest. 48 MiB holds the default `max_entries` with keys of up to
+    /// ~160 bytes, and bounds the table when keys are longer.
+    pub max_bytes: usize,
+    /// When an `upcoming` hint that names no `in_ms` is due: "soon" to a router is within
+    /// its queue's wait, and a minute outlives that.
     pub ttl_ms: u64,
+    /// An operator's cap on how long an `upcoming` or `expect` hint is kept past its due
+    /// time; 0 (the default): none. Past its due time such a hint holds for one turnover
+    /// of the cache (the median time the blocks of the last eviction round had gone
+    /// unread, `moongate_hints_turnover_ms`), not a fixed time: a late read is worth the
+    /// block's room for as long as the cache keeps any block unread, and that is seconds
+    /// on one workload and many minutes on another (docs/policy-science.md).
+    pub slack_cap_ms: u64,
     /// An operator's cap on how long a `done` hint is kept; 0 (the default): none. A
     /// block announced done stays done until it is read or stored again (the plugin sees
     /// its age fall below the hint's), however long the cache holds it: on a trace whose
@@ -73,7 +83,9 @@ impl Default for HintsConfig {
         HintsConfig {
             enabled: true,
             max_entries: 131_072,
+            max_bytes: 48 << 20,
             ttl_ms: 60_000,
+            slack_cap_ms: 0,
             done_ttl_ms: 0,
             max_ttl_ms: 600_000,
             max_names_per_call: 4_096,
@@ -88,6 +100,13 @@ impl Default for HintsConfig {
 impl HintsConfig {
     pub fn validate(&self, errs: &mut Vec<String>) {
         positive(errs, "hints.max_entries", self.max_entries as u64);
+        // Below this a table could not hold one call's worth of long keys.
+        if self.max_bytes < 64 << 10 {
+            errs.push(format!(
+                "hints.max_bytes = {}: below 64 KiB",
+                self.max_bytes
+            ));
+        }
         positive(errs, "hints.ttl_ms", self.ttl_ms);
         positive(errs, "hints.max_ttl_ms", self.max_ttl_ms);
         positive(
@@ -163,8 +182,13 @@ pub struct HintsMetrics {
     pub received: [Counter; 3],
     /// Calls refused, by [`REFUSED`] index.
     pub refused: [Counter; 4],
-    /// Live entries pushed out by a full table.
+    /// Live entries pushed out by a full table (count or bytes).
     pub dropped: Counter,
+    /// Bytes the table's entries are reckoned to hold.
+    pub bytes: Gauge,
+    /// The cache's turnover the table reads `upcoming` / `expect` hints by (ms; 0:
+    /// none known yet).
+    pub turnover_ms: Gauge,
     /// Eviction candidates a plugin was given with a hint, by [`Kind::ALL`] index.
     pub matched: [Counter; 3],
     /// Entries in the table now.
@@ -194,6 +218,8 @@ impl HintsMetrics {
             refused: REFUSED.map(|r| refused.get_or_create(&[("reason", r)]).clone()),
             matched: Kind::ALL.map(|k| matched.get_or_create(&[("kind", k.name())]).clone()),
             dropped: Counter::default(),
+            bytes: Gauge::default(),
+            turnover_ms: Gauge::default(),
             entries: Gauge::default(),
             publishers: Gauge::default(),
         };
@@ -204,8 +230,18 @@ impl HintsMetrics {
         );
         registry.register(
             "moongate_hints_dropped",
-            "Live hints pushed out because the table was full (hints.max_entries)",
+            "Live hints pushed out because the table was full (hints.max_entries, hints.max_bytes)",
             m.dropped.clone(),
+        );
+        registry.register(
+            "moongate_hints_bytes",
+            "Bytes the hint table's entries are reckoned to hold (hints.max_bytes)",
+            m.bytes.clone(),
+        );
+        registry.register(
+            "moongate_hints_turnover_ms",
+            "The cache's turnover upcoming and expect hints hold past their due time by: the median time the last eviction round's victims had gone unread (0: none yet)",
+            m.turnover_ms.clone(),
         );
         registry.register(
             "moongate_hints_entries",
@@ -253,6 +289,8 @@ pub struct Hints {
     metrics: std::sync::Arc<HintsMetrics>,
     /// The table's clock: ms since this handle was made.
     epoch: Instant,
+    /// The cache's turnover in ms (0: none known), from the evictor's rounds.
+    turnover_ms: std::sync::atomic::AtomicU64,
 }
 
 /// What an accepted call did.
@@ -271,7 +309,7 @@ impl Hints {
         metrics: std::sync::Arc<HintsMetrics>,
     ) -> Hints {
         Hints {
-            table: Mutex::new(Table::new(cfg.max_entries)),
+            table: Mutex::new(Table::new(cfg.max_entries, cfg.max_bytes)),
             rate: Mutex::new(Rate {
                 per_second: cfg.max_names_per_second,
                 tokens: cfg.max_names_per_second as f64,
@@ -281,6 +319,29 @@ impl Hints {
             max_key_bytes,
             metrics,
             epoch: Instant::now(),
+            turnover_ms: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// An eviction round took blocks that had gone unread this long (the median of its
+    /// victims, ms): the cache's turnover now, which `upcoming` and `expect` hints hold
+    /// past their due time by.
+    pub fn turnover(&self, age_ms: u64) {
+        // 0 means "none known": a round of blocks read this very ms is 1.
+        let t = age_ms.max(1);
+        self.turnover_ms
+            .store(t, std::sync::atomic::Ordering::Relaxed);
+        self.metrics.turnover_ms.set(t as i64);
+    }
+
+    /// The turnover hints are read by: none known, or capped by `hints.slack_cap_ms`.
+    fn slack_ms(&self) -> Option<u64> {
+        let t = self.turnover_ms.load(std::sync::atomic::Ordering::Relaxed);
+        let cap = (self.cfg.slack_cap_ms > 0).then_some(self.cfg.slack_cap_ms);
+        match (t, cap) {
+            (0, cap) => cap,
+            (t, Some(c)) => Some(t.min(c)),
+            (t, None) => Some(t),
         }
     }
 
@@ -323,6 +384,7 @@ impl Hints {
             max_names: self.cfg.max_names_per_call,
             max_key_bytes: self.max_key_bytes,
             ttl_ms: self.cfg.ttl_ms,
+            slack_cap_ms: (self.cfg.slack_cap_ms > 0).then_some(self.cfg.slack_cap_ms),
             done_ttl_ms: (self.cfg.done_ttl_ms > 0).then_some(self.cfg.done_ttl_ms),
             max_ttl_ms: self.cfg.max_ttl_ms,
         };
@@ -341,13 +403,13 @@ impl Hints {
         let accepted = hints.len();
         let mut by_kind = [0u64; 3];
         let mut dropped = 0;
-        let entries = {
+        let (entries, bytes) = {
             let mut t = self.table.lock().unwrap_or_else(|p| p.into_inner());
             for (name, hint) in hints {
                 by_kind[hint.kind as usize] += 1;
                 dropped += t.insert(name, hint, now).dropped;
             }
-            t.len()
+            (t.len(), t.bytes())
         };
         for (c, n) in self.metrics.received.iter().zip(by_kind) {
             if n > 0 {
@@ -358,6 +420,7 @@ impl Hints {
             self.metrics.dropped.inc_by(dropped);
         }
         self.metrics.entries.set(entries as i64);
+        self.metrics.bytes.set(bytes as i64);
         Ok(Accepted { accepted, entries })
     }
 
@@ -366,8 +429,18 @@ impl Hints {
     /// on the table's clock.
     pub fn lookup<'a>(&self, names: impl Iterator<Item = &'a Name>) -> (u64, Vec<Option<Hint>>) {
         let now = self.now_ms();
+        (now, self.lookup_at(names, now))
+    }
+
+    /// [`Hints::lookup`] at a given time on the table's clock.
+    pub fn lookup_at<'a>(
+        &self,
+        names: impl Iterator<Item = &'a Name>,
+        now_ms: u64,
+    ) -> Vec<Option<Hint>> {
+        let slack = self.slack_ms();
         let t = self.table.lock().unwrap_or_else(|p| p.into_inner());
-        (now, names.map(|n| t.get(n, now)).collect())
+        names.map(|n| t.get(n, now_ms, slack)).collect()
     }
 
     /// Counts the hints an eviction round gave a plugin.
@@ -458,6 +531,92 @@ mod tests {
             ..HintsConfig::default()
         });
         assert_eq!(h.post(two).unwrap_err().status(), 404);
+    }
+
+    /// The live rules as configured by default: a done hint holds however late it is
+    /// read; an upcoming one until due and then one turnover of the cache, which the
+    /// evictor reports; the operators' caps cut both.
+    #[test]
+    fn live_hints_hold_by_what_they_say_and_the_caps_cut_them() {
+        let body = br#"{"hints": [{"kind": "done", "keys": ["d"]},
+            {"kind": "upcoming", "keys": ["u"], "in_ms": 100},
+            {"kind": "expect", "keys": ["e"], "within_ms": 100}]}"#;
+        let names = [key("d"), key("u"), key("e")];
+        let kinds = |h: &Hints, at: u64| -> Vec<Option<Kind>> {
+            h.lookup_at(names.iter(), at)
+                .into_iter()
+                .map(|h| h.map(|h| h.kind))
+                .collect()
+        };
+        let all = vec![Some(Kind::Done), Some(Kind::Upcoming), Some(Kind::Expect)];
+        let h = hints(HintsConfig::default());
+        h.post(body).unwrap();
+        let posted = h.now_ms();
+        // An hour later, nothing evicted yet: all three in force.
+        assert_eq!(kinds(&h, posted + 3_600_000), all);
+        // The cache turns over in 10 s: the upcoming and expect hints hold 10 s past due.
+        h.turnover(10_000);
+        assert_eq!(h.metrics.turnover_ms.get(), 10_000);
+        assert_eq!(kinds(&h, posted + 9_000), all);
+        assert_eq!(
+            kinds(&h, posted + 200 + 10_000),
+            vec![Some(Kind::Done), None, None]
+        );
+        // A done hint an hour old still holds, whatever the turnover.
+        assert_eq!(kinds(&h, posted + 3_600_000)[0], Some(Kind::Done));
+        // The operators' caps.
+        let h = hints(HintsConfig {
+            done_ttl_ms: 10_000,
+            slack_cap_ms: 5_000,
+            ..HintsConfig::default()
+        });
+        h.post(body).unwrap();
+        let posted = h.now_ms();
+        // No turnover known: the cap alone (5 s past due).
+        assert_eq!(kinds(&h, posted + 4_000), all);
+        assert_eq!(
+            kinds(&h, posted + 5_200),
+            vec![Some(Kind::Done), None, None]
+        );
+        assert_eq!(kinds(&h, posted + 10_100), vec![None, None, None]);
+        // A turnover longer than the cap: the cap.
+        h.turnover(60_000);
+        assert_eq!(
+            kinds(&h, posted + 5_200),
+            vec![Some(Kind::Done), None, None]
+        );
+    }
+
+    #[test]
+    fn the_table_is_bounded_by_bytes_and_counts_what_it_drops() {
+        let h = hints(HintsConfig {
+            max_bytes: 64 << 10,
+            ..HintsConfig::default()
+        });
+        // 4,096 blocks per call: far over 64 KiB of entries.
+        let blocks: Vec<String> = (0..4096).map(|i| i.to_string()).collect();
+        let body = format!(
+            r#"{{"hints": [{{"kind": "done", "blocks": [{}]}}]}}"#,
+            blocks.join(",")
+        );
+        let got = h.post(body.as_bytes()).unwrap();
+        assert!(got.entries < 4096, "{got:?}");
+        let held = h.metrics.bytes.get() as usize;
+        assert!(held <= 64 << 10 && held > 0, "{held}");
+        assert_eq!(h.metrics.dropped.get(), 4096 - got.entries as u64);
+        // The newest are kept.
+        let (_, last) = h.lookup([Name::Block(4095), Name::Block(0)].iter());
+        assert!(last[0].is_some() && last[1].is_none());
+        let mut errs = Vec::new();
+        HintsConfig {
+            max_bytes: 1000,
+            ..HintsConfig::default()
+        }
+        .validate(&mut errs);
+        assert!(
+            errs.iter().any(|e| e.contains("hints.max_bytes")),
+            "{errs:?}"
+        );
     }
 
     #[test]

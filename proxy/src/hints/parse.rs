@@ -29,15 +29,22 @@ pub struct Rules {
     pub max_names: usize,
     /// Longest key.
     pub max_key_bytes: usize,
-    /// How long an `upcoming` hint is kept after its due time (and its due time when
-    /// it names none).
+    /// When an `upcoming` hint naming no `in_ms` is due: this long from now.
     pub ttl_ms: u64,
+    /// The cap on how long an `upcoming` or `expect` hint is kept past its due time;
+    /// `None`: none (it holds one turnover of the cache past it, [`super::table::in_force`]).
+    pub slack_cap_ms: Option<u64>,
     /// The cap on how long a `done` hint is kept; `None`: none (it is in force until its
     /// block is read or stored again, which a plugin sees by the block's age, and stays
     /// until the table's bounds push it out).
     pub done_ttl_ms: Option<u64>,
     /// The furthest an `in_ms` / `within_ms` may reach.
     pub max_ttl_ms: u64,
+}
+
+/// `at_ms` plus an operator's cap, or never (`u64::MAX`) without one.
+fn capped(at_ms: u64, cap_ms: Option<u64>) -> u64 {
+    cap_ms.map_or(u64::MAX, |c| at_ms.saturating_add(c))
 }
 
 /// Why a body was refused.
@@ -175,7 +182,7 @@ fn one(
             }
             // Without a time: soon, within the ttl (a plugin may protect it until due).
             let due = now_ms + in_ms.unwrap_or(rules.ttl_ms);
-            (due, due + rules.ttl_ms)
+            (due, capped(due, rules.slack_cap_ms))
         }
         Kind::Done => {
             if let Some(f) = ["in_ms", "within_ms"]
@@ -184,7 +191,7 @@ fn one(
             {
                 return Err(invalid(format!("{at}.{f}"), "done takes no time"));
             }
-            (now_ms, rules.done_ttl_ms.map_or(u64::MAX, |t| now_ms + t))
+            (now_ms, capped(now_ms, rules.done_ttl_ms))
         }
         Kind::Expect => {
             if in_ms.is_some() {
@@ -199,7 +206,7 @@ fn one(
                     "missing: by when the next turn is expected",
                 ));
             };
-            (now_ms + within, now_ms + within)
+            (now_ms + within, capped(now_ms + within, rules.slack_cap_ms))
         }
     };
     let hint = Hint {
@@ -290,6 +297,7 @@ mod tests {
         max_names: 8,
         max_key_bytes: 16,
         ttl_ms: 1000,
+        slack_cap_ms: None,
         done_ttl_ms: None,
         max_ttl_ms: 60_000,
     };
@@ -311,19 +319,25 @@ mod tests {
         let h = parse(body.as_bytes(), &RULES, 100).unwrap();
         assert_eq!(h.len(), 5);
         assert_eq!(h[0].1.kind, Kind::Upcoming);
-        assert_eq!((h[0].1.due_ms, h[0].1.expires_ms), (300, 1300));
+        // Upcoming and expect hold past their due time by the cache's turnover, read
+        // when the table is (no cap by default).
+        assert_eq!((h[0].1.due_ms, h[0].1.expires_ms), (300, u64::MAX));
         assert_eq!(h[0].1.session.as_deref(), Some("r1"));
         assert_eq!(h[2].0, Name::Block(7));
         assert_eq!(h[3].0, Name::Digest(Bytes::from_static(&[10, 11])));
         // Done does not lapse with time, unless an operator caps it.
         assert_eq!((h[2].1.kind, h[2].1.expires_ms), (Kind::Done, u64::MAX));
-        assert_eq!((h[4].1.kind, h[4].1.expires_ms), (Kind::Expect, 5100));
+        assert_eq!((h[4].1.kind, h[4].1.due_ms), (Kind::Expect, 5100));
+        assert_eq!(h[4].1.expires_ms, u64::MAX);
         let capped = Rules {
             done_ttl_ms: Some(1000),
+            slack_cap_ms: Some(500),
             ..RULES
         };
         let h = parse(body.as_bytes(), &capped, 100).unwrap();
         assert_eq!((h[2].1.kind, h[2].1.expires_ms), (Kind::Done, 1100));
+        assert_eq!(h[0].1.expires_ms, 800);
+        assert_eq!(h[4].1.expires_ms, 5600);
         let Name::Key { tenant, .. } = &h[0].0 else {
             panic!()
         };

@@ -14,8 +14,7 @@
 //!   ms (default 60000) are announced `expect`, within `W`, when the request was served:
 //!   an agent that calls a tool knows its next turn comes back with the same prefix
 //!   when the tool returns. The trace does not say which turns wait on a tool; a block
-//!   read again within `W` is the stand-in. The hint lasts `W` (the live table keeps an
-//!   `expect` until its `within_ms`), read again or not.
+//!   read again within `W` is the stand-in. The hint is due at `W`, read again or not.
 //! - `wrong:F`: a share `F` of the `done` hints are wrong: for each true one, with
 //!   probability `F / (1 - F)` a block that the trace does read again later is announced
 //!   `done` too, drawn from the last 4,096 such blocks served (a misattributed session
@@ -25,8 +24,9 @@
 //!   read or stored again (a plugin sees the block's age below the hint's, as
 //!   `hint-lru` checks), a truth that does not expire with time; it stays visible after
 //!   that, so a plugin can tell a wrong hint by the read that followed it. An `upcoming`
-//!   one lapses when its request arrives (the live table keeps it `ttl_ms` longer; read,
-//!   it no longer matters).
+//!   or `expect` one holds until it is due and then for one turnover of the cache (the
+//!   median time the last eviction round's victims had gone unread), as the live table
+//!   holds it.
 //! - `seed:N`: the draws' seed (default 1).
 //!
 //! Pure: the trace in, per-block hint state out, on the simulator's clock: trace time
@@ -39,6 +39,7 @@ use serde::Serialize;
 
 use super::baseline::mix;
 use super::trace::Trace;
+use crate::hints::table::in_force;
 
 /// A `--hints` SPEC.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -194,6 +195,10 @@ pub struct HintModel<'t> {
     pub announced: [u64; 4],
     /// The trace's hash -> its dense block number (keys are named after hashes).
     dense: std::collections::HashMap<u64, u32>,
+    /// The cache's turnover (the last eviction round's median victim age; `None`
+    /// before any): how long past its due time an `upcoming` or `expect` hint holds,
+    /// by the live table's rule.
+    slack_ms: Option<u64>,
 }
 
 impl<'t> HintModel<'t> {
@@ -232,6 +237,7 @@ impl<'t> HintModel<'t> {
                 .enumerate()
                 .map(|(i, &h)| (h, i as u32))
                 .collect(),
+            slack_ms: None,
         }
     }
 
@@ -357,25 +363,51 @@ impl<'t> HintModel<'t> {
         (trace_ms as f64 / self.speed) as u64
     }
 
-    /// What is known of block `b` at `now_ms`.
+    /// An eviction round took blocks that had gone unread this long (their median).
+    pub fn turnover(&mut self, age_ms: u64) {
+        self.slack_ms = Some(age_ms);
+    }
+
+    /// What is known of block `b` at `now_ms`. An `upcoming` or `expect` hint holds
+    /// until due and one turnover after ([`in_force`], as the live table reads it); as
+    /// in the live table, where a newer hint of a block replaces the older, a `done`
+    /// said after a read came due is what shows.
     pub fn known(&mut self, b: u32, now_ms: u64) -> Known {
+        let slack = self.slack_ms;
         let q = &mut self.upcoming[b as usize];
-        while q.front().is_some_and(|&due| due < now_ms) {
+        // Keep the latest read that is due (it may hold one turnover) and those to come.
+        while q.get(1).is_some_and(|&due| due < now_ms) {
             q.pop_front();
         }
-        if let Some(&due_ms) = q.front() {
-            return Known::Upcoming { due_ms };
+        let mut past_due = None;
+        match (q.front(), q.get(1)) {
+            (Some(&due_ms), _) if due_ms >= now_ms => return Known::Upcoming { due_ms },
+            (Some(_), Some(&due_ms)) => return Known::Upcoming { due_ms },
+            (Some(&due_ms), None) if in_force(due_ms, now_ms, slack) => {
+                past_due = Some((due_ms, Known::Upcoming { due_ms }));
+            }
+            (Some(_), None) => {
+                q.pop_front();
+            }
+            (None, _) => {}
         }
         let (at_ms, due_ms) = self.expect[b as usize];
         if due_ms > now_ms {
             return Known::Expect { at_ms, due_ms };
         }
+        if due_ms > 0 && in_force(due_ms, now_ms, slack) && past_due.is_none_or(|(t, _)| at_ms >= t)
+        {
+            past_due = Some((at_ms, Known::Expect { at_ms, due_ms }));
+        }
         let at = self.done_at[b as usize];
         let capped = |ttl: u64| now_ms.saturating_sub(at) >= self.clock(ttl);
-        if at != u64::MAX && !self.spec.ttl_ms.is_some_and(capped) {
+        if at != u64::MAX
+            && !self.spec.ttl_ms.is_some_and(capped)
+            && past_due.as_ref().is_none_or(|&(t, _)| at >= t)
+        {
             return Known::Done { at_ms: at };
         }
-        Known::None
+        past_due.map_or(Known::None, |(_, k)| k)
     }
 }
 
@@ -422,11 +454,30 @@ mod tests {
         assert_eq!(m.known(2, 5), Known::Upcoming { due_ms: 10 });
         assert_eq!(m.known(1, 5), Known::None);
         m.arrive(1, 10);
-        // Request 2 enters the window; request 1's hints lapse after it arrived.
+        // Request 2 enters the window, and its read shows once request 1's is due.
         assert_eq!(m.known(2, 15), Known::Upcoming { due_ms: 20 });
-        assert_eq!(m.known(2, 21), Known::None);
+        // Past due: held while no turnover is known, then for one turnover.
+        assert_eq!(m.known(2, 21), Known::Upcoming { due_ms: 20 });
+        m.turnover(5);
+        assert_eq!(m.known(2, 24), Known::Upcoming { due_ms: 20 });
+        assert_eq!(m.known(2, 25), Known::None);
         assert_eq!(m.block_of(b"all/blk/3"), Some(2));
         assert_eq!(m.block_of(b"all/blk/4"), None);
+    }
+
+    /// As in the live table, where a newer hint of a block replaces the older: a read
+    /// that came due and then its session's end, the end shows.
+    #[test]
+    fn a_done_said_after_a_read_came_due_is_what_shows() {
+        let t = trace();
+        let mut m = HintModel::new(HintSpec::parse("queue:1,last:1").unwrap(), &t, 1.0);
+        for (i, at) in [(0, 0), (1, 10), (2, 20)] {
+            m.arrive(i, at);
+            m.served(i, at);
+        }
+        // Block 3 (dense 2): request 2's read came due at 20, then it was announced done.
+        m.arrive(3, 30);
+        assert_eq!(m.known(2, 30), Known::Done { at_ms: 20 });
     }
 
     #[test]
@@ -475,7 +526,9 @@ mod tests {
         assert_eq!(m.known(0, 0), Known::Upcoming { due_ms: 1 });
         m.served(0, 0);
         m.arrive(1, 1);
-        // Request 1's hint lapsed; request 2 (trace 20 ms) is due at 2 ms.
+        // Request 1's read is due; request 2's (trace 20 ms) is due at 2 ms, and holds one
+        // turnover (1 ms) after.
+        m.turnover(1);
         assert_eq!(m.known(0, 2), Known::Upcoming { due_ms: 2 });
         assert_eq!(m.known(0, 3), Known::None);
         m.arrive(2, 12);
@@ -502,7 +555,20 @@ mod tests {
             }
         );
         assert_eq!(m.known(1, 5), Known::None);
-        assert_eq!(m.known(0, 15), Known::None, "lapsed at its due time");
+        assert!(
+            matches!(m.known(0, 30), Known::Expect { .. }),
+            "no turnover known yet"
+        );
+        m.turnover(3);
+        assert!(
+            matches!(m.known(0, 17), Known::Expect { .. }),
+            "one turnover past due"
+        );
+        assert_eq!(
+            m.known(0, 18),
+            Known::None,
+            "lapsed a turnover past its due time"
+        );
         assert_eq!(m.announced, [0, 0, 0, 1]);
         let e = HintSpec::parse("expect:0.5@0").unwrap_err();
         assert!(e.contains("positive"), "{e}");

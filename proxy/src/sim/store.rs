@@ -188,6 +188,10 @@ struct SimHints<'m, 't> {
 }
 
 impl crate::eviction::hinted::HintSource for SimHints<'_, '_> {
+    fn turnover(&self, age_ms: u64) {
+        self.model.borrow_mut().turnover(age_ms);
+    }
+
     fn hints(
         &self,
         _: &Registry,
