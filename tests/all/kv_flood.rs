@@ -1,8 +1,12 @@
 //! A flood of never-finishing bodies against the kv face, as a hostile or broken client
 //! would send it: 2,000 connections, each a chunked PUT of 256 KiB in 16 KiB pieces that
 //! never ends. While it holds, a new client connects, PUTs and GETs 1 MiB byte-exact,
-//! three times; moongate's memory stays within its byte budget plus a stated overhead
-//! per connection; afterwards its descriptors are back. On TCP and on the Unix socket.
+//! three times, each within 2 s, and when each GET has completed at least 90 % of the
+//! flood's connections moongate held before the round are still open and stalled (at
+//! least a quarter of the 512 bodies its budget holds: a flood, not a trickle);
+//! moongate's memory stays within its byte budget plus a stated overhead per
+//! connection; afterwards its descriptors are back. On TCP and on the Unix socket. One
+//! wave of the flood, no retries.
 //!
 //! The cap (`kv.max_connections`, 1024) admits about half the flood; the byte budget
 //! (128 MiB here) holds 512 of its bodies. A body waiting for room sheds those that have
@@ -27,6 +31,18 @@ const BUDGET: u64 = 128 << 20;
 /// about 56 KiB (300 connections holding 256 KiB bodies: +312 KiB each); stated with
 /// room.
 const PER_CONNECTION: u64 = 96 << 10;
+/// The flood's bodies the budget holds at once (256 KiB each). How many of the
+/// admitted connections end up held varies from run to run: a body waiting for room
+/// while holding some counts as stalled and may be shed, and the waiter that shed it
+/// may meanwhile have been answered 503 (`kv.busy_wait_ms`), so room goes unused.
+/// Measured beside two busy processes: 265 to 508 (before bytes already shed counted
+/// against the next ask, 0 to 511, and one wave in eight held none). At least a
+/// quarter is asked.
+const HELD: f64 = (BUDGET / (256 << 10)) as f64;
+/// The share of the flood's held connections still open when a good client's round
+/// has completed: its 1 MiB value sheds the four bodies it needs room from, not the
+/// flood.
+const STILL_HELD: f64 = 0.9;
 
 fn proc_status(pid: i32, field: &str) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
@@ -159,46 +175,38 @@ fn flood_and_serve(mg: &Moongate, target: Target, listener: &str, tag: &str) -> 
 
     let stop = Arc::new(tokio::sync::Notify::new());
     let flood_started = Instant::now();
-    // A wave of the flood; on a busy machine moongate sometimes sheds or answers every
-    // connection of one (its budget shedding cascades while the bodies arrive slowly),
-    // and rounds run then would not be rounds during a flood: another wave is sent, at
-    // most three in all.
-    let mut waves = Vec::new();
-    loop {
-        let (flood, counts) = start_flood(target.clone(), stop.clone());
-        // Held: every connection of the wave sent its 256 KiB or was closed.
-        wait_for(
-            "the flood held",
-            Duration::from_secs(120),
-            &[&mg.proc],
-            || counts.sent.load(Ordering::Relaxed) + counts.ended.load(Ordering::Relaxed) >= FLOOD,
-        );
-        // Steady: moongate has taken what it takes of the wave (bodies that found no
-        // room within kv.busy_wait_ms were answered 503), and the open count holds still
-        // for longer than kv.shed_after_ms (1 s), so what holds is stalled, as the rule
-        // needs.
-        let mut last = (open(), Instant::now());
-        wait_for(
-            "the flood steady",
-            Duration::from_secs(120),
-            &[&mg.proc],
-            || {
-                let now = open();
-                if now != last.0 {
-                    last = (now, Instant::now());
-                }
-                last.1.elapsed() > Duration::from_millis(1500)
-            },
-        );
-        waves.push((flood, counts));
-        if open() >= 1.0 || waves.len() == 3 {
-            break;
-        }
-    }
-    let counts = waves.last().map(|(_, c)| c.clone()).expect("a wave");
+    let (flood, counts) = start_flood(target.clone(), stop.clone());
+    // Held: every connection of the flood sent its 256 KiB or was closed.
+    wait_for(
+        "the flood held",
+        Duration::from_secs(120),
+        &[&mg.proc],
+        || counts.sent.load(Ordering::Relaxed) + counts.ended.load(Ordering::Relaxed) >= FLOOD,
+    );
+    // Steady: moongate has taken what it takes of the flood (bodies that found no room
+    // within kv.busy_wait_ms were answered 503), and the open count holds still for
+    // longer than kv.shed_after_ms (1 s), so what holds is stalled, as the rule needs.
+    let mut last = (open(), Instant::now());
+    wait_for(
+        "the flood steady",
+        Duration::from_secs(120),
+        &[&mg.proc],
+        || {
+            let now = open();
+            if now != last.0 {
+                last = (now, Instant::now());
+            }
+            last.1.elapsed() > Duration::from_millis(1500)
+        },
+    );
     let (mut rounds, mut holding) = (Vec::new(), Vec::new());
     for round in 0..3 {
-        let held = open();
+        let before = open();
+        assert!(
+            before >= HELD / 4.0,
+            "round {round}: the flood holds {before} connections, under a quarter of {HELD}\n{}",
+            mg.metrics()
+        );
         let value = value_of(&format!("{tag}/{round}"), 1 << 20);
         let path = format!("/v1/kv/{tag}%2F{round}");
         let started = Instant::now();
@@ -212,27 +220,30 @@ fn flood_and_serve(mg: &Moongate, target: Target, listener: &str, tag: &str) -> 
         );
         let (st, got) = target.request("GET", &path, &[]).unwrap();
         let took = started.elapsed();
+        // What of the flood is still held, now that the round has completed.
+        let held = open();
         assert!(
             st == 200 && got == value,
             "round {round}: {st} {}\n{}",
             String::from_utf8_lossy(&got[..got.len().min(300)]),
             mg.metrics()
         );
-        // During the flood: it still holds connections.
+        // During the flood: most of what moongate holds of it is still held.
         assert!(
-            held >= 1.0,
-            "round {round}: {held} open, {:?} after the flood started, {} wave(s) ({} of \
-             the last wave's {FLOOD} connections sent their body, {} ended)\n{}",
+            held >= STILL_HELD * before,
+            "round {round}: {held} open of {before} before it (at least {} asked), {:?} \
+             after the flood started ({} of its {FLOOD} connections sent their body, {} \
+             ended)\n{}",
+            STILL_HELD * before,
             flood_started.elapsed(),
-            waves.len(),
             counts.sent.load(Ordering::Relaxed),
             counts.ended.load(Ordering::Relaxed),
             mg.metrics()
         );
         holding.push(held);
-        // A liveness bound, not a speed check (the times are reported): far above what
-        // a round takes, far below the kv.timeout_ms a locked-out client would wait.
-        assert!(took < Duration::from_secs(10), "round {round}: {took:?}");
+        // A liveness bound, not a speed check (the times are reported): a round takes
+        // milliseconds; a client locked out would wait for kv.timeout_ms.
+        assert!(took < Duration::from_secs(2), "round {round}: {took:?}");
         rounds.push(took);
     }
     let peak = proc_status(pid, "VmHWM:");
@@ -248,10 +259,7 @@ fn flood_and_serve(mg: &Moongate, target: Target, listener: &str, tag: &str) -> 
     );
     let busy = metric_value(&m, "moongate_kv_busy_total");
     stop.notify_waiters();
-    let n_waves = waves.len();
-    for (flood, _) in waves {
-        flood.join().unwrap();
-    }
+    flood.join().unwrap();
     // Every descriptor back once the flood's connections are gone.
     wait_for(
         "descriptors back",
@@ -261,7 +269,7 @@ fn flood_and_serve(mg: &Moongate, target: Target, listener: &str, tag: &str) -> 
         || open() == 0.0 && open_fds(pid) <= fds_before + 16,
     );
     let report = format!(
-        "{tag}: {n_waves} flood wave(s); rounds {:?} ms with {holding:?} connections open; RSS {} -> peak {} KiB (+{} KiB); shed at the cap {shed_conns}, \
+        "{tag}: rounds {:?} ms with {holding:?} connections open; RSS {} -> peak {} KiB (+{} KiB); shed at the cap {shed_conns}, \
          bodies shed for the budget {shed_budget}, refused {refused}, busy {busy}; fds {} -> {}",
         rounds.iter().map(|d| d.as_millis()).collect::<Vec<_>>(),
         rss_before,

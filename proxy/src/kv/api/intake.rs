@@ -144,20 +144,31 @@ impl Reclaim for Intake {
         }
         let now = self.now_ms();
         let after = self.rules.shed_after.as_millis() as u64;
+        // Bodies already stopped give their bytes back once their tasks see the stop:
+        // those bytes are on their way, and shedding more for the same need (waiters ask
+        // again every 100 ms, and each asks for the whole queue) would stop bodies
+        // whose room nobody is left to take.
+        let mut coming = 0u64;
         let mut stalled: Vec<(u64, u64, Arc<Watch>)> = {
             let live = self.lock();
             live.iter()
                 .filter_map(|(id, w)| {
+                    let held = w.held.load(Ordering::Relaxed);
+                    if w.stopped.get().is_some() {
+                        coming = coming.saturating_add(held);
+                        return None;
+                    }
                     let since = w.waiting_since.load(Ordering::Relaxed);
-                    (since != NOT_WAITING
-                        && now.saturating_sub(since) >= after
-                        && w.held.load(Ordering::Relaxed) > 0)
+                    (since != NOT_WAITING && now.saturating_sub(since) >= after && held > 0)
                         .then(|| (since, *id, w.clone()))
                 })
                 .collect()
         };
+        if coming >= need {
+            return 0;
+        }
         stalled.sort_unstable_by_key(|(since, id, _)| (*since, *id));
-        let mut freed = 0u64;
+        let mut freed = coming;
         for (since, _, w) in stalled {
             if freed >= need {
                 break;
@@ -624,6 +635,46 @@ mod tests {
             off.conn().reserve(&s, &t, 1).await,
             Err(RoomError::Store(StoreError::Busy(_)))
         ));
+    }
+
+    /// Waiters ask again every 100 ms, each for the whole queue's shortfall: bytes of a
+    /// body already shed are on their way back and count against the need, or every
+    /// ask would shed another body for the same room.
+    #[tokio::test]
+    async fn bytes_already_shed_count_against_the_next_ask() {
+        let all = Metrics::new();
+        let i = intake(rules(0, 100, 0), &all);
+        let s = store(1 << 20, &all);
+        s.set_reclaim(i.clone());
+        let (c1, c2) = (i.conn(), i.conn());
+        let (tx1, b1) = body();
+        let (mut p1, t1) = c1.body(b1);
+        let _r1 = c1.reserve(&s, &t1, 400 << 10).await.unwrap();
+        let (tx2, b2) = body();
+        let (mut p2, t2) = c2.body(b2);
+        let _r2 = c2.reserve(&s, &t2, 400 << 10).await.unwrap();
+        // Both wait on their peers, long enough to be shed.
+        tx1.send(data(10)).await.unwrap();
+        assert!(p1.frame().await.unwrap().is_ok());
+        tx2.send(data(10)).await.unwrap();
+        assert!(p2.frame().await.unwrap().is_ok());
+        let w1 = tokio::spawn(async move { (p1.frame().await.is_some(), tx1) });
+        let w2 = tokio::spawn(async move { (p2.frame().await.is_some(), tx2) });
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        i.reclaim(300 << 10);
+        assert!(t1.stopped().is_some() && t2.stopped().is_none());
+        // Body 1's room is not back yet (its reader has not dropped it): the same need
+        // asked again sheds nothing more.
+        i.reclaim(300 << 10);
+        assert!(
+            t2.stopped().is_none(),
+            "a second body shed for the same room"
+        );
+        assert_eq!(all.kv.bodies_shed[1].get(), 1);
+        // A need beyond what is coming back sheds the next.
+        i.reclaim(600 << 10);
+        assert!(t2.stopped().is_some());
+        drop((w1, w2));
     }
 
     #[tokio::test]
