@@ -298,7 +298,7 @@ fn tier_events(t: &Topology, sub: Background, read: &serde_json::Value) {
 }
 
 /// The same on every older release with offload (0.3.11.post1, 0.3.12.post1: their
-/// master, owner and clients).
+/// master, owner and clients), ranks and the owner's dummy told apart included.
 #[test]
 fn served_tiers_offload_and_an_ssd_eviction_keeps_on_older_releases() {
     for name in ["0.3.11.post1", "0.3.12.post1"] {
@@ -308,7 +308,7 @@ fn served_tiers_offload_and_an_ssd_eviction_keeps_on_older_releases() {
         );
         let (mut reader, r) = served_offload_and_eviction(&t);
         loads_through_the_owner_face(&t, &mut reader, &r);
-        let _ = reader.finish();
+        ranks_and_a_dummy(&t, reader);
     }
 }
 
@@ -322,7 +322,7 @@ fn served_tiers_offload_and_an_ssd_eviction_keeps_on_0_3_14() {
     );
     let (mut reader, r) = served_offload_and_eviction(&t);
     loads_through_the_owner_face(&t, &mut reader, &r);
-    let _ = reader.finish();
+    ranks_and_a_dummy(&t, reader);
 }
 
 /// Writes, reads with vLLM's tier log, and checks served tiers, offload and eviction;
@@ -634,17 +634,32 @@ fn ranks_and_a_dummy(t: &Topology, reader: Background) {
 
 #[test]
 fn a_disk_budget_answers_at_the_existence_check_so_no_planned_load_fails() {
+    disk_budget(None);
+}
+
+/// The same on the other releases with offload (their master, owner and clients).
+#[test]
+fn a_disk_budget_answers_at_the_existence_check_on_other_releases() {
+    for name in ["0.3.11.post1", "0.3.12.post1", "0.3.14"] {
+        disk_budget(Some(Release::older(name)));
+    }
+}
+
+fn disk_budget(release: Option<Release>) {
     let plugin = plugin_path("disk-budget");
     // The budget lives in the plugin instance; a call past its deadline drops the
     // instance and the next one starts with a fresh budget (seen once in a full run:
     // 32 keys admitted, two budgets' worth). This test is about the budget's rule, so
     // it gives calls room a loaded machine cannot eat; deadlines have their own tests.
-    let t = Topology::start(&format!(
-        "[policy]\nactive = \"budget\"\ncall_timeout_ms = 1000\n\
+    let t = Topology::start_on(
+        release,
+        &format!(
+            "[policy]\nactive = \"budget\"\ncall_timeout_ms = 1000\n\
          [[policy.plugins]]\nname = \"budget\"\npath = \"{}\"\n\
          config = '{{\"window_ms\": 600000, \"disk_bytes\": 16777216}}'\n",
-        plugin.display()
-    ));
+            plugin.display()
+        ),
+    );
     t.write();
     let mut reader = t.reader();
     // vLLM's scheduler asks which keys are there, then loads those it counted as hits.
