@@ -629,7 +629,7 @@ fn fleet_verdict(r: &Race) -> Result<(), String> {
     if r.lowest_after * 100 < r.capacity * 65 || r.peak * 100 > r.capacity * 90 {
         return Err(format!("the pool left [0.65, 0.90] of its capacity: {d}"));
     }
-    if r.per_member.iter().any(|&m| m == 0) {
+    if r.per_member.contains(&0) {
         return Err(format!("a member removed nothing: {d}"));
     }
     Ok(())
