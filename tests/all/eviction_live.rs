@@ -21,8 +21,25 @@ fn eviction_config(master: &Master, plugin: &str, extra: &str) -> String {
 /// Puts 20 chains of 8 x 64 KiB blocks (10 MiB) into a 16 MiB segment, above the 0.6
 /// watermark; returns the blocks still there after moongate's round, by chain position.
 fn chains_after_eviction(plugin: &str) -> (Vec<Vec<bool>>, String) {
+    chains_after_eviction_with(plugin, None)
+}
+
+/// [`chains_after_eviction`], with `pages` (given the master's page) as
+/// `eviction.master_metrics_url`.
+fn chains_after_eviction_with(
+    plugin: &str,
+    pages: Option<&dyn Fn(&str) -> String>,
+) -> (Vec<Vec<bool>>, String) {
     let master = Master::start();
-    let mg = Moongate::start_config(&eviction_config(&master, plugin, ""));
+    let mut cfg = eviction_config(&master, plugin, "");
+    if let Some(pages) = pages {
+        let url = format!("master_metrics_url = \"{}\"", master.metrics_url);
+        cfg = cfg.replace(
+            &url,
+            &format!("master_metrics_url = \"{}\"", pages(&master.metrics_url)),
+        );
+    }
+    let mg = Moongate::start_config(&cfg);
     mg.wait_ready(&master);
     let logs = [&master.proc, &mg.proc];
     let client = Background::start_args(
@@ -113,6 +130,21 @@ fn lru_evicts_the_oldest_chains_whole() {
     // The first chain put is the least recently used: it goes first, prefix and all.
     assert!(grid[0].iter().all(|e| !e), "{grid:?}");
     assert!(grid[19].iter().all(|e| *e), "{grid:?}");
+}
+
+/// Behind an HA pair the usage trigger reads each master's page in turn: the first that
+/// answers with a capacity (a leader's) is read, so a dead master named first (as after
+/// a failover) does not pause it.
+#[test]
+fn the_usage_trigger_reads_the_first_page_that_answers() {
+    let dead = format!("http://127.0.0.1:{}/metrics", free_port());
+    let pages = move |real: &str| format!("{dead}, {real}");
+    let (grid, m) = chains_after_eviction_with("lru", Some(&pages));
+    assert!(
+        metric_value(&m, "moongate_eviction_rounds_total{trigger=\"usage\"}") >= 1.0,
+        "{m}"
+    );
+    assert!(grid[0].iter().all(|e| !e), "{grid:?}");
 }
 
 /// An unreadable master metrics endpoint pauses the usage trigger; calls carry on.

@@ -13,7 +13,9 @@ pub struct EvictionConfig {
     pub enabled: bool,
     /// The master's Prometheus endpoint (`--metrics_port`), read for segment usage
     /// (`master_allocated_bytes` / `master_total_capacity_bytes`). Empty: no usage
-    /// trigger.
+    /// trigger. Behind an HA pair, each master's page, comma-separated: the first that
+    /// answers with a capacity is read, so the trigger follows a failover (one URL
+    /// would name a dead master, or a standby with no segments, after it).
     pub master_metrics_url: String,
     /// Usage (allocated / capacity) at which a round starts.
     pub high_watermark: f64,
@@ -40,6 +42,16 @@ pub struct EvictionConfig {
     /// misses; the oldest are forgotten first. Measured (`cargo run --release --example
     /// key_memory`): 400 bytes per key of 100 bytes, so 100,000 keys are about 40 MB.
     pub history_keys: usize,
+}
+
+impl EvictionConfig {
+    /// The master pages `master_metrics_url` names, in order.
+    pub fn metrics_urls(&self) -> impl Iterator<Item = &str> {
+        self.master_metrics_url
+            .split(',')
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+    }
 }
 
 impl Default for EvictionConfig {
@@ -84,13 +96,12 @@ impl EvictionConfig {
         {
             errs.push("eviction: need 0 < low_watermark < high_watermark <= 1".into());
         }
-        if !ev.master_metrics_url.is_empty()
-            && crate::upstream::HttpUrl::parse(&ev.master_metrics_url).is_none()
-        {
-            errs.push(format!(
-                "eviction.master_metrics_url: {:?} is not http://HOST:PORT/PATH",
-                ev.master_metrics_url
-            ));
+        for u in ev.metrics_urls() {
+            if crate::upstream::HttpUrl::parse(u).is_none() {
+                errs.push(format!(
+                    "eviction.master_metrics_url: {u:?} is not http://HOST:PORT/PATH"
+                ));
+            }
         }
         if ev.master_metrics_url.is_empty() && !ev.on_put_denials {
             errs.push(

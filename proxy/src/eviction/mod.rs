@@ -94,7 +94,8 @@ pub struct Evictor {
     pub cfg: EvictionConfig,
     keys: Arc<Keys>,
     metrics: Arc<EvictionMetrics>,
-    usage_url: Option<HttpUrl>,
+    /// The master pages read for usage, in order (an HA pair's each).
+    usage_urls: Vec<HttpUrl>,
     /// The owners: with an SSD tier offloading, victims lose only their memory replica.
     topology: Arc<crate::topology::Topology>,
     /// The fleet (`[fleet]` on): this moongate frees only its portion of what the pool
@@ -116,7 +117,7 @@ pub struct Parts {
 impl Evictor {
     pub fn new(cfg: EvictionConfig, metrics: Arc<EvictionMetrics>, parts: Parts) -> Evictor {
         Evictor {
-            usage_url: HttpUrl::parse(&cfg.master_metrics_url),
+            usage_urls: cfg.metrics_urls().filter_map(HttpUrl::parse).collect(),
             cfg,
             metrics,
             keys: parts.keys,
@@ -271,10 +272,29 @@ impl Evictor {
     /// the high one (0 otherwise), and (capacity, allocated) when the page says. A page
     /// that cannot be read pauses the usage trigger (logged once, counted).
     async fn read_usage(&self, failing: &mut bool) -> (u64, Option<(u64, u64)>) {
-        let Some(url) = &self.usage_url else {
+        if self.usage_urls.is_empty() {
+            return (0, None);
+        }
+        // The first page with a capacity (a leader's); else the last that answered.
+        let mut read = None;
+        for url in &self.usage_urls {
+            match usage::master_usage(url, self.call_timeout()).await {
+                Ok(u) if u.capacity_bytes > 0 => {
+                    read = Some(Ok(u));
+                    break;
+                }
+                Ok(u) => read = Some(Ok(u)),
+                Err(e) => {
+                    if read.is_none() {
+                        read = Some(Err(e));
+                    }
+                }
+            }
+        }
+        let Some(read) = read else {
             return (0, None);
         };
-        let u = match usage::master_usage(url, self.call_timeout()).await {
+        let u = match read {
             Ok(u) => u,
             Err(e) => {
                 self.metrics.error(Stage::Usage);
