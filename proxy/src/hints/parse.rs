@@ -289,9 +289,74 @@ fn block(v: &Value) -> Option<Name> {
     }
 }
 
+/// Reads `data` as a hints call's body under small limits, and puts what it names into
+/// a small table. Never panics on any input; used by the fuzz target `hints` and by
+/// tests.
+pub fn fuzz_one(data: &[u8]) {
+    let rules = Rules {
+        max_names: 64,
+        max_key_bytes: 64,
+        ttl_ms: 1000,
+        slack_cap_ms: None,
+        done_ttl_ms: None,
+        max_ttl_ms: 60_000,
+    };
+    if let Ok(hints) = parse(data, &rules, 1_000) {
+        assert!(hints.len() <= rules.max_names);
+        let mut t = super::table::Table::new(16, 4 << 10);
+        for (name, hint) in hints {
+            assert!(hint.due_ms >= hint.at_ms || hint.kind == Kind::Done);
+            t.insert(name.clone(), hint, 1_000);
+            let _ = t.get(&name, 1_500, Some(100));
+        }
+        assert!(t.len() <= 16 && t.bytes() <= 4 << 10);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The fuzz entry point over bodies near the grammar: no panic.
+    #[test]
+    fn random_bodies_never_panic() {
+        let parts = [
+            "{",
+            "}",
+            "[",
+            "]",
+            ",",
+            ":",
+            "\"hints\"",
+            "\"kind\"",
+            "\"done\"",
+            "\"upcoming\"",
+            "\"expect\"",
+            "\"keys\"",
+            "\"blocks\"",
+            "\"in_ms\"",
+            "\"within_ms\"",
+            "\"a\"",
+            "7",
+            "-1",
+            "1e400",
+            "\"0a0b\"",
+            "null",
+            "true",
+        ];
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for n in 0..20_000 {
+            let mut body = String::from(r#"{"hints": [{"kind": "#);
+            for _ in 0..(n % 12) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                body.push_str(parts[(x % parts.len() as u64) as usize]);
+            }
+            fuzz_one(body.as_bytes());
+        }
+        fuzz_one(br#"{"hints": [{"kind": "done", "keys": ["a"]}, {"kind": "upcoming", "blocks": [1, "ff"], "in_ms": 5}]}"#);
+    }
 
     const RULES: Rules = Rules {
         max_names: 8,

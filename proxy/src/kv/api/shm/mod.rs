@@ -41,10 +41,12 @@ use super::state::{KvState, abi_code_of as code_of, decided_put};
 use crate::kv::client::{ReadInto, StoreError};
 
 mod frames;
+pub mod request;
 mod zero_copy_ops;
 
 pub use frames::starts_with_magic;
-use frames::{Fields, Reader, answer, answer_with_fds, write_all};
+use frames::{Reader, answer, answer_with_fds, write_all};
+use request::{Item, Request};
 
 // The wire's numbers and the answer codes are the client library's (one definition:
 // clients/rust/src/shm.rs and capi.rs).
@@ -309,9 +311,8 @@ impl Conn<'_> {
         Ok(Vec::new())
     }
 
-    async fn get_into(&self, f: &mut Fields<'_>) -> Result<Vec<u8>, Fail> {
-        let (id, off, cap) = (f.u32()?, f.u64()?, f.u64()?);
-        let key = self.key(f.0)?;
+    async fn get_into(&self, id: u32, off: u64, cap: u64, key: &[u8]) -> Result<Vec<u8>, Fail> {
+        let key = self.key(key)?;
         let r = self.region(id)?;
         let range = r.range(off, cap)?;
         // SAFETY: the only slice of this region while the call runs.
@@ -326,9 +327,8 @@ impl Conn<'_> {
         }
     }
 
-    async fn put_from(&self, f: &mut Fields<'_>) -> Result<Vec<u8>, Fail> {
-        let (id, off, len) = (f.u32()?, f.u64()?, f.u64()?);
-        let key = self.key(f.0)?;
+    async fn put_from(&self, id: u32, off: u64, len: u64, key: &[u8]) -> Result<Vec<u8>, Fail> {
+        let key = self.key(key)?;
         if len == 0 || len > self.state.max_value_bytes as u64 {
             return Err(Fail::arg(format!(
                 "a value of {len} bytes (1 to kv.max_value_bytes = {})",
@@ -351,8 +351,8 @@ impl Conn<'_> {
     /// cuts them (the policy's `split`, else `kv.batch_part_bytes`), each one
     /// `BatchPutStart` through the policy host; nothing is buffered here, so no budget
     /// is taken. Per item 0 or a negative code.
-    async fn batch_put_from(&self, f: &mut Fields<'_>) -> Result<Vec<u8>, Fail> {
-        let (r, parsed) = self.batch_items(f)?;
+    async fn batch_put_from(&self, id: u32, items: &[Item<'_>]) -> Result<Vec<u8>, Fail> {
+        let (r, parsed) = self.batch_items(id, items)?;
         let n = parsed.len();
         let mut items = Vec::with_capacity(n);
         for (key, range) in parsed {
@@ -397,33 +397,19 @@ impl Conn<'_> {
         Ok(out)
     }
 
-    /// A batch frame's region and items: `u32 region, u32 n`, then n x `(u64 offset,
-    /// u64 len, u16 key_len, key)`, every range checked inside the region, at most
-    /// `kv.max_batch_keys` items, nothing after the last one.
-    fn batch_items(&self, f: &mut Fields<'_>) -> Result<(&Region, BatchItems), Fail> {
-        let (id, n) = (f.u32()?, f.u32()? as usize);
-        if n > self.state.max_batch_keys {
-            return Err(Fail::arg(format!(
-                "{n} keys (kv.max_batch_keys = {})",
-                self.state.max_batch_keys
-            )));
-        }
+    /// A batch frame's region and items (decoded: counts and keys checked), every range
+    /// checked inside the region.
+    fn batch_items(&self, id: u32, items: &[Item<'_>]) -> Result<(&Region, BatchItems), Fail> {
         let r = self.region(id)?;
-        let mut items = Vec::with_capacity(n);
-        for _ in 0..n {
-            let (off, len) = (f.u64()?, f.u64()?);
-            let klen = f.u16()? as usize;
-            let key = self.key(f.bytes(klen)?)?;
-            items.push((key, r.range(off, len)?));
+        let mut out = Vec::with_capacity(items.len());
+        for it in items {
+            out.push((self.key(it.key)?, r.range(it.off, it.len)?));
         }
-        if !f.0.is_empty() {
-            return Err(Fail::arg("bytes after the last item"));
-        }
-        Ok((r, items))
+        Ok((r, out))
     }
 
-    async fn batch_get_into(&self, f: &mut Fields<'_>) -> Result<Vec<u8>, Fail> {
-        let (r, items) = self.batch_items(f)?;
+    async fn batch_get_into(&self, id: u32, items: &[Item<'_>]) -> Result<Vec<u8>, Fail> {
+        let (r, items) = self.batch_items(id, items)?;
         let mut sorted: Vec<(usize, usize)> = items.iter().map(|(_, r)| *r).collect();
         sorted.sort_unstable();
         if sorted.windows(2).any(|w| w[0].0 + w[0].1 > w[1].0) {
@@ -517,8 +503,19 @@ async fn serve(
             Ok(Ok(None)) | Err(_) => return Ok(()),
             Ok(Err(e)) => return Err(e),
         };
-        let mut f = Fields(&body);
-        if op == OP_SEGMENTS {
+        let limits = request::Limits {
+            max_batch_keys: state.max_batch_keys,
+            max_key_bytes: state.max_key_bytes,
+        };
+        let req = match request::decode(op, &body, &limits) {
+            Ok(r) => r,
+            Err(Fail(code, msg)) => {
+                state.metrics.shm_call(op, false);
+                answer(sock, seq, code, msg.as_bytes()).await?;
+                continue;
+            }
+        };
+        if req == Request::Segments {
             let r = conn.segments();
             state.metrics.shm_call(op, r.is_ok());
             match r {
@@ -527,26 +524,33 @@ async fn serve(
             }
             continue;
         }
-        let r = match op {
-            OP_REGISTER => match f.u64() {
-                Ok(n) => {
-                    let fd = rd.fds.pop_front();
-                    conn.register(n, fd)
-                }
-                Err(e) => Err(e),
-            },
-            OP_RELEASE => f.u32().and_then(|id| conn.release(id)),
-            OP_GET_INTO => conn.get_into(&mut f).await,
-            OP_PUT_FROM => conn.put_from(&mut f).await,
-            OP_BATCH_GET_INTO => conn.batch_get_into(&mut f).await,
-            OP_BATCH_PUT_FROM => conn.batch_put_from(&mut f).await,
-            OP_HELLO => conn.hello(&mut f),
-            OP_VIEW => conn.view(&mut f).await,
-            OP_RELEASE_VIEW => conn.release_view(&mut f),
-            OP_RESERVE => conn.reserve(&mut f).await,
-            OP_COMMIT => conn.end_tickets(&mut f, true).await,
-            OP_ABORT => conn.end_tickets(&mut f, false).await,
-            other => Err(Fail::arg(format!("unknown op {other}"))),
+        let r = match req {
+            Request::Register { len } => {
+                let fd = rd.fds.pop_front();
+                conn.register(len, fd)
+            }
+            Request::Release { region } => conn.release(region),
+            Request::GetInto {
+                region,
+                off,
+                cap,
+                key,
+            } => conn.get_into(region, off, cap, key).await,
+            Request::PutFrom {
+                region,
+                off,
+                len,
+                key,
+            } => conn.put_from(region, off, len, key).await,
+            Request::BatchGetInto { region, items } => conn.batch_get_into(region, &items).await,
+            Request::BatchPutFrom { region, items } => conn.batch_put_from(region, &items).await,
+            Request::Hello { token } => conn.hello(token),
+            Request::View { keys } => conn.view(&keys).await,
+            Request::ReleaseView { lease } => conn.release_view(lease),
+            Request::Reserve { items } => conn.reserve(&items).await,
+            Request::Commit { tickets } => conn.end_tickets(&tickets, true).await,
+            Request::Abort { tickets } => conn.end_tickets(&tickets, false).await,
+            Request::Segments => continue,
         };
         state.metrics.shm_call(op, r.is_ok());
         match r {

@@ -20,8 +20,7 @@ impl Conn<'_> {
         Ok(self.engine.get_or_insert_with(|| engines.engine()).clone())
     }
 
-    pub(super) fn hello(&mut self, f: &mut Fields<'_>) -> Result<Vec<u8>, Fail> {
-        let token = f.u64()?;
+    pub(super) fn hello(&mut self, token: u64) -> Result<Vec<u8>, Fail> {
         let engines = self.engines()?.clone();
         // Before it, the connection was its own engine: taken over if it holds nothing.
         let holds = self.engine.as_ref().is_some_and(|e| e.held() != (0, 0));
@@ -53,39 +52,11 @@ impl Conn<'_> {
         Ok((body, fds))
     }
 
-    /// `u32 n, n x (u16 key_len, key)`.
-    fn keys(&self, f: &mut Fields<'_>) -> Result<Vec<Bytes>, Fail> {
-        let n = self.count(f)?;
-        let mut keys = Vec::with_capacity(n);
-        for _ in 0..n {
-            let klen = f.u16()? as usize;
-            keys.push(self.key(f.bytes(klen)?)?);
-        }
-        self.ended(f)?;
-        Ok(keys)
-    }
-
-    fn count(&self, f: &mut Fields<'_>) -> Result<usize, Fail> {
-        let n = f.u32()? as usize;
-        if n > self.state.max_batch_keys {
-            return Err(Fail::arg(format!(
-                "{n} items (kv.max_batch_keys = {})",
-                self.state.max_batch_keys
-            )));
-        }
-        Ok(n)
-    }
-
-    fn ended(&self, f: &Fields<'_>) -> Result<(), Fail> {
-        if f.0.is_empty() {
-            Ok(())
-        } else {
-            Err(Fail::arg("bytes after the last item"))
-        }
-    }
-
-    pub(super) async fn view(&mut self, f: &mut Fields<'_>) -> Result<Vec<u8>, Fail> {
-        let keys = self.keys(f)?;
+    pub(super) async fn view(&mut self, keys: &[&[u8]]) -> Result<Vec<u8>, Fail> {
+        let keys = keys
+            .iter()
+            .map(|k| self.key(k))
+            .collect::<Result<Vec<Bytes>, Fail>>()?;
         let engine = self.engine()?;
         let (lease, items) = self
             .engines()?
@@ -103,9 +74,7 @@ impl Conn<'_> {
         Ok(out)
     }
 
-    pub(super) fn release_view(&mut self, f: &mut Fields<'_>) -> Result<Vec<u8>, Fail> {
-        let lease = f.u64()?;
-        self.ended(f)?;
+    pub(super) fn release_view(&mut self, lease: u64) -> Result<Vec<u8>, Fail> {
         let engine = self.engine()?;
         self.engines()?
             .release_lease(&engine, lease)
@@ -113,15 +82,11 @@ impl Conn<'_> {
         Ok(Vec::new())
     }
 
-    pub(super) async fn reserve(&mut self, f: &mut Fields<'_>) -> Result<Vec<u8>, Fail> {
-        let n = self.count(f)?;
-        let mut items = Vec::with_capacity(n);
-        for _ in 0..n {
-            let len = f.u64()?;
-            let klen = f.u16()? as usize;
-            items.push((self.key(f.bytes(klen)?)?, len));
-        }
-        self.ended(f)?;
+    pub(super) async fn reserve(&mut self, items: &[(&[u8], u64)]) -> Result<Vec<u8>, Fail> {
+        let items = items
+            .iter()
+            .map(|&(k, len)| Ok((self.key(k)?, len)))
+            .collect::<Result<Vec<(Bytes, u64)>, Fail>>()?;
         let engine = self.engine()?;
         let got = self
             .engines()?
@@ -140,21 +105,15 @@ impl Conn<'_> {
 
     pub(super) async fn end_tickets(
         &mut self,
-        f: &mut Fields<'_>,
+        tickets: &[u64],
         commit: bool,
     ) -> Result<Vec<u8>, Fail> {
-        let n = self.count(f)?;
-        let mut tickets = Vec::with_capacity(n);
-        for _ in 0..n {
-            tickets.push(f.u64()?);
-        }
-        self.ended(f)?;
         let engine = self.engine()?;
         let engines = self.engines()?;
         let codes = if commit {
-            engines.commit(self.state, &engine, &tickets).await
+            engines.commit(self.state, &engine, tickets).await
         } else {
-            engines.abort(self.state, &engine, &tickets).await
+            engines.abort(self.state, &engine, tickets).await
         };
         Ok(codes.iter().flat_map(|c| c.to_le_bytes()).collect())
     }
