@@ -74,10 +74,8 @@ fn kv_face_traffic_reaches_eviction_events_and_miss_reasons() {
         metric_value(&m, "moongate_eviction_table_keys") >= 1.0,
         "{m}"
     );
-    // The misses: the engine's removal, and a key moongate evicted. Which keys went is
-    // read from moongate's history (the admin read grants no lease): the oldest key may
-    // still have been under the read lease its own GET granted when the evictor came, and
-    // is then kept and the next ones taken, so the test cannot name the victim in advance.
+    // The misses: the engine's removal, and a key moongate evicted, read from moongate's
+    // history (the admin read grants no lease).
     let evicted: Vec<u32> = (1000..1040)
         .filter(|i| {
             let (st, body) = http_get(&mg.admin, &format!("/keys/kv%2Fblk%2F{i}")).unwrap();
@@ -86,11 +84,11 @@ fn kv_face_traffic_reaches_eviction_events_and_miss_reasons() {
                     .is_ok_and(|v| v["last_end"]["why"] == "evicted_by_moongate")
         })
         .collect();
-    // lru: the victims are the older keys (the first half), never the newest.
-    assert!(
-        !evicted.is_empty() && evicted.iter().all(|&i| i < 1030),
-        "evicted: {evicted:?}"
-    );
+    // Which ones is not asserted: every key read back in the loop is under its read
+    // lease for 10 s and no candidate, so on a slow machine the victim may be the one
+    // key put and not yet read (seen: only 1033 or 1034 evicted). Without the kv face
+    // feeding the table, none is evicted.
+    assert!(!evicted.is_empty(), "evicted: {evicted:?}");
     let victim = evicted[0];
     let (st, _) = http(&kv, "GET", &format!("/v1/kv/kv%2Fblk%2F{victim}"), b"").unwrap();
     assert_eq!(st, 404, "key {victim} was evicted, yet it was served");
