@@ -45,9 +45,9 @@ def parts(path, work, stretches):
     return out
 
 
-def run(mg, trace, spec, capacity, work):
+def run(mg, trace, spec, capacity, work, policy="hint-lru"):
     j = os.path.join(work, "r.json")
-    cmd = [mg, "sim", "--trace", trace, "--capacity", capacity, "--policy", "hint-lru",
+    cmd = [mg, "sim", "--trace", trace, "--capacity", capacity, "--policy", policy,
            "--json", j] + (["--hints", spec] if spec else [])
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
