@@ -15,6 +15,12 @@ use crate::codec::types::BufferDescriptor;
 /// holds: a removal relayed by either face (forced ones take leased values too), a
 /// master that did not answer, or a new leader voids every entry at once. A read
 /// through a cached descriptor that fails drops the entry and asks the master again.
+///
+/// Entries hold their own bytes: a key or a descriptor decoded from a frame is a slice of
+/// the buffer the frame was read into, and one kept entry would keep that whole buffer
+/// (up to megabytes for a batch answer) alive. A 5-minute soak with the slices kept held
+/// about 15 MB of master read buffers this way, and moongate's RSS grew with them.
+/// Endpoint and protocol names repeat (one per segment), so they are interned.
 pub struct ReplicaCache {
     ttl: Duration,
     entries: Mutex<Entries>,
@@ -22,9 +28,30 @@ pub struct ReplicaCache {
 
 struct Entries {
     map: std::collections::HashMap<Bytes, Entry>,
-    /// When a full map is next swept for expired entries: a map full of live ones is
-    /// not scanned on every insert.
+    /// When the map is next swept for expired entries: every quarter of the ttl, so it
+    /// holds about one ttl of entries, and a map full of live ones is not scanned on
+    /// every insert.
     next_sweep: Instant,
+    /// Endpoint and protocol names seen, shared by the entries (at most [`NAMES`]).
+    names: Vec<Bytes>,
+}
+
+/// Distinct endpoint and protocol names interned (one per segment in the pool and per
+/// protocol); past this, an entry gets its own copy.
+const NAMES: usize = 1024;
+
+impl Entries {
+    /// `b` as bytes of the cache's own: an interned name equal to it, else a copy.
+    fn own(&mut self, b: &Bytes) -> Bytes {
+        if let Some(n) = self.names.iter().find(|n| *n == b) {
+            return n.clone();
+        }
+        let n = Bytes::copy_from_slice(b);
+        if self.names.len() < NAMES {
+            self.names.push(n.clone());
+        }
+        n
+    }
 }
 
 struct Entry {
@@ -58,6 +85,7 @@ impl ReplicaCache {
             entries: Mutex::new(Entries {
                 map: std::collections::HashMap::new(),
                 next_sweep: Instant::now(),
+                names: Vec::new(),
             }),
         }
     }
@@ -90,20 +118,23 @@ impl ReplicaCache {
         }
         let now = Instant::now();
         let mut e = self.entries.lock().unwrap_or_else(|p| p.into_inner());
-        if e.map.len() >= REPLICA_CACHE_ENTRIES && !e.map.contains_key(&key) {
-            if now < e.next_sweep {
-                return;
-            }
+        if now >= e.next_sweep {
             e.map.retain(|_, v| v.until > now);
             e.next_sweep = now + (self.ttl / 4).max(Duration::from_millis(10));
-            if e.map.len() >= REPLICA_CACHE_ENTRIES {
-                return;
-            }
         }
+        if e.map.len() >= REPLICA_CACHE_ENTRIES && !e.map.contains_key(&key) {
+            return;
+        }
+        let at = BufferDescriptor {
+            size: d.size,
+            buffer_address: d.buffer_address,
+            protocol: e.own(&d.protocol),
+            transport_endpoint: e.own(&d.transport_endpoint),
+        };
         e.map.insert(
-            key,
+            Bytes::copy_from_slice(&key),
             Entry {
-                at: d.clone(),
+                at,
                 until: now + ttl,
                 epoch,
                 seq,
@@ -165,6 +196,42 @@ mod tests {
         // No lease: not kept at all.
         c.put(k("b"), &at(1), 0, 0, 0);
         assert_eq!(c.len(), 1);
+    }
+
+    #[test]
+    fn entries_keep_no_slice_of_the_buffers_they_were_decoded_from() {
+        let c = ReplicaCache::new(Duration::from_secs(5));
+        // A frame's buffer, with the key and the endpoint sliced out of it.
+        let frame = Bytes::from(b"key-1127.0.0.1:9tcp".to_vec());
+        let d = BufferDescriptor {
+            size: 1,
+            buffer_address: 1,
+            protocol: frame.slice(16..19),
+            transport_endpoint: frame.slice(5..16),
+        };
+        c.put(frame.slice(0..5), &d, 10_000, 0, 0);
+        c.put(frame.slice(0..4), &d, 10_000, 0, 0);
+        let range = frame.as_ptr() as usize..frame.as_ptr() as usize + frame.len();
+        let g = c.entries.lock().unwrap();
+        for (k, v) in &g.map {
+            for b in [k, &v.at.protocol, &v.at.transport_endpoint] {
+                assert!(!range.contains(&(b.as_ptr() as usize)), "{b:?} is a slice of the frame");
+            }
+        }
+        // One copy of each name, shared.
+        assert_eq!(g.names.len(), 2);
+        assert_eq!(frame.slice(5..16), g.map[&frame.slice(0..5)].at.transport_endpoint);
+    }
+
+    #[test]
+    fn expired_entries_are_swept_before_the_cache_is_full() {
+        let c = ReplicaCache::new(Duration::from_millis(40));
+        for i in 0..100 {
+            c.put(Bytes::from(format!("k{i}")), &at(i), 600_000, 0, 0);
+        }
+        std::thread::sleep(Duration::from_millis(60));
+        c.put(k("late"), &at(1), 600_000, 0, 0);
+        assert_eq!(c.len(), 1, "the expired entries went at the next put");
     }
 
     #[test]
