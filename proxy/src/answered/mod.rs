@@ -455,6 +455,100 @@ mod tests {
         );
     }
 
+    /// A lookup that finds a key gone between moongate's `Remove` and the evictor
+    /// reading its answer: moongate's eviction (a soak counted such keys as lost, the
+    /// master having evicted nothing), announced once, not again at the departure.
+    #[test]
+    fn a_miss_racing_moongates_removal_is_moongates_eviction_announced_once() {
+        use crate::events::{Events, EventsConfig, What};
+        let metrics = crate::metrics::Metrics::new();
+        let (events, mut rx) = Events::new(&EventsConfig::default(), metrics.events.clone());
+        let ev = sink(&metrics, Some(events));
+        let tenant = Bytes::from_static(b"default");
+        tell(
+            &ev,
+            &tracked(Track::Put(vec![(k("x"), 1), (k("y"), 1)])),
+            &Response::BatchPutStart(vec![Ok(vec![]), Ok(vec![])]),
+            0,
+            "a",
+        );
+        tell(
+            &ev,
+            &tracked(Track::End(vec![k("x"), k("y")])),
+            &Response::BatchPutEnd(vec![Ok(()), Ok(())]),
+            0,
+            "a",
+        );
+        assert_eq!(rx.try_recv().unwrap().what, What::Stored);
+        let keys = ev.keys().unwrap();
+        let chosen: Vec<(Bytes, crate::keys::table::Entry)> = [k("x"), k("y")]
+            .into_iter()
+            .map(|x| {
+                let e = keys.table.get(&tenant, &x).unwrap();
+                (x, e)
+            })
+            .collect();
+        // The evictor marks both and sends their removals; a lookup finds "x" gone
+        // before the answers are read.
+        keys.table
+            .mark_removing(chosen.iter().map(|(x, e)| (&e.tenant, x)), true);
+        tell(
+            &ev,
+            &tracked(Track::Lookup(vec![k("x")].into())),
+            &Response::BatchExistKey(vec![Ok(false)]),
+            0,
+            "a",
+        );
+        assert_eq!(
+            keys.history.last(&tenant, &k("x")).unwrap().why,
+            Why::evicted_by_moongate
+        );
+        // The answers: both removed; the departure announces only "y".
+        let mut gone = keys.departures();
+        for (x, e) in &chosen {
+            gone.whole(x, e);
+        }
+        keys.depart(gone);
+        let removed: Vec<Vec<Bytes>> = std::iter::from_fn(|| rx.try_recv().ok())
+            .map(|c| {
+                assert_eq!(c.what, What::Removed);
+                c.keys
+            })
+            .collect();
+        assert_eq!(removed, [vec![k("x")], vec![k("y")]]);
+        assert!(keys.table.is_empty());
+        // Unmarked (the master kept it under a lease), a later miss is the master's.
+        tell(
+            &ev,
+            &tracked(Track::Put(vec![(k("z"), 1)])),
+            &Response::BatchPutStart(vec![Ok(vec![])]),
+            0,
+            "a",
+        );
+        tell(
+            &ev,
+            &tracked(Track::End(vec![k("z")])),
+            &Response::BatchPutEnd(vec![Ok(())]),
+            0,
+            "a",
+        );
+        keys.table
+            .mark_removing(std::iter::once((&tenant, &k("z"))), true);
+        keys.table
+            .mark_removing(std::iter::once((&tenant, &k("z"))), false);
+        tell(
+            &ev,
+            &tracked(Track::Lookup(vec![k("z")].into())),
+            &Response::BatchExistKey(vec![Ok(false)]),
+            0,
+            "a",
+        );
+        assert_eq!(
+            keys.history.last(&tenant, &k("z")).unwrap().why,
+            Why::evicted_by_master
+        );
+    }
+
     #[test]
     fn every_miss_gets_a_reason() {
         let metrics = crate::metrics::Metrics::new();

@@ -173,6 +173,7 @@ mod tests {
             client: Default::default(),
             segment: crate::keys::table::NO_SEGMENT,
             tries: 0,
+            removing: false,
         }
     }
 

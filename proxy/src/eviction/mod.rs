@@ -611,6 +611,7 @@ mod tests {
                     client: Default::default(),
                     segment: NO_SEGMENT,
                     tries: 0,
+                    removing: false,
                 };
                 e.last_ms = i;
                 (Bytes::new(), e)

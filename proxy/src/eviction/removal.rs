@@ -12,6 +12,12 @@ impl Evictor {
         chosen: &[(Bytes, Entry)],
         set: &ActiveSet,
     ) -> Result<(), crate::upstream::CallError> {
+        // A key the master answered it kept is no longer being removed.
+        let kept = |k: &Bytes, e: &Entry| {
+            self.keys
+                .table
+                .mark_removing(std::iter::once((&e.tenant, k)), false)
+        };
         let reqs: Vec<Request> = chosen
             .iter()
             .map(|(k, e)| {
@@ -23,6 +29,12 @@ impl Evictor {
             })
             .collect();
         let mut gone = self.keys.departures();
+        // Marked before the removals go: a lookup that finds one gone before its answer
+        // is read here counts it as moongate's eviction, not the master's. A chunk whose
+        // answers are lost stays marked (its removals may have been applied).
+        self.keys
+            .table
+            .mark_removing(chosen.iter().map(|(k, e)| (&e.tenant, k)), true);
         for (chunk, entries) in reqs.chunks(CHUNK).zip(chosen.chunks(CHUNK)) {
             let answers = c
                 .call_all(chunk, self.call_timeout())
@@ -37,7 +49,10 @@ impl Evictor {
                         gone.whole(k, e);
                         Victim::Removed
                     }
-                    Ok(Response::Remove(Err(ErrorCode::OBJECT_HAS_LEASE))) => Victim::Leased,
+                    Ok(Response::Remove(Err(ErrorCode::OBJECT_HAS_LEASE))) => {
+                        kept(k, e);
+                        Victim::Leased
+                    }
                     Ok(Response::Remove(Err(ErrorCode::OBJECT_NOT_FOUND))) => {
                         // Already gone (the master evicted it): gone all the same.
                         gone.whole(k, e);
@@ -45,6 +60,7 @@ impl Evictor {
                     }
                     other => {
                         tracing::debug!(key = ?k, answer = ?other, "eviction removal failed");
+                        kept(k, e);
                         Victim::Error
                     }
                 };
@@ -53,7 +69,7 @@ impl Evictor {
         }
         tracing::debug!(removed = gone.keys().len(), "eviction round");
         self.topology
-            .ssd_removed(gone.keys().iter().map(|(t, k)| (&t[..], &k[..])));
+            .ssd_removed(gone.keys().map(|(t, k)| (&t[..], &k[..])));
         self.keys.depart(gone);
         Ok(())
     }

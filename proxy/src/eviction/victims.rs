@@ -189,6 +189,7 @@ mod tests {
             client: Default::default(),
             segment: NO_SEGMENT,
             tries: 0,
+            removing: false,
         };
         let cands: Vec<(Bytes, Entry)> = (0..4).map(|_| (Bytes::new(), e(10))).collect();
         let m = |v: &[usize]| -> Vec<(usize, wit::EvictScope)> {

@@ -174,8 +174,10 @@ impl Keys {
     }
 
     /// Explains lookup misses: a key the table holds was stored and is gone without
-    /// moongate removing it (the master evicted it); otherwise the history says why, or
-    /// it was never stored through this moongate (as far as it remembers).
+    /// moongate removing it (the master evicted it), unless moongate's evictor had sent
+    /// its removal and not yet read the answer (the lookup raced the removal: it is
+    /// moongate's eviction); otherwise the history says why, or it was never stored
+    /// through this moongate (as far as it remembers).
     fn missed(&self, tenant: &Bytes, keys: &[Bytes], arm_name: &str, now: u64) {
         if keys.is_empty() {
             return;
@@ -184,18 +186,18 @@ impl Keys {
         let mut gone = self.events.as_ref().map(|_| Changes::new(What::Removed));
         for k in keys {
             let why = if let Some(e) = self.table.take_missed(tenant, k, now, PUT_STALE_MS) {
-                // The master's own eviction, announced when seen.
+                // Announced when seen: it has left the table, so the evictor's own
+                // departure does not announce it again.
                 if let Some(c) = &mut gone {
                     c.push(e.arm, Some(e.tier), k);
                 }
-                self.history.note(
-                    tenant,
-                    std::iter::once(k),
-                    Why::evicted_by_master,
-                    e.arm,
-                    now,
-                );
-                Why::evicted_by_master
+                let why = if e.removing {
+                    Why::evicted_by_moongate
+                } else {
+                    Why::evicted_by_master
+                };
+                self.history.note(tenant, std::iter::once(k), why, e.arm, now);
+                why
             } else {
                 self.history
                     .last(tenant, k)
@@ -228,19 +230,23 @@ impl Keys {
     /// Entries leaving the table together (one eviction round's), announced at once by
     /// [`Keys::depart`].
     pub fn departures(&self) -> Departures {
-        Departures {
-            gone: self.events.as_ref().map(|_| Changes::new(What::Removed)),
-            forgotten: Vec::new(),
-        }
+        Departures { left: Vec::new() }
     }
 
-    /// Announces what left and forgets it.
+    /// Forgets what left and announces it: each key the table still held (a lookup
+    /// that found one gone first announced it then).
     pub fn depart(&self, d: Departures) {
-        if let (Some(c), Some(ev)) = (d.gone, &self.events) {
+        let mut gone = self.events.as_ref().map(|_| Changes::new(What::Removed));
+        self.table
+            .take_each(d.left.iter().map(|(t, k, s)| (t, k, *s)), |k, scope, e| {
+                let Some(c) = &mut gone else { return };
+                match scope {
+                    Scope::Memory => c.push(e.arm, Some(Tier::Memory), k),
+                    Scope::Whole => announce_gone(c, k, &e),
+                }
+            });
+        if let (Some(c), Some(ev)) = (gone, &self.events) {
             c.send(ev);
-        }
-        for (tenant, key) in &d.forgotten {
-            self.table.forget(tenant, std::iter::once(key));
         }
         self.counted();
     }
@@ -276,31 +282,34 @@ impl Keys {
 
 /// Entries leaving the table in one go (see [`Keys::departures`]).
 pub struct Departures {
-    gone: Option<Changes>,
-    forgotten: Vec<(Bytes, Bytes)>,
+    /// (tenant, key, what of it went).
+    left: Vec<(Bytes, Bytes, Scope)>,
+}
+
+#[derive(Clone, Copy)]
+enum Scope {
+    /// The whole key: every medium it had is announced.
+    Whole,
+    /// Only its memory copy (a copy on an SSD stays); the table, which holds what uses
+    /// memory, forgets it.
+    Memory,
 }
 
 impl Departures {
     /// A whole key is gone: every medium it had is announced.
     pub fn whole(&mut self, k: &Bytes, e: &Entry) {
-        if let Some(c) = &mut self.gone {
-            announce_gone(c, k, e);
-        }
-        self.forgotten.push((e.tenant.clone(), k.clone()));
+        self.left.push((e.tenant.clone(), k.clone(), Scope::Whole));
     }
 
     /// Only its memory copy is gone (a copy on an SSD stays); the table, which holds
     /// what uses memory, forgets it.
     pub fn memory(&mut self, k: &Bytes, e: &Entry) {
-        if let Some(c) = &mut self.gone {
-            c.push(e.arm, Some(Tier::Memory), k);
-        }
-        self.forgotten.push((e.tenant.clone(), k.clone()));
+        self.left.push((e.tenant.clone(), k.clone(), Scope::Memory));
     }
 
     /// What left, by (tenant, key).
-    pub fn keys(&self) -> &[(Bytes, Bytes)] {
-        &self.forgotten
+    pub fn keys(&self) -> impl ExactSizeIterator<Item = (&Bytes, &Bytes)> {
+        self.left.iter().map(|(t, k, _)| (t, k))
     }
 }
 

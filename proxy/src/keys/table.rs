@@ -65,6 +65,10 @@ pub struct Entry {
     pub segment: u16,
     /// Replica clears of it that cleared nothing (offload on).
     pub tries: u8,
+    /// moongate's evictor sent its `Remove` and has not read the answer yet (or lost
+    /// it): a lookup that finds the key gone meanwhile is that removal, not the
+    /// master's own eviction.
+    pub removing: bool,
 }
 
 /// [`Entry::segment`] when the memory replica's segment is not known.
@@ -182,6 +186,7 @@ impl KeyTable {
                     client: Uuid::default(),
                     segment: NO_SEGMENT,
                     tries: 0,
+                    removing: false,
                 },
             );
         }
@@ -228,6 +233,33 @@ impl KeyTable {
             return false;
         }
         true
+    }
+
+    /// Marks (or unmarks) keys whose removal moongate's evictor sends now
+    /// ([`Entry::removing`]).
+    pub fn mark_removing<'a>(&self, keys: impl Iterator<Item = (&'a Bytes, &'a Bytes)>, on: bool) {
+        let mut t = self.lock();
+        for (tenant, k) in keys {
+            if let Some(e) = t.map.get_mut(&(tenant.clone(), k.clone())) {
+                e.removing = on;
+            }
+        }
+    }
+
+    /// Takes each of `keys` (tenant, key, anything the caller pairs with it) out of the
+    /// table, calling `each` with the entries that were still held (a lookup miss may
+    /// have taken one first).
+    pub fn take_each<'a, X>(
+        &self,
+        keys: impl Iterator<Item = (&'a Bytes, &'a Bytes, X)>,
+        mut each: impl FnMut(&Bytes, X, Entry),
+    ) {
+        let mut t = self.lock();
+        for (tenant, k, x) in keys {
+            if let Some(e) = t.remove(&(tenant.clone(), k.clone())) {
+                each(k, x, e);
+            }
+        }
     }
 
     /// The transfer endpoint of segment `i` ([`Entry::segment`]).
@@ -470,6 +502,7 @@ impl KeyTable {
                 client: a.client,
                 segment: seg,
                 tries: a.tries,
+                removing: false,
             };
             let k = (tenant.clone(), Bytes::copy_from_slice(&a.key));
             match t.map.get(&k) {

@@ -456,6 +456,7 @@ impl<'a> Store<'a> {
                         client: Default::default(),
                         segment: crate::keys::table::NO_SEGMENT,
                         tries: 0,
+                        removing: false,
                     },
                 )
             })
