@@ -21,22 +21,31 @@ evictions (their logs' EVICT-RESULT lines: the master does not say which keys), 
 beyond those are lost puts. Bytes that differ are a wrong read. moongate's usage trigger
 reads both masters' pages, so it follows the failovers.
 
-Faults, on a schedule (one every `--fault-every` seconds, in turn): SIGKILL of the leading
-master (restarted as the standby), SIGSTOP of the owner for 10 s, etcd stopped for 10 s
-and started again, a faulty plugin activated (it traps on every second put: moongate rolls
-back), a flood of 300 stalled bodies on the kv face for 20 s, and a client sending
-garbage to the master face and the kv face. A plugin swap (lru <-> the default) every
-minute besides. For each fault: the time until every traffic process that failed after
-it succeeded again (0 when none failed).
+Faults, on a schedule (one every `--fault-every` seconds, in turn; `--faults` picks some):
+SIGKILL of the leading master (restarted as the standby), SIGSTOP of the owner for 5 s (a
+stall within the masters' 10 s client_ttl: nothing may be lost), SIGSTOP of the owner for
+15 s (past client_ttl: the masters declare it dead and drop its segment, and every object
+in it, by Mooncake's rules: reported as `dropped_with_owner`, not as lost puts), etcd
+stopped for 10 s and started again, a faulty plugin activated (it traps on every second
+put: moongate rolls back), a flood of 300 stalled bodies on the kv face for 20 s, and a
+client sending garbage to the master face and the kv face. A plugin swap (lru <-> the
+default) every minute besides. For each fault: the time until every traffic process that
+failed after it succeeded again (0 when none failed).
 
-moongate's RSS and open descriptors are sampled every 5 s; growth is the median of the
-last tenth of the run over the median of the tenth after warm-up (the first 10 %).
+Each key read back missing that moongate did not remove is placed by the first fault
+between its put and that read (`lost_by_fault`: per fault kind, how many, moongate's
+reason, and how long before the fault they were put; `no_fault_between` for the rest).
+
+moongate's RSS, open descriptors and heap (`moongate_heap_bytes`: in use, kept free) are
+sampled every 5 s; growth is the median of the last tenth of the run over the median of
+the tenth after warm-up (the first 10 %).
 
     bash benches/soak.sh --minutes 30          (builds moongate in release mode first)
 
 Ends by printing one JSON line: requests, wrong_reads, lost_puts, evicted,
-rss_growth_pct, fd_growth_pct, faults [{kind, at_s, recovered_s}], errors by kind, and
-where the samples (CSV) and the plot (SVG) were written (--out).
+dropped_with_owner, lost_by_fault, rss_growth_pct, fd_growth_pct, faults [{kind, at_s,
+recovered_s}], errors by kind, and where the samples (CSV) and the plot (SVG) were
+written (--out).
 """
 import argparse
 import hashlib
@@ -87,11 +96,15 @@ class Traffic:
         self.name, self.admin = name, admin
         self.rate = float(os.environ.get("SOAK_RATE", "0"))
         self.acked = []
+        # When each acknowledged key was put, to place a lost one among the faults.
+        self.put_at = {}
         self.counts = {"requests": 0, "wrong_reads": 0, "missing_other": 0, "evicted": 0,
                        "errors": {}}
         self.failing = False
         self.lost = []
         self.wrong = []
+        # How the last read was served, where a role tells paths apart.
+        self.path = ""
 
     def said(self, ok, kind=""):
         if ok and self.failing:
@@ -119,6 +132,7 @@ class Traffic:
             self.said(ok, kind)
             if ok:
                 self.acked.append(key)
+                self.put_at[key] = time.time()
             if self.acked:
                 k = random.choice(self.acked[-2000:])
                 self.counts["requests"] += 1
@@ -131,6 +145,8 @@ class Traffic:
                         else:
                             self.counts["missing_other"] += 1
                             self.lost.append((k, why))
+                            print(f"LOST {k} {why} {self.put_at.get(k, 0):.3f} "
+                                  f"{time.time():.3f}", flush=True)
                         self.acked.remove(k)
                         self.said(True)
                     elif got != value_of(k):
@@ -139,7 +155,12 @@ class Traffic:
                         at = next((j for j, (x, y) in enumerate(zip(got, want)) if x != y),
                                   min(len(got), len(want)))
                         self.wrong.append({"key": k, "len": len(got), "first_diff": at,
-                                           "at": round(time.time(), 1)})
+                                           "at": round(time.time(), 1), "path": self.path,
+                                           "put_at": round(self.put_at.get(k, 0), 1),
+                                           "is_other_key": next(
+                                               (o for o in self.acked[-4000:]
+                                                if value_of(o)[:32] == got[:32]), None)})
+                        print(f"WRONG {json.dumps(self.wrong[-1])}", flush=True)
                         self.said(True)
                     else:
                         self.said(True)
@@ -249,14 +270,23 @@ def role_lib(a):
         c.put(k, v)
         return True
 
+    t = Traffic("lib", a.admin)
+
     def get(k):
+        # Client.get's two paths, apart, so that a wrong read says which one it took.
         try:
-            return bytes(c.get(k))
+            try:
+                with c.view(k) as v:
+                    t.path = "view"
+                    return bytes(v.buffer)
+            except moongate_kv.NotLocal:
+                t.path = "get_into"
+                return bytes(c.get(k))
         except moongate_kv.NotFound:
             return None
 
     print("READY", flush=True)
-    Traffic("lib", a.admin).loop(put, get)
+    t.loop(put, get)
 
 
 def role_events(a):
@@ -295,6 +325,8 @@ class Role:
         if not line.startswith("READY"):
             raise SystemExit(f"{name} did not start ({line!r}); see {work}/{name}.log")
         self.counts, self.changes = {}, []
+        # (key, why, put at, read missing at) of each key gone that moongate did not remove.
+        self.lost = []
         threading.Thread(target=self.read, daemon=True).start()
 
     def read(self):
@@ -306,6 +338,9 @@ class Role:
                 self.counts = json.loads(w[1])
             elif w[0] in ("FAIL", "OK"):
                 self.changes.append((w[0], float(w[1].split()[0])))
+            elif w[0] == "LOST":
+                k, why, put, gone = w[1].split()
+                self.lost.append((k, why, float(put), float(gone)))
 
     def recovered(self, since):
         """Seconds from `since` to the first OK after a failure at or after it (0 when it
@@ -328,26 +363,52 @@ class Role:
 
 
 def svg_plot(samples, path):
-    """RSS (MiB) and open descriptors over time, one SVG, no plotting library."""
+    """RSS, the heap in use and the heap kept free (MiB, one scale) and open descriptors
+    (their own scale) over time, one SVG, no plotting library."""
     W, H, P = 720, 300, 50
     t = [s[0] for s in samples]
-    series = [("RSS MiB", [s[1] / 1024 for s in samples], "#1f77b4"),
-              ("open fds", [s[2] for s in samples], "#d62728")]
+    mib = [("RSS MiB", [s[1] / 1024 for s in samples], "#1f77b4"),
+           ("heap in use MiB", [s[3] / 1024 for s in samples], "#2ca02c"),
+           ("heap kept free MiB", [s[4] / 1024 for s in samples], "#ff7f0e")]
+    top = max(max(ys) for _, ys, _ in mib) * 1.1 or 1
+    series = [(label, ys, colour, top) for label, ys, colour in mib]
+    fds = [s[2] for s in samples]
+    series.append(("open fds", fds, "#d62728", max(fds) * 1.1 or 1))
     tmax = max(t) or 1
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
            f'font-family="sans-serif" font-size="11">',
            f'<rect width="{W}" height="{H}" fill="white"/>']
-    for n, (label, ys, colour) in enumerate(series):
-        ymax = max(ys) * 1.1 or 1
+    for n, (label, ys, colour, ymax) in enumerate(series):
         pts = " ".join(f"{P + (x / tmax) * (W - 2 * P):.1f},{H - P - (y / ymax) * (H - 2 * P):.1f}"
                        for x, y in zip(t, ys))
         out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{pts}"/>')
-        out.append(f'<text x="{P + n * 200}" y="20" fill="{colour}">{label} (0 to {ymax:.0f})</text>')
+        out.append(f'<text x="{P + n * 165}" y="20" fill="{colour}">{label} (0 to {ymax:.0f})</text>')
     out.append(f'<line x1="{P}" y1="{H - P}" x2="{W - P}" y2="{H - P}" stroke="black"/>')
     out.append(f'<text x="{W // 2 - 40}" y="{H - 15}">minutes (0 to {tmax / 60:.0f})</text>')
     out.append("</svg>")
     with open(path, "w") as f:
         f.write("\n".join(out))
+
+
+def place_lost(lost, faults, t0):
+    """Each key gone that moongate did not remove, by the first fault between its put and
+    the read that found it missing: per fault kind, how many and how long before the
+    fault they were put (median and largest, s); `no_fault_between` for those with none
+    (the masters' own evictions, or a loss no fault explains)."""
+    out = {}
+    for _, why, put, gone in lost:
+        hit = next((f for f in faults if put <= t0 + f["at_s"] <= gone), None)
+        kind = hit["kind"] if hit else "no_fault_between"
+        o = out.setdefault(kind, {"keys": 0, "by_why": {}, "put_before_s": []})
+        o["keys"] += 1
+        o["by_why"][why] = o["by_why"].get(why, 0) + 1
+        if hit:
+            o["put_before_s"].append(t0 + hit["at_s"] - put)
+    for o in out.values():
+        b = sorted(o.pop("put_before_s"))
+        if b:
+            o["put_before_s_median_max"] = [round(b[len(b) // 2], 1), round(b[-1], 1)]
+    return out
 
 
 def growth(vals, n):
@@ -366,6 +427,9 @@ def main():
     p.add_argument("--fault-every", type=float, default=120)
     p.add_argument("--moongate", default="target/release/moongate")
     p.add_argument("--out", default="")
+    p.add_argument("--faults", default="",
+                   help="comma list of the fault kinds to run, in the schedule's order "
+                        "(default: all of them)")
     p.add_argument("--rate", type=float, default=100,
                    help="puts per second per traffic process (0: as fast as it goes)")
     a = p.parse_args()
@@ -462,7 +526,7 @@ def main():
         mg = subprocess.Popen([a.moongate, "run", "--config", f"{work}/moongate.toml"],
                               stdout=open(f"{work}/moongate.log", "w"),
                               stderr=subprocess.STDOUT,
-                              env={**os.environ, "RUST_LOG": "warn"})
+                              env={**os.environ, "RUST_LOG": os.environ.get("SOAK_RUST_LOG", "warn")})
         procs.append(mg)
         wait_http(f"http://{mg_admin}/ready", 60)
         admin = f"http://{mg_admin}"
@@ -499,6 +563,16 @@ def main():
             return sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
                        if l.startswith(name) and not l.startswith("#"))
 
+        def series(*names):
+            """Every sample of these metrics, by its labels."""
+            try:
+                with urllib.request.urlopen(admin + "/metrics", timeout=5) as r:
+                    text = r.read().decode()
+            except OSError:
+                return {}
+            return {l.rsplit(" ", 1)[0]: float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
+                    if l.startswith(names) and float(l.rsplit(" ", 1)[1]) != 0}
+
         def kill_leader():
             old = wait(leader, 60, "a leader")
             masters[old][0].send_signal(signal.SIGKILL)
@@ -508,9 +582,9 @@ def main():
             start_master(old)
             wait(lambda: health(masters[old][1]) == "standby", 60, "the restarted standby")
 
-        def stop_owner():
+        def stop_owner(secs):
             owner.p.send_signal(signal.SIGSTOP)
-            time.sleep(10)
+            time.sleep(secs)
             owner.p.send_signal(signal.SIGCONT)
 
         def stop_etcd():
@@ -548,9 +622,22 @@ def main():
                 except OSError:
                     pass
 
-        schedule = [("kill_leading_master", kill_leader), ("sigstop_owner", stop_owner),
+        # An owner stalled for less than the masters' client_ttl (10 s) must lose
+        # nothing; one stopped past it is declared dead, and the masters drop its segment
+        # with every object in it (one replica each, Mooncake's default): what it held
+        # is reported as dropped with the owner, apart from lost puts.
+        schedule = [("kill_leading_master", kill_leader),
+                    ("sigstop_owner", lambda: stop_owner(5)),
+                    ("owner_declared_dead", lambda: stop_owner(15)),
                     ("etcd_stopped", stop_etcd), ("faulty_plugin", faulty_plugin),
                     ("flood_of_stalled_bodies", flood), ("garbage_client", garbage)]
+        if a.faults:
+            want = a.faults.split(",")
+            unknown = set(want) - {k for k, _ in schedule}
+            if unknown:
+                raise SystemExit(f"--faults: no such fault {sorted(unknown)}; the kinds: "
+                                 f"{', '.join(k for k, _ in schedule)}")
+            schedule = [(k, f) for k, f in schedule if k in want]
         end = t0 + a.minutes * 60
         next_fault, next_swap, next_sample, n = t0 + 60, t0 + 60, t0, 0
         swap_to = ["lru", "default"]
@@ -561,7 +648,10 @@ def main():
                 next_sample += 5
                 try:
                     rss, fds = proc_stat(mg.pid)
-                    samples.append((now - t0, rss, fds))
+                    heap = series("moongate_heap_bytes")
+                    samples.append((now - t0, rss, fds,
+                                    int(heap.get('moongate_heap_bytes{state="in_use"}', 0)) >> 10,
+                                    int(heap.get('moongate_heap_bytes{state="free"}', 0)) >> 10))
                 except OSError:
                     raise SystemExit(f"moongate is gone; see {work}/moongate.log")
             if now >= next_swap:
@@ -576,6 +666,7 @@ def main():
                 at = time.time()
                 log(f"fault: {kind}")
                 fn()
+                over = time.time()
                 settle = time.time() + 60
                 rec = None
                 while time.time() < settle:
@@ -585,6 +676,7 @@ def main():
                         break
                     time.sleep(0.2)
                 faults.append({"kind": kind, "at_s": round(at - t0, 1),
+                               "over_s": round(over - t0, 1),
                                "recovered_s": None if rec is None else round(rec, 2),
                                "by_client": {r.name: r.recovered(at) for r in traffic}})
                 log(f"  recovered after {rec} s")
@@ -595,6 +687,25 @@ def main():
         for r in traffic + [events]:
             r.stop()
         time.sleep(1)
+        # Keys read back missing that moongate did not remove, asked again at the end
+        # through the kv face: one that reads back now (with its bytes) was never gone,
+        # and its miss was a false one.
+        recheck = {"asked": 0, "found": 0, "found_right": 0, "examples": [], "why_now": {}}
+        for k, _, _, _ in [x for r in traffic for x in r.lost][:500]:
+            recheck["asked"] += 1
+            why = why_gone(admin, k)
+            recheck["why_now"][why] = recheck["why_now"].get(why, 0) + 1
+            try:
+                with urllib.request.urlopen(
+                        f"http://127.0.0.1:{kv_port}/v1/kv/{urllib.parse.quote(k, safe='')}",
+                        timeout=10) as resp:
+                    body = resp.read()
+                recheck["found"] += 1
+                recheck["found_right"] += body == value_of(k)
+                if len(recheck["examples"]) < 10:
+                    recheck["examples"].append(k)
+            except (OSError, urllib.error.HTTPError):
+                pass
         total = {"requests": 0, "wrong_reads": 0, "missing_other": 0, "evicted": 0}
         # The masters' own evictions (their logs' EVICT-RESULT lines): keys a client
         # read back missing that moongate did not remove are accounted against these.
@@ -612,20 +723,25 @@ def main():
                 errors[f"{r.name}:{k}"] = v
             lost_keys += r.counts.get("lost_keys", [])[:7]
         with open(f"{out}/soak_samples.csv", "w") as f:
-            f.write("seconds,rss_kib,open_fds\n")
-            for t, rss, fds in samples:
-                f.write(f"{t:.0f},{rss},{fds}\n")
+            f.write("seconds,rss_kib,open_fds,heap_in_use_kib,heap_free_kib\n")
+            for t, rss, fds, used, free in samples:
+                f.write(f"{t:.0f},{rss},{fds},{used},{free}\n")
         svg_plot(samples, f"{out}/soak.svg")
+        lost_by_fault = place_lost([x for r in traffic for x in r.lost], faults, t0)
         # Missing keys moongate did not remove, accounted against the masters' own
         # evictions (by count: the master does not say which keys); the rest are lost.
         other = total.pop("missing_other")
+        with_owner = lost_by_fault.get("owner_declared_dead", {}).get("keys", 0)
         result = {
             **total,
-            "lost_puts": max(0, other - master_evicted),
-            "evicted": total["evicted"] + min(other, master_evicted),
+            "lost_puts": max(0, other - with_owner - master_evicted),
+            "evicted": total["evicted"] + min(other - with_owner, master_evicted),
+            "dropped_with_owner": with_owner,
             "evicted_by_moongate_read_missing": total["evicted"],
             "missing_not_by_moongate": other,
             "master_evicted": master_evicted,
+            "lost_by_fault": lost_by_fault,
+            "lost_found_at_the_end": recheck,
             "by_client": {r.name: {k: r.counts.get(k, 0) for k in
                                   ("requests", "wrong_reads", "missing_other", "evicted")}
                           for r in traffic},
@@ -633,6 +749,10 @@ def main():
             "started_epoch": round(t0, 1),
             "rss_growth_pct": round(growth([s[1] for s in samples], len(samples)), 2),
             "fd_growth_pct": round(growth([s[2] for s in samples], len(samples)), 2),
+            # RSS apart: the heap's live bytes (tables filling to their bounds) and the
+            # bytes the allocator keeps free (moongate_heap_bytes).
+            "heap_in_use_growth_pct": round(growth([s[3] for s in samples], len(samples)), 2),
+            "heap_kib_first_last": [samples[len(samples) // 10][3:], samples[-1][3:]],
             "rss_kib_first_last": [samples[len(samples) // 10][1], samples[-1][1]],
             "fds_first_last": [samples[len(samples) // 10][2], samples[-1][2]],
             "faults": faults,
@@ -640,6 +760,9 @@ def main():
             "events_received": events.counts.get("events", 0),
             "moongate_evicted_keys": metric("moongate_eviction_keys_total{result=\"removed\"}"),
             "rollbacks": metric("moongate_policy_rollbacks_total"),
+            # What moongate's evictor says of its victims and of rounds cut short: a
+            # removal whose answer was lost may have taken a key moongate did not record.
+            "eviction": series("moongate_eviction_keys_total", "moongate_eviction_errors_total"),
             "errors": errors,
             "lost_keys": lost_keys[:20],
             "wrong": [w for r in traffic for w in r.counts.get("wrong", [])][:20],

@@ -44,6 +44,7 @@ pub mod config;
 pub mod events;
 pub mod eviction;
 pub mod fleet;
+pub mod heap;
 pub mod hints;
 pub mod keys;
 pub mod kv;

@@ -37,6 +37,8 @@ pub struct Metrics {
     pub hints: Arc<crate::hints::HintsMetrics>,
     /// SSD reads relayed to owners.
     pub owner_face: Arc<crate::owner_face::OwnerFaceMetrics>,
+    /// What the allocator holds, read at each scrape.
+    pub heap: crate::heap::HeapMetrics,
 }
 
 impl Metrics {
@@ -57,7 +59,9 @@ impl Metrics {
         let fleet = Arc::new(crate::fleet::metrics::FleetMetrics::register(&mut registry));
         let hints = Arc::new(crate::hints::HintsMetrics::register(&mut registry));
         let owner_face = Arc::new(crate::owner_face::OwnerFaceMetrics::register(&mut registry));
+        let heap = crate::heap::HeapMetrics::register(&mut registry);
         Metrics {
+            heap,
             owner_face,
             hints,
             fleet,
@@ -75,6 +79,7 @@ impl Metrics {
 
     /// The OpenMetrics text exposition.
     pub fn encode(&self) -> String {
+        self.heap.refresh();
         let mut s = String::with_capacity(64 << 10);
         // Writing to a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut s, &self.registry);

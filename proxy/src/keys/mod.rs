@@ -196,7 +196,8 @@ impl Keys {
                 } else {
                     Why::evicted_by_master
                 };
-                self.history.note(tenant, std::iter::once(k), why, e.arm, now);
+                self.history
+                    .note(tenant, std::iter::once(k), why, e.arm, now);
                 why
             } else {
                 self.history

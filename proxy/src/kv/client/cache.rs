@@ -215,12 +215,18 @@ mod tests {
         let g = c.entries.lock().unwrap();
         for (k, v) in &g.map {
             for b in [k, &v.at.protocol, &v.at.transport_endpoint] {
-                assert!(!range.contains(&(b.as_ptr() as usize)), "{b:?} is a slice of the frame");
+                assert!(
+                    !range.contains(&(b.as_ptr() as usize)),
+                    "{b:?} is a slice of the frame"
+                );
             }
         }
         // One copy of each name, shared.
         assert_eq!(g.names.len(), 2);
-        assert_eq!(frame.slice(5..16), g.map[&frame.slice(0..5)].at.transport_endpoint);
+        assert_eq!(
+            frame.slice(5..16),
+            g.map[&frame.slice(0..5)].at.transport_endpoint
+        );
     }
 
     #[test]
