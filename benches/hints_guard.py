@@ -39,20 +39,20 @@ RIGHT = "queue:64,last:0.5"
 WRONG = "last:0.5,wrong:0.05,seed:{}"
 
 
-def shares(mg, trace, cfg, spec, work):
+def shares(mg, trace, cfg, spec, work, plugin="hint-lru"):
     """The share of the LRU-to-Belady gap closed, per capacity."""
-    policy = "hint-lru=" + json.dumps(cfg) if cfg else "hint-lru"
+    policy = plugin + "=" + json.dumps(cfg) if cfg else plugin
     out = []
     for _, r in sorted(H.run(mg, trace, spec, "5%,10%", work, policy).items()):
         out.append((r["hint"] - r["lru"]) / (r["opt"] - r["lru"]) if r["opt"] > r["lru"] else 0.0)
     return out
 
 
-def judge(mg, traces, cfg, work):
+def judge(mg, traces, cfg, work, plugin):
     """Right hints on the first of `traces`; wrong ones on each."""
-    right = shares(mg, traces[0], cfg, RIGHT, work)
+    right = shares(mg, traces[0], cfg, RIGHT, work, plugin)
     wrong = [s for t in traces for seed in SEEDS
-             for s in shares(mg, t, cfg, WRONG.format(seed), work)]
+             for s in shares(mg, t, cfg, WRONG.format(seed), work, plugin)]
     return {"right": right, "wrong_lowest": min(wrong), "wrong_average": sum(wrong) / len(wrong),
             "wrong": wrong}
 
@@ -62,6 +62,8 @@ def main():
     p.add_argument("--moongate", default=os.path.join(ROOT := os.path.dirname(HERE),
                                                        "target/release/moongate"))
     p.add_argument("--trace", default=os.path.join(HERE, "traces/mooncake_fast25_synthetic.jsonl"))
+    p.add_argument("--plugin", default="hint-lru",
+                   help="the plugin under test: a name built into target/plugins or a .wasm path")
     p.add_argument("--json")
     a = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="moongate-guard-") as work:
@@ -72,7 +74,7 @@ def main():
         grid = [dict(zip(GRID, v)) for v in itertools.product(*GRID.values())]
         tuned = []
         for cfg in grid:
-            j = judge(a.moongate, [parts["tuning"], slice_], cfg, work)
+            j = judge(a.moongate, [parts["tuning"], slice_], cfg, work, a.plugin)
             tuned.append((cfg, j))
             print(f"tuning {json.dumps(cfg):>62} right {' '.join(f'{100 * s:+5.1f}' for s in j['right'])}"
                   f"  wrong lowest {100 * j['wrong_lowest']:+5.1f} average {100 * j['wrong_average']:+5.1f}",
@@ -86,7 +88,7 @@ def main():
         report = {"chosen": chosen, "tuning": dict(tuned[grid.index(chosen)][1])}
         for name, path in (("evaluation", parts["evaluation"]), ("whole", a.trace)):
             for label, cfg in (("chosen", chosen), ("before", PRIOR)):
-                j = judge(a.moongate, [path], cfg, work)
+                j = judge(a.moongate, [path], cfg, work, a.plugin)
                 report[f"{name}_{label}"] = j
                 print(f"{name:>10} {label:>8} right {' '.join(f'{100 * s:+5.1f}' for s in j['right'])}"
                       f"  wrong lowest {100 * j['wrong_lowest']:+5.1f} average {100 * j['wrong_average']:+5.1f}"

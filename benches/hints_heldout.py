@@ -11,6 +11,7 @@ figures).
     python3 benches/hints_heldout.py [--moongate target/release/moongate]
         [--trace benches/traces/mooncake_fast25_synthetic.jsonl] [--json OUT]
         [--specs 'queue:64,last:0.5;last:1;...'] [--stretches 1,10,60]
+        [--plugin hint-lru | PATH.wasm]
 """
 import argparse
 import json
@@ -67,6 +68,8 @@ def main():
     p.add_argument("--capacity", default="5%,10%")
     p.add_argument("--stretches", default="1,10,60")
     p.add_argument("--specs", default=";".join(SPECS))
+    p.add_argument("--plugin", default="hint-lru",
+                   help="the plugin under test: a name built into target/plugins or a .wasm path")
     p.add_argument("--json")
     a = p.parse_args()
     stretches = [int(x) for x in a.stretches.split(",")]
@@ -75,7 +78,8 @@ def main():
     with tempfile.TemporaryDirectory(prefix="moongate-heldout-") as work:
         for part, k, path in parts(a.trace, work, stretches):
             for spec in specs:
-                for cap, r in sorted(run(a.moongate, path, spec, a.capacity, work).items()):
+                for cap, r in sorted(run(a.moongate, path, spec, a.capacity, work,
+                                         a.plugin).items()):
                     gap = (r["hint"] - r["lru"]) / (r["opt"] - r["lru"]) if r["opt"] > r["lru"] else 0.0
                     results.append({"part": part, "stretch": k, "hints": spec or "none",
                                     "capacity_fraction": cap, "lru": r["lru"], "opt": r["opt"],

@@ -31,10 +31,6 @@
 //! (inner blocks),
 //! `moongate_plugin_gauge{name="tracked_parents"}`.
 
-// BTreeSet, not HashSet: std's hasher seeds itself from WASI randomness, which a plugin
-// does not have.
-use std::collections::BTreeSet;
-
 use moongate_policy_sdk::*;
 use serde::Deserialize;
 
@@ -50,78 +46,35 @@ fn default_max_tracked() -> usize {
 }
 
 struct PrefixEvict {
-    max_tracked: usize,
-    parents: BTreeSet<u64>,
-    older: BTreeSet<u64>,
-    /// Every key of the puts seen (two generations, as the parents).
-    seen: BTreeSet<u64>,
-    seen_older: BTreeSet<u64>,
+    chains: Chains,
     victims_leaf: u32,
     victims_inner: u32,
     tracked: u32,
 }
 
-/// FNV-1a: a stable 64-bit key hash (collisions only make a leaf look shared).
-fn hash(key: &[u8]) -> u64 {
-    key.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
-}
-
 impl PrefixEvict {
-    fn is_parent(&self, h: u64) -> bool {
-        self.parents.contains(&h) || self.older.contains(&h)
-    }
-
-    fn was_seen(&self, h: u64) -> bool {
-        self.seen.contains(&h) || self.seen_older.contains(&h)
-    }
-
-    /// Remembers the keys of a put chain, and which have a successor (all but the
-    /// last).
-    fn learn(&mut self, keys: &PackedKeys) {
-        for i in 0..keys.len() {
-            let h = hash(keys.get(i));
-            self.seen.insert(h);
-            if i + 1 < keys.len() {
-                self.parents.insert(h);
-            }
-        }
-        if self.parents.len() >= self.max_tracked / 2 {
-            self.older = std::mem::take(&mut self.parents);
-        }
-        if self.seen.len() >= self.max_tracked / 2 {
-            self.seen_older = std::mem::take(&mut self.seen);
-        }
-    }
-
     /// The victims, in order, and how many were leaves and how many parents (no host
     /// calls: the hook counts them).
     fn victims(&self, call: &EvictCall) -> (Vec<u32>, u64, u64) {
         let n = call.sizes.len();
-        // (class, -age): see the classes above.
-        let mut order: Vec<(u8, u64, u32)> = (0..n)
+        // (place, -age): see the classes above.
+        let mut order: Vec<(Place, u64, u32)> = (0..n)
             .map(|i| {
-                let h = hash(call.keys.get(i));
-                let class = if self.is_parent(h) || !self.was_seen(h) {
-                    2
-                } else {
-                    u8::from(call.hits[i] > 0)
-                };
-                (class, u64::MAX - call.age_ms[i], i as u32)
+                let place = self.chains.place(call.keys.get(i), call.hits[i]);
+                (place, u64::MAX - call.age_ms[i], i as u32)
             })
             .collect();
         order.sort_unstable();
         let mut freed = 0u64;
         let mut victims = Vec::new();
         let (mut leaves, mut shared) = (0u64, 0u64);
-        for (class, _, i) in order {
+        for (place, _, i) in order {
             if freed >= call.bytes_needed {
                 break;
             }
             freed = freed.saturating_add(call.sizes[i as usize]);
             victims.push(i);
-            if class == 2 {
+            if place == Place::Inner {
                 shared += 1;
             } else {
                 leaves += 1;
@@ -145,11 +98,7 @@ impl Policy for PrefixEvict {
         }
         Ok((
             PrefixEvict {
-                max_tracked: cfg.max_tracked,
-                parents: BTreeSet::new(),
-                older: BTreeSet::new(),
-                seen: BTreeSet::new(),
-                seen_older: BTreeSet::new(),
+                chains: Chains::new(cfg.max_tracked),
                 victims_leaf: host::register_counter("victims_leaf", "leaf blocks chosen")?,
                 victims_inner: host::register_counter(
                     "victims_inner",
@@ -162,8 +111,8 @@ impl Policy for PrefixEvict {
     }
 
     fn on_put(&mut self, call: PutCall) -> PutDecision {
-        self.learn(&call.keys);
-        host::gauge_set(self.tracked, (self.parents.len() + self.older.len()) as i64);
+        self.chains.learn(&call.keys);
+        host::gauge_set(self.tracked, self.chains.parents() as i64);
         PutDecision::admit_all()
     }
 
@@ -183,11 +132,7 @@ mod tests {
 
     fn policy(max_tracked: usize) -> PrefixEvict {
         PrefixEvict {
-            max_tracked,
-            parents: BTreeSet::new(),
-            older: BTreeSet::new(),
-            seen: BTreeSet::new(),
-            seen_older: BTreeSet::new(),
+            chains: Chains::new(max_tracked),
             victims_leaf: 0,
             victims_inner: 0,
             tracked: 0,
@@ -198,9 +143,10 @@ mod tests {
     fn unreused_leaves_go_before_reused_ones_and_parents_go_last() {
         let mut p = policy(100);
         // A chain p1 -> p2 -> leaf: p1 and p2 are parents.
-        p.learn(&PackedKeys::from_keys(&["p1", "p2", "leaf"]));
-        p.learn(&PackedKeys::from_keys(&["hot"]));
-        p.learn(&PackedKeys::from_keys(&["cold"]));
+        p.chains
+            .learn(&PackedKeys::from_keys(&["p1", "p2", "leaf"]));
+        p.chains.learn(&PackedKeys::from_keys(&["hot"]));
+        p.chains.learn(&PackedKeys::from_keys(&["cold"]));
         let call = EvictCall {
             keys: PackedKeys::from_keys(&["p1", "hot", "cold", "p2", "leaf"]),
             sizes: vec![10; 5],
@@ -218,7 +164,7 @@ mod tests {
     #[test]
     fn a_key_never_seen_put_goes_with_the_inner_blocks_by_recency() {
         let mut p = policy(100);
-        p.learn(&PackedKeys::from_keys(&["p1", "leaf"]));
+        p.chains.learn(&PackedKeys::from_keys(&["p1", "leaf"]));
         let call = EvictCall {
             keys: PackedKeys::from_keys(&["p1", "other", "leaf"]),
             sizes: vec![10; 3],
@@ -235,9 +181,15 @@ mod tests {
     fn the_parent_and_seen_sets_stay_bounded() {
         let mut p = policy(4);
         for i in 0..50 {
-            p.learn(&PackedKeys::from_keys(&[format!("a{i}"), format!("b{i}")]));
+            p.chains
+                .learn(&PackedKeys::from_keys(&[format!("a{i}"), format!("b{i}")]));
         }
-        assert!(p.parents.len() + p.older.len() <= 4);
-        assert!(p.seen.len() + p.seen_older.len() <= 4);
+        assert!(p.chains.parents() <= 4);
+        // Of 100 keys seen put, at most 4 are still known: the rest count as unseen.
+        let known = (0..50)
+            .flat_map(|i| [format!("a{i}"), format!("b{i}")])
+            .filter(|k| p.chains.place(k.as_bytes(), 0) != Place::Inner)
+            .count();
+        assert!(known <= 4, "{known} keys still known");
     }
 }

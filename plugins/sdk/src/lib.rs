@@ -337,6 +337,91 @@ impl Window {
     }
 }
 
+/// FNV-1a: a stable 64-bit key hash for a plugin's own sets (std's default hasher seeds
+/// itself from WASI randomness, which moongate does not give plugins).
+pub fn key_hash(key: &[u8]) -> u64 {
+    key.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// Where stored blocks sit in their prefix chains, learned from puts: a batch put lists
+/// a request's missing blocks in prefix order, so key i is the parent of key i+1
+/// (vLLM / SGLang store one key per block of a token prefix). Bounded: each of the
+/// parent set and the set of keys seen put keeps two generations of hashes, the older
+/// dropped when the newer fills half of `max_tracked`.
+pub struct Chains {
+    max_tracked: usize,
+    parents: std::collections::BTreeSet<u64>,
+    older: std::collections::BTreeSet<u64>,
+    seen: std::collections::BTreeSet<u64>,
+    seen_older: std::collections::BTreeSet<u64>,
+}
+
+/// A block's place in its chain, in the order an eviction takes them
+/// ([`Chains::place`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Place {
+    /// A leaf (nothing was stored after it) never found again since it was put: in
+    /// block-hashed KV caches usually a prompt's partial last block, whose hash changes
+    /// once the next turn fills it.
+    UnreadLeaf,
+    /// A leaf found again.
+    ReadLeaf,
+    /// A block another was stored after (every request extending it needs it first, so
+    /// evicting it wastes its descendants), or one this instance never saw put (keys
+    /// put before it loaded, or another fleet member's): kept longest.
+    Inner,
+}
+
+impl Chains {
+    pub fn new(max_tracked: usize) -> Chains {
+        Chains {
+            max_tracked: max_tracked.max(2),
+            parents: Default::default(),
+            older: Default::default(),
+            seen: Default::default(),
+            seen_older: Default::default(),
+        }
+    }
+
+    /// Remembers the keys of a put, and which have a successor (all but the last).
+    pub fn learn(&mut self, keys: &PackedKeys) {
+        for i in 0..keys.len() {
+            let h = key_hash(keys.get(i));
+            self.seen.insert(h);
+            if i + 1 < keys.len() {
+                self.parents.insert(h);
+            }
+        }
+        if self.parents.len() >= self.max_tracked / 2 {
+            self.older = std::mem::take(&mut self.parents);
+        }
+        if self.seen.len() >= self.max_tracked / 2 {
+            self.seen_older = std::mem::take(&mut self.seen);
+        }
+    }
+
+    /// Where `key`, found `hits` times since it was put, sits.
+    pub fn place(&self, key: &[u8], hits: u32) -> Place {
+        let h = key_hash(key);
+        let parent = self.parents.contains(&h) || self.older.contains(&h);
+        let seen = self.seen.contains(&h) || self.seen_older.contains(&h);
+        if parent || !seen {
+            Place::Inner
+        } else if hits > 0 {
+            Place::ReadLeaf
+        } else {
+            Place::UnreadLeaf
+        }
+    }
+
+    /// Hashes held as parents (a gauge's worth).
+    pub fn parents(&self) -> usize {
+        self.parents.len() + self.older.len()
+    }
+}
+
 /// Mooncake error codes a policy commonly answers with.
 pub mod error_code {
     /// vLLM's connector skips stores on this one: the backpressure signal.
