@@ -156,11 +156,6 @@ struct Metrics {
     trusted: u32,
 }
 
-/// FNV-1a of a key.
-fn hash(key: &[u8]) -> u64 {
-    key_hash(key)
-}
-
 impl Policy for HintLru {
     fn new(config: &[u8]) -> Result<(Self, Interest), String> {
         let cfg: Config = if config.is_empty() {
@@ -255,7 +250,7 @@ impl HintLru {
         }
         let back = keys
             .iter()
-            .filter_map(|k| self.remembered.remove(&hash(k)))
+            .filter_map(|k| self.remembered.remove(&key_hash(k)))
             .filter(|&(at, slack)| now.saturating_sub(at) <= slack)
             .count() as u64;
         if back > 0 {
@@ -292,7 +287,7 @@ impl HintLru {
             if h.kind != HintKind::Done || age >= h.age_ms || h.age_ms - age > oldest {
                 continue;
             }
-            let k = hash(call.keys.get(i));
+            let k = key_hash(call.keys.get(i));
             if self.seen.insert(k) {
                 self.seen_order.push_back(k);
                 costly += 1;
@@ -369,7 +364,7 @@ impl HintLru {
         for &i in &chosen {
             if class(i as usize) == 0 {
                 by_hint += 1;
-                let h = hash(call.keys.get(i as usize));
+                let h = key_hash(call.keys.get(i as usize));
                 let slack = oldest.saturating_sub(call.age_ms[i as usize]);
                 self.remembered.insert(h, (now, slack));
                 self.order.push_back((h, now));

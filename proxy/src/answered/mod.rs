@@ -323,6 +323,22 @@ mod tests {
         Sink::new(Some(Arc::new(keys)), None, topology)
     }
 
+    /// `keys` (1 byte each) put and ended on arm 0, "a".
+    fn stored(sink: &Sink, keys: &[&'static str]) {
+        let put = keys.iter().map(|x| (k(x), 1)).collect();
+        let started = keys.iter().map(|_| Ok(vec![])).collect();
+        tell(
+            sink,
+            &tracked(Track::Put(put)),
+            &Response::BatchPutStart(started),
+            0,
+            "a",
+        );
+        let ended = keys.iter().map(|_| Ok(())).collect();
+        let end = Track::End(keys.iter().map(|x| k(x)).collect());
+        tell(sink, &tracked(end), &Response::BatchPutEnd(ended), 0, "a");
+    }
+
     /// One answered call, as a face hands it over (arm `arm` named `name`).
     fn tell(sink: &Sink, t: &Tracked, resp: &Response, arm: usize, name: &str) {
         let said = sink.said(Some(t), None, resp);
@@ -465,20 +481,7 @@ mod tests {
         let (events, mut rx) = Events::new(&EventsConfig::default(), metrics.events.clone());
         let ev = sink(&metrics, Some(events));
         let tenant = Bytes::from_static(b"default");
-        tell(
-            &ev,
-            &tracked(Track::Put(vec![(k("x"), 1), (k("y"), 1)])),
-            &Response::BatchPutStart(vec![Ok(vec![]), Ok(vec![])]),
-            0,
-            "a",
-        );
-        tell(
-            &ev,
-            &tracked(Track::End(vec![k("x"), k("y")])),
-            &Response::BatchPutEnd(vec![Ok(()), Ok(())]),
-            0,
-            "a",
-        );
+        stored(&ev, &["x", "y"]);
         assert_eq!(rx.try_recv().unwrap().what, What::Stored);
         let keys = ev.keys().unwrap();
         let chosen: Vec<(Bytes, crate::keys::table::Entry)> = [k("x"), k("y")]
@@ -518,20 +521,7 @@ mod tests {
         assert_eq!(removed, [vec![k("x")], vec![k("y")]]);
         assert!(keys.table.is_empty());
         // Unmarked (the master kept it under a lease), a later miss is the master's.
-        tell(
-            &ev,
-            &tracked(Track::Put(vec![(k("z"), 1)])),
-            &Response::BatchPutStart(vec![Ok(vec![])]),
-            0,
-            "a",
-        );
-        tell(
-            &ev,
-            &tracked(Track::End(vec![k("z")])),
-            &Response::BatchPutEnd(vec![Ok(())]),
-            0,
-            "a",
-        );
+        stored(&ev, &["z"]);
         keys.table
             .mark_removing(std::iter::once((&tenant, &k("z"))), true);
         keys.table
@@ -556,20 +546,7 @@ mod tests {
         let tenant = Bytes::from_static(b"default");
         // "gone" stored then missed (the master dropped it); "rm" removed by a client;
         // "ev" evicted by moongate; "no" refused by a policy; "new" never seen.
-        tell(
-            &ev,
-            &tracked(Track::Put(vec![(k("gone"), 1), (k("rm"), 1)])),
-            &Response::BatchPutStart(vec![Ok(vec![]), Ok(vec![])]),
-            0,
-            "a",
-        );
-        tell(
-            &ev,
-            &tracked(Track::End(vec![k("gone"), k("rm")])),
-            &Response::BatchPutEnd(vec![Ok(()), Ok(())]),
-            0,
-            "a",
-        );
+        stored(&ev, &["gone", "rm"]);
         tell(
             &ev,
             &tracked(Track::Remove(k("rm"))),

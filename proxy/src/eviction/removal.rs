@@ -12,12 +12,6 @@ impl Evictor {
         chosen: &[(Bytes, Entry)],
         set: &ActiveSet,
     ) -> Result<(), crate::upstream::CallError> {
-        // A key the master answered it kept is no longer being removed.
-        let kept = |k: &Bytes, e: &Entry| {
-            self.keys
-                .table
-                .mark_removing(std::iter::once((&e.tenant, k)), false)
-        };
         let reqs: Vec<Request> = chosen
             .iter()
             .map(|(k, e)| {
@@ -42,6 +36,8 @@ impl Evictor {
                 .inspect_err(|_| {
                     self.metrics.error(Stage::Remove);
                 })?;
+            // Keys the master answered it kept: no longer being removed.
+            let mut kept: Vec<(&Bytes, &Bytes)> = Vec::new();
             for ((k, e), a) in entries.iter().zip(answers) {
                 let result = match a {
                     Ok(Response::Remove(Ok(()))) => {
@@ -50,7 +46,7 @@ impl Evictor {
                         Victim::Removed
                     }
                     Ok(Response::Remove(Err(ErrorCode::OBJECT_HAS_LEASE))) => {
-                        kept(k, e);
+                        kept.push((&e.tenant, k));
                         Victim::Leased
                     }
                     Ok(Response::Remove(Err(ErrorCode::OBJECT_NOT_FOUND))) => {
@@ -60,11 +56,14 @@ impl Evictor {
                     }
                     other => {
                         tracing::debug!(key = ?k, answer = ?other, "eviction removal failed");
-                        kept(k, e);
+                        kept.push((&e.tenant, k));
                         Victim::Error
                     }
                 };
                 self.metrics.victim(result);
+            }
+            if !kept.is_empty() {
+                self.keys.table.mark_removing(kept.into_iter(), false);
             }
         }
         tracing::debug!(removed = gone.keys().len(), "eviction round");
