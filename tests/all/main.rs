@@ -15,7 +15,9 @@
 //!   [`kv_flood`] (2,000 stalled bodies while a new client is served),
 //!   [`arm_shares`] (experiment arms held to their capacity shares), [`owner_topology`]
 //!   (vLLM's owner with an SSD tier and requester-only ranks: served tiers, offload,
-//!   eviction that keeps the SSD, ranks in arms, a disk budget at lookup).
+//!   eviction that keeps the SSD, ranks in arms, a disk budget at lookup), [`vllm`]
+//!   (real vLLM, its CPU build: moongate's connector over views and reservations, and
+//!   vLLM's own Mooncake connector through the master face).
 //! - Faults, live: [`ha`] (HA masters through a real etcd: failover, a frozen leader,
 //!   etcd down and back), [`faults`] (delay, reset and black hole between moongate and
 //!   the master, injected by [`fault_relay`]).
@@ -56,3 +58,4 @@ mod releases;
 mod replay_live;
 mod sim;
 mod supply;
+mod vllm;
