@@ -191,6 +191,12 @@ fn vllm_loads_its_prefix_through_views_and_stores_through_reservations() {
         full,
         "one reservation per full block"
     );
+    // Hints: the prompt's blocks announced as upcoming when the request came, and as
+    // done when it finished (no other request of the engine shared them).
+    for kind in ["upcoming", "done"] {
+        let n = mg.metric(&format!("moongate_hints_received_total{{kind=\"{kind}\"}}"));
+        assert_eq!(n as usize, full, "{kind} hints: {first}");
+    }
     let views_before = views(&mg);
 
     let second = moongate_run(dir.path(), "load", &sock, &mg, &[]);

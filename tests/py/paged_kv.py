@@ -102,6 +102,18 @@ def main():
         # Views are released: the keys can be viewed again at once, and removed.
         assert not kv2.load(keys[:1], [5])
 
+    # A move of 8 MiB and more is cut over the copy threads (9 MiB here): every run
+    # lands where it belongs.
+    big = [torch.zeros((48, 4, 32, 512), dtype=torch.bfloat16) for _ in range(3)]
+    fill(big, range(24), seed=99)
+    kvb = PagedKV(c, big)
+    keys = [f"paged/big/{i}" for i in range(24)]
+    assert kvb.store(keys, list(range(24)))[0] == keys
+    assert 24 * kvb.value_bytes >= 8 << 20
+    assert not kvb.load(keys, list(range(24, 48)))
+    for t in big:
+        assert same(t[24:48], t[:24])
+
     # A cache spread over devices, or layers of different block counts, is refused.
     try:
         PagedKV(c, [torch.zeros((4, 2)), torch.zeros((5, 2))])

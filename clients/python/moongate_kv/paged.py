@@ -26,6 +26,7 @@ A block whose value cannot be viewed (missing, evicted, busy, of another size: n
 caller may read as KV) is reported as failed, never copied; the caller recomputes it.
 """
 import ctypes
+import os
 
 import torch
 
@@ -315,16 +316,47 @@ def _coalesce(plan):
 
 
 class _CpuCopier:
-    """Memory copies by this process, done when `copy` returns."""
+    """Memory copies by this process, done when `copy` returns: one thread for small
+    moves, up to `threads` (the cores, at most 8) for moves of 8 MiB and more, each
+    taking a contiguous share of the runs (ctypes releases the GIL while memmove runs).
+    One core copies ~6-10 GB/s; a 4,096-token prefix of a small model is 128 MiB."""
+
+    PARALLEL_BYTES = 8 << 20
+
+    def __init__(self, threads=None):
+        self.threads = max(1, min(threads or os.cpu_count() or 1, 8))
+        self._pool = None
 
     def copy(self, dst, src, lens, after_current=False):
-        mm = ctypes.memmove
-        for d, s, n in zip(dst.tolist(), src.tolist(), lens.tolist()):
-            mm(d, s, n)
+        d, s, n = dst.tolist(), src.tolist(), lens.tolist()
+        total = sum(n)
+        if self.threads == 1 or total < self.PARALLEL_BYTES or len(n) < 2:
+            _memmoves(d, s, n, 0, len(n))
+            return None
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="moongate-copy")
+        # Cut the runs where each share reaches its part of the bytes.
+        cuts, acc, part = [0], 0, total / self.threads
+        for i, k in enumerate(n):
+            acc += k
+            if acc >= part * len(cuts) and len(cuts) < self.threads:
+                cuts.append(i + 1)
+        cuts.append(len(n))
+        jobs = [self._pool.submit(_memmoves, d, s, n, a, b)
+                for a, b in zip(cuts, cuts[1:]) if b > a]
+        for j in jobs:
+            j.result()
         return None
 
     def wait(self, ev):
         pass
+
+
+def _memmoves(d, s, n, a, b):
+    mm = ctypes.memmove
+    for i in range(a, b):
+        mm(d[i], s[i], n[i])
 
 
 class _CudaCopier:

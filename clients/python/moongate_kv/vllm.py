@@ -552,6 +552,13 @@ class MoongateConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, MoongateConnectorMetadata) or not meta.loads:
             return
+        t0 = time.perf_counter()
+        try:
+            self._start_load(meta)
+        finally:
+            self.stats["load_us"] += int((time.perf_counter() - t0) * 1e6)
+
+    def _start_load(self, meta):
         keys, ids = [], []
         for m in meta.loads:
             keys += self.scheme.keys(self.rank, m.hashes)
@@ -620,6 +627,13 @@ class MoongateConnector(KVConnectorBase_V1):
         return self._store
 
     def wait_for_save(self):
+        t0 = time.perf_counter()
+        try:
+            self._wait_for_save()
+        finally:
+            self.stats["save_us"] += int((time.perf_counter() - t0) * 1e6)
+
+    def _wait_for_save(self):
         # Loads first: their views are released once every layer's copies are done.
         if self._load is not None:
             job, self._load = self._load, None
