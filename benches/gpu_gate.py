@@ -459,6 +459,166 @@ def role_cuda_client(a):
 
 # --------------------------------------------------------------------------- driver --
 
+# ------------------------------------------------- vLLM's paged layout (the connector) --
+
+# A Llama-3-8B-shaped paged KV cache as vLLM 0.32 lays it out: per layer the logical
+# [blocks, kv heads, block tokens, K and V content], bf16, 16-token blocks; LBHNC is a
+# tensor per layer (a block is 32 runs of 64 KiB), BLHNC one tensor with the block
+# outermost (a block is one run of 2 MiB across layers).
+PAGED = dict(layers=32, heads=8, block=16, content=256)
+
+
+def paged_cache(layout, num_blocks):
+    import torch
+    L, H, N, C = PAGED["layers"], PAGED["heads"], PAGED["block"], PAGED["content"]
+    if layout == "BLHNC":
+        whole = torch.empty((num_blocks, L, H, N, C), dtype=torch.bfloat16, device=DEVICE)
+        return [whole[:, i] for i in range(L)]
+    return [torch.empty((num_blocks, H, N, C), dtype=torch.bfloat16, device=DEVICE)
+            for _ in range(L)]
+
+
+def paged_fill(layers, block_ids, seed):
+    """Distinct, reproducible contents for these blocks (the loader regenerates them)."""
+    import torch
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    for t in layers:
+        for b in block_ids:
+            t[b].copy_(torch.randint(-30000, 30000, t[b].shape, dtype=torch.int16,
+                                     device=DEVICE, generator=g).view(torch.bfloat16))
+
+
+def role_paged_store(a):
+    """Stores a prefix of P tokens per P from a paged cache in GPU memory (blocks 0..n)."""
+    import torch
+    import moongate_kv
+    from moongate_kv.paged import PagedKV
+    c = moongate_kv.Client(f"unix:{a.sock}")
+    out = {}
+    for p in map(int, a.tokens.split(",")):
+        n = p // PAGED["block"]
+        layers = paged_cache(a.kind, n)
+        paged_fill(layers, range(n), seed=p)
+        kv = PagedKV(c, layers)
+        keys = [f"paged/{a.kind}/{p}/{i}" for i in range(n)]
+        sync()
+        t = time.perf_counter()
+        stored, skipped = kv.store(keys, list(range(n)))
+        sync()
+        secs = time.perf_counter() - t
+        assert len(stored) == n, (len(stored), list(skipped.items())[:3])
+        out[p] = {"blocks": n, "value_bytes": kv.value_bytes, "store_s": secs,
+                  "store_GBps": n * kv.value_bytes / secs / 1e9}
+        del layers, kv
+        torch.cuda.empty_cache() if DEVICE == "cuda" else None
+    c.close()
+    print(json.dumps(out), flush=True)
+
+
+def role_paged_load(a):
+    """A process that stored nothing loads each prefix into other blocks (reversed
+    order, after n scratch blocks), timed per repetition; bytes checked against the
+    regenerated contents; the link measured in the same process."""
+    import torch
+    import moongate_kv
+    from moongate_kv.paged import PagedKV
+    c = moongate_kv.Client(f"unix:{a.sock}")
+    out = {}
+    for p in map(int, a.tokens.split(",")):
+        n = p // PAGED["block"]
+        layers = paged_cache(a.kind, 2 * n)
+        kv = PagedKV(c, layers)
+        keys = [f"paged/{a.kind}/{p}/{i}" for i in range(n)]
+        dst = [2 * n - 1 - i for i in range(n)]
+        secs = []
+        for _ in range(a.reps + 1):
+            sync()
+            t = time.perf_counter()
+            failed = kv.load(keys, dst)
+            sync()
+            secs.append(time.perf_counter() - t)
+            assert not failed, sorted(failed)[:5]
+        # The same loads one cudaMemcpyAsync per run (what runtimes without the batched
+        # call get), for the batched call's worth.
+        per_run = None
+        if getattr(kv._copier, "batch", None) is not None:
+            saved, kv._copier.batch = kv._copier.batch, None
+            ps = []
+            for _ in range(a.reps):
+                sync()
+                t = time.perf_counter()
+                assert not kv.load(keys, dst)
+                sync()
+                ps.append(time.perf_counter() - t)
+            kv._copier.batch = saved
+            per_run = n * kv.value_bytes / statistics.median(ps) / 1e9
+        ref = paged_cache(a.kind, n)
+        paged_fill(ref, range(n), seed=p)
+        equal = all(torch.equal(t[dst[i]].view(torch.int16), r[i].view(torch.int16)) for t, r in zip(layers, ref) for i in range(n))
+        nbytes = n * kv.value_bytes
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=DEVICE == "cuda")
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
+        link = []
+        for _ in range(a.reps + 1):
+            sync()
+            t = time.perf_counter()
+            dev.copy_(host, non_blocking=True)
+            sync()
+            link.append(time.perf_counter() - t)
+        load = nbytes / statistics.median(secs[1:]) / 1e9
+        h2d = nbytes / statistics.median(link[1:]) / 1e9
+        out[p] = {"blocks": n, "value_bytes": kv.value_bytes, "bytes_equal": equal,
+                  "load_GBps": load, "load_best_GBps": nbytes / min(secs[1:]) / 1e9,
+                  "first_load_s": secs[0], "link_GBps": h2d, "load_vs_link": load / h2d,
+                  "load_per_run_copies_GBps": per_run,
+                  "batched_copy": getattr(kv._copier, "batch", None) is not None,
+                  "batch_error": getattr(kv._copier, "batch_error", None)}
+        del layers, kv, ref, host, dev
+        torch.cuda.empty_cache() if DEVICE == "cuda" else None
+    c.close()
+    print(json.dumps(out), flush=True)
+
+
+def role_paged_mooncake(a):
+    """Mooncake 0.3.14's CUDA client through moongate's master face loading the blocks
+    `paged_store` stored (BLHNC: a block is one 2 MiB run across layers) straight into
+    the paged cache in GPU memory over TCP (`batch_get_into` on registered GPU memory, as
+    vLLM's Mooncake connector does), other blocks than they came from; bytes checked."""
+    import torch
+    from mooncake.store import MooncakeDistributedStore
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", a.metadata, 0, 64 * MiB, "tcp", "", a.master) == 0, "setup"
+    out = {}
+    for p in map(int, a.tokens.split(",")):
+        n = p // PAGED["block"]
+        layers = paged_cache("BLHNC", 2 * n)
+        whole = layers[0]._base if layers[0]._base is not None else layers[0]
+        assert s.register_buffer(whole.data_ptr(), whole.numel() * whole.element_size()) == 0
+        block = whole.stride(0) * whole.element_size()
+        keys = [f"paged/BLHNC/{p}/{i}" for i in range(n)]
+        dst = [2 * n - 1 - i for i in range(n)]
+        ptrs = [whole.data_ptr() + b * block for b in dst]
+        secs = []
+        for _ in range(a.reps + 1):
+            sync()
+            t = time.perf_counter()
+            got = s.batch_get_into(keys, ptrs, [block] * n)
+            sync()
+            secs.append(time.perf_counter() - t)
+            assert all(g == block for g in got), got[:4]
+        ref = paged_cache("BLHNC", n)
+        paged_fill(ref, range(n), seed=p)
+        equal = all(torch.equal(t[dst[i]].view(torch.int16), r[i].view(torch.int16))
+                    for t, r in zip(layers, ref) for i in range(n))
+        out[p] = {"blocks": n, "bytes_equal": equal,
+                  "load_GBps": n * block / statistics.median(secs[1:]) / 1e9}
+        s.unregister_buffer(whole.data_ptr())
+        del layers, whole, ref
+        torch.cuda.empty_cache() if DEVICE == "cuda" else None
+    s.close()
+    print(json.dumps(out), flush=True)
+
+
 def sub(a, role, extra, env, timeout=900):
     cmd = [sys.executable, __file__, "--role", role, "--sock", a.sock, "--work", a.work,
            "--reps", str(a.reps)] + extra
@@ -560,6 +720,22 @@ def driver(a):
                     load = sub(a, "load", ["--shape", shape, "--tokens", a.tokens], env)
                     return {"prefill": pre, "load": load}
                 part(a, gate, shape, one)
+        if "paged" in a.parts:
+            paged = out.setdefault("paged", {})
+            for layout in ["BLHNC", "LBHNC"]:
+                def one(layout=layout):
+                    st = sub(a, "paged_store", ["--kind", layout, "--tokens", a.paged_tokens], env)
+                    ld = sub(a, "paged_load", ["--kind", layout, "--tokens", a.paged_tokens], env)
+                    r = {"store": st, "load": ld}
+                    if layout == "BLHNC" and DEVICE == "cuda":
+                        try:
+                            r["mooncake_cuda_client"] = sub(
+                                a, "paged_mooncake", ["--tokens", a.paged_tokens, "--master",
+                                                      f"127.0.0.1:{listen}", "--metadata", metadata], env)
+                        except (SystemExit, Exception) as e:  # noqa: BLE001 - recorded
+                            r["mooncake_cuda_client"] = {"error": str(e)[-2000:]}
+                    return r
+                part(a, paged, layout, one)
         mg.send_signal(signal.SIGTERM)
         mg.wait(timeout=60)
         procs.remove(mg)
@@ -623,6 +799,18 @@ def table(out):
     for key, v in out.items():
         if isinstance(v, dict) and "error" in v:
             print(f"{key}: FAILED: {v['error'][-300:]}")
+    for layout, g in out.get("paged", {}).items():
+        if "error" in g:
+            print(f"paged {layout}: FAILED: {g['error'][-300:]}")
+            continue
+        print(f"paged {layout} (Llama-3-8B shape, 16-token blocks): P | blocks | load GB/s | vs link | store GB/s | bytes | batched")
+        for p, r in g["load"].items():
+            st = g["store"].get(p, {})
+            print(f"  {p:>6} | {r['blocks']:6d} | {r['load_GBps']:8.2f} | {r['load_vs_link']:5.2f}x | "
+                  f"{st.get('store_GBps', float('nan')):8.2f} | {r['bytes_equal']} | {r['batched_copy']}")
+        mc = g.get("mooncake_cuda_client", {})
+        for p, r in (mc.items() if "error" not in mc else []):
+            print(f"  Mooncake 0.3.14 CUDA client, {p} tokens: {r['load_GBps']:.2f} GB/s, bytes {r['bytes_equal']}")
     for shape, g in out.get("gate", {}).items():
         if "error" in g:
             print(f"gate {shape}: FAILED: {g['error'][-300:]}")
@@ -652,6 +840,7 @@ def main():
     p.add_argument("--segment-gib", type=int, default=10)
     p.add_argument("--parts", default="micro,cuda,gate")
     p.add_argument("--kind", default="embedded")
+    p.add_argument("--paged-tokens", default="2048,8192,32768")
     p.add_argument("--master")
     p.add_argument("--metadata")
     p.add_argument("--owner")
@@ -662,7 +851,9 @@ def main():
     DEVICE = a.device
     os.environ["GATE_DEVICE"] = a.device  # for the roles it starts
     roles = {"prefill": role_prefill, "load": role_load, "micro": role_micro,
-             "mooncake": role_mooncake, "cuda_client": role_cuda_client}
+             "mooncake": role_mooncake, "cuda_client": role_cuda_client,
+             "paged_store": role_paged_store, "paged_load": role_paged_load,
+             "paged_mooncake": role_paged_mooncake}
     if a.role in roles:
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
         roles[a.role](a)
