@@ -436,6 +436,9 @@ fn the_python_package_installs_and_views_reserves_and_copies() {
         "pyproject.toml",
         "moongate_kv/__init__.py",
         "moongate_kv/torch.py",
+        "moongate_kv/copies.py",
+        "moongate_kv/paged.py",
+        "moongate_kv/vllm.py",
     ] {
         std::fs::copy(repo_root().join("clients/python").join(f), src.join(f)).unwrap();
     }

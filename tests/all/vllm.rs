@@ -179,7 +179,7 @@ fn vllm_loads_its_prefix_through_views_and_stores_through_reservations() {
     let committed =
         |m: &Moongate| m.metric("moongate_kv_reservations_ended_total{end=\"committed\"}");
 
-    let first = moongate_run(dir.path(), "store", &sock, &mg, &[]);
+    let first = moongate_run(dir.path(), "store", &sock, &mg, &["--events"]);
     let bs = first["block_size"].as_u64().unwrap() as usize;
     let blocks = (PROMPT_TOKENS - 1) / bs; // every full block but one token to compute
     let full = PROMPT_TOKENS / bs;
@@ -190,6 +190,12 @@ fn vllm_loads_its_prefix_through_views_and_stores_through_reservations() {
         committed(&mg) as usize,
         full,
         "one reservation per full block"
+    );
+    // KV events: each block stored reported to vLLM as stored in moongate.
+    assert_eq!(
+        first["events"]["moongate"].as_u64(),
+        Some(full as u64),
+        "{first}"
     );
     // Hints: the prompt's blocks announced as upcoming when the request came, and as
     // done when it finished (no other request of the engine shared them).
@@ -393,4 +399,24 @@ fn vllm_mooncake_store_connector_works_through_the_master_face() {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum();
     assert_eq!(errors, 0.0, "frames moongate could not decode");
+}
+
+/// The torch helpers (`moongate_kv.torch`) on CPU tensors, in the same environment
+/// (tests/py/torch_helpers.py): groups of 64 KiB to 2 MiB values through one batched
+/// copy each, bytes equal; a missing key, a size that differs, a stored key: raised,
+/// nothing left held.
+#[test]
+fn torch_helpers_move_groups_of_block_sized_values() {
+    let master = Master::start();
+    let dir = tempdir();
+    let (mg, _kv, sock) = moongate(&master, dir.path());
+    build_library();
+    let o = Command::new(vllm_python())
+        .arg(repo_root().join("tests/py/torch_helpers.py"))
+        .args(["--address", &format!("unix:{}", sock.display())])
+        .env("PYTHONPATH", repo_root().join("clients/python"))
+        .env("MOONGATE_KV_LIB", lib_dir().join("libmoongate_kv.so"))
+        .output()
+        .unwrap();
+    all_ok("torch_helpers.py", &o, &mg);
 }

@@ -32,6 +32,8 @@ def main():
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--keys-out")
+    ap.add_argument("--events", action="store_true",
+                    help="vLLM's KV events on; count the connector's BlockStored by medium")
     ap.add_argument("--block-size", type=int, default=32,
                     help="vLLM's block size (its CPU build takes multiples of 32)")
     ap.add_argument("--repeat", type=int, default=1, help="runs of the prompt (timed each)")
@@ -61,9 +63,27 @@ def main():
             "kv_role": "kv_both",
             "kv_connector_extra_config": json.loads(a.extra),
         }
+    if a.events:
+        # vLLM's KV events on; what the scheduler takes from the connector is counted
+        # below (the publisher itself is vLLM's: "null" here, ZeroMQ in a deployment).
+        from vllm.config import KVEventsConfig
+        kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     t0 = time.monotonic()
     llm = LLM(**kw)
     started = time.monotonic() - t0
+    media = {}
+    if a.events and a.mode == "moongate":
+        from vllm.distributed.kv_events import BlockStored
+        conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        take = conn.take_events
+
+        def counted():
+            events = list(take())
+            for e in events:
+                if isinstance(e, BlockStored):
+                    media[e.medium] = media.get(e.medium, 0) + len(e.block_hashes)
+            return events
+        conn.take_events = counted
     tok = llm.get_tokenizer()
     vocab = len(tok)
     sp = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
@@ -106,6 +126,8 @@ def main():
             hashes = prompt_block_hashes(llm.llm_engine.vllm_config, prompt)
             with open(a.keys_out, "w") as f:
                 f.write("\n".join(conn.scheme.keys(0, hashes)) + "\n")
+    if a.events:
+        res["events"] = media
     print(json.dumps(res))
     sys.stdout.flush()
     os._exit(0)  # an engine's threads need not wind down for the test's answer

@@ -9,18 +9,21 @@ moongate's (no CPU copy on either side when the values are in moongate's own seg
 
 How: moongate's memory is mapped into this process by the C library; `register`
 pins those mappings with CUDA once (`cudaHostRegister`; the view mapping read-only),
-so `copy_(..., non_blocking=True)` between them and device tensors is a DMA on a CUDA
-stream. Work is cut into groups (`group` values): while the GPU copies one group, the
-next is viewed or reserved, so the master round trips hide behind the copies.
+so a copy between them and device tensors is a DMA. A group's copies go as one batched
+call on a CUDA stream of their own (`moongate_kv.copies`: `cudaMemcpyBatchAsync` where
+the runtime has it), not a tensor and a launch per value, which capped 64 KiB values at
+a twentieth of the link. Work is cut into groups (`group` values, 64 by default: a
+batch of views costs per call, 7 us a value in groups of 16 and 4 in groups of 64 on
+the GPU host): while the GPU copies one group, the next is viewed or reserved, so the
+master round trips hide behind the copies.
 
 Tensors must be contiguous; their bytes are stored as they lie (dtype and shape are the
 caller's to keep). On CPU tensors the same calls copy with the CPU (what CI tests).
 """
-import ctypes
-
 import torch
 
 from . import STAGED, MoongateError, _error
+from .copies import CpuCopier, CudaCopier
 
 _registered = {}
 
@@ -55,12 +58,12 @@ def register(client, read=True, write=True):
     return maps
 
 
-def _host(address, nbytes):
-    """A uint8 CPU tensor over `nbytes` of moongate's memory at `address`."""
-    if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    arr = (ctypes.c_uint8 * nbytes).from_address(address)
-    return torch.frombuffer(arr, dtype=torch.uint8, count=nbytes)
+def _copier(cuda, stream):
+    """The batched copier for these tensors: DMAs on `stream` (after the work queued on
+    the current stream), or memory copies."""
+    if cuda:
+        return CudaCopier(stream or torch.cuda.Stream())
+    return CpuCopier()
 
 
 def _bytes_of(t):
@@ -73,7 +76,7 @@ def _groups(n, group):
     return [(i, min(n, i + group)) for i in range(0, n, group)]
 
 
-def store(client, keys, tensors, stream=None, group=16):
+def store(client, keys, tensors, stream=None, group=64):
     """Stores each tensor's bytes under its key: reserved, copied device-to-host into the
     reservation (DMA on `stream`), committed once its group's copies finished. Returns
     the number of values staged (placed outside moongate's own segment; sent on at
@@ -84,7 +87,7 @@ def store(client, keys, tensors, stream=None, group=16):
     cuda = any(t.is_cuda for t in tensors)
     if cuda:
         register(client, read=False, write=True)
-        stream = stream or torch.cuda.current_stream()
+    copier = _copier(cuda, stream)
     staged = 0
     inflight = []  # (event, tickets)
     for a, b in _groups(len(keys), group):
@@ -97,16 +100,10 @@ def store(client, keys, tensors, stream=None, group=16):
             bad = next(i for i, c in enumerate(codes) if c < 0)
             raise _error(codes[bad], f"{keys[a + bad]}: reservation refused")
         staged += sum(1 for r in rs if r.staged)
-        if cuda:
-            with torch.cuda.stream(stream):
-                for r, s in zip(rs, srcs):
-                    _host(r.address, r.length).copy_(s, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(stream)
-        else:
-            for r, s in zip(rs, srcs):
-                _host(r.address, r.length).copy_(s)
-            ev = None
+        # One batched copy for the group (not a tensor and a launch per value).
+        ev = copier.copy(torch.tensor([r.address for r in rs], dtype=torch.int64),
+                         torch.tensor([x.data_ptr() for x in srcs], dtype=torch.int64),
+                         torch.tensor([r.length for r in rs], dtype=torch.int64))
         inflight.append((ev, [r.ticket for r in rs]))
         # Commit the group before last: its copies have had this group's reservation
         # round trip to finish.
@@ -123,7 +120,7 @@ def _commit(client, ev, tickets):
     client.commit(tickets).raise_first("commit")
 
 
-def load(client, keys, out, stream=None, group=16):
+def load(client, keys, out, stream=None, group=64):
     """Reads each key into the tensor of the same index in `out` (device or CPU; its byte
     size must equal the value's): viewed, copied host-to-device from the view (DMA on
     `stream`), released once its group's copies finished. Returns the number of values
@@ -135,7 +132,7 @@ def load(client, keys, out, stream=None, group=16):
     cuda = any(t.is_cuda for t in out)
     if cuda:
         register(client, read=True, write=False)
-        stream = stream or torch.cuda.current_stream()
+    copier = _copier(cuda, stream)
     staged = 0
     inflight = []  # (event, views)
     try:
@@ -148,16 +145,9 @@ def load(client, keys, out, stream=None, group=16):
                 if n != d.numel():
                     raise ValueError(f"{k}: {n} bytes stored, {d.numel()} to fill")
             staged += sum(1 for r in vs.results if r == STAGED)
-            if cuda:
-                with torch.cuda.stream(stream):
-                    for addr, n, d in zip(vs.addresses, vs.lengths, dsts):
-                        d.copy_(_host(addr, n), non_blocking=True)
-                    ev = torch.cuda.Event()
-                    ev.record(stream)
-            else:
-                for addr, n, d in zip(vs.addresses, vs.lengths, dsts):
-                    d.copy_(_host(addr, n))
-                ev = None
+            ev = copier.copy(torch.tensor([d.data_ptr() for d in dsts], dtype=torch.int64),
+                             torch.tensor(vs.addresses, dtype=torch.int64),
+                             torch.tensor(vs.lengths, dtype=torch.int64))
             inflight[-1] = (ev, vs)
             while len(inflight) > 1:
                 e, v = inflight.pop(0)
