@@ -260,6 +260,8 @@ fn vllm_recomputes_what_moongate_cannot_give() {
         });
         assert!(ok, "{k} could not be removed\n{}", mg.proc.log_text());
     };
+    let (st, block3) = http_bytes(&kv, "GET", &format!("/v1/kv/{}", enc(&keys[3])), b"").unwrap();
+    assert_eq!(st, 200);
     remove(&keys[3]);
     let (st, body) = http(
         &kv,
@@ -288,8 +290,23 @@ fn vllm_recomputes_what_moongate_cannot_give() {
         9 * bs,
         "the lookup stops at the removed block 9: {second}"
     );
-    // Recomputed from block 3 on; stored again: block 9 (the others exist).
+    // Recomputed from block 3 on; stored again: block 9 (the others exist). Not in the
+    // step whose load failed: that step computed blocks 4-17 against a block 3 that was
+    // never loaded, and vLLM threw them away; so must the pool.
     assert_eq!(stat(&second, "stored_blocks"), 1, "{second}");
+    assert!(
+        stat(&second, "saves_dropped_after_failed_load") > 0,
+        "{second}"
+    );
+    // Block 3 as it was: a process loading every block, block 9 as the recomputing
+    // process stored it, gives the same tokens (a block 9 stored from the failed step
+    // would not).
+    remove(&keys[3]);
+    let (st, body) = http(&kv, "PUT", &format!("/v1/kv/{}", enc(&keys[3])), &block3).unwrap();
+    assert_eq!(st, 201, "{body}");
+    let whole = moongate_run(dir.path(), "whole", &sock, &mg, &[]);
+    assert_eq!(tokens(&whole), *plain, "{whole}");
+    assert_eq!(stat(&whole, "loaded_blocks"), 18, "{whole}");
 
     // moongate gone: nothing loads, nothing hangs, the same answer.
     mg.proc.stop();

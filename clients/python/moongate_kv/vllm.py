@@ -283,20 +283,29 @@ class MoongateConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class MoongateWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, per step: block hashes stored (for KV events)."""
+    """Worker -> scheduler, per step: block hashes stored, and those whose store ended
+    without storing (already stored, refused), for KV events."""
 
     stored: list = field(default_factory=list)
+    skipped: list = field(default_factory=list)
 
     def aggregate(self, other):
-        return MoongateWorkerMetadata(stored=self.stored + list(other.stored))
+        return MoongateWorkerMetadata(stored=self.stored + list(other.stored),
+                                      skipped=self.skipped + list(other.skipped))
+
+
+# Blocks waiting for their store's outcome (for KV events), at most: a store that never
+# reports (moongate gone mid-step) must not hold its entries forever.
+_MAX_PENDING_EVENTS = 1 << 16
 
 
 class _Req:
-    __slots__ = ("request", "saved_upto", "load", "lookup")
+    __slots__ = ("request", "saved_upto", "load", "lookup", "computed")
 
     def __init__(self, request):
         self.request = request
         self.saved_upto = None  # blocks [0, saved_upto) need no save
+        self.computed = 0  # tokens computed when last scheduled
         self.load = None  # (start, end) blocks to load
         self.lookup = None  # (first block, hashes seen, hit blocks)
 
@@ -338,7 +347,9 @@ class MoongateConnector(KVConnectorBase_V1):
             self._store = None
             self._store_layers = set()
             self._load_errors = set()
+            self._failed_reqs = set()  # requests with a block not loaded this step
             self._stored = []
+            self._skipped = []
             self.stats = Counter()
 
     # ======================= scheduler side =======================
@@ -442,6 +453,12 @@ class MoongateConnector(KVConnectorBase_V1):
                 # What is computed at its first step came from vLLM's own cache or from
                 # moongate: stored already.
                 st.saved_upto = req.num_computed_tokens // self.bs
+            elif req.num_computed_tokens < st.computed:
+                # Fewer tokens than last time: a failed load vLLM recomputes (the block
+                # may be missing from moongate) or a preemption. Store from there again;
+                # blocks moongate holds are refused as existing, at no cost but a call.
+                st.saved_upto = min(st.saved_upto, req.num_computed_tokens // self.bs)
+            st.computed = req.num_computed_tokens
             done = min(req.num_computed_tokens + n, req.num_prompt_tokens)
             upto = min(done // self.bs, len(req.block_hashes))
             if upto <= st.saved_upto or block_state is None:
@@ -457,6 +474,8 @@ class MoongateConnector(KVConnectorBase_V1):
                     b = st.saved_upto + i
                     parent = bytes(req.block_hashes[b - 1]).hex() if b else None
                     self._event_info[h] = (parent, list(toks[b * self.bs:(b + 1) * self.bs]))
+                while len(self._event_info) > _MAX_PENDING_EVENTS:
+                    self._event_info.pop(next(iter(self._event_info)))
             st.saved_upto = upto
         return meta
 
@@ -465,6 +484,8 @@ class MoongateConnector(KVConnectorBase_V1):
         if not isinstance(meta, MoongateWorkerMetadata) or not self._events_on:
             return
         from vllm.distributed.kv_events import BlockStored
+        for h in meta.skipped:
+            self._event_info.pop(h, None)
         for h in meta.stored:
             info = self._event_info.pop(h, None)
             if info is None:
@@ -565,8 +586,7 @@ class MoongateConnector(KVConnectorBase_V1):
             ids += m.block_ids
         kv = self._paged()
         if kv is None:
-            self._load_errors.update(ids)
-            self.stats["load_failed_blocks"] += len(ids)
+            self._failed(meta, set(ids))
             return
         try:
             job = kv.load_job(keys, ids)
@@ -577,16 +597,25 @@ class MoongateConnector(KVConnectorBase_V1):
                 job.copy_all()
         except moongate_kv.MoongateError as e:
             self._lost_link(e)
-            self._load_errors.update(ids)
+            self._failed(meta, set(ids))
             return
         if job.failed:
-            self._load_errors.update(job.failed)
-            self.stats["load_failed_blocks"] += len(job.failed)
+            self._failed(meta, job.failed)
             logger.warning("MoongateConnector: %d of %d blocks not loaded (%s); vLLM "
                            "recomputes them", len(job.failed), len(ids),
                            sorted(set(map(str, job.codes.values())))[:4])
         self.stats["loaded_blocks"] += len(ids) - len(job.failed)
         self._load = job
+
+    def _failed(self, meta, failed):
+        """Blocks not loaded: reported to vLLM, and their requests' saves of this step
+        dropped. The step computes those requests' later blocks against KV that was not
+        loaded; vLLM throws that away and recomputes, and so must the pool: what this
+        step would store of them is wrong."""
+        self._load_errors.update(failed)
+        self.stats["load_failed_blocks"] += len(failed)
+        self._failed_reqs.update(m.req_id for m in meta.loads
+                                 if not failed.isdisjoint(m.block_ids))
 
     def wait_for_layer_load(self, layer_name):
         job = self._load
@@ -616,8 +645,13 @@ class MoongateConnector(KVConnectorBase_V1):
             return None
         keys, ids = [], []
         for m in meta.saves:
+            if m.req_id in self._failed_reqs:
+                self.stats["saves_dropped_after_failed_load"] += len(m.block_ids)
+                continue
             keys += self.scheme.keys(self.rank, m.hashes)
             ids += m.block_ids
+        if not keys:
+            return None
         try:
             self._store = kv.store_job(keys, ids)
         except moongate_kv.MoongateError as e:
@@ -631,6 +665,7 @@ class MoongateConnector(KVConnectorBase_V1):
         try:
             self._wait_for_save()
         finally:
+            self._failed_reqs = set()
             self.stats["save_us"] += int((time.perf_counter() - t0) * 1e6)
 
     def _wait_for_save(self):
@@ -662,16 +697,18 @@ class MoongateConnector(KVConnectorBase_V1):
         self.stats["store_skipped_blocks"] += len(skipped)
         prefix = len(self.scheme.keys(self.rank, [""])[0])
         self._stored += [k[prefix:] for k in stored]
+        self._skipped += [k[prefix:] for k in skipped]
 
     def get_block_ids_with_load_errors(self):
         errs, self._load_errors = self._load_errors, set()
         return errs
 
     def build_connector_worker_meta(self):
-        if not self._stored:
+        if not self._stored and not self._skipped:
             return None
-        stored, self._stored = self._stored, []
-        return MoongateWorkerMetadata(stored=stored)
+        meta = MoongateWorkerMetadata(stored=self._stored, skipped=self._skipped)
+        self._stored, self._skipped = [], []
+        return meta
 
     def shutdown(self):
         if getattr(self, "_load", None) is not None:
