@@ -122,6 +122,26 @@ def start_moongate(binary, work, name, config, procs):
     return pr, f"http://127.0.0.1:{admin}", f"127.0.0.1:{listen}"
 
 
+def start_kv_moongate(binary, work, rpc, metadata, segment_bytes, procs):
+    """moongate in front of the master at 127.0.0.1:`rpc` with its kv face on TCP and on
+    WORK/kv.sock and an own segment of `segment_bytes`; returns (admin URL, master-face
+    address, socket path) once its segment is mounted (logged at info)."""
+    os.environ.setdefault("RUST_LOG", "info")
+    sock = f"{work}/kv.sock"
+    _, admin, listen = start_moongate(
+        binary, work, "moongate",
+        f'[master_face]\nupstream = "127.0.0.1:{rpc}"\n[kv]\n'
+        f'listen = "127.0.0.1:{free_port()}"\nunix_path = "{sock}"\n'
+        f'metadata_url = "{metadata}"\nsegment_bytes = {segment_bytes}\n', procs)
+    wait_http(f"{admin}/ready", 60)
+    deadline = time.time() + 60
+    while "own segment mounted" not in open(f"{work}/moongate.log").read():
+        if time.time() > deadline:
+            raise SystemExit("moongate's own segment not mounted")
+        time.sleep(0.2)
+    return admin, listen, sock
+
+
 def run_owner(master, metadata, segment_bytes, put=None):
     """The owner role: mounts a segment of `segment_bytes`, puts `put` ({key: bytes}),
     prints READY and holds the segment until stdin closes."""

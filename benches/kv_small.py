@@ -8,9 +8,9 @@ process:
 - reserve + copy + commit: `batch_reserve` of 64 keys, a `memmove` into each
   reservation, `batch_commit` (new keys each round, removed after it, untimed);
 - plain copy: one `memmove` per value between two buffers of this process whose pages
-  were all written first (a source never written maps the kernel's zero page, which
-  reads from cache and makes a copy look faster than memory allows: measured apart as
-  `plain_from_untouched`).
+  were all written first; the same from a source never written is reported apart
+  (`plain_from_untouched`: such pages may all map the kernel's zero page, so a baseline
+  of that kind can read faster than memory; on this VM it did not).
 
     bash benches/run_kv_small.sh [--row-mib 256] [--batch 64] [--sizes 64,256,1024,4096]
 
@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
-from benchlib import free_port, master_cmd, run, start_moongate, stop_all, wait_http, work_dir  # noqa: E402
+from benchlib import free_port, master_cmd, run, start_kv_moongate, stop_all, work_dir  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -125,7 +125,6 @@ def main():
     p.add_argument("--lib", default=os.path.join(ROOT, "target/release/libmoongate_kv.so"))
     a = p.parse_args()
     os.environ["MOONGATE_KV_LIB"] = a.lib
-    os.environ.setdefault("RUST_LOG", "info")
     import moongate_kv
     work = work_dir("kv-small-")
     procs = []
@@ -135,19 +134,9 @@ def main():
         rpc, http = free_port(), free_port()
         procs.append(subprocess.Popen(master_cmd(rpc, http), stdout=subprocess.DEVNULL,
                                       stderr=open(f"{work}/master.log", "w")))
-        sock = f"{work}/kv.sock"
-        _, admin, _ = start_moongate(
-            a.moongate, work, "moongate",
-            f'[master_face]\nupstream = "127.0.0.1:{rpc}"\n[kv]\n'
-            f'listen = "127.0.0.1:{free_port()}"\nunix_path = "{sock}"\n'
-            f'metadata_url = "http://127.0.0.1:{http}/metadata"\n'
-            f'segment_bytes = {(len(a.sizes.split(",")) + 1) * a.row_mib * MiB + 256 * MiB}\n', procs)
-        wait_http(f"{admin}/ready", 60)
-        deadline = time.time() + 60
-        while "own segment mounted" not in open(f"{work}/moongate.log").read():
-            if time.time() > deadline:
-                raise SystemExit("moongate's own segment not mounted")
-            time.sleep(0.2)
+        segment = (len(a.sizes.split(",")) + 1) * a.row_mib * MiB + 256 * MiB
+        _, _, sock = start_kv_moongate(a.moongate, work, rpc,
+                                       f"http://127.0.0.1:{http}/metadata", segment, procs)
         c = moongate_kv.Client(f"unix:{sock}")
         for kib in map(int, a.sizes.split(",")):
             r = measure(c, kib * KiB, a)

@@ -29,7 +29,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from benchlib import free_port, master_cmd, run, start_moongate, stop_all, wait_http, work_dir  # noqa: E402
+from benchlib import free_port, master_cmd, run, start_kv_moongate, stop_all, work_dir  # noqa: E402
 
 GiB = 1 << 30
 
@@ -52,6 +52,16 @@ def engine(a, work, name, mode, extra_args, env):
     print(f"{name}: TTFT {res['ttft_s'] * 1e3:.1f} ms (first {res['ttft_first_s'] * 1e3:.1f}), "
           f"cached {res['cached']:.0f} of {res['prompt_tokens']}", file=sys.stderr, flush=True)
     return res
+
+
+def _mounted(admin):
+    """Whether moongate relayed a MountSegment (the owner's) to the master."""
+    import urllib.request
+    with urllib.request.urlopen(f"{admin}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith('moongate_master_requests_total{method="MountSegment"}'):
+                return float(line.split()[-1]) >= 1
+    return False
 
 
 def main():
@@ -85,19 +95,7 @@ def main():
         procs.append(subprocess.Popen(master_cmd(rpc, http), stdout=subprocess.DEVNULL,
                                       stderr=open(f"{work}/master.log", "w")))
         metadata = f"http://127.0.0.1:{http}/metadata"
-        sock = f"{work}/kv.sock"
-        os.environ.setdefault("RUST_LOG", "info")  # the segment's mount is logged at info
-        _, admin, listen = start_moongate(
-            a.moongate, work, "moongate",
-            f'[master_face]\nupstream = "127.0.0.1:{rpc}"\n[kv]\n'
-            f'listen = "127.0.0.1:{free_port()}"\nunix_path = "{sock}"\n'
-            f'metadata_url = "{metadata}"\nsegment_bytes = {2 * GiB}\n', procs)
-        wait_http(f"{admin}/ready", 60)
-        deadline = time.time() + 60
-        while "own segment mounted" not in open(f"{work}/moongate.log").read():
-            if time.time() > deadline:
-                raise SystemExit("moongate's own segment not mounted")
-            time.sleep(0.2)
+        admin, listen, sock = start_kv_moongate(a.moongate, work, rpc, metadata, 2 * GiB, procs)
         out["recompute"] = engine(a, work, "recompute", "plain", [], env)
         mg = ["--address", f"unix:{sock}"]
         out["moongate_store"] = engine(a, work, "moongate-store", "moongate", mg, env)
@@ -117,7 +115,12 @@ def main():
                        "protocol": "tcp", "device_name": "", "mode": "standalone-store",
                        "global_segment_size": 0, "local_buffer_size": "1GB"}, f)
         menv = {**env, "MOONCAKE_CONFIG_PATH": cfg}
-        time.sleep(2)  # the owner mounts its segment: a store before then has no room
+        # The owner mounts its segment through moongate: a store before then has no room.
+        deadline = time.time() + 60
+        while not _mounted(admin):
+            if time.time() > deadline:
+                raise SystemExit(f"the owner's segment not mounted; see {work}/owner.log")
+            time.sleep(0.2)
         out["mooncake_store"] = engine(a, work, "mooncake-store", "mooncake", [], menv)
         out["mooncake"] = engine(a, work, "mooncake-load", "mooncake", [], menv)
     finally:

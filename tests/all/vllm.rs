@@ -316,23 +316,29 @@ fn vllm_recomputes_what_moongate_cannot_give() {
     assert_eq!(stat(&third, "stored_blocks"), 0, "{third}");
 }
 
-/// The connector's data path without vLLM (`moongate_kv.paged`, tests/py/paged_kv.py):
-/// every layout vLLM can give a layer, stored from one cache and loaded into other blocks
-/// of another, layer by layer; failed blocks reported and left untouched.
-#[test]
-fn paged_blocks_move_in_every_layout_and_failures_touch_nothing() {
+/// Runs tests/py/`script` (in vLLM's environment: it has torch) against a fresh moongate
+/// with a socket and an own segment; it must say "all ok".
+fn script_against_moongate(script: &str) {
     let master = Master::start();
     let dir = tempdir();
     let (mg, _kv, sock) = moongate(&master, dir.path());
     build_library();
     let o = Command::new(vllm_python())
-        .arg(repo_root().join("tests/py/paged_kv.py"))
+        .arg(repo_root().join("tests/py").join(script))
         .args(["--address", &format!("unix:{}", sock.display())])
         .env("PYTHONPATH", repo_root().join("clients/python"))
         .env("MOONGATE_KV_LIB", lib_dir().join("libmoongate_kv.so"))
         .output()
         .unwrap();
-    all_ok("paged_kv.py", &o, &mg);
+    all_ok(script, &o, &mg);
+}
+
+/// The connector's data path without vLLM (`moongate_kv.paged`, tests/py/paged_kv.py):
+/// every layout vLLM can give a layer, stored from one cache and loaded into other blocks
+/// of another, layer by layer; failed blocks reported and left untouched.
+#[test]
+fn paged_blocks_move_in_every_layout_and_failures_touch_nothing() {
+    script_against_moongate("paged_kv.py");
 }
 
 /// vLLM's own MooncakeStoreConnector (standalone-store: ranks with no segment, a Mooncake
@@ -424,16 +430,5 @@ fn vllm_mooncake_store_connector_works_through_the_master_face() {
 /// nothing left held.
 #[test]
 fn torch_helpers_move_groups_of_block_sized_values() {
-    let master = Master::start();
-    let dir = tempdir();
-    let (mg, _kv, sock) = moongate(&master, dir.path());
-    build_library();
-    let o = Command::new(vllm_python())
-        .arg(repo_root().join("tests/py/torch_helpers.py"))
-        .args(["--address", &format!("unix:{}", sock.display())])
-        .env("PYTHONPATH", repo_root().join("clients/python"))
-        .env("MOONGATE_KV_LIB", lib_dir().join("libmoongate_kv.so"))
-        .output()
-        .unwrap();
-    all_ok("torch_helpers.py", &o, &mg);
+    script_against_moongate("torch_helpers.py");
 }

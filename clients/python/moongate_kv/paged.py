@@ -106,9 +106,7 @@ class PagedKV:
     def _addresses(self, layer, block_ids, value_addrs):
         """Per run of `layer` (None: every layer, coalesced) for each block: (addresses
         in the cache, addresses in the values, lengths), as int64 tensors."""
-        plan = self.plan if layer is None else [self.plan[layer]]
-        if layer is None:
-            plan = self.whole
+        plan = self.whole if layer is None else [self.plan[layer]]
         b = torch.as_tensor(block_ids, dtype=torch.int64)
         v = torch.as_tensor(value_addrs, dtype=torch.int64)
         cache, value, lens = [], [], []
