@@ -619,6 +619,91 @@ def role_paged_mooncake(a):
     print(json.dumps(out), flush=True)
 
 
+# --------------------------------------------------------------- small values --
+
+SMALL_TOTAL = 1 * GiB
+
+
+def small_values(size, seed):
+    """1 GiB as values of `size` bytes in GPU memory: slices of one tensor with
+    distinct, reproducible bytes (the loader regenerates them to check)."""
+    import torch
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    whole = torch.randint(0, 255, (SMALL_TOTAL,), dtype=torch.uint8, device=DEVICE, generator=g)
+    return whole, [whole[i * size:(i + 1) * size] for i in range(SMALL_TOTAL // size)]
+
+
+def role_small_store(a):
+    """Stores 1 GiB as values of each size from GPU memory through the torch helpers
+    (reservations, one batched copy a group)."""
+    import torch
+    import moongate_kv
+    import moongate_kv.torch as mgt
+    c = moongate_kv.Client(f"unix:{a.sock}")
+    mgt.register(c)
+    out = {}
+    for size in map(int, a.sizes.split(",")):
+        whole, vals = small_values(size, seed=size)
+        keys = [f"small/{size}/{i}" for i in range(len(vals))]
+        sync()
+        t = time.perf_counter()
+        staged = mgt.store(c, keys, vals, group=a.group)
+        sync()
+        secs = time.perf_counter() - t
+        out[size] = {"values": len(vals), "staged": staged, "store_GBps": SMALL_TOTAL / secs / 1e9,
+                     "store_us_per_value": secs / len(vals) * 1e6}
+        del whole, vals
+        torch.cuda.empty_cache() if DEVICE == "cuda" else None
+    c.close()
+    print(json.dumps(out), flush=True)
+
+
+def role_small_load(a):
+    """A process that stored nothing loads each size's 1 GiB into GPU memory through the
+    torch helpers (views, one batched copy a group), bytes checked; the link (pinned H2D
+    of the same 1 GiB) measured in this process."""
+    import torch
+    import moongate_kv
+    import moongate_kv.torch as mgt
+    c = moongate_kv.Client(f"unix:{a.sock}")
+    mgt.register(c)
+    host = torch.empty(SMALL_TOTAL, dtype=torch.uint8, pin_memory=DEVICE == "cuda")
+    dev = torch.empty(SMALL_TOTAL, dtype=torch.uint8, device=DEVICE)
+    link = []
+    for _ in range(a.reps + 1):
+        sync()
+        t = time.perf_counter()
+        dev.copy_(host, non_blocking=True)
+        sync()
+        link.append(time.perf_counter() - t)
+    h2d = SMALL_TOTAL / statistics.median(link[1:]) / 1e9
+    del host
+    out = {"link_GBps": h2d}
+    for size in map(int, a.sizes.split(",")):
+        n = SMALL_TOTAL // size
+        keys = [f"small/{size}/{i}" for i in range(n)]
+        dst = [dev[i * size:(i + 1) * size] for i in range(n)]
+        secs = []
+        for _ in range(a.reps + 1):
+            dev.zero_()
+            sync()
+            t = time.perf_counter()
+            staged = mgt.load(c, keys, dst, group=a.group)
+            sync()
+            secs.append(time.perf_counter() - t)
+        ref, _ = small_values(size, seed=size)
+        equal = torch.equal(ref, dev)
+        del ref
+        load = SMALL_TOTAL / statistics.median(secs[1:]) / 1e9
+        out[size] = {"values": n, "load_GBps": load, "load_vs_link": load / h2d,
+                     "load_best_GBps": SMALL_TOTAL / min(secs[1:]) / 1e9,
+                     "load_us_per_value": statistics.median(secs[1:]) / n * 1e6,
+                     "first_load_s": secs[0], "staged": staged, "bytes_equal": equal}
+        torch.cuda.empty_cache() if DEVICE == "cuda" else None
+    c.close()
+    print(json.dumps(out), flush=True)
+
+
 def sub(a, role, extra, env, timeout=900):
     cmd = [sys.executable, __file__, "--role", role, "--sock", a.sock, "--work", a.work,
            "--reps", str(a.reps)] + extra
@@ -720,6 +805,12 @@ def driver(a):
                     load = sub(a, "load", ["--shape", shape, "--tokens", a.tokens], env)
                     return {"prefill": pre, "load": load}
                 part(a, gate, shape, one)
+        if "small" in a.parts:
+            def small():
+                ex = ["--sizes", a.sizes, "--group", str(a.group)]
+                return {"store": sub(a, "small_store", ex, env),
+                        "load": sub(a, "small_load", ex, env)}
+            part(a, out, "small", small)
         if "paged" in a.parts:
             paged = out.setdefault("paged", {})
             for layout in ["BLHNC", "LBHNC"]:
@@ -799,6 +890,17 @@ def table(out):
     for key, v in out.items():
         if isinstance(v, dict) and "error" in v:
             print(f"{key}: FAILED: {v['error'][-300:]}")
+    sm = out.get("small", {})
+    if sm and "error" not in sm:
+        ld, st = sm["load"], sm["store"]
+        print(f"1 GiB as small values through the torch helpers (link {ld['link_GBps']:.2f} GB/s): "
+              "size | load GB/s | vs link | us/value | store GB/s | vs link | bytes")
+        for size, r in ld.items():
+            if size == "link_GBps":
+                continue
+            w = st.get(size, {}).get("store_GBps", float("nan"))
+            print(f"  {int(size) // 1024:6d} KiB | {r['load_GBps']:8.2f} | {r['load_vs_link']:5.2f}x | "
+                  f"{r['load_us_per_value']:6.1f} | {w:8.2f} | {w / ld['link_GBps']:5.2f}x | {r['bytes_equal']}")
     for layout, g in out.get("paged", {}).items():
         if "error" in g:
             print(f"paged {layout}: FAILED: {g['error'][-300:]}")
@@ -841,6 +943,8 @@ def main():
     p.add_argument("--parts", default="micro,cuda,gate")
     p.add_argument("--kind", default="embedded")
     p.add_argument("--paged-tokens", default="2048,8192,32768")
+    p.add_argument("--sizes", default="65536,262144,2097152")
+    p.add_argument("--group", type=int, default=64)
     p.add_argument("--master")
     p.add_argument("--metadata")
     p.add_argument("--owner")
@@ -853,7 +957,8 @@ def main():
     roles = {"prefill": role_prefill, "load": role_load, "micro": role_micro,
              "mooncake": role_mooncake, "cuda_client": role_cuda_client,
              "paged_store": role_paged_store, "paged_load": role_paged_load,
-             "paged_mooncake": role_paged_mooncake}
+             "paged_mooncake": role_paged_mooncake, "small_store": role_small_store,
+             "small_load": role_small_load}
     if a.role in roles:
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
         roles[a.role](a)
