@@ -961,7 +961,19 @@ def main():
              "small_load": role_small_load}
     if a.role in roles:
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-        roles[a.role](a)
+        prof = os.environ.get("GATE_PROFILE")  # a directory: each role's cProfile, top 40
+        if prof:
+            import cProfile
+            import io
+            import pstats
+            pr = cProfile.Profile()
+            pr.runcall(roles[a.role], a)
+            s = io.StringIO()
+            pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(40)
+            with open(os.path.join(prof, f"{a.role}.prof.txt"), "w") as f:
+                f.write(s.getvalue())
+        else:
+            roles[a.role](a)
     else:
         driver(a)
 
