@@ -35,7 +35,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
+sys.path.insert(0, os.environ.get("GPU_PYTHON", os.path.join(ROOT, "clients", "python")))
 from benchlib import free_port, stop_all, wait_http  # noqa: E402
 
 MiB = 1 << 20

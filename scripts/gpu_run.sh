@@ -5,17 +5,20 @@
 # /tmp/gpu_gate).
 #
 #   bash scripts/gpu_run.sh [--parts micro,cuda,gate] [--shapes 8b,70b10] [--tokens ...]
+#
+# GPU_BINARIES=DIR takes moongate.xz and libmoongate_kv.so.xz from DIR instead, and
+# GPU_PYTHON=DIR the Python package (an earlier build's, for A/B runs on one card).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 pack=$root/.gpu
 work=${GPU_WORK:-/tmp/moongate-gpu}
 mkdir -p "$work"
-python3 - "$pack" "$work" <<'EOF'
+python3 - "$pack" "$work" "${GPU_BINARIES:-$pack}" <<'EOF'
 import lzma, os, shutil, sys, tarfile
-pack, work = sys.argv[1:]
+pack, work, binaries = sys.argv[1:]
 for f in ["moongate", "libmoongate_kv.so"]:
-    with lzma.open(os.path.join(pack, f + ".xz")) as src, open(os.path.join(work, f), "wb") as dst:
+    with lzma.open(os.path.join(binaries, f + ".xz")) as src, open(os.path.join(work, f), "wb") as dst:
         shutil.copyfileobj(src, dst)
     os.chmod(os.path.join(work, f), 0o755)
 for t in ["mooncake.tar.xz", "libs.tar.xz"]:
@@ -41,7 +44,7 @@ for d in site.getsitepackages():
 EOF
 )
 export LD_LIBRARY_PATH="$work/missing${cudart:+:$cudart}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export PYTHONPATH="$work:$root/clients/python${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$work:${GPU_PYTHON:-$root/clients/python}${PYTHONPATH:+:$PYTHONPATH}"
 export MOONGATE_KV_LIB=$work/libmoongate_kv.so
 export MC_TCP_BIND_ADDRESS=127.0.0.1
 echo "gpu_run: missing libraries carried: $(ls "$work/missing" | tr '\n' ' ')"

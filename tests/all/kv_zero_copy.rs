@@ -160,8 +160,9 @@ fn the_bytes_under_a_view_stay_until_it_ends() {
     let (place, bytes, lease) = h.view("v/0");
     assert_eq!(place, 0);
     assert!(bytes == &original[..]);
-    // The master's lease is renewed while the view is held: an unforced removal is
-    // refused for longer than one lease.
+    // An unforced removal is refused for as long as the view is held, longer than one
+    // master lease (the view was answered from what moongate knew of the key it stored:
+    // moongate refuses it itself; a view looked up at the master renews its lease).
     for _ in 0..3 {
         std::thread::sleep(Duration::from_millis(1000));
         let (st, body) = http(&kv, "DELETE", "/v1/kv/v%2F0", b"").unwrap();
@@ -618,4 +619,108 @@ fn a_cached_view_of_a_range_written_since_asks_the_master_again() {
     let rc = unsafe { capi::mg_view(h.0, k.as_ptr(), &mut p, &mut n, &mut lease) };
     assert_eq!(rc, capi::MG_ERR_NOT_FOUND, "{}", h.error());
     peer.end(Duration::from_secs(30));
+}
+
+/// A value an engine stored in moongate's segment is viewed without a master call
+/// (`kv.known_keys`), and stops being so the moment anything could have changed it: a
+/// removal through the kv face or the master face (unforced too), or a write over its
+/// range by a client that removed it straight at the master. A DELETE while such a view
+/// is held is refused (it holds no master lease). Releases sent ahead of their answers
+/// (`mg_release_later`) end the lease before the next call.
+#[test]
+fn a_value_moongate_stored_is_viewed_without_the_master_until_anything_touches_it() {
+    known_keys_case(true);
+}
+
+/// The same with `kv.known_keys = 0`: every view asks the master (the counter stays 0;
+/// the removals that follow in the case above need the master's read lease gone).
+#[test]
+fn with_known_keys_off_every_view_asks_the_master() {
+    known_keys_case(false);
+}
+
+fn known_keys_case(on: bool) {
+    let master = Master::start();
+    let dir = tempdir();
+    let extra = if on { "" } else { "known_keys = 0\n" };
+    let (mg, kv, sock) = kv_unix_moongate(&master, dir.path(), 16 << 20, extra);
+    let logs = [&master.proc, &mg.proc];
+    let h = Handle::open(&sock);
+    let known = || gauge(&mg, "moongate_kv_views_known_total");
+    // Stored, then viewed twice: from what moongate knows, or from the master.
+    let a = value_of("k/0", 1 << 20);
+    assert_eq!(h.store("k/0", &a), 0);
+    for _ in 0..2 {
+        let (place, bytes, lease) = h.view("k/0");
+        assert_eq!(place, 0);
+        assert!(bytes == &a[..]);
+        // SAFETY: a live handle.
+        assert_eq!(unsafe { capi::mg_release_later(h.0, lease) }, 0);
+    }
+    assert_eq!(known(), if on { 2.0 } else { 0.0 }, "{}", mg.metrics());
+    // A release sent ahead ended its lease before the next call was answered.
+    assert_eq!(gauge(&mg, "moongate_kv_view_leases"), 0.0);
+    // One moongate no longer holds is not reported, and the connection carries on.
+    // SAFETY: a live handle.
+    assert_eq!(unsafe { capi::mg_release_later(h.0, 987_654_321) }, 0);
+    let (_, bytes, lease) = h.view("k/0");
+    assert!(bytes == &a[..]);
+    // Under that view, a DELETE is refused (with known keys off, by the master's lease).
+    let (st, body) = http(&kv, "DELETE", "/v1/kv/k%2F0", b"").unwrap();
+    assert_eq!(st, 409, "removed under a view: {body}");
+    assert_eq!(h.release(lease), 0);
+    if !on {
+        // The master's read lease from the lookup outlives the view (Mooncake's
+        // --default_kv_lease_ttl): what follows needs removals right after a view.
+        return;
+    }
+    // Removed through the kv face at once (a view answered from what moongate knew took
+    // no master lease): not found, not answered from what moongate knew.
+    let (st, body) = http(&kv, "DELETE", "/v1/kv/k%2F0", b"").unwrap();
+    assert_eq!(st, 204, "{body}");
+    let not_found = |key: &str| {
+        let k = CString::new(key).unwrap();
+        let (mut p, mut n, mut lease) = (std::ptr::null(), 0usize, 0u64);
+        // SAFETY: live handle, NUL-terminated key, out-pointers to locals.
+        let rc = unsafe { capi::mg_view(h.0, k.as_ptr(), &mut p, &mut n, &mut lease) };
+        rc == capi::MG_ERR_NOT_FOUND
+    };
+    assert!(not_found("k/0"), "{}", h.error());
+    // Removed (unforced) by a Mooncake client through the master face.
+    let b = value_of("m/0", 1 << 20);
+    assert_eq!(h.store("m/0", &b), 0);
+    let mut via = Background::start_args(
+        "steps",
+        &mg.listen,
+        &master.metadata,
+        &["--segment-mib", "0"],
+        &logs,
+    );
+    let r = via.step_json("rm m/ 1");
+    assert_eq!(r["bad"], serde_json::json!([]), "{r}");
+    assert!(not_found("m/0"), "{}", h.error());
+    via.end(Duration::from_secs(30));
+    // Removed straight at the master (moongate hears nothing), and its range written
+    // again by a put: the write passed through moongate, which forgot the key.
+    let c = value_of("s/0", 1 << 20);
+    assert_eq!(h.store("s/0", &c), 0);
+    let before = known();
+    let (_, _, lease) = h.view("s/0");
+    assert_eq!(h.release(lease), 0);
+    assert_eq!(known(), before + 1.0);
+    let mut direct = Background::start_args(
+        "steps",
+        &master.rpc,
+        &master.metadata,
+        &["--segment-mib", "0"],
+        &logs,
+    );
+    let r = direct.step_json("forcerm s/ 1");
+    assert_eq!(r["bad"], serde_json::json!([]), "{r}");
+    let r = direct.step_json(&format!("put t/ 1 {}", 1 << 20));
+    assert_eq!(r["bad"], serde_json::json!([]), "{r}");
+    assert!(not_found("s/0"), "{}", h.error());
+    let r = direct.step_json(&format!("get t/ 1 {}", 1 << 20));
+    assert_eq!(r["bad"], serde_json::json!([]), "{r}");
+    direct.end(Duration::from_secs(30));
 }

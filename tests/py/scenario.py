@@ -467,6 +467,8 @@ def steps(run):
             continue
         elif cmd[0] == "exist":
             bad = [i for i, e in enumerate(s.batch_is_exist(keys)) if e != 1]
+        elif cmd[0] == "rm":
+            bad = [i for i, k in enumerate(keys) if s.remove(k) != 0]
         elif cmd[0] == "forcerm":
             # Past any read lease (an operator's forced removal).
             bad = [i for i, k in enumerate(keys) if s.remove(k, True) != 0]

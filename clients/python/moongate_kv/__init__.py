@@ -29,6 +29,7 @@ import threading
 __all__ = [
     "Client", "View", "Views", "Reservation", "MoongateError", "NotFound", "Busy",
     "Exists", "NoRoom", "NoLease", "NotLocal", "IN_PLACE", "STAGED", "library_path",
+    "KeyArray",
 ]
 
 IN_PLACE = 0
@@ -125,6 +126,7 @@ def _load():
                                              ctypes.POINTER(_SZ), ctypes.POINTER(ctypes.c_int),
                                              ctypes.POINTER(ctypes.c_uint64)]),
             "mg_release": (ctypes.c_int, [_P, ctypes.c_uint64]),
+            "mg_release_later": (ctypes.c_int, [_P, ctypes.c_uint64]),
             "mg_segments": (ctypes.c_int, [_P, ctypes.POINTER(_P), ctypes.POINTER(_SZ), _SZ,
                                            ctypes.POINTER(_SZ)]),
             "mg_reserve": (ctypes.c_int, [_P, ctypes.c_char_p, _SZ, ctypes.POINTER(_P),
@@ -144,8 +146,43 @@ def _load():
             f = getattr(lib, name)
             f.restype = res
             f.argtypes = args
+        # The batch calls again, every pointer a plain address: for callers that keep
+        # keys, addresses and results in arrays of their own (KeyArray, tensors), so a
+        # group costs one call and no Python object per key.
+        a, z, i = _P, _SZ, ctypes.c_int
+        raw = {
+            "mg_batch_view": ctypes.CFUNCTYPE(i, a, a, z, a, a, a, a),
+            "mg_batch_reserve": ctypes.CFUNCTYPE(i, a, a, a, z, a, a, a),
+            "mg_batch_commit": ctypes.CFUNCTYPE(i, a, a, z, a),
+            "mg_batch_abort": ctypes.CFUNCTYPE(i, a, a, z, a),
+        }
+        lib.raw = {name: proto(ctypes.cast(getattr(lib, name), _P).value)
+                   for name, proto in raw.items()}
         _lib = lib
         return lib
+
+
+class KeyArray:
+    """Keys encoded once into one C array, for the `*_at` calls of `Client`: a batch is a
+    slice of it (`start`, `n`), so a caller moving thousands of values in groups encodes
+    each key once and builds no list per group."""
+
+    def __init__(self, keys):
+        self._keys = [_key(k) for k in keys]
+        self._arr = (ctypes.c_char_p * max(len(self._keys), 1))(*self._keys)
+        self._base = ctypes.addressof(self._arr)
+
+    def __len__(self):
+        return len(self._keys)
+
+    def at(self, i):
+        """The address of key `i`'s pointer in the array."""
+        if not 0 <= i <= len(self._keys):
+            raise IndexError(i)
+        return self._base + i * ctypes.sizeof(ctypes.c_char_p)
+
+    def key(self, i):
+        return self._keys[i].decode(errors="replace")
 
 
 def _key(k):
@@ -225,10 +262,13 @@ class Views:
         return self
 
     def release(self):
+        """Ends the lease. The release is sent without waiting for moongate's answer
+        (read with this client's next call: one round trip saved per batch); the
+        buffers must not be read after."""
         if self.lease:
             for b in self._buffers or ():
                 _drop(b)
-            self._client.release(self.lease)
+            self._client.release_later(self.lease)
             self.lease = 0
 
     def __enter__(self):
@@ -379,7 +419,13 @@ class Client:
                      [lens[i] for i in range(n)], [res[i] for i in range(n)], lease.value)
 
     def release(self, lease):
+        """Ends a view lease; NoLease for one this client does not hold."""
         self._check(self._lib.mg_release(self._h, lease))
+
+    def release_later(self, lease):
+        """Ends a view lease without waiting for moongate's answer (mg_release_later):
+        a lease it no longer held is not reported."""
+        self._check(self._lib.mg_release_later(self._h, lease))
 
     def reserve(self, key, length):
         data, ticket = _P(), ctypes.c_uint64()
@@ -400,6 +446,39 @@ class Client:
         out = [Reservation(self, keys[i], data[i], lengths[i], tickets[i], res[i])
                if res[i] >= 0 else None for i in range(n)]
         return out, _Codes(res[i] for i in range(n))
+
+    # Batches by address: `keys` a KeyArray, the rest addresses of arrays of `n` items
+    # (uint64 / size_t for addresses, lengths and tickets, int32 for results), e.g. a
+    # tensor's data_ptr(). Nothing is checked but the call's own return code: the caller
+    # reads per-item results from its arrays.
+
+    def _in(self, keys, start, n):
+        if start < 0 or n < 0 or start + n > len(keys):
+            raise IndexError(f"keys [{start}, {start + n}) of {len(keys)}")
+        return keys.at(start)
+
+    def batch_view_at(self, keys, start, n, addresses, lengths, results):
+        """`batch_view` of keys[start:start + n] into arrays: per item its address,
+        length and result (IN_PLACE, STAGED or a negative MG_ERR_*). Returns the lease
+        (0 when nothing was viewed): end it with `release` or `release_later`."""
+        lease = ctypes.c_uint64()
+        self._check(self._lib.raw["mg_batch_view"](
+            self._h, self._in(keys, start, n), n, addresses, lengths, results,
+            ctypes.addressof(lease)))
+        return lease.value
+
+    def batch_reserve_at(self, keys, start, n, lengths, addresses, tickets, results):
+        """`batch_reserve` of keys[start:start + n] with the lengths at `lengths`: per
+        item where to write, its ticket and its result into arrays."""
+        self._check(self._lib.raw["mg_batch_reserve"](
+            self._h, self._in(keys, start, n), lengths, n, addresses, tickets, results))
+
+    def commit_at(self, tickets, n, results):
+        """Commits the `n` tickets at `tickets`: per ticket 0 or MG_ERR_* at `results`."""
+        self._check(self._lib.raw["mg_batch_commit"](self._h, tickets, n, results))
+
+    def abort_at(self, tickets, n, results):
+        self._check(self._lib.raw["mg_batch_abort"](self._h, tickets, n, results))
 
     def _end(self, fn, tickets):
         tickets = list(tickets)

@@ -22,7 +22,7 @@ caller's to keep). On CPU tensors the same calls copy with the CPU (what CI test
 """
 import torch
 
-from . import STAGED, MoongateError, _error
+from . import STAGED, KeyArray, MoongateError, _error
 from .copies import CpuCopier, CudaCopier
 
 _registered = {}
@@ -66,58 +66,98 @@ def _copier(cuda, stream):
     return CpuCopier()
 
 
-def _bytes_of(t):
-    if not t.is_contiguous():
-        raise ValueError("tensors must be contiguous")
-    return t.view(torch.uint8).reshape(-1) if t.dim() else t.reshape(1).view(torch.uint8)
+def _layout(tensors):
+    """Per tensor its address and byte size (int64 CPU tensors); contiguous ones only."""
+    ptrs, sizes = [], []
+    for t in tensors:
+        if not t.is_contiguous():
+            raise ValueError("tensors must be contiguous")
+        ptrs.append(t.data_ptr())
+        sizes.append(t.numel() * t.element_size())
+    return torch.tensor(ptrs, dtype=torch.int64), torch.tensor(sizes, dtype=torch.int64)
 
 
 def _groups(n, group):
     return [(i, min(n, i + group)) for i in range(0, n, group)]
 
 
+def _first(bad):
+    """The index of the first True in a bool tensor."""
+    return int(torch.nonzero(bad)[0])
+
+
+# Per group: one C call, a few operations on int64 tensors, one batched copy. Keys,
+# addresses, lengths, tickets and results live in arrays made once per call (a
+# KeyArray and tensors written by the C library), not in Python objects per value:
+# at 64 KiB a value those objects cost more than moongate's own work.
+
+
 def store(client, keys, tensors, stream=None, group=64):
     """Stores each tensor's bytes under its key: reserved, copied device-to-host into the
     reservation (DMA on `stream`), committed once its group's copies finished. Returns
     the number of values staged (placed outside moongate's own segment; sent on at
-    commit). Raises on the first key refused (reservations of that group are aborted)."""
+    commit). Raises on the first key refused (reservations of that group are aborted;
+    groups before it are committed)."""
     keys, tensors = list(keys), list(tensors)
     if len(keys) != len(tensors):
         raise ValueError("one key per tensor")
+    n = len(keys)
+    if n == 0:
+        return 0
     cuda = any(t.is_cuda for t in tensors)
     if cuda:
         register(client, read=False, write=True)
     copier = _copier(cuda, stream)
+    src, sizes = _layout(tensors)
+    ka = KeyArray(keys)
+    addrs = torch.empty(n, dtype=torch.int64)
+    tickets = torch.empty(n, dtype=torch.int64)
+    res = torch.empty(n, dtype=torch.int32)
+    ends = torch.empty(n, dtype=torch.int32)
+    a8, s8, t8, r4, e4 = (addrs.data_ptr(), sizes.data_ptr(), tickets.data_ptr(),
+                          res.data_ptr(), ends.data_ptr())
+
+    def commit(ev, a, b):
+        if ev is not None:
+            ev.synchronize()
+        client.commit_at(t8 + 8 * a, b - a, e4 + 4 * a)
+        bad = ends[a:b] < 0
+        if bool(bad.any()):
+            i = a + _first(bad)
+            raise _error(int(ends[i]), f"{keys[i]}: commit refused")
+
     staged = 0
-    inflight = []  # (event, tickets)
-    for a, b in _groups(len(keys), group):
-        srcs = [_bytes_of(t) for t in tensors[a:b]]
-        rs, codes = client.batch_reserve(keys[a:b], [s.numel() for s in srcs])
-        if any(c < 0 for c in codes):
-            for r in rs:
-                if r is not None:
-                    r.abort()
-            bad = next(i for i, c in enumerate(codes) if c < 0)
-            raise _error(codes[bad], f"{keys[a + bad]}: reservation refused")
-        staged += sum(1 for r in rs if r.staged)
-        # One batched copy for the group (not a tensor and a launch per value).
-        ev = copier.copy(torch.tensor([r.address for r in rs], dtype=torch.int64),
-                         torch.tensor([x.data_ptr() for x in srcs], dtype=torch.int64),
-                         torch.tensor([r.length for r in rs], dtype=torch.int64))
-        inflight.append((ev, [r.ticket for r in rs]))
-        # Commit the group before last: its copies have had this group's reservation
-        # round trip to finish.
-        while len(inflight) > 1:
-            _commit(client, *inflight.pop(0))
-    for ev, tickets in inflight:
-        _commit(client, ev, tickets)
+    inflight = []  # (event, a, b)
+    try:
+        for a, b in _groups(n, group):
+            client.batch_reserve_at(ka, a, b - a, s8 + 8 * a, a8 + 8 * a, t8 + 8 * a, r4 + 4 * a)
+            r = res[a:b]
+            bad = r < 0
+            if bool(bad.any()):
+                held = tickets[a:b][~bad].contiguous()
+                if held.numel():
+                    scratch = torch.empty(held.numel(), dtype=torch.int32)
+                    client.abort_at(held.data_ptr(), held.numel(), scratch.data_ptr())
+                i = a + _first(bad)
+                raise _error(int(res[i]), f"{keys[i]}: reservation refused")
+            staged += int((r == STAGED).sum())
+            # One batched copy for the group (not a tensor and a launch per value).
+            inflight.append((copier.copy(addrs[a:b], src[a:b], sizes[a:b]), a, b))
+            # Commit the group before last: its copies have had this group's reservation
+            # round trip to finish.
+            while len(inflight) > 1:
+                commit(*inflight.pop(0))
+        while inflight:
+            commit(*inflight.pop(0))
+    except BaseException:
+        # Groups already reserved and copied are stored; the error is the first one.
+        for ev, a, b in inflight:
+            try:
+                commit(ev, a, b)
+            except Exception:  # noqa: BLE001 - the first error is the one raised
+                pass
+        raise
     return staged
-
-
-def _commit(client, ev, tickets):
-    if ev is not None:
-        ev.synchronize()
-    client.commit(tickets).raise_first("commit")
 
 
 def load(client, keys, out, stream=None, group=64):
@@ -129,36 +169,49 @@ def load(client, keys, out, stream=None, group=64):
     keys, out = list(keys), list(out)
     if len(keys) != len(out):
         raise ValueError("one key per tensor")
+    n = len(keys)
+    if n == 0:
+        return 0
     cuda = any(t.is_cuda for t in out)
     if cuda:
         register(client, read=True, write=False)
     copier = _copier(cuda, stream)
+    dst, want = _layout(out)
+    ka = KeyArray(keys)
+    addrs = torch.empty(n, dtype=torch.int64)
+    lens = torch.empty(n, dtype=torch.int64)
+    res = torch.empty(n, dtype=torch.int32)
+    a8, l8, r4 = addrs.data_ptr(), lens.data_ptr(), res.data_ptr()
     staged = 0
-    inflight = []  # (event, views)
+    inflight = []  # (event, lease)
     try:
-        for a, b in _groups(len(keys), group):
-            vs = client.batch_view(keys[a:b])
-            inflight.append((None, vs))
-            vs.check()
-            dsts = [_bytes_of(t) for t in out[a:b]]
-            for k, n, d in zip(keys[a:b], vs.lengths, dsts):
-                if n != d.numel():
-                    raise ValueError(f"{k}: {n} bytes stored, {d.numel()} to fill")
-            staged += sum(1 for r in vs.results if r == STAGED)
-            ev = copier.copy(torch.tensor([d.data_ptr() for d in dsts], dtype=torch.int64),
-                             torch.tensor(vs.addresses, dtype=torch.int64),
-                             torch.tensor(vs.lengths, dtype=torch.int64))
-            inflight[-1] = (ev, vs)
+        for a, b in _groups(n, group):
+            inflight.append((None, client.batch_view_at(ka, a, b - a, a8 + 8 * a, l8 + 8 * a,
+                                                        r4 + 4 * a)))
+            r = res[a:b]
+            bad = r < 0
+            if bool(bad.any()):
+                i = a + _first(bad)
+                raise _error(int(res[i]), f"{keys[i]}: not viewed")
+            differ = lens[a:b] != want[a:b]
+            if bool(differ.any()):
+                i = a + _first(differ)
+                raise ValueError(f"{keys[i]}: {int(lens[i])} bytes stored, {int(want[i])} to fill")
+            staged += int((r == STAGED).sum())
+            inflight[-1] = (copier.copy(dst[a:b], addrs[a:b], lens[a:b]), inflight[-1][1])
             while len(inflight) > 1:
-                e, v = inflight.pop(0)
-                if e is not None:
-                    e.synchronize()
-                v.release()
+                ev, lease = inflight.pop(0)
+                if ev is not None:
+                    ev.synchronize()
+                client.release_later(lease)
     finally:
-        for e, v in inflight:
-            if e is not None:
-                e.synchronize()
-            v.release()
+        for ev, lease in inflight:
+            if ev is not None:
+                ev.synchronize()
+            try:
+                client.release_later(lease)
+            except MoongateError:
+                pass  # the connection broke: its leases end with it
     return staged
 
 

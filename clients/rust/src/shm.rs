@@ -101,7 +101,15 @@ pub struct ShmConn {
     regions: HashMap<RawFd, u32>,
     /// The moongate run this connection reached ([`ShmConn::hello`]; 0 before).
     pub instance: u64,
+    /// Calls sent whose answers are read before the next call's
+    /// ([`ShmConn::release_view_later`]), oldest first.
+    later: Vec<u32>,
 }
+
+/// Releases sent ahead of their answers on one connection at most: past it the oldest
+/// answers are read at once (they are 12 bytes each; the socket's buffer is not the
+/// bound).
+const LATER: usize = 64;
 
 impl ShmConn {
     /// Connects and exchanges the magic. [`ShmError::Unavailable`] when moongate answers
@@ -117,6 +125,7 @@ impl ShmConn {
                 seq: 0,
                 regions: HashMap::new(),
                 instance: 0,
+                later: Vec::new(),
             });
         }
         // A refusal frame (its status at bytes 8..12 and a message), or HTTP.
@@ -350,6 +359,34 @@ impl ShmConn {
             .map(|_| ())
     }
 
+    /// Ends a view lease without waiting for moongate's answer: the release is sent now
+    /// (moongate acts on it as soon as it reads it, before any later call of this
+    /// connection), its answer read before the next call's. A refusal (a lease moongate
+    /// no longer held: it expired) is not reported; a broken connection is, by the next
+    /// call. Saves one round trip per batch of views.
+    pub fn release_view_later(&mut self, lease: u64) -> Result<(), ShmError> {
+        if self.later.len() >= LATER {
+            self.drain_later()?;
+        }
+        let seq = self.next_seq();
+        let mut frame = head(8, seq, OP_RELEASE_VIEW);
+        frame.extend_from_slice(&lease.to_le_bytes());
+        self.s.write_all(&frame)?;
+        self.later.push(seq);
+        Ok(())
+    }
+
+    /// Reads the answers to calls sent ahead ([`ShmConn::release_view_later`]).
+    fn drain_later(&mut self) -> Result<(), ShmError> {
+        for seq in std::mem::take(&mut self.later) {
+            match self.read_answer(seq) {
+                Ok(_) | Err(ShmError::Refused(..)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
     /// Reserves room for `(key, len)` items: per item where to write (`extra` = its
     /// ticket).
     pub fn reserve(&mut self, items_in: &[(&str, u64)]) -> Result<Vec<Item>, ShmError> {
@@ -395,6 +432,7 @@ impl ShmConn {
 
     /// The answer to `seq` and the descriptors that came with it.
     fn answer_fds(&mut self, seq: u32) -> Result<(Vec<u8>, Vec<RawFd>), ShmError> {
+        self.drain_later()?;
         let mut h = [0u8; 12];
         let mut fds = recv_with_fds(&self.s, &mut h)?;
         let len = u32::from_le_bytes([h[0], h[1], h[2], h[3]]) as usize;
@@ -432,6 +470,11 @@ impl ShmConn {
 
     /// The answer to `seq`: its body, or the refusal it carries.
     fn answer(&mut self, seq: u32) -> Result<Vec<u8>, ShmError> {
+        self.drain_later()?;
+        self.read_answer(seq)
+    }
+
+    fn read_answer(&mut self, seq: u32) -> Result<Vec<u8>, ShmError> {
         let mut h = [0u8; 12];
         self.s.read_exact(&mut h)?;
         let len = u32::from_le_bytes([h[0], h[1], h[2], h[3]]) as usize;

@@ -59,6 +59,16 @@ pub fn voids_places(m: crate::codec::method::Method, body: &Bytes) -> bool {
     }
 }
 
+/// Whether this call removes keys at all (unforced ones too): the own segment's known
+/// keys end with it.
+pub fn removes(m: crate::codec::method::Method) -> bool {
+    use crate::codec::method::Method;
+    matches!(
+        m,
+        Method::Remove | Method::RemoveAll | Method::BatchRemove | Method::RemoveByRegex
+    )
+}
+
 /// Removed, or already gone.
 pub(super) fn seen_one(key: &Bytes, resp: &Response) -> Vec<Seen> {
     match resp {

@@ -163,6 +163,17 @@ pub struct KvConfig {
     /// and more, 4 MiB a thread at least). 0 (default) = the cores this process may
     /// use, at most 8: one core copies ~10 GB/s, a host's memory 35-40 GB/s.
     pub copy_threads: usize,
+    /// Keys moongate knows lie untouched in its own segment, kept to answer a local
+    /// engine's view without a master call (`kv.known_keys`). Default 262,144: a 16 GiB
+    /// segment of 64 KiB blocks, about 50 MB of table at most. 0 turns it off (every
+    /// view asks the master, as Mooncake's own clients do).
+    pub known_keys: usize,
+    /// Makes and maps the own segment's pages at start, on a thread of its own
+    /// (`kv.prefault`, default true): a first write into a range then runs at copy
+    /// speed instead of faulting per 4 KiB page. The segment's memory is taken at start
+    /// rather than as it fills. Engines prefault their own mappings in the C library
+    /// (`MOONGATE_KV_PREFAULT=0` there turns it off).
+    pub prefault: bool,
 }
 
 impl Default for KvConfig {
@@ -214,6 +225,8 @@ impl Default for KvConfig {
             max_leases: 4096,
             staging_bytes: 256 << 20,
             copy_threads: 0,
+            known_keys: 262_144,
+            prefault: true,
         }
     }
 }
@@ -280,6 +293,9 @@ impl KvConfig {
             }
             if kv.copy_threads > 256 {
                 errs.push("kv.copy_threads: at most 256".into());
+            }
+            if kv.known_keys > 16 << 20 {
+                errs.push("kv.known_keys: at most 16777216".into());
             }
             if !kv.disk_root.is_empty() && !std::path::Path::new(&kv.disk_root).is_absolute() {
                 errs.push(format!(

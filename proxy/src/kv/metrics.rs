@@ -187,6 +187,9 @@ pub struct KvMetrics {
     shm_denied: Counter,
     /// Values viewed by local engines: `[in place, staged]`.
     pub views: [Counter; 2],
+    /// Of those in place, the ones answered from the own segment's known keys (no
+    /// master call).
+    pub views_known: Counter,
     /// View leases held now, and the bytes under them.
     pub view_leases: Gauge,
     pub viewed_bytes: Gauge,
@@ -351,6 +354,13 @@ impl KvMetrics {
              staged (read into the staging area first)",
             views.clone(),
         );
+        let views_known = Counter::default();
+        registry.register(
+            "moongate_kv_views_known",
+            "Values local engines viewed in place without a master call: moongate knew their \
+             bytes lay untouched in its own segment (kv.known_keys)",
+            views_known.clone(),
+        );
         let view_leases = Gauge::default();
         registry.register(
             "moongate_kv_view_leases",
@@ -444,6 +454,7 @@ impl KvMetrics {
             shm_denied,
             views: ["in_place", "staged"]
                 .map(|w| views.get_or_create(&WhereLabel { place: w }).clone()),
+            views_known,
             view_leases,
             viewed_bytes,
             reservations,

@@ -194,6 +194,10 @@ pub async fn start(
         let (task, name, mem) =
             own_segment(cfg, upstream, store.client_id(), &metrics, shutdown.clone()).await?;
         mem.set_copy_threads(cfg.copy_threads());
+        mem.fence().set_known_limit(cfg.known_keys);
+        if cfg.prefault {
+            mem.prefault_in_background();
+        }
         mem.count_fenced(metrics.fenced_writes.clone());
         if let Some(e) = &engines {
             e.set_own(mem.clone());

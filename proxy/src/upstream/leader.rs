@@ -94,6 +94,9 @@ pub struct Upstream {
     /// Removals relayed here that can take leased values, counted: the fleet tells the
     /// other members, whose replica lists of this master they void too.
     removals: Arc<watch::Sender<u64>>,
+    /// Removals of any kind the master face relayed (unforced ones too): they end the
+    /// own segment's known keys ([`Upstream::known_epoch`]).
+    any_removals: Arc<AtomicU64>,
 }
 
 impl Upstream {
@@ -118,6 +121,7 @@ impl Upstream {
             release: None,
             places: Arc::default(),
             removals: Arc::new(watch::Sender::new(0)),
+            any_removals: Arc::default(),
         }
     }
 
@@ -187,6 +191,21 @@ impl Upstream {
     pub fn removal_relayed(&self) {
         self.places_voided();
         self.removals.send_modify(|n| *n += 1);
+    }
+
+    /// A removal of any kind (an unforced one too) went to the master through the
+    /// master face: it may have removed a key the own segment knows.
+    pub fn removal_seen(&self) {
+        self.any_removals.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// The epoch the own segment's known keys are good in: it moves with the places
+    /// epoch and with every removal the master face relays (the kv face forgets the
+    /// one key it removes itself). Both counters only grow, so the sum moves whenever
+    /// either does.
+    pub fn known_epoch(&self) -> u64 {
+        self.places_epoch()
+            .wrapping_add(self.any_removals.load(Ordering::Acquire))
     }
 
     /// Follows [`Upstream::removal_relayed`] (the fleet's membership task).

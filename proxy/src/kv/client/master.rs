@@ -50,6 +50,11 @@ impl MasterConns {
         self.upstream.places_epoch()
     }
 
+    /// The epoch the own segment's known keys are good in ([`Upstream::known_epoch`]).
+    pub fn known_epoch(&self) -> u64 {
+        self.upstream.known_epoch()
+    }
+
     /// One call on a pooled connection of moongate's own; a connection that failed is
     /// dropped, not returned.
     pub async fn call(&self, req: Request) -> Result<Response, StoreError> {

@@ -302,6 +302,11 @@ impl Store {
         self.master.places_epoch()
     }
 
+    /// The epoch the own segment's known keys are good in.
+    pub fn known_epoch(&self) -> u64 {
+        self.master.known_epoch()
+    }
+
     /// The deadline of one master call or transfer (`kv.timeout_ms`).
     pub fn call_timeout(&self) -> Duration {
         self.call_timeout
@@ -632,15 +637,28 @@ impl Store {
         if let Some(cache) = &self.replicas {
             cache.forget(&key);
         }
+        // Before the call: a view after it must not answer from what moongate knew. A
+        // key an engine views here is refused, as the master refuses a leased one (a
+        // view answered from what moongate knew holds no master lease).
+        if let Some((_, own)) = self.xfer.own_segment() {
+            if own.fence().viewed_known(&key) {
+                return Err(StoreError::Refused(ErrorCode::OBJECT_HAS_LEASE));
+            }
+            own.fence().forget(&key);
+        }
         // Unforced: it fails on a leased value, and every cached one is leased.
-        match self
+        let resp = self
             .call(Request::Remove(RemoveArgs {
-                key,
+                key: key.clone(),
                 force: false,
                 tenant_id: self.tenant.clone(),
             }))
-            .await?
-        {
+            .await?;
+        // And after it: a view that looked the key up meanwhile may have known it again.
+        if let Some((_, own)) = self.xfer.own_segment() {
+            own.fence().forget(&key);
+        }
+        match resp {
             Response::Remove(Ok(())) => Ok(true),
             Response::Remove(Err(ErrorCode::OBJECT_NOT_FOUND)) => Ok(false),
             Response::Remove(Err(e)) => Err(StoreError::Refused(e)),

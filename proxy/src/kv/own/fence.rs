@@ -18,6 +18,10 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
+use bytes::Bytes;
+
+use super::known::Known;
+
 /// Writes remembered after they began, for views that looked their object up before
 /// them. A lookup takes one master round trip; far fewer writes begin meanwhile. A view
 /// whose lookup is older than the oldest remembered write is refused (and retried).
@@ -40,7 +44,6 @@ pub enum Moved {
     Written,
 }
 
-#[derive(Default)]
 struct Inner {
     next_seq: u64,
     /// Writes in progress: sequence number -> `[start, end)`.
@@ -52,9 +55,52 @@ struct Inner {
     /// The longest viewed range ever (bounds the scan for views overlapping a write).
     longest: usize,
     viewed_bytes: u64,
+    /// Keys whose bytes lie untouched in the segment (a write's begin drops the ones it
+    /// overlaps, under this lock).
+    known: Known,
+}
+
+impl Default for Inner {
+    fn default() -> Inner {
+        Inner {
+            next_seq: 0,
+            writing: HashMap::new(),
+            recent: VecDeque::new(),
+            views: BTreeMap::new(),
+            longest: 0,
+            viewed_bytes: 0,
+            known: Known::new(0),
+        }
+    }
 }
 
 impl Inner {
+    /// Why a view of `r` for an object looked up when the next write's number was
+    /// `since` may not begin now.
+    fn moved(&self, r: (usize, usize), since: u64) -> Option<Moved> {
+        if self.writing.values().any(|&w| overlaps(w, r)) {
+            return Some(Moved::Writing);
+        }
+        let remembered_from = self.recent.front().map_or(self.next_seq, |w| w.0);
+        if since < remembered_from
+            || self
+                .recent
+                .iter()
+                .rev()
+                .take_while(|w| w.0 >= since)
+                .any(|w| overlaps((w.1, w.2), r))
+        {
+            return Some(Moved::Written);
+        }
+        None
+    }
+
+    fn hold_view(&mut self, r: (usize, usize)) {
+        *self.views.entry(r).or_insert(0) += 1;
+        self.longest = self.longest.max(r.1 - r.0);
+        self.viewed_bytes += (r.1 - r.0) as u64;
+    }
+
     fn viewed(&self, start: usize, end: usize) -> bool {
         let from = start.saturating_sub(self.longest);
         self.views
@@ -95,6 +141,7 @@ impl Fence {
         let seq = i.next_seq;
         i.next_seq += 1;
         i.writing.insert(seq, (start, end));
+        i.known.overwritten(start, len);
         if i.recent.len() == RECENT {
             i.recent.pop_front();
         }
@@ -112,25 +159,62 @@ impl Fence {
     pub fn view(&self, start: usize, len: usize, since: u64) -> Result<(), Moved> {
         let r = (start, start.saturating_add(len));
         let mut i = self.lock();
-        if i.writing.values().any(|&w| overlaps(w, r)) {
-            return Err(Moved::Writing);
+        if let Some(m) = i.moved(r, since) {
+            return Err(m);
         }
-        let remembered_from = i.recent.front().map_or(i.next_seq, |w| w.0);
-        if since < remembered_from {
-            return Err(Moved::Written);
-        }
-        if i.recent
-            .iter()
-            .rev()
-            .take_while(|w| w.0 >= since)
-            .any(|w| overlaps((w.1, w.2), r))
-        {
-            return Err(Moved::Written);
-        }
-        *i.views.entry(r).or_insert(0) += 1;
-        i.longest = i.longest.max(len);
-        i.viewed_bytes += len as u64;
+        i.hold_view(r);
         Ok(())
+    }
+
+    /// Keeps at most `n` known keys (`kv.known_keys`; 0: none).
+    pub fn set_known_limit(&self, n: usize) {
+        self.lock().known = Known::new(n);
+    }
+
+    /// Begins a view of `key` if its bytes are known to lie untouched here, in places
+    /// epoch `epoch`: its range, held as [`Fence::view`] holds one (end it with
+    /// [`Fence::unview`]); `None` when unknown (ask the master).
+    pub fn view_known(&self, key: &[u8], epoch: u64) -> Option<(usize, usize)> {
+        let mut i = self.lock();
+        let (start, len) = i.known.get(key, epoch)?;
+        let r = (start, start + len);
+        // A write in progress over a known range has already voided it; checked anyway.
+        if i.writing.values().any(|&w| overlaps(w, r)) {
+            i.known.forget(key);
+            return None;
+        }
+        i.hold_view(r);
+        Some((start, len))
+    }
+
+    /// Says that `[start, start + len)` holds `key`'s bytes, as of when the next write's
+    /// number was `since` (read before the lookup that named the range, or just past
+    /// the write that stored them), in places epoch `epoch`. Not kept when a write over
+    /// the range is in progress or began since (or too many began to tell).
+    pub fn know(&self, key: &Bytes, start: usize, len: usize, since: u64, epoch: u64) -> bool {
+        let r = (start, start.saturating_add(len));
+        let mut i = self.lock();
+        i.moved(r, since).is_none() && i.known.insert(key, start, len, epoch)
+    }
+
+    /// Whether a local engine views `key` now through what moongate knew of it (such a
+    /// view holds no master lease, so the master alone would let an unforced removal
+    /// through).
+    pub fn viewed_known(&self, key: &[u8]) -> bool {
+        let i = self.lock();
+        i.known
+            .peek(key)
+            .is_some_and(|(s, l)| i.views.contains_key(&(s, s + l)))
+    }
+
+    /// Forgets `key` (removed through moongate).
+    pub fn forget(&self, key: &[u8]) {
+        self.lock().known.forget(key);
+    }
+
+    /// Keys known now.
+    pub fn known_keys(&self) -> usize {
+        self.lock().known.len()
     }
 
     /// Ends one view of `[start, start + len)` begun by [`Fence::view`].

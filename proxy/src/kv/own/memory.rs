@@ -110,6 +110,49 @@ impl Memory {
         })
     }
 
+    /// Makes this memory's pages and maps them here, on a thread of its own, in 64 MiB
+    /// steps (`MADV_POPULATE_WRITE`; `kv.prefault`): a first write into a range then
+    /// costs no page fault per 4 KiB (on a VM a fresh 64 KiB took 33 us to write, 7 us
+    /// once its pages existed). Stops when everyone else has let go of the memory, or
+    /// where the kernel lacks the call (before 5.14). Changes no byte.
+    pub fn prefault_in_background(self: &std::sync::Arc<Self>) {
+        const STEP: usize = 64 << 20;
+        let m = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("moongate-prefault".into())
+            .spawn(move || {
+                let started = std::time::Instant::now();
+                let len = m.len as usize;
+                let mut off = 0;
+                while off < len {
+                    if std::sync::Arc::strong_count(&m) == 1 {
+                        return;
+                    }
+                    let n = STEP.min(len - off);
+                    // SAFETY: inside this memory's mapping, which `m` keeps alive.
+                    let rc = unsafe {
+                        libc::madvise(m.ptr.add(off).cast(), n, libc::MADV_POPULATE_WRITE)
+                    };
+                    if rc != 0 {
+                        tracing::info!(
+                            error = %io::Error::last_os_error(),
+                            "own segment not prefaulted (first writes fault per page)"
+                        );
+                        return;
+                    }
+                    off += n;
+                }
+                tracing::info!(
+                    bytes = len,
+                    seconds = started.elapsed().as_secs_f64(),
+                    "own segment prefaulted"
+                );
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot start the prefault thread");
+        }
+    }
+
     /// Threads a large copy in or out is cut over (`kv.copy_threads`); at least 1.
     pub fn set_copy_threads(&self, n: usize) {
         self.copy_threads

@@ -155,6 +155,11 @@ impl Drop for Session {
         if removing {
             self.shared.upstream.removal_relayed();
         }
+        if self.queue.iter().any(|f| {
+            matches!(f, InFlight::Upstream { method: Some(m), .. } if calls::remove::removes(*m))
+        }) {
+            self.shared.upstream.removal_seen();
+        }
     }
 }
 
@@ -244,6 +249,9 @@ impl Session {
         if voids {
             self.shared.upstream.removal_relayed();
         }
+        if method.is_some_and(calls::remove::removes) {
+            self.shared.upstream.removal_seen();
+        }
         let upstream = |entry, offload| InFlight::Upstream {
             seq: frame.header.seq_num,
             method,
@@ -327,6 +335,10 @@ impl Session {
                 }
                 if voids {
                     self.shared.upstream.removal_relayed();
+                }
+                // Again at the answer: a lookup the master served just before it.
+                if method.is_some_and(calls::remove::removes) {
+                    self.shared.upstream.removal_seen();
                 }
                 let latency = now.saturating_duration_since(sent);
                 // Counted under the method the client called.

@@ -227,6 +227,8 @@ impl Engines {
             .zip(written)
             .map(|((_, r), w)| (r.key.clone(), w))
             .collect();
+        // Read before the master hears of the keys: entries made below are stamped with it.
+        let epoch = state.store.known_epoch();
         let ended = state.store.end_puts(ending).await;
         for (k, (i, r)) in taken.iter().enumerate() {
             if let Place::Staged(s) = r.place {
@@ -247,6 +249,11 @@ impl Engines {
             match result {
                 Ok(()) => {
                     self.metrics.reservations_ended[0].inc();
+                    // The engine's bytes lie in place: a view of the key needs no master
+                    // call while no write begins over them.
+                    if let (Place::InPlace { off, seq }, Some(m)) = (&r.place, self.own.get()) {
+                        m.fence().know(&r.key, *off, r.len, seq + 1, epoch);
+                    }
                 }
                 Err(e) => {
                     self.metrics.reservations_ended[4].inc();
