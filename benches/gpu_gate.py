@@ -633,6 +633,14 @@ def small_values(size, seed):
     return whole, [whole[i * size:(i + 1) * size] for i in range(SMALL_TOTAL // size)]
 
 
+def _workers(a):
+    """The torch helpers' `workers`, where this package's helpers take it (an earlier
+    build's, run for an A/B on one card, may not)."""
+    import inspect
+    import moongate_kv.torch as mgt
+    return {"workers": a.workers} if "workers" in inspect.signature(mgt.load).parameters else {}
+
+
 def role_small_store(a):
     """Stores 1 GiB as values of each size from GPU memory through the torch helpers
     (reservations, one batched copy a group)."""
@@ -647,7 +655,7 @@ def role_small_store(a):
         keys = [f"small/{size}/{i}" for i in range(len(vals))]
         sync()
         t = time.perf_counter()
-        staged = mgt.store(c, keys, vals, group=a.group)
+        staged = mgt.store(c, keys, vals, group=a.group, **_workers(a))
         sync()
         secs = time.perf_counter() - t
         out[size] = {"values": len(vals), "staged": staged, "store_GBps": SMALL_TOTAL / secs / 1e9,
@@ -688,7 +696,7 @@ def role_small_load(a):
             dev.zero_()
             sync()
             t = time.perf_counter()
-            staged = mgt.load(c, keys, dst, group=a.group)
+            staged = mgt.load(c, keys, dst, group=a.group, **_workers(a))
             sync()
             secs.append(time.perf_counter() - t)
         ref, _ = small_values(size, seed=size)
@@ -807,7 +815,7 @@ def driver(a):
                 part(a, gate, shape, one)
         if "small" in a.parts:
             def small():
-                ex = ["--sizes", a.sizes, "--group", str(a.group)]
+                ex = ["--sizes", a.sizes, "--group", str(a.group), "--workers", str(a.workers)]
                 return {"store": sub(a, "small_store", ex, env),
                         "load": sub(a, "small_load", ex, env)}
             part(a, out, "small", small)
@@ -945,6 +953,7 @@ def main():
     p.add_argument("--paged-tokens", default="2048,8192,32768")
     p.add_argument("--sizes", default="65536,262144,2097152")
     p.add_argument("--group", type=int, default=64)
+    p.add_argument("--workers", type=int, default=2)
     p.add_argument("--master")
     p.add_argument("--metadata")
     p.add_argument("--owner")

@@ -5,6 +5,9 @@ process:
 
 - view + copy: `batch_view` of 64 keys, the engine's own `memmove` of each view into one
   buffer, `release`;
+- the same through the array calls (`KeyArray`, `batch_view_at` writing addresses into
+  arrays, `release_later`): what moongate_kv.torch and moongate_kv.paged do, and the
+  cost an engine in C sees (no Python object per value);
 - reserve + copy + commit: `batch_reserve` of 64 keys, a `memmove` into each
   reservation, `batch_commit` (new keys each round, removed after it, untimed);
 - plain copy: one `memmove` per value between two buffers of this process whose pages
@@ -66,6 +69,24 @@ def measure(c, size, a):
             vs.release()
         return time.perf_counter() - t
 
+    # The same through the array calls (what moongate_kv.torch and paged use): keys
+    # encoded once, addresses written by the C library into arrays, released ahead.
+    ka = moongate_kv.KeyArray(keys)
+    addrs = (ctypes.c_uint64 * a.batch)()
+    lens = (ctypes.c_uint64 * a.batch)()
+    res = (ctypes.c_int32 * a.batch)()
+    pa, pl, pr = ctypes.addressof(addrs), ctypes.addressof(lens), ctypes.addressof(res)
+
+    def view_row_arrays():
+        t = time.perf_counter()
+        for i in range(0, n_values, a.batch):
+            lease = c.batch_view_at(ka, i, a.batch, pa, pl, pr)
+            off = dst_addr + i * size
+            for j in range(a.batch):
+                mm(off + j * size, addrs[j], lens[j])
+            c.release_later(lease)
+        return time.perf_counter() - t
+
     def plain_row(source):
         s = ctypes.addressof(source)
         t = time.perf_counter()
@@ -97,9 +118,10 @@ def measure(c, size, a):
         return took
 
     view_row()  # warm: the mapping's pages, the replica cache
-    views, plains, untouched_s, reserves = [], [], [], []
+    views, arrays, plains, untouched_s, reserves = [], [], [], [], []
     for r in range(a.reps):
         views.append(view_row())
+        arrays.append(view_row_arrays())
         plains.append(plain_row(big))
         untouched_s.append(plain_row(untouched))
         reserves.append(reserve_row(r))
@@ -109,6 +131,9 @@ def measure(c, size, a):
     return {"size": size, "values": n_values, "row_bytes": row,
             "view_copy_GBps": v, "plain_copy_GBps": p, "ratio": v / p,
             "view_us_per_value_beyond_copy": per_value_us,
+            "view_arrays_copy_GBps": gb(arrays), "arrays_ratio": gb(arrays) / p,
+            "view_arrays_us_per_value_beyond_copy":
+                (statistics.median(arrays) - statistics.median(plains)) / n_values * 1e6,
             "view_copy_us_per_value": statistics.median(views) / n_values * 1e6,
             "plain_copy_us_per_value": statistics.median(plains) / n_values * 1e6,
             "plain_from_untouched_GBps": gb(untouched_s),
@@ -151,10 +176,12 @@ def main():
     print(f"\nhost: {h['cores']} cores, {h['date']}; batches of {a.batch}, {a.row_mib} MiB a row, "
           "one copying thread", file=sys.stderr)
     print("value | view+copy GB/s | plain copy GB/s | ratio | us/value beyond copy | "
+          "arrays: ratio | us/value beyond copy | "
           "reserve+copy+commit GB/s | ratio | plain from untouched GB/s", file=sys.stderr)
     for r in out["rows"]:
         print(f"{r['size'] // KiB:5d} KiB | {r['view_copy_GBps']:6.2f} | {r['plain_copy_GBps']:6.2f} | "
               f"{r['ratio']:.2f}x | {r['view_us_per_value_beyond_copy']:6.1f} | "
+              f"{r['arrays_ratio']:.2f}x | {r['view_arrays_us_per_value_beyond_copy']:6.1f} | "
               f"{r['reserve_copy_commit_GBps']:6.2f} | {r['reserve_ratio']:.2f}x | "
               f"{r['plain_from_untouched_GBps']:6.2f}", file=sys.stderr)
     return 0

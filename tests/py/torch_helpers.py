@@ -41,6 +41,17 @@ def main():
         raise AssertionError("a missing key loaded")
     except moongate_kv.NotFound:
         pass
+    # The same among several workers' groups: NotFound once every worker stopped, and
+    # nothing left held (the keys load again at once, all of them, with one worker).
+    ks = [f"th/65536/{i}" for i in range(100)]
+    outs = [torch.empty(64 << 10, dtype=torch.uint8) for _ in ks]
+    try:
+        mgt.load(c, ks[:50] + ["th/missing"] + ks[50:], outs[:50] + [outs[0]] + outs[50:],
+                 group=8, workers=3)
+        raise AssertionError("a missing key loaded")
+    except moongate_kv.NotFound:
+        pass
+    assert mgt.load(c, ks, outs, group=8, workers=1) == 0
     # A size that differs: ValueError, nothing copied.
     out = torch.zeros(1000, dtype=torch.uint8)
     try:

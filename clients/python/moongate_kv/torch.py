@@ -90,14 +90,62 @@ def _first(bad):
 # addresses, lengths, tickets and results live in arrays made once per call (a
 # KeyArray and tensors written by the C library), not in Python objects per value:
 # at 64 KiB a value those objects cost more than moongate's own work.
+#
+# Groups are shared among `workers` threads (each with its own copy stream and, in the
+# C library, its own connection): a group's master round trips (a store's BatchPutStart
+# and BatchPutEnd) and its Python work overlap another's copies. The C calls and the
+# copies run without the GIL. Stores of 64 KiB values on a 2-core VM: 1.7-2.3 GB/s with
+# one thread, 3.2-3.3 with two.
+
+_pools = {}
 
 
-def store(client, keys, tensors, stream=None, group=64):
+def _in_workers(groups, workers, run):
+    """Runs `run(share, stop)` over `groups` cut into `workers` interleaved shares, one a
+    thread (the caller's thread takes the first); returns the results in share order.
+    The first exception raised is raised once every share has stopped (`stop` is set
+    for the others at the first failure)."""
+    import threading
+    stop = threading.Event()
+    shares = [groups[j::workers] for j in range(max(1, min(workers, len(groups))))]
+    if len(shares) == 1:
+        return [run(shares[0], stop)]
+    from concurrent.futures import ThreadPoolExecutor
+    pool = _pools.get(len(shares))
+    if pool is None:
+        pool = _pools[len(shares)] = ThreadPoolExecutor(len(shares) - 1,
+                                                       thread_name_prefix="moongate-torch")
+
+    def guarded(share):
+        try:
+            return run(share, stop)
+        except BaseException:
+            stop.set()
+            raise
+
+    futures = [pool.submit(guarded, sh) for sh in shares[1:]]
+    first, out = None, []
+    try:
+        out.append(guarded(shares[0]))
+    except BaseException as e:  # noqa: BLE001 - raised below, after the others stop
+        first = e
+    for f in futures:
+        try:
+            out.append(f.result())
+        except BaseException as e:  # noqa: BLE001
+            first = first or e
+    if first is not None:
+        raise first
+    return out
+
+
+def store(client, keys, tensors, stream=None, group=64, workers=2):
     """Stores each tensor's bytes under its key: reserved, copied device-to-host into the
-    reservation (DMA on `stream`), committed once its group's copies finished. Returns
-    the number of values staged (placed outside moongate's own segment; sent on at
-    commit). Raises on the first key refused (reservations of that group are aborted;
-    groups before it are committed)."""
+    reservation (DMA), committed once its group's copies finished. Returns the number of
+    values staged (placed outside moongate's own segment; sent on at commit). Raises on
+    the first key refused (reservations of that group are aborted; groups copied before
+    it are committed). `stream`: the copy stream of a single worker (`workers=1`);
+    with several, each has its own, ordered after the caller's current stream."""
     keys, tensors = list(keys), list(tensors)
     if len(keys) != len(tensors):
         raise ValueError("one key per tensor")
@@ -107,7 +155,6 @@ def store(client, keys, tensors, stream=None, group=64):
     cuda = any(t.is_cuda for t in tensors)
     if cuda:
         register(client, read=False, write=True)
-    copier = _copier(cuda, stream)
     src, sizes = _layout(tensors)
     ka = KeyArray(keys)
     addrs = torch.empty(n, dtype=torch.int64)
@@ -126,46 +173,52 @@ def store(client, keys, tensors, stream=None, group=64):
             i = a + _first(bad)
             raise _error(int(ends[i]), f"{keys[i]}: commit refused")
 
-    staged = 0
-    inflight = []  # (event, a, b)
-    try:
-        for a, b in _groups(n, group):
-            client.batch_reserve_at(ka, a, b - a, s8 + 8 * a, a8 + 8 * a, t8 + 8 * a, r4 + 4 * a)
-            r = res[a:b]
-            bad = r < 0
-            if bool(bad.any()):
-                held = tickets[a:b][~bad].contiguous()
-                if held.numel():
-                    scratch = torch.empty(held.numel(), dtype=torch.int32)
-                    client.abort_at(held.data_ptr(), held.numel(), scratch.data_ptr())
-                i = a + _first(bad)
-                raise _error(int(res[i]), f"{keys[i]}: reservation refused")
-            staged += int((r == STAGED).sum())
-            # One batched copy for the group (not a tensor and a launch per value).
-            inflight.append((copier.copy(addrs[a:b], src[a:b], sizes[a:b]), a, b))
-            # Commit the group before last: its copies have had this group's reservation
-            # round trip to finish.
-            while len(inflight) > 1:
+    def run(share, stop):
+        copier = _copier(cuda, stream if workers <= 1 else None)
+        staged = 0
+        inflight = []  # (event, a, b)
+        try:
+            for a, b in share:
+                if stop.is_set():
+                    break
+                client.batch_reserve_at(ka, a, b - a, s8 + 8 * a, a8 + 8 * a, t8 + 8 * a,
+                                        r4 + 4 * a)
+                r = res[a:b]
+                bad = r < 0
+                if bool(bad.any()):
+                    held = tickets[a:b][~bad].contiguous()
+                    if held.numel():
+                        scratch = torch.empty(held.numel(), dtype=torch.int32)
+                        client.abort_at(held.data_ptr(), held.numel(), scratch.data_ptr())
+                    i = a + _first(bad)
+                    raise _error(int(res[i]), f"{keys[i]}: reservation refused")
+                staged += int((r == STAGED).sum())
+                inflight.append((copier.copy(addrs[a:b], src[a:b], sizes[a:b]), a, b))
+                # Commit the group before last: its copies have had this group's
+                # reservation round trip to finish.
+                while len(inflight) > 1:
+                    commit(*inflight.pop(0))
+            while inflight:
                 commit(*inflight.pop(0))
-        while inflight:
-            commit(*inflight.pop(0))
-    except BaseException:
-        # Groups already reserved and copied are stored; the error is the first one.
-        for ev, a, b in inflight:
-            try:
-                commit(ev, a, b)
-            except Exception:  # noqa: BLE001 - the first error is the one raised
-                pass
-        raise
-    return staged
+        except BaseException:
+            # Groups already reserved and copied are stored; the error is the first.
+            for ev, a, b in inflight:
+                try:
+                    commit(ev, a, b)
+                except Exception:  # noqa: BLE001 - the first error is the one raised
+                    pass
+            raise
+        return staged
+
+    return sum(_in_workers(_groups(n, group), workers, run))
 
 
-def load(client, keys, out, stream=None, group=64):
+def load(client, keys, out, stream=None, group=64, workers=2):
     """Reads each key into the tensor of the same index in `out` (device or CPU; its byte
-    size must equal the value's): viewed, copied host-to-device from the view (DMA on
-    `stream`), released once its group's copies finished. Returns the number of values
-    that were staged (not in moongate's own segment). Raises `NotFound` for a missing
-    key, ValueError for a size that differs."""
+    size must equal the value's): viewed, copied host-to-device from the view (DMA),
+    released once its group's copies finished. Returns the number of values that were
+    staged (not in moongate's own segment). Raises `NotFound` for a missing key,
+    ValueError for a size that differs. `stream` and `workers` as for `store`."""
     keys, out = list(keys), list(out)
     if len(keys) != len(out):
         raise ValueError("one key per tensor")
@@ -175,44 +228,52 @@ def load(client, keys, out, stream=None, group=64):
     cuda = any(t.is_cuda for t in out)
     if cuda:
         register(client, read=True, write=False)
-    copier = _copier(cuda, stream)
     dst, want = _layout(out)
     ka = KeyArray(keys)
     addrs = torch.empty(n, dtype=torch.int64)
     lens = torch.empty(n, dtype=torch.int64)
     res = torch.empty(n, dtype=torch.int32)
     a8, l8, r4 = addrs.data_ptr(), lens.data_ptr(), res.data_ptr()
-    staged = 0
-    inflight = []  # (event, lease)
-    try:
-        for a, b in _groups(n, group):
-            inflight.append((None, client.batch_view_at(ka, a, b - a, a8 + 8 * a, l8 + 8 * a,
-                                                        r4 + 4 * a)))
-            r = res[a:b]
-            bad = r < 0
-            if bool(bad.any()):
-                i = a + _first(bad)
-                raise _error(int(res[i]), f"{keys[i]}: not viewed")
-            differ = lens[a:b] != want[a:b]
-            if bool(differ.any()):
-                i = a + _first(differ)
-                raise ValueError(f"{keys[i]}: {int(lens[i])} bytes stored, {int(want[i])} to fill")
-            staged += int((r == STAGED).sum())
-            inflight[-1] = (copier.copy(dst[a:b], addrs[a:b], lens[a:b]), inflight[-1][1])
-            while len(inflight) > 1:
-                ev, lease = inflight.pop(0)
+
+    def run(share, stop):
+        copier = _copier(cuda, stream if workers <= 1 else None)
+        staged = 0
+        inflight = []  # (event, lease)
+        try:
+            for a, b in share:
+                if stop.is_set():
+                    break
+                inflight.append((None, client.batch_view_at(ka, a, b - a, a8 + 8 * a,
+                                                            l8 + 8 * a, r4 + 4 * a)))
+                r = res[a:b]
+                bad = r < 0
+                if bool(bad.any()):
+                    i = a + _first(bad)
+                    raise _error(int(res[i]), f"{keys[i]}: not viewed")
+                differ = lens[a:b] != want[a:b]
+                if bool(differ.any()):
+                    i = a + _first(differ)
+                    raise ValueError(
+                        f"{keys[i]}: {int(lens[i])} bytes stored, {int(want[i])} to fill")
+                staged += int((r == STAGED).sum())
+                inflight[-1] = (copier.copy(dst[a:b], addrs[a:b], lens[a:b]), inflight[-1][1])
+                while len(inflight) > 1:
+                    ev, lease = inflight.pop(0)
+                    if ev is not None:
+                        ev.synchronize()
+                    client.release_later(lease)
+        finally:
+            for ev, lease in inflight:
                 if ev is not None:
                     ev.synchronize()
-                client.release_later(lease)
-    finally:
-        for ev, lease in inflight:
-            if ev is not None:
-                ev.synchronize()
-            try:
-                client.release_later(lease)
-            except MoongateError:
-                pass  # the connection broke: its leases end with it
-    return staged
+                try:
+                    client.release_later(lease)
+                except MoongateError:
+                    pass  # the connection broke: its leases end with it
+        return staged
+
+    # Every group's copies finished before its views were released: `out` is ready.
+    return sum(_in_workers(_groups(n, group), workers, run))
 
 
 __all__ = ["register", "store", "load", "MoongateError"]
