@@ -47,8 +47,7 @@ def touched(n):
 
 def measure(c, size, a):
     import moongate_kv
-    n_values = max(a.batch, a.row_mib * MiB // size)
-    n_values -= n_values % a.batch
+    n_values = row_shape(size, a)
     row = n_values * size
     keys = [f"small/{size}/{i}" for i in range(n_values)]
     src = touched(size)
@@ -140,8 +139,121 @@ def measure(c, size, a):
             "reserve_copy_commit_GBps": gb(reserves), "reserve_ratio": gb(reserves) / p}
 
 
+def row_shape(size, a):
+    n_values = max(a.batch, a.row_mib * MiB // size)
+    return n_values - n_values % a.batch
+
+
+def role_mooncake(a):
+    """Mooncake's own client on the same rows: a dummy client of a standalone owner
+    (shared memory with it) or an embedded client with no segment (TE-TCP), reading each
+    row with `batch_get_into` in batches into one registered buffer (its view + copy)
+    and writing it with `batch_put_from` (new keys each round, removed after it)."""
+    from mooncake.store import MooncakeDistributedStore
+    s = MooncakeDistributedStore()
+    region = a.row_mib * MiB
+    if a.kind == "dummy":
+        assert s.setup_dummy(region + 64 * MiB, 64 * MiB, a.owner) == 0, "setup_dummy"
+        base = s.alloc_from_mem_pool(region)
+        assert base, "alloc_from_mem_pool"
+    else:
+        assert s.setup("127.0.0.1", a.metadata, 0, 64 * MiB, "tcp", "", a.master) == 0, "setup"
+        buf = touched(region)
+        base = ctypes.addressof(buf)
+    ctypes.memset(base, 0x5A, region)
+    assert s.register_buffer(base, region) == 0
+    out = {}
+    for kib in map(int, a.sizes.split(",")):
+        size = kib * KiB
+        n = row_shape(size, a)
+        batches = [(i, [f"mc/{a.kind}/{size}/{j}" for j in range(i, i + a.batch)],
+                    [base + j * size for j in range(i, i + a.batch)]) for i in range(0, n, a.batch)]
+        sizes = [size] * a.batch
+        for _, ks, addrs in batches:
+            assert list(s.batch_put_from(ks, addrs, sizes)) == [0] * a.batch
+
+        def read_row():
+            t = time.perf_counter()
+            for _, ks, addrs in batches:
+                got = s.batch_get_into(ks, addrs, sizes)
+                if list(got) != sizes:
+                    raise SystemExit(f"batch_get_into: {list(got)[:4]}")
+            return time.perf_counter() - t
+
+        def write_row(r):
+            names = [[f"mc/{a.kind}/w{r}/{size}/{j}" for j in range(i, i + a.batch)]
+                     for i, _, _ in batches]
+            t = time.perf_counter()
+            for ks, (_, _, addrs) in zip(names, batches):
+                assert list(s.batch_put_from(ks, addrs, sizes)) == [0] * a.batch
+            took = time.perf_counter() - t
+            for ks in names:
+                for k in ks:
+                    s.remove(k)
+            return took
+
+        read_row()
+        reads, writes = [], []
+        for r in range(a.reps):
+            reads.append(read_row())
+            writes.append(write_row(r))
+        for _, ks, _ in batches:
+            for k in ks:
+                s.remove(k)
+        row = n * size
+        out[str(size)] = {"read_GBps": row / statistics.median(reads) / 1e9,
+                          "write_GBps": row / statistics.median(writes) / 1e9}
+    s.close()
+    print(json.dumps(out), flush=True)
+
+
+def mooncake_arms(a, work, procs):
+    """Mooncake's clients, moongate stopped: a master of their own (moongate's segment
+    and keys gone with the first one), a standalone owner and, one after the other, a
+    dummy and an embedded client (`role_mooncake`). The owner's segment holds a row and
+    every round's written row (a key just put may not be removable at once: the master
+    would evict the row being read)."""
+    rpc, http = free_port(), free_port()
+    procs.append(subprocess.Popen(master_cmd(rpc, http), stdout=subprocess.DEVNULL,
+                                  stderr=open(f"{work}/master2.log", "w")))
+    import mooncake
+    owner_bin = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_client")
+    oport = free_port()
+    procs.append(subprocess.Popen(
+        [owner_bin, "--host=127.0.0.1", f"--port={oport}",
+         f"--master_server_address=127.0.0.1:{rpc}",
+         f"--metadata_server=http://127.0.0.1:{http}/metadata",
+         f"--global_segment_size={(a.reps + 3) * a.row_mib + 256} MB", "--protocol=tcp",
+         "--logtostderr"],
+        stdout=subprocess.DEVNULL, stderr=open(f"{work}/owner.log", "w")))
+    got = {}
+    for kind in ["dummy", "embedded"]:
+        deadline = time.time() + 60
+        while True:
+            r = subprocess.run(
+                [sys.executable, __file__, "--role", "mooncake", "--kind", kind,
+                 "--master", f"127.0.0.1:{rpc}", "--metadata", f"http://127.0.0.1:{http}/metadata",
+                 "--owner", f"127.0.0.1:{oport}", "--sizes", a.sizes, "--row-mib", str(a.row_mib),
+                 "--batch", str(a.batch), "--reps", str(a.reps)],
+                capture_output=True, text=True, timeout=1800)
+            if r.returncode == 0 or time.time() > deadline:
+                break
+            time.sleep(1)  # the owner may still be starting
+        if r.returncode != 0:
+            raise SystemExit(f"mooncake {kind}: {r.stderr[-3000:]}")
+        got[kind] = json.loads(r.stdout.strip().splitlines()[-1])
+    return got
+
+
 def main():
     p = argparse.ArgumentParser()
+    p.add_argument("--role", default="driver")
+    p.add_argument("--kind", default="embedded")
+    p.add_argument("--master")
+    p.add_argument("--metadata")
+    p.add_argument("--owner")
+    p.add_argument("--no-mooncake", action="store_true",
+                   help="moongate and the plain copy only")
     p.add_argument("--sizes", default="64,256,1024,4096", help="KiB")
     p.add_argument("--row-mib", type=int, default=256)
     p.add_argument("--batch", type=int, default=64)
@@ -149,6 +261,10 @@ def main():
     p.add_argument("--moongate", default=os.path.join(ROOT, "target/release/moongate"))
     p.add_argument("--lib", default=os.path.join(ROOT, "target/release/libmoongate_kv.so"))
     a = p.parse_args()
+    if a.role == "mooncake":
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+        role_mooncake(a)
+        return 0
     os.environ["MOONGATE_KV_LIB"] = a.lib
     import moongate_kv
     work = work_dir("kv-small-")
@@ -169,6 +285,17 @@ def main():
             print(f"{kib} KiB: view+copy {r['view_copy_GBps']:.2f} GB/s, plain "
                   f"{r['plain_copy_GBps']:.2f} ({r['ratio']:.2f}x)", file=sys.stderr, flush=True)
         c.close()
+        if not a.no_mooncake:
+            stop_all(procs)
+            procs.clear()
+            mc = mooncake_arms(a, work, procs)
+            for r in out["rows"]:
+                for kind, rows in mc.items():
+                    m = rows[str(r["size"])]
+                    r[f"mooncake_{kind}_read_GBps"] = m["read_GBps"]
+                    r[f"mooncake_{kind}_write_GBps"] = m["write_GBps"]
+                    r[f"view_vs_{kind}"] = r["view_copy_GBps"] / m["read_GBps"]
+                    r[f"reserve_vs_{kind}"] = r["reserve_copy_commit_GBps"] / m["write_GBps"]
     finally:
         stop_all(procs)
     print(json.dumps(out, indent=1))
@@ -184,6 +311,15 @@ def main():
               f"{r['arrays_ratio']:.2f}x | {r['view_arrays_us_per_value_beyond_copy']:6.1f} | "
               f"{r['reserve_copy_commit_GBps']:6.2f} | {r['reserve_ratio']:.2f}x | "
               f"{r['plain_from_untouched_GBps']:6.2f}", file=sys.stderr)
+    if not a.no_mooncake:
+        print("value | Mooncake dummy read / write GB/s | embedded read / write GB/s | "
+              "moongate view+copy vs dummy, embedded | reserve vs dummy, embedded", file=sys.stderr)
+        for r in out["rows"]:
+            print(f"{r['size'] // KiB:5d} KiB | {r['mooncake_dummy_read_GBps']:6.2f} / "
+                  f"{r['mooncake_dummy_write_GBps']:5.2f} | {r['mooncake_embedded_read_GBps']:6.2f} / "
+                  f"{r['mooncake_embedded_write_GBps']:5.2f} | {r['view_vs_dummy']:.2f}x, "
+                  f"{r['view_vs_embedded']:.2f}x | {r['reserve_vs_dummy']:.2f}x, "
+                  f"{r['reserve_vs_embedded']:.2f}x", file=sys.stderr)
     return 0
 
 

@@ -83,6 +83,27 @@ def main():
         pass
     print("reservations: ok")
 
+    # The array calls: keys encoded once, a slice of them viewed into caller arrays,
+    # released ahead of the answer; a slice past the keys is refused before any call.
+    import ctypes
+    ka = mk.KeyArray([f"{pre}/nope", f"{pre}/r", f"{pre}/aborted"])
+    addrs, lens = (ctypes.c_uint64 * 2)(), (ctypes.c_uint64 * 2)()
+    res = (ctypes.c_int32 * 2)()
+    lease = c.batch_view_at(ka, 1, 2, ctypes.addressof(addrs), ctypes.addressof(lens),
+                            ctypes.addressof(res))
+    assert list(res) == [0, mk.ERR_NOT_FOUND] and lens[0] == 1 << 20, (list(res), lens[0])
+    assert ctypes.string_at(addrs[0], lens[0]) == value(1, 1 << 20)
+    c.release_later(lease)
+    c.release_later(lease)  # moongate no longer holds it: not reported
+    try:
+        c.batch_view_at(ka, 2, 2, ctypes.addressof(addrs), ctypes.addressof(lens),
+                        ctypes.addressof(res))
+        raise AssertionError("a slice past the keys was viewed")
+    except IndexError:
+        pass
+    assert c.exists([f"{pre}/r"]) == [True]  # the connection carries on
+    print("arrays: ok")
+
     # Batches, from several threads of one client.
     errors = []
 

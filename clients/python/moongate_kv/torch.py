@@ -12,10 +12,11 @@ pins those mappings with CUDA once (`cudaHostRegister`; the view mapping read-on
 so a copy between them and device tensors is a DMA. A group's copies go as one batched
 call on a CUDA stream of their own (`moongate_kv.copies`: `cudaMemcpyBatchAsync` where
 the runtime has it), not a tensor and a launch per value, which capped 64 KiB values at
-a twentieth of the link. Work is cut into groups (`group` values, 64 by default: a
-batch of views costs per call, 7 us a value in groups of 16 and 4 in groups of 64 on
-the GPU host): while the GPU copies one group, the next is viewed or reserved, so the
-master round trips hide behind the copies.
+a twentieth of the link. Work is cut into groups (`group` values, 64 by default), each
+one C call into arrays (addresses, lengths, results written by the library into
+tensors: no Python object per value), shared among `workers` threads (2 by default):
+while the GPU copies one group, the next is viewed or reserved, and a store's master
+round trips (one BatchPutStart and one BatchPutEnd a group) overlap each other.
 
 Tensors must be contiguous; their bytes are stored as they lie (dtype and shape are the
 caller's to keep). On CPU tensors the same calls copy with the CPU (what CI tests).

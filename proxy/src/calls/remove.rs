@@ -59,13 +59,20 @@ pub fn voids_places(m: crate::codec::method::Method, body: &Bytes) -> bool {
     }
 }
 
-/// Whether this call removes keys at all (unforced ones too): the own segment's known
-/// keys end with it.
+/// Whether this call removes keys at all (unforced ones too) or replaces a value (an
+/// upsert): the own segment's known keys end with it.
 pub fn removes(m: crate::codec::method::Method) -> bool {
     use crate::codec::method::Method;
     matches!(
         m,
-        Method::Remove | Method::RemoveAll | Method::BatchRemove | Method::RemoveByRegex
+        Method::Remove
+            | Method::RemoveAll
+            | Method::BatchRemove
+            | Method::RemoveByRegex
+            | Method::UpsertStart
+            | Method::BatchUpsertStart
+            | Method::UpsertEnd
+            | Method::BatchUpsertEnd
     )
 }
 

@@ -488,6 +488,9 @@ impl Evictor {
         if victims.is_empty() {
             return Ok(());
         }
+        // Keys the own segment knows may be among the victims: views ask the master
+        // again rather than answer a key this round removed.
+        upstream.removal_seen();
         let Some(topo) = topo else {
             let chosen: Vec<(Bytes, Entry)> =
                 victims.into_iter().map(|(i, _)| cands[i].clone()).collect();
