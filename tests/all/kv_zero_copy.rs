@@ -724,3 +724,42 @@ fn known_keys_case(on: bool) {
     assert_eq!(r["bad"], serde_json::json!([]), "{r}");
     direct.end(Duration::from_secs(30));
 }
+
+/// The own segment's pages are made at start (`kv.prefault`), unless the segment is
+/// larger than the memory the host has free: an oversubscribed segment is left to fill
+/// as it is written, and works all the same.
+#[test]
+fn the_segment_is_prefaulted_unless_it_cannot_fit() {
+    let master = Master::start();
+    let dir = tempdir();
+    let (mg, _kv, _sock) = kv_unix_moongate(&master, dir.path(), 64 << 20, "");
+    wait_for(
+        "the own segment prefaulted",
+        Duration::from_secs(30),
+        &[&mg.proc],
+        || mg.proc.log_text().contains("own segment prefaulted"),
+    );
+    drop(mg);
+    // Four times the host's memory: never made whole.
+    let total = std::fs::read_to_string("/proc/meminfo")
+        .unwrap()
+        .lines()
+        .find(|l| l.starts_with("MemTotal:"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .unwrap()
+        * 1024;
+    let dir2 = tempdir();
+    let (big, _kv, sock) = kv_unix_moongate(&master, dir2.path(), 4 * total, "");
+    wait_for(
+        "the prefault skipped",
+        Duration::from_secs(30),
+        &[&big.proc],
+        || big.proc.log_text().contains("own segment not prefaulted"),
+    );
+    let h = Handle::open(&sock);
+    let v = value_of("o/0", 1 << 20);
+    assert_eq!(h.store("o/0", &v), 0);
+    let (_, bytes, lease) = h.view("o/0");
+    assert!(bytes == &v[..]);
+    assert_eq!(h.release(lease), 0);
+}

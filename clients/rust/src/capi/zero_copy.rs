@@ -15,6 +15,14 @@ pub(super) struct Mapped {
     prefault: Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>,
 }
 
+/// `MemAvailable` of /proc/meminfo, in bytes.
+fn mem_available() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// Fills the page tables of freshly made mappings on a thread of its own, in chunks:
 /// the writable ones first (`MADV_POPULATE_WRITE`: moongate's pages made and mapped),
 /// then the read-only ones (`MADV_POPULATE_READ`). Without it, an engine's first write
@@ -22,11 +30,13 @@ pub(super) struct Mapped {
 /// fifth of a copy's speed) and its first read once per page; with it, a first write
 /// runs at copy speed. It costs the page tables (8 bytes a page per mapping) and about
 /// 0.2 s a GiB of one core, off the engine's path. `MOONGATE_KV_PREFAULT=0` turns it
-/// off; a kernel without these calls (before 5.14) is left as it is.
+/// off; a kernel without these calls (before 5.14) is left as it is; a memory whose
+/// pages moongate has not made, larger than nine tenths of the host's available memory,
+/// is not populated (the caller leaves it out).
 fn prefault(
     memories: &[(usize, usize, usize)],
 ) -> Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)> {
-    if std::env::var("MOONGATE_KV_PREFAULT").is_ok_and(|v| v == "0") {
+    if memories.is_empty() || std::env::var("MOONGATE_KV_PREFAULT").is_ok_and(|v| v == "0") {
         return None;
     }
     const CHUNK: usize = 64 << 20;
@@ -140,6 +150,7 @@ impl mg_client {
         }
         let (instance, shared) = s.segments()?;
         let mut memories = Vec::with_capacity(shared.len());
+        let mut made_bytes = Vec::with_capacity(shared.len());
         let mut fresh = Mapped {
             instance,
             memories: Vec::new(),
@@ -181,15 +192,43 @@ impl mg_client {
                 ro,
                 rw,
             });
+            // Bytes of it that exist already (moongate made them): filling this
+            // process's page tables for those takes no memory.
+            let made = {
+                use std::os::fd::AsRawFd;
+                // SAFETY: fstat of a descriptor we own, into a zeroed stat.
+                let mut st: libc::stat = unsafe { std::mem::zeroed() };
+                if unsafe { libc::fstat(m.rw.as_raw_fd(), &mut st) } == 0 {
+                    (st.st_blocks as u64).saturating_mul(512)
+                } else {
+                    0
+                }
+            };
+            made_bytes.push(made);
         }
         fresh.memories = memories;
-        fresh.prefault = prefault(
-            &fresh
-                .memories
-                .iter()
-                .map(|m| (m.rw, m.ro, m.len))
-                .collect::<Vec<_>>(),
-        );
+        // Only memories whose missing pages fit in what the host has free: populating
+        // one larger than that (a segment oversubscribed on purpose) would make every
+        // page and end in the OOM killer.
+        let mut room = mem_available().map_or(0, |b| b / 10 * 9);
+        let ranges: Vec<(usize, usize, usize)> = fresh
+            .memories
+            .iter()
+            .zip(&made_bytes)
+            // The own segment only: the staging area is memory moongate takes as it is
+            // first used, and keeps it that way.
+            .filter(|(m, _)| m.id == 0)
+            .filter(|(m, made)| {
+                let missing = (m.len as u64).saturating_sub(**made);
+                let fits = missing <= room;
+                if fits {
+                    room -= missing;
+                }
+                fits
+            })
+            .map(|(m, _)| (m.rw, m.ro, m.len))
+            .collect();
+        fresh.prefault = prefault(&ranges);
         let out = list(&fresh);
         // The run this connection reached first: views answered from now on are its.
         mapped.insert(0, fresh);
