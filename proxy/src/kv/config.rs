@@ -169,10 +169,10 @@ pub struct KvConfig {
     /// view asks the master, as Mooncake's own clients do).
     pub known_keys: usize,
     /// Makes and maps the own segment's pages at start, on a thread of its own
-    /// (`kv.prefault`, default true): a first write into a range then runs at copy
-    /// speed instead of faulting per 4 KiB page. The segment's memory is taken at start
-    /// rather than as it fills. Engines prefault their own mappings in the C library
-    /// (`MOONGATE_KV_PREFAULT=0` there turns it off).
+    /// (`kv.prefault`, default true): moongate's own first writes into a range then run
+    /// at copy speed, and an engine's cost a mapping per 4 KiB page, not a new page. The segment's memory is taken at start
+    /// rather than as it fills. An engine's own mappings are prefaulted by the C library
+    /// only with `MOONGATE_KV_PREFAULT=1` in its environment.
     pub prefault: bool,
 }
 

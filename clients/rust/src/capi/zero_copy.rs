@@ -29,14 +29,19 @@ fn mem_available() -> Option<u64> {
 /// into a range of the segment faults once per 4 KiB page (on a VM: 64 KiB in 33 us, a
 /// fifth of a copy's speed) and its first read once per page; with it, a first write
 /// runs at copy speed. It costs the page tables (8 bytes a page per mapping) and about
-/// 0.2 s a GiB of one core, off the engine's path. `MOONGATE_KV_PREFAULT=0` turns it
-/// off; a kernel without these calls (before 5.14) is left as it is; a memory whose
+/// 0.2 s a GiB of one core, beside the engine's own work: on a 2-core host a vLLM
+/// engine's first request after connecting took 196-238 ms instead of 74 with a 2 GiB
+/// segment being populated meanwhile, and a GPU engine's registration
+/// (`cudaHostRegister`) maps every page anyway. So it is opt-in:
+/// `MOONGATE_KV_PREFAULT=1` in the engine's environment (CPU engines that write soon
+/// after connecting); moongate makes the pages itself (`kv.prefault`), so without it a
+/// first write costs a mapping per page, not a new page; a kernel without these calls (before 5.14) is left as it is; a memory whose
 /// pages moongate has not made, larger than nine tenths of the host's available memory,
 /// is not populated (the caller leaves it out).
 fn prefault(
     memories: &[(usize, usize, usize)],
 ) -> Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)> {
-    if memories.is_empty() || std::env::var("MOONGATE_KV_PREFAULT").is_ok_and(|v| v == "0") {
+    if memories.is_empty() || !std::env::var("MOONGATE_KV_PREFAULT").is_ok_and(|v| v == "1") {
         return None;
     }
     const CHUNK: usize = 64 << 20;
