@@ -8,13 +8,14 @@
 //! when a view looked the key up at the master and found it here; it is dropped when a
 //! write begins over any part of its range, when the key is removed through moongate,
 //! and (all at once) when the epoch it was made in ends: a removal that can take leased
-//! values, a master that did not answer, a new leader, any removal relayed by the
-//! master face.
+//! values, a master that did not answer, a new leader, any removal or upsert relayed by
+//! the master face, an eviction round of moongate's own.
 //!
 //! What it does not know: a key the master evicted, or removed for a client that did
 //! not go through moongate, stays known while its range is not written again. A view of
 //! it answers the bytes that key was stored with (Mooncake keys name immutable values),
-//! not that the pool still lists it; `exists` asks the master.
+//! not that the pool still lists it; `exists` asks the master. An upsert by such a
+//! client is not seen either (docs/kv-api.md says where to turn this off).
 //!
 //! Pure bookkeeping, kept under the fence's lock (a write's begin and a known entry's
 //! use must not interleave): no I/O, no clock.
