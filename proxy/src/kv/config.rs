@@ -165,7 +165,7 @@ pub struct KvConfig {
     pub copy_threads: usize,
     /// Keys moongate knows lie untouched in its own segment, kept to answer a local
     /// engine's view without a master call (`kv.known_keys`). Default 262,144: a 16 GiB
-    /// segment of 64 KiB blocks, about 50 MB of table at most. 0 turns it off (every
+    /// segment of 64 KiB blocks, about 50 MB of table at most (an estimate). 0 turns it off (every
     /// view asks the master, as Mooncake's own clients do).
     pub known_keys: usize,
     /// Makes and maps the own segment's pages at start, on a thread of its own
