@@ -42,6 +42,11 @@ SIZES = {"4k": 4096, "16m": 16 * MiB}
 # (Mooncake's batch_get_into, moongate's POST /v1/kv/batch/get).
 BATCH_N, BATCH_SIZE = 64, 64 * 1024
 BATCH = f"batch{BATCH_N}x{BATCH_SIZE // 1024}k"
+# 4 KiB values read once each (kv/f/0..FIRST_N-1): a first read, where moongate asks the
+# master (the "4k" row reads one key over and over: after the first GET, moongate's are
+# replica-cache hits within kv.replica_cache_ms, while Mooncake's client asks its master
+# every time).
+FIRST_N = 2000
 
 
 def measure(call, n, warm, nbytes):
@@ -59,6 +64,24 @@ def measure(call, n, warm, nbytes):
     return {"p50_us": pct(lat, 0.5), "p99_us": pct(lat, 0.99), "GBps": nbytes * n / total / 1e9}
 
 
+def measure_each(get, keys):
+    """`get(key)` once per key, timed: p50 and p99 latency (us) and GB/s of 4 KiB."""
+    lat = []
+    t0 = time.perf_counter()
+    for k in keys:
+        t = time.perf_counter()
+        get(k)
+        lat.append((time.perf_counter() - t) * 1e6)
+    total = time.perf_counter() - t0
+    return {"p50_us": pct(lat, 0.5), "p99_us": pct(lat, 0.99),
+            "GBps": 4096 * len(keys) / total / 1e9}
+
+
+def first_count(a):
+    """First reads a side makes: every key once."""
+    return min(FIRST_N, a.count)
+
+
 def value_count(a, size):
     """Timed calls for a value of `size`: fewer for large ones."""
     return a.count if size < MiB else max(8, a.count // 50)
@@ -67,6 +90,7 @@ def value_count(a, size):
 def role_owner(a):
     values = {f"kv/{name}": os.urandom(size) for name, size in SIZES.items()}
     values.update({f"kv/b/{i}": os.urandom(BATCH_SIZE) for i in range(BATCH_N)})
+    values.update({f"kv/f/{i}": os.urandom(4096) for i in range(FIRST_N)})
     run_owner(a.master, a.metadata, 256 * MiB, values)
 
 
@@ -82,6 +106,9 @@ def role_reader(a):
         def get(key=f"kv/{name}", size=size):
             assert s.get_into(key, addr, size) == size
         out[name] = measure(get, value_count(a, size), 5, size)
+    out["4kfirst"] = measure_each(
+        lambda k: s.get_into(k, addr, 4096) == 4096 or sys.exit(f"get {k}"),
+        [f"kv/f/{i}" for i in range(first_count(a))])
     keys = [f"kv/b/{i}" for i in range(BATCH_N)]
     addrs = [addr + i * BATCH_SIZE for i in range(BATCH_N)]
     sizes = [BATCH_SIZE] * BATCH_N
@@ -132,6 +159,11 @@ def role_lib(a):
         def get(key=f"kv/{name}".encode(), size=size):
             assert lib.mg_get_into(h, key, p, size) == size, lib.mg_last_error(h)
         out[name] = measure(get, value_count(a, size), 5, size)
+
+    def get_first(key):
+        assert lib.mg_get_into(h, key, p, 4096) == 4096, lib.mg_last_error(h)
+    out["4kfirst"] = measure_each(get_first,
+                                  [f"kv/f/{i}".encode() for i in range(first_count(a))])
     keys = (ctypes.c_char_p * BATCH_N)(*[f"kv/b/{i}".encode() for i in range(BATCH_N)])
     dst = (ctypes.c_void_p * BATCH_N)(*[p + i * BATCH_SIZE for i in range(BATCH_N)])
     caps = (ctypes.c_size_t * BATCH_N)(*[BATCH_SIZE] * BATCH_N)
@@ -270,6 +302,42 @@ def role_mixed(a):
     print(json.dumps(out), flush=True)
 
 
+CHECKED = {"capture_output": True, "text": True}
+
+
+def _checked_run(*args, **kw):
+    """subprocess.run that fails with the side's own error output."""
+    r = subprocess.run(*args, **kw)
+    if r.returncode:
+        raise SystemExit(f"{' '.join(map(str, r.args[:4]))} ... failed ({r.returncode}):\n"
+                         f"{r.stderr[-3000:]}")
+    return r
+
+
+def cache_counts(admin):
+    """moongate's replica cache results so far ({"hit": n, "miss": n, "stale": n})."""
+    out = {}
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin}/metrics") as r:
+        for ln in r.read().decode().splitlines():
+            if ln.startswith("moongate_kv_replica_cache_total{"):
+                res = ln.split('result="', 1)[1].split('"', 1)[0]
+                out[res] = float(ln.rsplit(" ", 1)[1])
+    return out
+
+
+def host_line():
+    """The host the figures come from: cores and CPU model."""
+    model = "?"
+    try:
+        for ln in open("/proc/cpuinfo"):
+            if ln.startswith("model name"):
+                model = ln.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"host: {os.cpu_count()} cores ({model})"
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--role", default="driver")
@@ -345,36 +413,43 @@ def main():
             for side in (sides if i % 2 == 0 else sides[::-1]):
                 if side in ("mooncake", "raw", "shm", "quic"):
                     role = {"mooncake": "reader"}.get(side, side)
-                    out = subprocess.run(
+                    out = _checked_run(
                         [sys.executable, __file__, "--role", role, "--master",
                          f"127.0.0.1:{rpc}", "--metadata", metadata, "--count", str(a.count),
                          "--lib", a.lib, "--sock", sock, "--quic", quic],
-                        check=True, capture_output=True, text=True).stdout
+                        **CHECKED).stdout
                     res[side].append(json.loads(out.strip().splitlines()[-1]))
                 else:
                     r = {}
                     for name, size in SIZES.items():
                         n = value_count(a, size)
-                        out = subprocess.run([a.kv_bench, f"127.0.0.1:{kv}", f"kv%2F{name}", str(n)],
-                                             check=True, capture_output=True, text=True).stdout
+                        out = _checked_run([a.kv_bench, f"127.0.0.1:{kv}", f"kv%2F{name}", str(n)],
+                                             **CHECKED).stdout
                         r[name] = json.loads(out)
+                    before = cache_counts(admin)
+                    out = _checked_run([a.kv_bench, f"127.0.0.1:{kv}", f"each:kv%2Ff%2F:{FIRST_N}",
+                                          str(first_count(a))],
+                                         **CHECKED).stdout
+                    r["4kfirst"] = json.loads(out)
+                    after = cache_counts(admin)
+                    r["4kfirst"]["cache"] = {k: after[k] - before.get(k, 0) for k in after}
                     n = max(20, a.count // 20)
-                    out = subprocess.run([a.kv_bench, f"127.0.0.1:{kv}", f"batch:kv/b/:{BATCH_N}",
-                                          str(n)], check=True, capture_output=True, text=True).stdout
+                    out = _checked_run([a.kv_bench, f"127.0.0.1:{kv}", f"batch:kv/b/:{BATCH_N}",
+                                          str(n)], **CHECKED).stdout
                     r[BATCH] = json.loads(out)
-                    out = subprocess.run([a.kv_bench, f"127.0.0.1:{kv}", f"put:mg%2Fput%2F:{16 * MiB}",
+                    out = _checked_run([a.kv_bench, f"127.0.0.1:{kv}", f"put:mg%2Fput%2F:{16 * MiB}",
                                           str(max(8, a.count // 100))],
-                                         check=True, capture_output=True, text=True).stdout
+                                         **CHECKED).stdout
                     r["put16m"] = json.loads(out)
                     res[side].append(r)
                 print(f"round {i + 1}/{a.rounds} {side} done", file=sys.stderr, flush=True)
         mixed = None
         if a.mix_rounds > 0:
-            out = subprocess.run(
+            out = _checked_run(
                 [sys.executable, __file__, "--role", "mixed", "--master", f"127.0.0.1:{rpc}",
                  "--metadata", metadata, "--lib", a.lib, "--sock", sock,
                  "--kv", f"127.0.0.1:{kv}", "--quic", quic, "--mix-rounds", str(a.mix_rounds)],
-                check=True, capture_output=True, text=True).stdout
+                **CHECKED).stdout
             mixed = json.loads(out.strip().splitlines()[-1])
             res["mixed"] = mixed
             print("interleaved 4 KiB done", file=sys.stderr, flush=True)
@@ -383,20 +458,30 @@ def main():
     finally:
         stop_all(procs)
     med = lambda side, name, m: statistics.median(r[name][m] for r in res[side])
+    print(f"\n{host_line()}")
     if a.rounds > 0:
-        print(f"\nmedians over {a.rounds} rounds")
+        print(f"medians over {a.rounds} rounds; 4k: one key over and over (moongate: "
+              f"replica-cache hits after the first GET); 4kfirst: {first_count(a)} keys "
+              f"read once each (moongate asks the master for each)")
         print(f"{'':<28}{'mooncake client':>18}{'moongate kv face':>18}{'kv face, shm':>14}"
               f"{'kv face, QUIC':>15}{'owner ceiling':>16}")
-        for name, metric in (("4k", "p50_us"), ("4k", "p99_us"), ("16m", "GBps"),
+        for name, metric in (("4k", "p50_us"), ("4k", "p99_us"), ("4kfirst", "p50_us"),
+                             ("16m", "GBps"),
                              (BATCH, "p50_us"), (BATCH, "GBps"), ("put16m", "GBps")):
             op = " remote put " if name.startswith("put") else " remote get "
             raw = f"{med('raw', name, metric):>16.2f}" if name in SIZES else f"{'-':>16}"
+            if name == "4kfirst" and metric == "p50_us":
+                hits = sum(r["4kfirst"]["cache"].get("hit", 0) for r in res["moongate"])
+                gets = sum(sum(r["4kfirst"]["cache"].values()) for r in res["moongate"])
+                cache_note = f"  (HTTP: {hits:.0f} of {gets:.0f} GETs were cache hits)"
+            else:
+                cache_note = ""
             print(f"{name + op + metric:<28}{med('mooncake', name, metric):>18.2f}"
                   f"{med('moongate', name, metric):>18.2f}{med('shm', name, metric):>14.2f}"
-                  f"{med('quic', name, metric):>15.2f}{raw}")
+                  f"{med('quic', name, metric):>15.2f}{raw}{cache_note}")
     if mixed:
         n = len(mixed["mooncake"])
-        print(f"\n4 KiB remote get, interleaved: {n} rounds of {MIX_BLOCK} calls per client "
+        print(f"\n4 KiB remote get of one key, interleaved (moongate's: replica-cache hits): {n} rounds of {MIX_BLOCK} calls per client "
               f"in one process, p50 us (median of blocks, [min, max]); ratio: median of "
               f"each round's client p50 / Mooncake's")
         for c in ("mooncake", "http", "shm", "quic", "raw"):

@@ -3,6 +3,9 @@
 //! line: p50/p99 latency in microseconds, bytes per GET, GB/s over the whole loop.
 //! `kv_bench ADDR batch:PREFIX:N COUNT` instead asks `POST /v1/kv/batch/get` for the N
 //! keys PREFIX0..PREFIX{N-1} per call (bytes = all N values).
+//! `kv_bench ADDR each:PREFIX:N COUNT` GETs PREFIX0, PREFIX1, .. PREFIX{N-1}, then again
+//! from PREFIX0, COUNT GETs in all: with N >= COUNT each key is read once (a first read,
+//! not a replica-cache hit; every value must have the first one's size).
 //! `kv_bench ADDR put:PREFIX:SIZE COUNT` PUTs COUNT values of SIZE bytes (PREFIX0..,
 //! one 201 each) and DELETEs each after its PUT; only the PUTs are timed.
 //! The last body is checked against the first one; the loop reads into one reused
@@ -122,6 +125,41 @@ fn puts(
     );
 }
 
+/// GETs `count` keys in turn from PREFIX0..PREFIX{n-1} (each once when `n >= count`).
+fn each(
+    r: &mut BufReader<TcpStream>,
+    w: &mut TcpStream,
+    addr: &str,
+    prefix: &str,
+    n: usize,
+    count: usize,
+) {
+    let heads: Vec<String> = (0..n.max(1))
+        .map(|i| format!("GET /v1/kv/{prefix}{i} HTTP/1.1\r\nHost: {addr}\r\n\r\n"))
+        .collect();
+    let mut body = Vec::new();
+    let mut lat = Vec::with_capacity(count);
+    let mut bytes = None;
+    let start = Instant::now();
+    for i in 0..count {
+        let t = Instant::now();
+        call(r, w, &heads[i % heads.len()], &[], &mut body);
+        lat.push(t.elapsed().as_secs_f64() * 1e6);
+        assert_eq!(*bytes.get_or_insert(body.len()), body.len(), "sizes differ");
+    }
+    let total = start.elapsed().as_secs_f64();
+    let bytes = bytes.unwrap_or(0);
+    lat.sort_by(f64::total_cmp);
+    let p = |q: f64| lat[((lat.len() as f64 * q) as usize).min(lat.len() - 1)];
+    println!(
+        "{{\"bytes\": {}, \"p50_us\": {:.1}, \"p99_us\": {:.1}, \"GBps\": {:.3}}}",
+        bytes,
+        p(0.5),
+        p(0.99),
+        (bytes * count) as f64 / total / 1e9
+    );
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let [_, addr, key, count] = &args[..] else {
@@ -137,6 +175,11 @@ fn main() {
         let (prefix, size) = spec.rsplit_once(':').expect("put:PREFIX:SIZE");
         let size: usize = size.parse().expect("SIZE");
         return puts(&mut r, &mut w, addr, prefix, size, count);
+    }
+    if let Some(spec) = key.strip_prefix("each:") {
+        let (prefix, n) = spec.rsplit_once(':').expect("each:PREFIX:N");
+        let n: usize = n.parse().expect("N");
+        return each(&mut r, &mut w, addr, prefix, n, count);
     }
     let (head, req_body, batch) = match key.strip_prefix("batch:") {
         Some(spec) => {
