@@ -234,6 +234,26 @@ mod tests {
     }
 
     #[test]
+    fn transfer_lanes_and_stripes_are_bounded() {
+        let kv = "[kv]\nlisten = \"127.0.0.1:9200\"\nmetadata_url = \"http://127.0.0.1:8080/metadata\"\n";
+        let e = Config::parse(&format!(
+            "{kv}te_connections_per_peer = 65\nte_stripe_bytes = 1000\n"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("kv.te_connections_per_peer") && e.contains("kv.te_stripe_bytes"),
+            "{e}"
+        );
+        for ok in [
+            "te_connections_per_peer = 64\nte_stripe_bytes = 0\n",
+            "te_stripe_bytes = 65536\n",
+        ] {
+            Config::parse(&format!("{kv}{ok}")).unwrap();
+        }
+    }
+
+    #[test]
     fn every_invalid_value_is_reported_at_once() {
         let e = Config::parse(
             "[master_face]\nlisten = \"nope\"\nmax_connections = 0\n[admin]\nlisten = \":80\"\n",

@@ -10,6 +10,19 @@ use crate::support::*;
 
 #[test]
 fn values_cross_between_the_python_client_and_the_kv_face_bit_exact() {
+    values_cross("", 0.0);
+}
+
+/// The same with large values moved as stripes over several TE-TCP connections to the
+/// real owner: py/big (3 MiB + 7) read as four stripes of 1 MiB, kv/big written so.
+#[test]
+fn values_cross_bit_exact_in_stripes_over_several_connections() {
+    values_cross("te_stripe_bytes = 1048576\n", 1.0);
+}
+
+/// Values put by Mooncake's Python client read through the kv face and back; `extra`
+/// adds `[kv]` keys; `striped`: the GETs and PUTs moved as stripes, each way.
+fn values_cross(extra: &str, striped: f64) {
     // Leases long enough that no step outlives one on a busy machine: the cached
     // replica list of py/big (half the lease) must still be held when the peer leaves,
     // and the lease of py/small when the removal below is refused.
@@ -17,7 +30,7 @@ fn values_cross_between_the_python_client_and_the_kv_face_bit_exact() {
         extra: vec!["--default_kv_lease_ttl=120000".into()],
         ..Default::default()
     });
-    let (mg, kv) = kv_moongate(&master, "replica_cache_ms = 60000\n");
+    let (mg, kv) = kv_moongate(&master, &format!("replica_cache_ms = 60000\n{extra}"));
     let logs = [&master.proc, &mg.proc];
     let mut peer = Background::start("kvpeer", &master.rpc, &master.metadata, &logs);
     let log = || format!("{}\n{}", mg.proc.log_text(), peer_log(&peer.proc));
@@ -106,6 +119,17 @@ fn values_cross_between_the_python_client_and_the_kv_face_bit_exact() {
     let (st, _) = http(&kv, "GET", "/v1/kv/py%2Fbig", &[]).unwrap();
     assert_eq!(st, 404, "{}", mg.proc.log_text());
     assert_eq!(cache("stale"), 1.0);
+    // Each way once: py/big's first GET (the second is in the batch, a whole read) and
+    // kv/big's PUT.
+    for dir in ["read", "write"] {
+        let n = metric_value(
+            &mg.metrics(),
+            &format!(
+                "moongate_kv_striped_transfers_total{{transport=\"tcp\",direction=\"{dir}\"}}"
+            ),
+        );
+        assert_eq!(n, striped, "striped {dir}s\n{}", mg.proc.log_text());
+    }
 }
 
 fn peer_log(p: &Proc) -> String {

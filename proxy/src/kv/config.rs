@@ -25,6 +25,11 @@ pub struct KvConfig {
     /// Transfer-engine connections kept per peer; a value of 4 MiB or more moves over
     /// this many at once.
     pub te_connections_per_peer: usize,
+    /// Bytes per stripe of a streamed value (an HTTP GET or PUT of 1 MiB and more):
+    /// a value of two stripes or more moves as stripes over `te_connections_per_peer`
+    /// connections at once; 0 (the default) keeps it on one connection, which was
+    /// faster on two cores (docs/results.md).
+    pub te_stripe_bytes: u64,
     /// Deadline of one master call or one transfer.
     pub timeout_ms: u64,
     /// The Mooncake tenant of every key (what the Python client sends).
@@ -186,6 +191,7 @@ impl Default for KvConfig {
             max_batch_keys: 10_000,
             batch_part_bytes: 64 << 20,
             te_connections_per_peer: 4,
+            te_stripe_bytes: 0,
             timeout_ms: 30_000,
             tenant: "default".into(),
             max_inflight_bytes: 1 << 30,
@@ -290,6 +296,18 @@ impl KvConfig {
                     positive(errs, "kv.lease_ms", kv.lease_ms);
                     positive(errs, "kv.max_leases", kv.max_leases as u64);
                 }
+            }
+            if kv.te_connections_per_peer > 64 {
+                errs.push(
+                    "kv.te_connections_per_peer: at most 64 (each is a socket to every peer)"
+                        .into(),
+                );
+            }
+            if kv.te_stripe_bytes != 0 && !(64 << 10..=64 << 20).contains(&kv.te_stripe_bytes) {
+                errs.push(format!(
+                    "kv.te_stripe_bytes: {} is neither 0 nor between 64 KiB and 64 MiB",
+                    kv.te_stripe_bytes
+                ));
             }
             if kv.copy_threads > 256 {
                 errs.push("kv.copy_threads: at most 256".into());

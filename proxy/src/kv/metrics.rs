@@ -162,6 +162,8 @@ pub struct KvMetrics {
     /// `[Transport][Dir]`
     transfers: [[Counter; 2]; 4],
     transfer_bytes: [[Counter; 2]; 4],
+    /// `[Dir]`: TE-TCP transfers moved as stripes over several connections.
+    striped: [Counter; 2],
     /// Requests refused with 503 because the in-flight byte budget stayed full.
     pub busy: Counter,
     pub inflight_bytes: Gauge,
@@ -243,6 +245,14 @@ impl KvMetrics {
             "moongate_kv_transfer_bytes",
             "Bytes moved by the kv face, by transport and direction",
             bytes.clone(),
+        );
+        let striped = Family::<KvXferLabels, Counter>::default();
+        registry.register(
+            "moongate_kv_striped_transfers",
+            "TE-TCP transfers of streamed values moved as stripes over several connections \
+             at once (kv.te_stripe_bytes), by direction; each is also one of \
+             moongate_kv_transfers",
+            striped.clone(),
         );
         let busy = Counter::default();
         registry.register(
@@ -416,6 +426,14 @@ impl KvMetrics {
             }),
             transfers: x(&xfer),
             transfer_bytes: x(&bytes),
+            striped: ["read", "write"].map(|direction| {
+                striped
+                    .get_or_create(&KvXferLabels {
+                        transport: Transport::Tcp.label(),
+                        direction,
+                    })
+                    .clone()
+            }),
             batch_parts,
             replica_cache: ["hit", "miss", "stale"]
                 .map(|result| cache.get_or_create(&ResultLabel { result }).clone()),
@@ -515,6 +533,11 @@ impl KvMetrics {
         let (t, d) = (transport as usize, dir as usize);
         self.transfers[t][d].inc();
         self.transfer_bytes[t][d].inc_by(bytes);
+    }
+
+    /// Counts one transfer moved as stripes (also counted by [`KvMetrics::transfer`]).
+    pub fn striped(&self, dir: Dir) {
+        self.striped[dir as usize].inc();
     }
 
     /// Counts one replica cache lookup of a GET.

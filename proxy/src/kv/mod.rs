@@ -139,7 +139,8 @@ pub async fn start(
     };
     let xfer = client::Transfers::new(
         md,
-        transport::te_tcp::Pool::new(cfg.te_connections_per_peer, timeout),
+        transport::te_tcp::Pool::new(cfg.te_connections_per_peer, timeout)
+            .with_stripes(cfg.te_stripe_bytes),
         quic,
         metrics.clone(),
     )

@@ -64,6 +64,80 @@ enum Sink<'a> {
         addr: u64,
         len: u64,
     },
+    /// Stripes written over several TE-TCP connections at once (`kv.te_stripe_bytes`).
+    Striped(StripedWrite),
+}
+
+/// A large value written as stripes, each a WRITE of its own on a pooled connection, at
+/// most `lanes` at once: the body's chunks are gathered (not copied) until a stripe is
+/// full, then sent while the next one gathers. The put is acknowledged only once every
+/// stripe's owner confirmed its bytes (v2); one that fails fails the put, whose caller
+/// revokes it, so no half-written value is ever readable.
+struct StripedWrite {
+    pool: Arc<Pool>,
+    peer: Arc<str>,
+    v2: bool,
+    addr: u64,
+    stripe: u64,
+    lanes: usize,
+    /// Chunks of the stripe being gathered, their bytes, and where it starts.
+    parts: Vec<Bytes>,
+    gathered: u64,
+    at: u64,
+    inflight: futures_util::stream::FuturesUnordered<
+        futures_util::future::BoxFuture<'static, Result<(), TeError>>,
+    >,
+}
+
+impl StripedWrite {
+    /// Takes the next chunk of the body; sends every stripe it completes.
+    async fn send(&mut self, mut chunk: Bytes) -> Result<(), TeError> {
+        while !chunk.is_empty() {
+            let room = (self.stripe - self.gathered) as usize;
+            let part = chunk.split_to(room.min(chunk.len()));
+            self.gathered += part.len() as u64;
+            self.parts.push(part);
+            if self.gathered == self.stripe {
+                self.launch().await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends the gathered stripe, waiting first for a lane when all are busy.
+    async fn launch(&mut self) -> Result<(), TeError> {
+        use futures_util::StreamExt;
+        while self.inflight.len() >= self.lanes {
+            if let Some(r) = self.inflight.next().await {
+                r?;
+            }
+        }
+        let parts = std::mem::take(&mut self.parts);
+        let (pool, peer, at, v2) = (
+            self.pool.clone(),
+            self.peer.clone(),
+            self.addr + self.at,
+            self.v2,
+        );
+        self.at += self.gathered;
+        self.gathered = 0;
+        self.inflight.push(Box::pin(async move {
+            pool.write_parts(&peer, at, &parts, v2).await
+        }));
+        Ok(())
+    }
+
+    /// Sends what is left and waits until every stripe is in place.
+    async fn finish(mut self) -> Result<(), TeError> {
+        use futures_util::StreamExt;
+        if self.gathered > 0 {
+            self.launch().await?;
+        }
+        while let Some(r) = self.inflight.next().await {
+            r?;
+        }
+        Ok(())
+    }
 }
 
 impl Sink<'_> {
@@ -85,6 +159,7 @@ impl Sink<'_> {
                     error: e.to_string(),
                 })
             }),
+            Sink::Striped(w) => w.send(chunk.clone()).await.map_err(StoreError::Transfer),
         }
     }
 
@@ -113,6 +188,11 @@ impl Sink<'_> {
                 q.finish_write(peer, send, recv, addr, len).await?;
                 Ok(Transport::Quic)
             }
+            Sink::Striped(w) => {
+                w.finish().await.map_err(StoreError::Transfer)?;
+                store.metrics.striped(Dir::Write);
+                Ok(Transport::Tcp)
+            }
         }
     }
 }
@@ -126,8 +206,109 @@ enum Src {
         peer: String,
         pool: Arc<Pool>,
     },
+    /// Stripes read over several TE-TCP connections at once (`kv.te_stripe_bytes`).
+    Striped(Box<Stripes>),
     /// A QUIC stream from a moongate: never reused.
     Quic(quinn::RecvStream),
+}
+
+/// One stripe's READ. `Sync` because a streamed value is an HTTP body, which hyper
+/// may hand between threads by reference.
+type StripeRead =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<Bytes, TeError>> + Send + Sync>>;
+
+/// A large value read as stripes over several pooled TE-TCP connections at once, handed
+/// out in order: while the caller takes one stripe, the next ones are already on their
+/// way, each on a connection of its own (one connection carries one request at a time,
+/// data-plane spec B.6). At most `lanes` stripes are held or in flight, so a value costs
+/// `lanes * stripe` bytes of buffer at most, inside the budget its reservation took.
+/// A stripe that fails ends the value with that error; the stripes in flight are dropped
+/// with their connections (a connection whose READ was not read to its end is never
+/// reused).
+pub(crate) struct Stripes {
+    pool: Arc<Pool>,
+    peer: Arc<str>,
+    v2: bool,
+    addr: u64,
+    len: u64,
+    stripe: u64,
+    lanes: usize,
+    /// Where the next stripe to ask for starts.
+    next: u64,
+    inflight: futures_util::stream::FuturesOrdered<StripeRead>,
+    /// The rest of the stripe being handed out.
+    ready: Bytes,
+}
+
+impl Stripes {
+    /// `first`: a connection on which the first stripe's READ was already accepted
+    /// ([`Pool::open_read`] of `min(stripe, len)` bytes at `addr`), so an owner that is
+    /// gone or refuses the range fails the value before any of it is answered.
+    pub(crate) fn new(
+        pool: Arc<Pool>,
+        peer: &str,
+        v2: bool,
+        (addr, len): (u64, u64),
+        (stripe, lanes): (u64, usize),
+        first: Option<tokio::net::TcpStream>,
+    ) -> Stripes {
+        let stripe = stripe.max(1);
+        let mut st = Stripes {
+            pool,
+            peer: Arc::from(peer),
+            v2,
+            addr,
+            len,
+            stripe,
+            lanes: lanes.max(1),
+            next: 0,
+            inflight: futures_util::stream::FuturesOrdered::new(),
+            ready: Bytes::new(),
+        };
+        if let Some(s) = first {
+            let n = stripe.min(len);
+            let (pool, peer) = (st.pool.clone(), st.peer.clone());
+            st.inflight
+                .push_back(Box::pin(async move { pool.finish_read(&peer, s, n).await }));
+            st.next = n;
+        }
+        st
+    }
+
+    /// The next bytes in order (at most [`STREAM_CHUNK`]), `None` after the last.
+    fn poll_next(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Bytes, TeError>>> {
+        use futures_util::StreamExt;
+        use std::task::Poll;
+        loop {
+            if !self.ready.is_empty() {
+                let n = STREAM_CHUNK.min(self.ready.len());
+                return Poll::Ready(Some(Ok(self.ready.split_to(n))));
+            }
+            // Keep `lanes` stripes on their way (the one being handed out counts: it
+            // was emptied above before the next is asked for).
+            while self.inflight.len() < self.lanes && self.next < self.len {
+                let n = self.stripe.min(self.len - self.next);
+                let (pool, peer, at, v2) = (
+                    self.pool.clone(),
+                    self.peer.clone(),
+                    self.addr + self.next,
+                    self.v2,
+                );
+                self.inflight
+                    .push_back(Box::pin(async move { pool.read(&peer, at, n, v2).await }));
+                self.next += n;
+            }
+            match self.inflight.poll_next_unpin(cx) {
+                Poll::Ready(Some(Ok(b))) => self.ready = b,
+                Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(e))),
+                Poll::Ready(None) => return Poll::Ready(None),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
 }
 
 /// A value of `len` bytes read from its owner as the caller takes it: polled from the
@@ -214,6 +395,27 @@ impl Streamed {
         let Some(src) = self.src.as_mut().filter(|_| self.left > 0) else {
             return Poll::Ready(None);
         };
+        if let Src::Striped(st) = src {
+            return match st.poll_next(cx) {
+                Poll::Ready(Some(Ok(chunk))) => {
+                    self.waiting = false;
+                    self.left = self.left.saturating_sub(chunk.len());
+                    if self.left == 0 {
+                        self.src = None;
+                    }
+                    Poll::Ready(Some(Ok(chunk)))
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    self.src = None;
+                    Poll::Ready(Some(Err(std::io::Error::other(e))))
+                }
+                Poll::Ready(None) => {
+                    self.src = None;
+                    Poll::Ready(Some(Err(std::io::ErrorKind::UnexpectedEof.into())))
+                }
+                Poll::Pending => self.stalled(cx).map(|e| Some(Err(e))),
+            };
+        }
         // A chunk handed out early leaves the rest of its allocation to fill; a new one
         // is taken only when too little of it is left for a worthwhile read.
         let want = STREAM_CHUNK.min(self.left);
@@ -231,6 +433,8 @@ impl Streamed {
                 Src::Quic(r) => {
                     tokio_util::io::poll_read_buf(std::pin::Pin::new(r), cx, &mut limited)
                 }
+                // Handed out above; never read byte-wise.
+                Src::Striped(_) => Poll::Ready(Err(std::io::Error::other("striped source"))),
             };
             match polled {
                 Poll::Ready(Ok(0)) => {
@@ -458,6 +662,31 @@ impl Transfers {
             StoreError::from(e)
         };
         if let Some(room) = room.filter(|_| d.size >= STREAM_FROM) {
+            if let Some((stripe, lanes)) = self.te.stripes_for(d.size) {
+                // The first stripe is asked for here, so a stale replica or a gone owner
+                // is an error before the caller is answered, as on one connection.
+                let first = self
+                    .te
+                    .open_read(&seg.data, d.buffer_address, stripe, seg.v2)
+                    .await
+                    .map_err(forget)?;
+                self.metrics.transfer(Transport::Tcp, Dir::Read, d.size);
+                self.metrics.striped(Dir::Read);
+                let st = Stripes::new(
+                    self.te.clone(),
+                    &seg.data,
+                    seg.v2,
+                    (d.buffer_address, d.size),
+                    (stripe, lanes),
+                    Some(first),
+                );
+                return Ok(Value::Stream(Streamed::new(
+                    Src::Striped(Box::new(st)),
+                    d.size,
+                    room,
+                    self.te.timeout(),
+                )));
+            }
             let s = self
                 .te
                 .open_read(&seg.data, d.buffer_address, d.size, seg.v2)
@@ -643,6 +872,20 @@ impl Transfers {
                 len,
             });
         }
+        if let Some((stripe, lanes)) = self.te.stripes_for(len) {
+            return Ok(Sink::Striped(StripedWrite {
+                pool: self.te.clone(),
+                peer: Arc::from(seg.data.as_str()),
+                v2: seg.v2,
+                addr,
+                stripe,
+                lanes,
+                parts: Vec::new(),
+                gathered: 0,
+                at: 0,
+                inflight: futures_util::stream::FuturesUnordered::new(),
+            }));
+        }
         let s = self
             .te
             .open_write(&seg.data, addr, len, seg.v2)
@@ -802,6 +1045,235 @@ mod tests {
             out.extend_from_slice(&c);
         }
         Ok(out)
+    }
+
+    /// Where the fake owner's memory starts.
+    const BASE: u64 = 0x7f00_0000_0000;
+
+    /// What the fake owner saw: connections accepted, READs and WRITEs at once (the most).
+    #[derive(Default)]
+    struct OwnerSeen {
+        accepted: std::sync::atomic::AtomicUsize,
+        busy: std::sync::atomic::AtomicUsize,
+        most_busy: std::sync::atomic::AtomicUsize,
+    }
+
+    /// A TE-TCP owner (v2) of `mem` at [`BASE`], serving READs and WRITEs on every
+    /// connection until it closes. A request at offset `fail_at` gets half its bytes
+    /// (READ) or has its connection closed after half of them (WRITE), then the end.
+    async fn fake_owner(
+        mem: Arc<std::sync::Mutex<Vec<u8>>>,
+        fail_at: Option<u64>,
+    ) -> (String, Arc<OwnerSeen>) {
+        use std::sync::atomic::Ordering::SeqCst;
+        use tokio::io::AsyncReadExt;
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let peer = l.local_addr().unwrap().to_string();
+        let seen = Arc::new(OwnerSeen::default());
+        let seen2 = seen.clone();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = l.accept().await {
+                seen2.accepted.fetch_add(1, SeqCst);
+                let (mem, seen) = (mem.clone(), seen2.clone());
+                tokio::spawn(async move {
+                    let ok = 0x4D43_5456u64 << 32;
+                    let mut h = [0u8; 24];
+                    while s.read_exact(&mut h).await.is_ok() {
+                        let size = u64::from_le_bytes(h[..8].try_into().unwrap()) as usize;
+                        let off = u64::from_le_bytes(h[8..16].try_into().unwrap()) - BASE;
+                        let now = seen.busy.fetch_add(1, SeqCst) + 1;
+                        seen.most_busy.fetch_max(now, SeqCst);
+                        let fail = fail_at == Some(off);
+                        let range = off as usize..off as usize + size;
+                        // A reader that went away ends the connection, as a real owner's.
+                        if h[16] & 1 == 0 {
+                            if s.write_all(&ok.to_le_bytes()).await.is_err() {
+                                return;
+                            }
+                            let bytes = mem.lock().unwrap()[range].to_vec();
+                            let n = if fail { size / 2 } else { size };
+                            // Slowly enough that stripes overlap.
+                            for piece in bytes[..n].chunks(32 << 10) {
+                                if s.write_all(piece).await.is_err() {
+                                    return;
+                                }
+                                tokio::task::yield_now().await;
+                            }
+                        } else {
+                            let mut got = vec![0u8; if fail { size / 2 } else { size }];
+                            if s.read_exact(&mut got).await.is_err() {
+                                return;
+                            }
+                            if !fail {
+                                mem.lock().unwrap()[range].copy_from_slice(&got);
+                                if s.write_all(&ok.to_le_bytes()).await.is_err() {
+                                    return;
+                                }
+                            }
+                        }
+                        seen.busy.fetch_sub(1, SeqCst);
+                        if fail {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (peer, seen)
+    }
+
+    fn pattern(n: usize) -> Vec<u8> {
+        (0..n as u32).map(|i| (i * 13 % 251) as u8).collect()
+    }
+
+    #[tokio::test]
+    async fn a_striped_value_arrives_whole_in_order_over_several_connections_at_once() {
+        use std::sync::atomic::Ordering::SeqCst;
+        let value = pattern((1 << 20) + 4321);
+        let (peer, seen) = fake_owner(Arc::new(std::sync::Mutex::new(value.clone())), None).await;
+        let pool = Arc::new(Pool::new(4, Duration::from_secs(5)).with_stripes(64 << 10));
+        let len = value.len() as u64;
+        let (stripe, lanes) = pool.stripes_for(len).expect("striped");
+        let b = budget();
+        let st = Stripes::new(
+            pool.clone(),
+            &peer,
+            true,
+            (BASE, len),
+            (stripe, lanes),
+            None,
+        );
+        let mut v = Streamed::new(
+            Src::Striped(Box::new(st)),
+            len,
+            b.reserve(len).await.unwrap(),
+            Duration::from_secs(30),
+        );
+        assert_eq!(drain(&mut v).await.unwrap(), value);
+        assert_eq!(seen.accepted.load(SeqCst), 4, "one connection per lane");
+        assert!(
+            seen.most_busy.load(SeqCst) >= 2,
+            "stripes were read at once"
+        );
+        // Every lane ended cleanly and is kept for the next value.
+        assert_eq!(pool.idle_count(&peer), 4);
+        drop(v);
+        assert_eq!(b.inflight_bytes(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_stripe_that_fails_mid_value_fails_the_value_and_its_connection_is_not_kept() {
+        let value = pattern(1 << 20);
+        let stripe = 64 << 10;
+        let mem = Arc::new(std::sync::Mutex::new(value.clone()));
+        let (peer, _) = fake_owner(mem, Some(5 * stripe)).await;
+        let pool = Arc::new(Pool::new(4, Duration::from_secs(5)).with_stripes(stripe));
+        let b = budget();
+        // The first stripe opened ahead, as the kv face does.
+        let first = pool.open_read(&peer, BASE, stripe, true).await.unwrap();
+        let st = Stripes::new(
+            pool.clone(),
+            &peer,
+            true,
+            (BASE, 1 << 20),
+            (stripe, 4),
+            Some(first),
+        );
+        let mut v = Streamed::new(
+            Src::Striped(Box::new(st)),
+            1 << 20,
+            b.reserve(1 << 20).await.unwrap(),
+            Duration::from_secs(30),
+        );
+        let mut got = Vec::new();
+        let e = loop {
+            match std::future::poll_fn(|cx| v.poll_chunk(cx)).await {
+                Some(Ok(c)) => got.extend_from_slice(&c),
+                Some(Err(e)) => break e,
+                None => panic!("a value with a failed stripe ended as if whole"),
+            }
+        };
+        // The stripes before the failed one arrived, in order; nothing after it.
+        assert_eq!(got, value[..got.len()]);
+        assert!(
+            got.len() as u64 <= 5 * stripe,
+            "{} bytes handed out",
+            got.len()
+        );
+        assert!(e.to_string().contains(&peer), "{e}");
+        assert!(std::future::poll_fn(|cx| v.poll_chunk(cx)).await.is_none());
+        drop(v);
+        assert_eq!(b.inflight_bytes(), 0);
+        assert!(pool.idle_count(&peer) < 4, "the broken lane was kept");
+    }
+
+    #[tokio::test]
+    async fn a_striped_write_lands_whole_and_one_failed_stripe_fails_it() {
+        use std::sync::atomic::Ordering::SeqCst;
+        let stripe = 64 << 10;
+        let value = pattern(10 * stripe as usize + 777);
+        let mem = Arc::new(std::sync::Mutex::new(vec![0u8; value.len()]));
+        let (peer, seen) = fake_owner(mem.clone(), None).await;
+        let pool = Arc::new(Pool::new(3, Duration::from_secs(5)).with_stripes(stripe));
+        let w = |pool: &Arc<Pool>, peer: &str| StripedWrite {
+            pool: pool.clone(),
+            peer: Arc::from(peer),
+            v2: true,
+            addr: BASE,
+            stripe,
+            lanes: 3,
+            parts: Vec::new(),
+            gathered: 0,
+            at: 0,
+            inflight: futures_util::stream::FuturesUnordered::new(),
+        };
+        // The body in uneven chunks, as an HTTP upload arrives.
+        let mut sink = w(&pool, &peer);
+        for c in value.chunks(50_000) {
+            sink.send(Bytes::copy_from_slice(c)).await.unwrap();
+        }
+        sink.finish().await.unwrap();
+        assert!(*mem.lock().unwrap() == value);
+        assert!(seen.accepted.load(SeqCst) <= 3, "more lanes than allowed");
+        assert_eq!(pool.idle_count(&peer), seen.accepted.load(SeqCst));
+
+        // An owner that drops one stripe's connection: the write as a whole fails.
+        let mem = Arc::new(std::sync::Mutex::new(vec![0u8; value.len()]));
+        let (peer, _) = fake_owner(mem, Some(4 * stripe)).await;
+        let pool = Arc::new(Pool::new(3, Duration::from_secs(5)).with_stripes(stripe));
+        let mut sink = w(&pool, &peer);
+        let mut failed = None;
+        for c in value.chunks(50_000) {
+            if let Err(e) = sink.send(Bytes::copy_from_slice(c)).await {
+                failed = Some(e);
+                break;
+            }
+        }
+        let e = match failed {
+            Some(e) => e,
+            None => sink
+                .finish()
+                .await
+                .expect_err("a failed stripe was not reported"),
+        };
+        assert!(e.to_string().contains(&peer), "{e}");
+    }
+
+    #[test]
+    fn values_are_striped_only_from_two_stripes_on_and_with_more_than_one_lane() {
+        let p = Pool::new(4, Duration::from_secs(1)).with_stripes(1 << 20);
+        assert_eq!(p.stripes_for(2 << 20), Some((1 << 20, 4)));
+        assert_eq!(p.stripes_for((2 << 20) - 1), None);
+        assert_eq!(
+            Pool::new(1, Duration::from_secs(1))
+                .with_stripes(1 << 20)
+                .stripes_for(64 << 20),
+            None
+        );
+        assert_eq!(
+            Pool::new(4, Duration::from_secs(1)).stripes_for(64 << 20),
+            None
+        );
     }
 
     #[tokio::test]

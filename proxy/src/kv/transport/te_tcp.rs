@@ -95,6 +95,8 @@ pub struct Pool {
     timeout: Duration,
     /// Ranges at least this large are split over several connections.
     split_bytes: u64,
+    /// Bytes per stripe of a streamed value (`kv.te_stripe_bytes`; 0: one connection).
+    stripe_bytes: u64,
 }
 
 impl Pool {
@@ -105,7 +107,23 @@ impl Pool {
             keep: per_peer.max(KEEP_PER_PEER),
             timeout,
             split_bytes: 4 << 20,
+            stripe_bytes: 0,
         }
+    }
+
+    /// Streams values in stripes of `bytes` over the pool's connections per peer at once
+    /// (`kv.te_stripe_bytes`; 0 keeps a streamed value on one connection).
+    pub fn with_stripes(mut self, bytes: u64) -> Pool {
+        self.stripe_bytes = bytes;
+        self
+    }
+
+    /// How a streamed value of `len` bytes moves: `Some((stripe bytes, connections at
+    /// once))` when it spans at least two stripes and more than one connection is
+    /// allowed, else `None` (one connection, bytes passed on as they arrive).
+    pub fn stripes_for(&self, len: u64) -> Option<(u64, usize)> {
+        (self.stripe_bytes > 0 && self.per_peer > 1 && len >= 2 * self.stripe_bytes)
+            .then_some((self.stripe_bytes, self.per_peer))
     }
 
     /// The deadline of one transfer's step (`kv.timeout_ms`).
@@ -278,6 +296,48 @@ impl Pool {
             .collect();
         futures_util::future::try_join_all(jobs).await?;
         Ok(())
+    }
+
+    /// Reads the `len` bytes of a READ that [`Pool::open_read`] started on `s`, then keeps
+    /// the connection for the next transfer to `peer`.
+    pub async fn finish_read(
+        &self,
+        peer: &str,
+        mut s: TcpStream,
+        len: u64,
+    ) -> Result<Bytes, TeError> {
+        let len = len as usize;
+        let mut out = BytesMut::with_capacity(len);
+        let mut buf = ReadBuf::uninit(&mut out.spare_capacity_mut()[..len]);
+        self.bounded(peer, async {
+            fill(&mut s, &mut buf).await.map_err(io_error(peer))
+        })
+        .await?;
+        // SAFETY: fill returned Ok only once the ReadBuf over [0, len) was full.
+        unsafe { out.set_len(len) };
+        self.give_back(peer, s);
+        Ok(out.freeze())
+    }
+
+    /// Writes `parts`, in order, as one WRITE at `addr` on one connection; with v2 it
+    /// returns once the peer confirmed the bytes are in place.
+    pub async fn write_parts(
+        &self,
+        peer: &str,
+        addr: u64,
+        parts: &[Bytes],
+        v2: bool,
+    ) -> Result<(), TeError> {
+        let len = parts.iter().map(|p| p.len() as u64).sum();
+        let mut s = self.open_write(peer, addr, len, v2).await?;
+        self.bounded(peer, async {
+            for p in parts {
+                s.write_all(p).await.map_err(io_error(peer))?;
+            }
+            Ok(())
+        })
+        .await?;
+        self.finish_write(peer, s, addr, len, v2).await
     }
 
     fn ranges(&self, len: u64) -> Vec<(u64, u64)> {
