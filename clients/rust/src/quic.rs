@@ -110,6 +110,7 @@ impl Link {
             None => None,
         };
         let mut transport = tuned_transport();
+        fit_to_peer(&mut transport, addr.ip());
         transport
             .max_idle_timeout(Some(IDLE.try_into().map_err(setup)?))
             .keep_alive_interval(Some(KEEP_ALIVE));
@@ -185,6 +186,15 @@ pub fn tuned_transport() -> quinn::TransportConfig {
         .receive_window(quinn::VarInt::from_u32(RECEIVE_WINDOW))
         .send_window(64 << 20);
     t
+}
+
+/// Fits `t` to a peer at `ip`: segmentation offload (GSO) off towards loopback, on
+/// elsewhere. On loopback the path MTU climbs to 65,000 bytes, where each datagram is
+/// already a system call's worth and quinn with GSO moved 16 MiB at half the rate it
+/// does without (0.45 vs 0.95 GB/s, `proxy/examples/quic_loop.rs`, 2-core VM); at an
+/// Ethernet-sized MTU GSO is what makes quinn fast (0.52 vs 0.18 GB/s at 1,452 bytes).
+pub fn fit_to_peer(t: &mut quinn::TransportConfig, ip: std::net::IpAddr) {
+    t.enable_segmentation_offload(!ip.to_canonical().is_loopback());
 }
 
 /// Bytes one QUIC connection may have in flight towards its receiver.
@@ -353,6 +363,25 @@ impl rustls::client::danger::ServerCertVerifier for Pinned {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn segmentation_offload_is_off_only_towards_loopback() {
+        // quinn has no getter; its Debug form names the field.
+        let gso = |ip: &str| {
+            let mut t = tuned_transport();
+            fit_to_peer(&mut t, ip.parse().unwrap());
+            format!("{t:?}")
+                .split("enable_segmentation_offload: ")
+                .nth(1)
+                .map(|rest| rest.starts_with("true"))
+                .expect("quinn's TransportConfig Debug names enable_segmentation_offload")
+        };
+        assert!(!gso("127.0.0.1"));
+        assert!(!gso("::1"));
+        assert!(!gso("::ffff:127.0.0.1"));
+        assert!(gso("10.1.2.3"));
+        assert!(gso("fd00::1"));
+    }
 
     #[test]
     fn a_fingerprint_is_64_hex_digits() {

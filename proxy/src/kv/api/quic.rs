@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::state::KvState;
 use crate::accept::ConnLimit;
-use crate::kv::transport::quic::{Identity, QuicError, client_verifier, transport};
+use crate::kv::transport::quic::{Identity, QuicError, client_verifier, transport_to};
 
 /// ALPN of the kv API over QUIC.
 pub const ALPN: &[u8] = b"moongate-kv/1";
@@ -32,7 +32,7 @@ pub fn server(
     listen: SocketAddr,
     id: &Identity,
     client_ca: &str,
-) -> Result<quinn::Endpoint, QuicError> {
+) -> Result<crate::kv::transport::quic::QuicListener, QuicError> {
     let clients = client_verifier(client_ca, "kv.api_quic_client_ca")?;
     crate::kv::transport::quic::endpoint(listen, id, ALPN, clients)
 }
@@ -40,7 +40,7 @@ pub fn server(
 /// Serves the kv API on `endpoint` until shutdown: a task per connection, one HTTP
 /// connection per stream.
 pub async fn serve(
-    endpoint: quinn::Endpoint,
+    endpoint: crate::kv::transport::quic::QuicListener,
     state: Arc<KvState>,
     limit: ConnLimit,
     shutdown: CancellationToken,
@@ -79,8 +79,8 @@ impl ApiClient {
             error: e,
         };
         let client = cert.map(|c| (c.certs, c.key));
-        let cfg =
-            moongate_kv::quic::pinned_client(sha256, client, ALPN, transport()).map_err(err)?;
+        let cfg = moongate_kv::quic::pinned_client(sha256, client, ALPN, transport_to(addr.ip()))
+            .map_err(err)?;
         let bind: SocketAddr = if addr.is_ipv6() {
             "[::]:0".parse()
         } else {

@@ -91,10 +91,35 @@ pub(in crate::kv) fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 /// large datagrams, windows for multi-MiB values), with this side's stream limit and
 /// keep-alives.
 pub(in crate::kv) fn transport() -> Arc<quinn::TransportConfig> {
+    Arc::new(tuned())
+}
+
+fn tuned() -> quinn::TransportConfig {
     let mut t = moongate_kv::quic::tuned_transport();
     t.max_concurrent_bidi_streams(quinn::VarInt::from_u32(256))
         .keep_alive_interval(Some(Duration::from_secs(5)));
+    t
+}
+
+/// [`transport`] fitted to a peer at `ip` (`moongate_kv::quic::fit_to_peer`: no
+/// segmentation offload towards loopback).
+pub(in crate::kv) fn transport_to(ip: std::net::IpAddr) -> Arc<quinn::TransportConfig> {
+    let mut t = tuned();
+    moongate_kv::quic::fit_to_peer(&mut t, ip);
     Arc::new(t)
+}
+
+/// A QUIC server endpoint, and the configuration it admits loopback peers with
+/// ([`transport_to`]; quinn fixes a connection's transport when it is accepted).
+pub struct QuicListener {
+    pub endpoint: quinn::Endpoint,
+    loopback: Arc<quinn::ServerConfig>,
+}
+
+impl QuicListener {
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.endpoint.local_addr()
+    }
 }
 
 /// Bytes one QUIC connection may have in flight towards this side.
@@ -106,7 +131,7 @@ pub fn server(
     listen: SocketAddr,
     id: &Identity,
     client_ca: &str,
-) -> Result<quinn::Endpoint, QuicError> {
+) -> Result<QuicListener, QuicError> {
     endpoint(
         listen,
         id,
@@ -165,7 +190,7 @@ pub(in crate::kv) fn endpoint(
     id: &Identity,
     alpn: &[u8],
     clients: Option<Arc<dyn rustls::server::danger::ClientCertVerifier>>,
-) -> Result<quinn::Endpoint, QuicError> {
+) -> Result<QuicListener, QuicError> {
     let b = rustls::ServerConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(|e| QuicError::Setup(e.to_string()))?;
@@ -177,10 +202,16 @@ pub(in crate::kv) fn endpoint(
         .with_single_cert(id.certs.clone(), id.key.clone_key())
         .map_err(|e| QuicError::Setup(format!("certificate: {e}")))?;
     tls.alpn_protocols = vec![alpn.to_vec()];
-    let crypto = QuicServerConfig::try_from(tls).map_err(|e| QuicError::Setup(e.to_string()))?;
-    let mut cfg = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+    let crypto =
+        Arc::new(QuicServerConfig::try_from(tls).map_err(|e| QuicError::Setup(e.to_string()))?);
+    let mut cfg = quinn::ServerConfig::with_crypto(crypto.clone());
     cfg.transport_config(transport());
-    bind(listen, Some(cfg))
+    let mut loopback = quinn::ServerConfig::with_crypto(crypto);
+    loopback.transport_config(transport_to(std::net::Ipv4Addr::LOCALHOST.into()));
+    Ok(QuicListener {
+        endpoint: bind(listen, Some(cfg))?,
+        loopback: Arc::new(loopback),
+    })
 }
 
 /// A QUIC endpoint on `addr` (a server when `server` is given): the client library's
@@ -196,7 +227,7 @@ pub(in crate::kv) fn bind(
 /// Serves the own segment's TE exchange on every stream until shutdown, at most `limit`
 /// connections at once.
 pub async fn serve(
-    endpoint: quinn::Endpoint,
+    endpoint: QuicListener,
     mem: Arc<Memory>,
     limit: ConnLimit,
     shutdown: CancellationToken,
@@ -220,7 +251,7 @@ pub(in crate::kv) type BiStream = tokio::io::Join<quinn::RecvStream, quinn::Send
 /// `limit` connections at once: more are refused before their handshake. `what`
 /// names the listener in logs.
 pub(in crate::kv) async fn serve_streams<F, Fut>(
-    endpoint: quinn::Endpoint,
+    listener: QuicListener,
     limit: ConnLimit,
     shutdown: CancellationToken,
     what: &'static str,
@@ -229,6 +260,7 @@ pub(in crate::kv) async fn serve_streams<F, Fut>(
     F: Fn(BiStream, SocketAddr) -> Fut + Clone + Send + 'static,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
+    let QuicListener { endpoint, loopback } = listener;
     loop {
         let incoming = tokio::select! {
             _ = shutdown.cancelled() => {
@@ -245,9 +277,17 @@ pub(in crate::kv) async fn serve_streams<F, Fut>(
             continue;
         };
         let on_stream = on_stream.clone();
+        let accepting = if incoming.remote_address().ip().to_canonical().is_loopback() {
+            incoming.accept_with(loopback.clone())
+        } else {
+            incoming.accept()
+        };
         tokio::spawn(async move {
             let _slot = slot;
-            let conn = match incoming.await {
+            let Ok(accepting) = accepting else {
+                return;
+            };
+            let conn = match accepting.await {
                 Ok(c) => c,
                 Err(e) => {
                     tracing::info!(listener = what, error = %e, "quic handshake failed");
@@ -334,8 +374,13 @@ impl QuicPool {
             .client
             .as_ref()
             .map(|c| (c.certs.clone(), c.key.clone_key()));
-        let cfg = moongate_kv::quic::pinned_client(peer.sha256, client, ALPN, transport())
-            .map_err(err)?;
+        let cfg = moongate_kv::quic::pinned_client(
+            peer.sha256,
+            client,
+            ALPN,
+            transport_to(peer.addr.ip()),
+        )
+        .map_err(err)?;
         let connecting = self
             .endpoint
             .connect_with(cfg, peer.addr, "moongate")
