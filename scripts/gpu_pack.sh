@@ -7,6 +7,7 @@
 #
 # .gpu/ holds (xz-packed, ~40 MB, under a 64 MiB transfer):
 #   moongate.xz, libmoongate_kv.so.xz   release builds, stripped
+#   kv_bench.xz                         the kv face's HTTP client (benches/kv_face.py)
 #   mooncake.tar.xz                     Mooncake 0.3.14's CUDA 13 wheel for CPython 3.12,
 #                                       unpacked, without what the runs do not load
 #                                       (benchmarks, the EP / PG device libraries)
@@ -24,11 +25,12 @@ out=.gpu
 cache=target/gpu-cache
 mkdir -p "$out" "$cache"
 
-cargo build --release --locked -p moongate --bin moongate
+cargo build --release --locked -p moongate --bin moongate --example kv_bench
 cargo build --release --locked -p moongate-kv --lib
-for f in moongate libmoongate_kv.so; do
-  strip --strip-debug -o "$cache/$f" "target/release/$f"
-  xz -T0 -6 -c "$cache/$f" >"$out/$f.xz"
+for f in moongate libmoongate_kv.so examples/kv_bench; do
+  n=$(basename "$f")
+  strip --strip-debug -o "$cache/$n" "target/release/$f"
+  xz -T0 -6 -c "$cache/$n" >"$out/$n.xz"
 done
 
 # Mooncake 0.3.14 (CUDA 13) for the host's CPython 3.12.
@@ -65,3 +67,4 @@ for l in $libs; do cp -L "$l" "$cache/libs/"; done
 tar -C "$cache" -cJf "$out/libs.tar.xz" libs
 du -ch "$out"/* | tail -1
 echo "gpu_pack: .gpu ready; run on the GPU host with: bash scripts/gpu_run.sh [gpu_gate.py args]"
+echo "  (or GPU_BENCH=kv_face bash scripts/gpu_run.sh [kv_face.py args]: the remote path)"

@@ -8,6 +8,8 @@
 #
 # GPU_BINARIES=DIR takes moongate.xz and libmoongate_kv.so.xz from DIR instead, and
 # GPU_PYTHON=DIR the Python package (an earlier build's, for A/B runs on one card).
+# GPU_BENCH=kv_face runs benches/kv_face.py (the remote path: the host's cores, no GPU)
+# with the carried binaries and the given arguments instead.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -17,7 +19,9 @@ mkdir -p "$work"
 python3 - "$pack" "$work" "${GPU_BINARIES:-$pack}" <<'EOF'
 import lzma, os, shutil, sys, tarfile
 pack, work, binaries = sys.argv[1:]
-for f in ["moongate", "libmoongate_kv.so"]:
+for f in ["moongate", "libmoongate_kv.so", "kv_bench"]:
+    if not os.path.exists(os.path.join(binaries, f + ".xz")):
+        continue
     with lzma.open(os.path.join(binaries, f + ".xz")) as src, open(os.path.join(work, f), "wb") as dst:
         shutil.copyfileobj(src, dst)
     os.chmod(os.path.join(work, f), 0o755)
@@ -49,4 +53,8 @@ export MOONGATE_KV_LIB=$work/libmoongate_kv.so
 export MC_TCP_BIND_ADDRESS=127.0.0.1
 echo "gpu_run: missing libraries carried: $(ls "$work/missing" | tr '\n' ' ')"
 echo "gpu_run: CUDA runtime from ${cudart:-the system}"
+if [ "${GPU_BENCH:-}" = kv_face ]; then
+  exec python3 benches/kv_face.py --moongate "$work/moongate" --kv-bench "$work/kv_bench" \
+    --lib "$work/libmoongate_kv.so" "$@"
+fi
 exec python3 benches/gpu_gate.py --pack "$work" --out "${OUT:-/tmp/gpu_gate}" "$@"
