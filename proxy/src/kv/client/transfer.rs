@@ -212,19 +212,33 @@ enum Src {
     Quic(quinn::RecvStream),
 }
 
-/// One stripe's READ. `Sync` because a streamed value is an HTTP body, which hyper
-/// may hand between threads by reference.
-type StripeRead =
-    std::pin::Pin<Box<dyn std::future::Future<Output = Result<Bytes, TeError>> + Send + Sync>>;
+/// A lane's READ being started: the header sent, the owner's v2 status awaited. `Sync`
+/// because a streamed value is an HTTP body, which hyper may hand between threads by
+/// reference.
+type Opening = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<tokio::net::TcpStream, TeError>> + Send + Sync>,
+>;
 
-/// A large value read as stripes over several pooled TE-TCP connections at once, handed
-/// out in order: while the caller takes one stripe, the next ones are already on their
-/// way, each on a connection of its own (one connection carries one request at a time,
-/// data-plane spec B.6). At most `lanes` stripes are held or in flight, so a value costs
-/// `lanes * stripe` bytes of buffer at most, inside the budget its reservation took.
-/// A stripe that fails ends the value with that error; the stripes in flight are dropped
-/// with their connections (a connection whose READ was not read to its end is never
-/// reused).
+/// One stripe's READ on a pooled connection of its own.
+struct Lane {
+    conn: LaneConn,
+    /// The stripe's bytes not yet taken from the connection.
+    left: u64,
+}
+
+enum LaneConn {
+    Opening(Opening),
+    Open(tokio::net::TcpStream),
+}
+
+/// A large value read as stripes over several pooled TE-TCP connections at once: up to
+/// `lanes` stripes are asked for ahead (each its own READ on a connection of its own,
+/// since a connection carries one request at a time, data-plane spec B.6), so the owner
+/// sends them in parallel, while the value is handed on in order from the first lane's
+/// connection as its bytes arrive, exactly as a value on one connection is. The stripes
+/// ahead wait in their connections' socket buffers, not in moongate's heap. Any lane
+/// that fails ends the value with that error; the lanes left are dropped with their
+/// connections (only a connection whose READ was read to its end is reused).
 pub(crate) struct Stripes {
     pool: Arc<Pool>,
     peer: Arc<str>,
@@ -235,9 +249,7 @@ pub(crate) struct Stripes {
     lanes: usize,
     /// Where the next stripe to ask for starts.
     next: u64,
-    inflight: futures_util::stream::FuturesOrdered<StripeRead>,
-    /// The rest of the stripe being handed out.
-    ready: Bytes,
+    queue: std::collections::VecDeque<Lane>,
 }
 
 impl Stripes {
@@ -262,51 +274,79 @@ impl Stripes {
             stripe,
             lanes: lanes.max(1),
             next: 0,
-            inflight: futures_util::stream::FuturesOrdered::new(),
-            ready: Bytes::new(),
+            queue: std::collections::VecDeque::with_capacity(lanes.max(1)),
         };
         if let Some(s) = first {
             let n = stripe.min(len);
-            let (pool, peer) = (st.pool.clone(), st.peer.clone());
-            st.inflight
-                .push_back(Box::pin(async move { pool.finish_read(&peer, s, n).await }));
+            st.queue.push_back(Lane {
+                conn: LaneConn::Open(s),
+                left: n,
+            });
             st.next = n;
         }
         st
     }
 
-    /// The next bytes in order (at most [`STREAM_CHUNK`]), `None` after the last.
-    fn poll_next(
+    /// Asks for stripes until `lanes` are on their way and moves every lane's start on;
+    /// then the first lane's connection and the bytes left in its stripe, once its READ
+    /// was accepted.
+    fn poll_head(
         &mut self,
         cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<Bytes, TeError>>> {
-        use futures_util::StreamExt;
+    ) -> std::task::Poll<Result<(&mut tokio::net::TcpStream, usize), TeError>> {
         use std::task::Poll;
-        loop {
-            if !self.ready.is_empty() {
-                let n = STREAM_CHUNK.min(self.ready.len());
-                return Poll::Ready(Some(Ok(self.ready.split_to(n))));
+        while self.queue.len() < self.lanes && self.next < self.len {
+            let n = self.stripe.min(self.len - self.next);
+            let (pool, peer, at, v2) = (
+                self.pool.clone(),
+                self.peer.clone(),
+                self.addr + self.next,
+                self.v2,
+            );
+            self.queue.push_back(Lane {
+                conn: LaneConn::Opening(Box::pin(
+                    async move { pool.open_read(&peer, at, n, v2).await },
+                )),
+                left: n,
+            });
+            self.next += n;
+        }
+        for lane in self.queue.iter_mut() {
+            if let LaneConn::Opening(f) = &mut lane.conn {
+                match f.as_mut().poll(cx) {
+                    Poll::Ready(Ok(s)) => lane.conn = LaneConn::Open(s),
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                    Poll::Pending => {}
+                }
             }
-            // Keep `lanes` stripes on their way (the one being handed out counts: it
-            // was emptied above before the next is asked for).
-            while self.inflight.len() < self.lanes && self.next < self.len {
-                let n = self.stripe.min(self.len - self.next);
-                let (pool, peer, at, v2) = (
-                    self.pool.clone(),
-                    self.peer.clone(),
-                    self.addr + self.next,
-                    self.v2,
-                );
-                self.inflight
-                    .push_back(Box::pin(async move { pool.read(&peer, at, n, v2).await }));
-                self.next += n;
-            }
-            match self.inflight.poll_next_unpin(cx) {
-                Poll::Ready(Some(Ok(b))) => self.ready = b,
-                Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(e))),
-                Poll::Ready(None) => return Poll::Ready(None),
-                Poll::Pending => return Poll::Pending,
-            }
+        }
+        match self.queue.front_mut() {
+            Some(Lane {
+                conn: LaneConn::Open(s),
+                left,
+            }) => Poll::Ready(Ok((s, *left as usize))),
+            Some(_) => Poll::Pending,
+            None => Poll::Ready(Err(TeError::Io {
+                peer: self.peer.to_string(),
+                source: std::io::ErrorKind::UnexpectedEof.into(),
+            })),
+        }
+    }
+
+    /// `n` bytes of the first lane were handed on; a lane read to its end goes back to
+    /// the pool.
+    fn took(&mut self, n: usize) {
+        let Some(head) = self.queue.front_mut() else {
+            return;
+        };
+        head.left = head.left.saturating_sub(n as u64);
+        if head.left == 0
+            && let Some(Lane {
+                conn: LaneConn::Open(s),
+                ..
+            }) = self.queue.pop_front()
+        {
+            self.pool.give_back(&self.peer, s);
         }
     }
 }
@@ -395,30 +435,21 @@ impl Streamed {
         let Some(src) = self.src.as_mut().filter(|_| self.left > 0) else {
             return Poll::Ready(None);
         };
-        if let Src::Striped(st) = src {
-            return match st.poll_next(cx) {
-                Poll::Ready(Some(Ok(chunk))) => {
-                    self.waiting = false;
-                    self.left = self.left.saturating_sub(chunk.len());
-                    if self.left == 0 {
-                        self.src = None;
-                    }
-                    Poll::Ready(Some(Ok(chunk)))
-                }
-                Poll::Ready(Some(Err(e))) => {
-                    self.src = None;
-                    Poll::Ready(Some(Err(std::io::Error::other(e))))
-                }
-                Poll::Ready(None) => {
-                    self.src = None;
-                    Poll::Ready(Some(Err(std::io::ErrorKind::UnexpectedEof.into())))
-                }
-                Poll::Pending => self.stalled(cx).map(|e| Some(Err(e))),
-            };
-        }
         // A chunk handed out early leaves the rest of its allocation to fill; a new one
         // is taken only when too little of it is left for a worthwhile read.
-        let want = STREAM_CHUNK.min(self.left);
+        // A striped value reads from its first lane, at most to that stripe's end.
+        let mut lane_left = usize::MAX;
+        if let Src::Striped(st) = src {
+            match st.poll_head(cx) {
+                Poll::Ready(Ok((_, left))) => lane_left = left,
+                Poll::Ready(Err(e)) => {
+                    self.src = None;
+                    return Poll::Ready(Some(Err(std::io::Error::other(e))));
+                }
+                Poll::Pending => return self.stalled(cx).map(|e| Some(Err(e))),
+            }
+        }
+        let want = STREAM_CHUNK.min(self.left).min(lane_left);
         if self.buf.capacity() < (64 << 10).min(want) {
             self.buf.reserve(want);
         }
@@ -433,27 +464,50 @@ impl Streamed {
                 Src::Quic(r) => {
                     tokio_util::io::poll_read_buf(std::pin::Pin::new(r), cx, &mut limited)
                 }
-                // Handed out above; never read byte-wise.
-                Src::Striped(_) => Poll::Ready(Err(std::io::Error::other("striped source"))),
+                Src::Striped(st) => match st.queue.front_mut() {
+                    Some(Lane {
+                        conn: LaneConn::Open(s),
+                        ..
+                    }) => tokio_util::io::poll_read_buf(std::pin::Pin::new(s), cx, &mut limited),
+                    // poll_head above left an open first lane.
+                    _ => Poll::Ready(Err(std::io::ErrorKind::NotConnected.into())),
+                },
             };
-            match polled {
-                Poll::Ready(Ok(0)) => {
-                    self.src = None;
-                    return Poll::Ready(Some(Err(std::io::ErrorKind::UnexpectedEof.into())));
+            let broke = match polled {
+                Poll::Ready(Ok(0)) => std::io::ErrorKind::UnexpectedEof.into(),
+                Poll::Ready(Ok(_)) => {
+                    self.waiting = false;
+                    continue;
                 }
-                Poll::Ready(Ok(_)) => self.waiting = false,
-                Poll::Ready(Err(e)) => {
-                    self.src = None;
-                    return Poll::Ready(Some(Err(e)));
-                }
+                Poll::Ready(Err(e)) => e,
                 Poll::Pending if self.buf.is_empty() => {
                     return self.stalled(cx).map(|e| Some(Err(e)));
                 }
                 Poll::Pending => break,
-            }
+            };
+            // Named by the owner it came from, as a failed whole read is (its kind kept).
+            let peer = match self.src.take() {
+                Some(Src::Te { peer, .. }) => Some(peer),
+                Some(Src::Striped(st)) => Some(st.peer.to_string()),
+                _ => None,
+            };
+            let e = match peer {
+                Some(peer) => std::io::Error::new(
+                    broke.kind(),
+                    TeError::Io {
+                        peer,
+                        source: broke,
+                    },
+                ),
+                None => broke,
+            };
+            return Poll::Ready(Some(Err(e)));
         }
         let chunk = self.buf.split().freeze();
         self.left -= chunk.len();
+        if let Some(Src::Striped(st)) = self.src.as_mut() {
+            st.took(chunk.len());
+        }
         if self.left == 0 {
             // Every byte read: the connection is clean for the next READ.
             if let Some(Src::Te { s, peer, pool }) = self.src.take() {
@@ -1193,10 +1247,10 @@ mod tests {
                 None => panic!("a value with a failed stripe ended as if whole"),
             }
         };
-        // The stripes before the failed one arrived, in order; nothing after it.
+        // What arrived before the failed stripe broke off, in order; nothing after it.
         assert_eq!(got, value[..got.len()]);
         assert!(
-            got.len() as u64 <= 5 * stripe,
+            got.len() as u64 <= 5 * stripe + stripe / 2,
             "{} bytes handed out",
             got.len()
         );

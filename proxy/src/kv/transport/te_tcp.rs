@@ -298,27 +298,6 @@ impl Pool {
         Ok(())
     }
 
-    /// Reads the `len` bytes of a READ that [`Pool::open_read`] started on `s`, then keeps
-    /// the connection for the next transfer to `peer`.
-    pub async fn finish_read(
-        &self,
-        peer: &str,
-        mut s: TcpStream,
-        len: u64,
-    ) -> Result<Bytes, TeError> {
-        let len = len as usize;
-        let mut out = BytesMut::with_capacity(len);
-        let mut buf = ReadBuf::uninit(&mut out.spare_capacity_mut()[..len]);
-        self.bounded(peer, async {
-            fill(&mut s, &mut buf).await.map_err(io_error(peer))
-        })
-        .await?;
-        // SAFETY: fill returned Ok only once the ReadBuf over [0, len) was full.
-        unsafe { out.set_len(len) };
-        self.give_back(peer, s);
-        Ok(out.freeze())
-    }
-
     /// Writes `parts`, in order, as one WRITE at `addr` on one connection; with v2 it
     /// returns once the peer confirmed the bytes are in place.
     pub async fn write_parts(
