@@ -115,13 +115,17 @@ fn puts(
         let del = format!("DELETE {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n");
         call(r, w, &del, &[], &mut answer);
     }
+    report(size, lat, (size * count) as f64 / busy / 1e9);
+}
+
+/// Prints the JSON line: bytes a call, p50 and p99 of `lat` (us), GB/s.
+fn report(bytes: usize, mut lat: Vec<f64>, gbps: f64) {
     lat.sort_by(f64::total_cmp);
     let p = |q: f64| lat[((lat.len() as f64 * q) as usize).min(lat.len() - 1)];
     println!(
-        "{{\"bytes\": {size}, \"p50_us\": {:.1}, \"p99_us\": {:.1}, \"GBps\": {:.3}}}",
+        "{{\"bytes\": {bytes}, \"p50_us\": {:.1}, \"p99_us\": {:.1}, \"GBps\": {gbps:.3}}}",
         p(0.5),
         p(0.99),
-        (size * count) as f64 / busy / 1e9
     );
 }
 
@@ -149,15 +153,7 @@ fn each(
     }
     let total = start.elapsed().as_secs_f64();
     let bytes = bytes.unwrap_or(0);
-    lat.sort_by(f64::total_cmp);
-    let p = |q: f64| lat[((lat.len() as f64 * q) as usize).min(lat.len() - 1)];
-    println!(
-        "{{\"bytes\": {}, \"p50_us\": {:.1}, \"p99_us\": {:.1}, \"GBps\": {:.3}}}",
-        bytes,
-        p(0.5),
-        p(0.99),
-        (bytes * count) as f64 / total / 1e9
-    );
+    report(bytes, lat, (bytes * count) as f64 / total / 1e9);
 }
 
 fn main() {
@@ -212,13 +208,5 @@ fn main() {
     }
     let total = start.elapsed().as_secs_f64();
     assert!(body == first, "body changed between reads");
-    lat.sort_by(f64::total_cmp);
-    let p = |q: f64| lat[((lat.len() as f64 * q) as usize).min(lat.len() - 1)];
-    println!(
-        "{{\"bytes\": {}, \"p50_us\": {:.1}, \"p99_us\": {:.1}, \"GBps\": {:.3}}}",
-        bytes,
-        p(0.5),
-        p(0.99),
-        (bytes * count) as f64 / total / 1e9
-    );
+    report(bytes, lat, (bytes * count) as f64 / total / 1e9);
 }
