@@ -53,6 +53,8 @@ def main():
     p.add_argument("--moongate", default="target/release/moongate")
     p.add_argument("--kv-bench", default="target/release/examples/kv_bench")
     p.add_argument("--json")
+    p.add_argument("--quic-streams", type=int,
+                   help="kv.quic_streams of the QUIC reader (default: moongate's)")
     a = p.parse_args()
     work = work_dir("moongate-transports-")
     rpc, http = free_port(), free_port()
@@ -67,7 +69,8 @@ def main():
             stdout=open(f"{work}/master.log", "w"), stderr=subprocess.STDOUT))
         wait_http(f"http://127.0.0.1:{http}/health")
         for name, extra in (("b", 'segment_bytes = 268435456\nquic_listen = "127.0.0.1:0"\n'),
-                            ("quic", ""), ("tcp", "quic_client = false\n")):
+                            ("quic", f"quic_streams = {a.quic_streams}\n" if a.quic_streams else ""),
+                            ("tcp", "quic_client = false\n")):
             kv[name] = f"127.0.0.1:{free_port()}"
             admin = admins[name] = f"127.0.0.1:{free_port()}"
             cfg = f"{work}/{name}.toml"
