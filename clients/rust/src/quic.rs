@@ -194,7 +194,13 @@ pub fn tuned_transport() -> quinn::TransportConfig {
 /// does without (0.45 vs 0.95 GB/s, `proxy/examples/quic_loop.rs`, 2-core VM); at an
 /// Ethernet-sized MTU GSO is what makes quinn fast (0.52 vs 0.18 GB/s at 1,452 bytes).
 pub fn fit_to_peer(t: &mut quinn::TransportConfig, ip: std::net::IpAddr) {
-    t.enable_segmentation_offload(!ip.to_canonical().is_loopback());
+    t.enable_segmentation_offload(!on_loopback(ip));
+}
+
+/// Whether a peer at `ip` is this host's loopback (IPv4-mapped addresses included): the
+/// peers [`fit_to_peer`] turns GSO off for.
+pub fn on_loopback(ip: std::net::IpAddr) -> bool {
+    ip.to_canonical().is_loopback()
 }
 
 /// Bytes one QUIC connection may have in flight towards its receiver.

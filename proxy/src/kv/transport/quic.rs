@@ -277,7 +277,7 @@ pub(in crate::kv) async fn serve_streams<F, Fut>(
             continue;
         };
         let on_stream = on_stream.clone();
-        let accepting = if incoming.remote_address().ip().to_canonical().is_loopback() {
+        let accepting = if moongate_kv::quic::on_loopback(incoming.remote_address().ip()) {
             incoming.accept_with(loopback.clone())
         } else {
             incoming.accept()
