@@ -24,14 +24,18 @@ pub enum Why {
     /// It was stored and is gone, and moongate did not remove it: the master evicted it
     /// (or its lease / soft pin ran out).
     evicted_by_master,
+    /// Its put was acknowledged, a new leader of HA masters lacked it, and moongate
+    /// could not vouch for its bytes to put it again (`kv.failover_window_ms`).
+    lost_in_failover,
 }
 
-pub const WHYS: [Why; 5] = [
+pub const WHYS: [Why; 6] = [
     Why::never_stored,
     Why::evicted_by_moongate,
     Why::removed_by_client,
     Why::refused_by_policy,
     Why::evicted_by_master,
+    Why::lost_in_failover,
 ];
 
 /// The last end moongate saw of a key.

@@ -252,6 +252,24 @@ impl Keys {
         self.counted();
     }
 
+    /// Puts of `keys` a new leader lost and moongate could not put again: gone from the
+    /// table, and a lookup miss of one is explained as `lost_in_failover`.
+    pub fn lost_in_failover(&self, tenant: &Bytes, keys: &[Bytes]) {
+        self.table.forget(tenant, keys.iter());
+        self.history
+            .note(tenant, keys.iter(), Why::lost_in_failover, 0, self.now_ms());
+    }
+
+    /// Whether `key` left the table through moongate (removed by a client through it,
+    /// evicted by it) and was not stored again since.
+    pub fn ended_here(&self, tenant: &Bytes, key: &Bytes) -> bool {
+        self.table.get(tenant, key).is_none()
+            && self
+                .history
+                .last(tenant, key)
+                .is_some_and(|e| matches!(e.why, Why::evicted_by_moongate | Why::removed_by_client))
+    }
+
     /// What moongate knows of one key: its table entry, or why it left.
     pub fn key_state(&self, tenant: &Bytes, key: &Bytes) -> serde_json::Value {
         let now = self.now_ms();

@@ -173,6 +173,19 @@ pub struct KvConfig {
     /// segment of 64 KiB blocks, about 50 MB of table at most (an estimate). 0 turns it off (every
     /// view asks the master, as Mooncake's own clients do).
     pub known_keys: usize,
+    /// After a leader change of HA masters, the puts moongate acknowledged within this
+    /// many milliseconds before it are checked against the new leader, and the ones it
+    /// lacks put again from bytes moongate can vouch for (`kv.failover_window_ms`,
+    /// docs/kv-api.md "Puts that survive a failover"). Default 30,000: an old leader's
+    /// oplog reaches the standby within seconds, but while etcd is down (Mooncake's
+    /// leader keeps serving up to its 5 s lease) nothing does; 30 s covers an etcd
+    /// outage of ~20 s. 0 turns it off. Only with an `etcd://` upstream.
+    pub failover_window_ms: u64,
+    /// At most this many acknowledged puts are kept for that check (the oldest make
+    /// room; `moongate_kv_failover_keys_total` shows what was checked). Default 65,536:
+    /// 30 s of ~2,000 puts a second, ~13 MB of table at most with 100-byte keys (an
+    /// estimate). At most 16,777,216.
+    pub failover_window_keys: usize,
     /// Makes and maps the own segment's pages at start, on a thread of its own
     /// (`kv.prefault`, default true): moongate's own first writes into a range then run
     /// at copy speed, and an engine's cost a mapping per 4 KiB page, not a new page. The segment's memory is taken at start
@@ -232,6 +245,8 @@ impl Default for KvConfig {
             staging_bytes: 256 << 20,
             copy_threads: 0,
             known_keys: 262_144,
+            failover_window_ms: 30_000,
+            failover_window_keys: 65_536,
             prefault: true,
         }
     }
@@ -314,6 +329,12 @@ impl KvConfig {
             }
             if kv.known_keys > 16 << 20 {
                 errs.push("kv.known_keys: at most 16777216".into());
+            }
+            if kv.failover_window_keys > 16 << 20 {
+                errs.push("kv.failover_window_keys: at most 16777216".into());
+            }
+            if kv.failover_window_ms > 600_000 {
+                errs.push("kv.failover_window_ms: at most 600000 (10 minutes)".into());
             }
             if !kv.disk_root.is_empty() && !std::path::Path::new(&kv.disk_root).is_absolute() {
                 errs.push(format!(

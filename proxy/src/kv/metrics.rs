@@ -203,6 +203,10 @@ pub struct KvMetrics {
     pub staging_bytes: Gauge,
     /// Writes into the own segment that met a view: `[waited, rejected]`.
     pub fenced_writes: [Counter; 2],
+    /// Checks of acknowledged puts after a leader change, and their keys by outcome
+    /// (`[present, put_again, ended_here, lost]`, `kv.failover_window_ms`).
+    pub failover_rechecks: Counter,
+    pub failover_keys: [Counter; 4],
 }
 
 /// Shared-memory ops in label order (op `i + 1` is `SHM_OPS[i]`; the last is any other).
@@ -409,6 +413,23 @@ impl KvMetrics {
              (went ahead once the view ended) or rejected (the view outlasted the wait)",
             fenced.clone(),
         );
+        let failover_rechecks = Counter::default();
+        registry.register(
+            "moongate_kv_failover_rechecks",
+            "Leader changes after which the puts acknowledged within kv.failover_window_ms \
+             were checked against the new leader",
+            failover_rechecks.clone(),
+        );
+        let failover = Family::<ResultLabel, Counter>::default();
+        registry.register(
+            "moongate_kv_failover_keys",
+            "Acknowledged puts checked after a leader change, by result: present (the new \
+             leader has it), put_again (it lacked it; moongate vouched for the bytes and put \
+             them again), ended_here (removed or evicted through moongate meanwhile), lost \
+             (it lacked it and the bytes could not be vouched for: /keys/KEY says \
+             lost_in_failover)",
+            failover.clone(),
+        );
         let x = |f: &Family<KvXferLabels, Counter>| {
             Transport::ALL.map(|t| t.label()).map(|transport| {
                 ["read", "write"].map(|direction| {
@@ -481,6 +502,12 @@ impl KvMetrics {
             staging_bytes,
             fenced_writes: ["waited", "rejected"]
                 .map(|result| fenced.get_or_create(&ResultLabel { result }).clone()),
+            failover_rechecks,
+            failover_keys: crate::kv::client::failover::Outcome::ALL.map(|o| {
+                failover
+                    .get_or_create(&ResultLabel { result: o.label() })
+                    .clone()
+            }),
         }
     }
 

@@ -158,6 +158,15 @@ pub async fn start(
         cfg.master_connections,
     )
     .with_replica_cache(Duration::from_millis(cfg.replica_cache_ms));
+    // Puts that survive a leader change: only where the leader can change.
+    let store = if upstream.follows_a_leader() {
+        store.with_failover(
+            Duration::from_millis(cfg.failover_window_ms),
+            cfg.failover_window_keys,
+        )
+    } else {
+        store
+    };
     // The key table learns of engines' traffic as of Mooncake clients'.
     let store = if answered.keeps_keys() {
         let client = store.client_id();
@@ -196,6 +205,9 @@ pub async fn start(
             own_segment(cfg, upstream, store.client_id(), &metrics, shutdown.clone()).await?;
         mem.set_copy_threads(cfg.copy_threads());
         mem.fence().set_known_limit(cfg.known_keys);
+        if upstream.follows_a_leader() && cfg.failover_window_ms > 0 {
+            mem.fence().set_held_limit(cfg.failover_window_keys);
+        }
         if cfg.prefault {
             mem.prefault_in_background();
         }
@@ -232,6 +244,12 @@ pub async fn start(
         metrics: metrics.clone(),
         hints,
     });
+    {
+        let (state, upstream, shutdown) = (state.clone(), upstream.clone(), shutdown.clone());
+        tokio::spawn(
+            async move { client::failover::follow(&state.store, upstream, shutdown).await },
+        );
+    }
     if !cfg.unix_path.is_empty() {
         let path = std::path::PathBuf::from(&cfg.unix_path);
         // A socket left by a previous run would make the bind fail.

@@ -11,6 +11,8 @@
 
 use std::sync::Arc;
 
+use bytes::Bytes;
+
 use crate::answered::{Answered, Sink};
 use crate::calls::{CallExt, Tracked};
 use crate::codec::message::{Request, Response};
@@ -57,5 +59,17 @@ impl Heard for Observer {
             arm_name: &set.arms[arm].name,
             read: None,
         });
+    }
+
+    fn lost(&self, tenant: &Bytes, keys: &[Bytes]) {
+        if let Some(k) = self.answered.keys() {
+            k.lost_in_failover(tenant, keys);
+        }
+    }
+
+    fn ended_here(&self, tenant: &Bytes, key: &Bytes) -> bool {
+        self.answered
+            .keys()
+            .is_some_and(|k| k.ended_here(tenant, key))
     }
 }

@@ -97,15 +97,20 @@ pub struct Upstream {
     /// Removals of any kind the master face relayed (unforced ones too): they end the
     /// own segment's known keys ([`Upstream::known_epoch`]).
     any_removals: Arc<AtomicU64>,
+    /// A fixed address: never a leader change.
+    fixed: bool,
 }
 
 impl Upstream {
     /// A fixed master.
     pub fn fixed(addr: &str) -> Upstream {
-        Upstream::with(Some(Leader {
-            addr: addr.to_string(),
-            view_version: 0,
-        }))
+        Upstream {
+            fixed: true,
+            ..Upstream::with(Some(Leader {
+                addr: addr.to_string(),
+                view_version: 0,
+            }))
+        }
     }
 
     /// No master known yet (a follower publishes it).
@@ -122,7 +127,14 @@ impl Upstream {
             places: Arc::default(),
             removals: Arc::new(watch::Sender::new(0)),
             any_removals: Arc::default(),
+            fixed: false,
         }
+    }
+
+    /// Whether the master in force can change (an elected leader, followed): what the
+    /// kv face's failover check is for.
+    pub fn follows_a_leader(&self) -> bool {
+        !self.fixed
     }
 
     /// The master's release is `r` (configured), not asked.

@@ -10,9 +10,11 @@
 //! complete memory replica (here). Every master call is told to a [`Heard`] when one is
 //! set.
 
+pub mod acked;
 pub mod budget;
 pub mod cache;
 pub mod disk;
+pub mod failover;
 pub mod master;
 pub mod metadata;
 mod put;
@@ -95,6 +97,14 @@ pub trait Heard: Send + Sync {
     fn wants(&self, req: &Request) -> bool;
     /// A call and the master's answer.
     fn heard(&self, req: &Request, resp: &Response);
+    /// Puts of `keys` were acknowledged and a new leader lost them; their bytes could
+    /// not be put again ([`failover`]).
+    fn lost(&self, _tenant: &Bytes, _keys: &[Bytes]) {}
+    /// Whether `key` ended through this moongate since it was stored (removed by a
+    /// client, evicted by moongate): a new leader that lacks it has not lost it.
+    fn ended_here(&self, _tenant: &Bytes, _key: &Bytes) -> bool {
+        false
+    }
 }
 
 /// moongate as one Mooncake client (one client id, one tenant).
@@ -109,6 +119,9 @@ pub struct Store {
     pub xfer: Transfers,
     metrics: Arc<KvMetrics>,
     heard: Option<Arc<dyn Heard>>,
+    /// Puts acknowledged lately, checked after a leader change (`kv.failover_window_ms`;
+    /// `None`: off).
+    failover: Option<failover::Failover>,
 }
 
 /// Keys of one batch part transferred at once (each may itself use several
@@ -236,6 +249,7 @@ impl Store {
             xfer,
             metrics,
             heard: None,
+            failover: None,
         }
     }
 
@@ -313,12 +327,21 @@ impl Store {
     }
 
     async fn call(&self, req: Request) -> Result<Response, StoreError> {
-        let Some(h) = self.heard.as_ref().filter(|h| h.wants(&req)) else {
+        let heard = self.heard.as_ref().filter(|h| h.wants(&req));
+        let follow = self.failover.is_some() && failover::follows(&req);
+        if heard.is_none() && !follow {
             return self.master.call(req).await;
-        };
+        }
+        // Read before the call: a write begun over a put's range after this voids it.
+        let since = if follow { self.write_seq() } else { 0 };
         let asked = req.clone();
         let resp = self.master.call(req).await?;
-        h.heard(&asked, &resp);
+        if follow {
+            self.follow_put(&asked, &resp, since);
+        }
+        if let Some(h) = heard {
+            h.heard(&asked, &resp);
+        }
         Ok(resp)
     }
 

@@ -28,6 +28,7 @@ impl Store {
             Response::PutStart(Err(e)) => return Err(StoreError::Refused(e)),
             _ => return Err(StoreError::Unexpected),
         };
+        self.vouch(&key, &value);
         let written = self.xfer.write_replicas(&replicas, &value).await;
         self.end_put(key, written).await
     }
@@ -46,6 +47,7 @@ impl Store {
             Response::PutStart(Err(e)) => return Err(StoreError::Refused(e)),
             _ => return Err(StoreError::Unexpected),
         };
+        self.vouch(&key, value);
         let written = self.xfer.write_replicas(&replicas, value).await;
         self.end_put(key, written).await
     }
@@ -86,7 +88,10 @@ impl Store {
         let started = per_key(started, values.len())?;
         // (allocated, outcome): only allocated keys are ended or revoked.
         let mut jobs = Vec::with_capacity(values.len());
-        for ((_, v), s) in values.iter().zip(started) {
+        for ((k, v), s) in values.iter().zip(started) {
+            if s.is_ok() {
+                self.vouch(k, v.as_ref());
+            }
             jobs.push(self.write_allocated(s, v.as_ref()));
         }
         let done = in_order(jobs, BATCH_CONCURRENCY).await;
@@ -271,12 +276,24 @@ impl Store {
             Response::PutStart(Err(e)) => return Err(StoreError::Refused(e)),
             _ => return Err(StoreError::Unexpected),
         };
+        // Hashed as it passes when the failover check wants it (the value lands in
+        // another segment): a new leader that lost the key can have it again.
+        let mut hash = self
+            .wants_hash(&key)
+            .then(xxhash_rust::xxh3::Xxh3Default::new);
+        let body = Hashing {
+            inner: body,
+            hash: hash.as_mut(),
+        };
         let written = tokio::time::timeout(
             self.call_timeout,
             self.xfer.stream_replicas(&replicas, len, body),
         )
         .await
         .unwrap_or(Err(StoreError::BodyTimeout(self.call_timeout)));
+        if let (Ok(_), Some(h)) = (&written, &hash) {
+            self.vouch_hash(&key, h.digest());
+        }
         self.end_put(key, written).await
     }
 
@@ -329,5 +346,41 @@ impl Store {
             Response::PutEnd(Err(e)) => Err(StoreError::Refused(e)),
             _ => Err(StoreError::Unexpected),
         }
+    }
+}
+
+/// A request body that hashes its data frames as they pass (when it has a hasher).
+struct Hashing<'a, B> {
+    inner: B,
+    hash: Option<&'a mut xxhash_rust::xxh3::Xxh3Default>,
+}
+
+impl<B> hyper::body::Body for Hashing<'_, B>
+where
+    B: hyper::body::Body<Data = Bytes> + Unpin,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, B::Error>>> {
+        let this = &mut *self;
+        let polled = std::pin::Pin::new(&mut this.inner).poll_frame(cx);
+        if let (std::task::Poll::Ready(Some(Ok(f))), Some(h)) = (&polled, this.hash.as_mut())
+            && let Some(d) = f.data_ref()
+        {
+            h.update(d);
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
     }
 }

@@ -27,6 +27,9 @@ use super::known::Known;
 /// whose lookup is older than the oldest remembered write is refused (and retried).
 const RECENT: usize = 4096;
 
+/// The one epoch of [`Inner::held`]: a leader change is what those entries are for.
+const HELD: u64 = 0;
+
 /// A write may not begin: an engine holds a view over part of its range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("a view is held over [{start}, +{len}) of the segment")]
@@ -58,6 +61,10 @@ struct Inner {
     /// Keys whose bytes lie untouched in the segment (a write's begin drops the ones it
     /// overlaps, under this lock).
     known: Known,
+    /// The same, for puts acknowledged lately, in no epoch: a new leader may have
+    /// forgotten them, and these are the ones whose bytes are still theirs
+    /// (`kv.failover_window_ms`, [`crate::kv::client::failover`]).
+    held: Known,
 }
 
 impl Default for Inner {
@@ -70,6 +77,7 @@ impl Default for Inner {
             longest: 0,
             viewed_bytes: 0,
             known: Known::new(0),
+            held: Known::new(0),
         }
     }
 }
@@ -142,6 +150,7 @@ impl Fence {
         i.next_seq += 1;
         i.writing.insert(seq, (start, end));
         i.known.overwritten(start, len);
+        i.held.overwritten(start, len);
         if i.recent.len() == RECENT {
             i.recent.pop_front();
         }
@@ -215,6 +224,50 @@ impl Fence {
     /// Keys known now.
     pub fn known_keys(&self) -> usize {
         self.lock().known.len()
+    }
+
+    /// Keeps at most `n` ranges of acknowledged puts (0: none).
+    pub fn set_held_limit(&self, n: usize) {
+        self.lock().held = Known::new(n);
+    }
+
+    /// Says that `[start, start + len)` holds the bytes of `key`, whose put was just
+    /// acknowledged; `since` is the next write's number read before the acknowledgement
+    /// was asked for (a write begun over the range since voids it).
+    pub fn held(&self, key: &Bytes, start: usize, len: usize, since: u64) -> bool {
+        let r = (start, start.saturating_add(len));
+        let mut i = self.lock();
+        i.moved(r, since).is_none() && i.held.insert(key, start, len, HELD)
+    }
+
+    /// Drops `key`'s acknowledged range (removed through moongate).
+    pub fn forget_held(&self, key: &[u8]) {
+        self.lock().held.forget(key);
+    }
+
+    /// Holds the ranges of `keys` whose acknowledged bytes still lie untouched as
+    /// [`Fence::view`] holds one, so that no write begins over them (a new leader may
+    /// hand them out as free) until each is ended with [`Fence::unview`]: per key, its
+    /// range, or `None` when a write has begun over it since.
+    pub fn pin_held(&self, keys: &[Bytes]) -> Vec<Option<(usize, usize)>> {
+        let mut i = self.lock();
+        keys.iter()
+            .map(|k| {
+                let (start, len) = i.held.get(k, HELD)?;
+                let r = (start, start + len);
+                if i.writing.values().any(|&w| overlaps(w, r)) {
+                    i.held.forget(k);
+                    return None;
+                }
+                i.hold_view(r);
+                Some((start, len))
+            })
+            .collect()
+    }
+
+    /// Ranges of acknowledged puts kept now.
+    pub fn held_keys(&self) -> usize {
+        self.lock().held.len()
     }
 
     /// Ends one view of `[start, start + len)` begun by [`Fence::view`].
@@ -304,6 +357,31 @@ mod tests {
         }
         assert_eq!(f.view(0, 8, since), Err(Moved::Written));
         f.view(0, 8, f.write_seq()).unwrap();
+    }
+
+    #[test]
+    fn an_acknowledged_range_is_pinned_until_unviewed_unless_a_write_began_over_it() {
+        let f = Fence::default();
+        f.set_held_limit(8);
+        let key = |s: &str| Bytes::copy_from_slice(s.as_bytes());
+        let since = f.write_seq();
+        assert!(f.held(&key("a"), 0, 100, since));
+        assert!(f.held(&key("b"), 100, 100, since));
+        assert!(f.held(&key("c"), 200, 100, since));
+        let w = f.begin_write(150, 1).unwrap();
+        f.end_write(w);
+        // A write begun since the acknowledgement was asked for: not held.
+        assert!(!f.held(&key("d"), 150, 10, since));
+        f.forget_held(b"c");
+        assert_eq!(
+            f.pin_held(&[key("a"), key("b"), key("c"), key("x")]),
+            [Some((0, 100)), None, None, None]
+        );
+        assert_eq!(f.held_keys(), 1);
+        assert!(f.begin_write(50, 1).is_err(), "pinned: no write begins");
+        f.unview(0, 100);
+        assert!(f.begin_write(50, 1).is_ok());
+        assert_eq!(f.pin_held(&[key("a")]), [None], "written over since");
     }
 
     #[test]

@@ -1,0 +1,531 @@
+//! Puts that survive a leader change. An HA leader acknowledges a put before its oplog
+//! has reached the standby (or etcd, while etcd is down): the new leader may not know
+//! a key the old one acknowledged seconds before. The bytes are still where they were
+//! written; only the new leader's metadata lacks the key. So after a change moongate
+//! asks the new leader about every put it acknowledged within `kv.failover_window_ms`
+//! before it ([`super::acked`]) and puts again the missing ones whose bytes it can
+//! vouch for:
+//! - in its own segment: the range no write has begun over since the put ended (every
+//!   write into the segment passes through moongate). From the moment the change is
+//!   seen until each key is settled, those ranges are held as views are, so the new
+//!   leader cannot hand them to a put (it would wait, bounded, as for a view);
+//! - in another segment: read back over the network and compared with the xxh3-64
+//!   moongate computed as the value passed through it.
+//!
+//! Anything else missing (another segment's bytes moongate never saw whole, a range
+//! written over, an owner gone) is reported lost: counted, logged by key and noted in
+//! the key history (`/keys/KEY` says `lost_in_failover`). A key moongate's evictor or a
+//! client removed meanwhile is not put back. Reads never answer wrong bytes either way:
+//! until a key is put again the new leader does not list it (a miss), and what is put
+//! again was checked first.
+//!
+//! On only with an HA upstream (a fixed master has no leader change to survive): the
+//! cost is one table entry per put, the hash of values placed in other segments, and
+//! an `ExistKey` per key of the window after each change (which grants read leases, as
+//! any lookup does).
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio_util::sync::CancellationToken;
+
+use super::acked::{Acked, Entry, Where};
+use super::{Store, StoreError, Value};
+use crate::codec::message::{Request, Response};
+use crate::codec::types::{ErrorCode, ReplicaDescriptor, ReplicaLocation, ReplicaType};
+use crate::upstream::{Leader, Upstream};
+
+/// Keys asked of the new leader in one `BatchExistKey`.
+const CHECK_CHUNK: usize = 512;
+/// How long after a change the new leader is given to answer and to take puts again
+/// (Mooncake's failover takes ~10 s; a remount after it a few more).
+const SETTLE: Duration = Duration::from_secs(60);
+/// Between tries while the new leader is not ready.
+const RETRY: Duration = Duration::from_millis(250);
+
+/// What the failover check keeps: the acknowledged puts, under their own lock.
+pub struct Failover {
+    acked: Mutex<Acked>,
+}
+
+/// How one key of the window came out of a check (the `result` label of
+/// `moongate_kv_failover_keys_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// The new leader has it.
+    Present,
+    /// Missing, and put again from bytes moongate vouched for.
+    PutAgain,
+    /// Missing, and removed through moongate (or evicted by it) meanwhile: left gone.
+    EndedHere,
+    /// Missing, and its bytes could not be vouched for.
+    Lost,
+}
+
+impl Outcome {
+    pub const ALL: [Outcome; 4] = [
+        Outcome::Present,
+        Outcome::PutAgain,
+        Outcome::EndedHere,
+        Outcome::Lost,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Outcome::Present => "present",
+            Outcome::PutAgain => "put_again",
+            Outcome::EndedHere => "ended_here",
+            Outcome::Lost => "lost",
+        }
+    }
+}
+
+impl Failover {
+    pub fn new(window: Duration, limit: usize) -> Failover {
+        Failover {
+            acked: Mutex::new(Acked::new(window, limit)),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Acked> {
+        self.acked.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Whether a call is one the failover check follows.
+pub(super) fn follows(req: &Request) -> bool {
+    matches!(
+        req,
+        Request::PutStart(_)
+            | Request::BatchPutStart(_)
+            | Request::PutEnd(_)
+            | Request::BatchPutEnd(_)
+            | Request::PutRevoke(_)
+            | Request::BatchPutRevoke(_)
+            | Request::Remove(_)
+    )
+}
+
+fn memory_replica(
+    replicas: &[ReplicaDescriptor],
+) -> Option<&crate::codec::types::BufferDescriptor> {
+    replicas.iter().find_map(|r| match &r.location {
+        ReplicaLocation::Memory(m) => Some(&m.buffer_descriptor),
+        _ => None,
+    })
+}
+
+/// The reason a key missing after a change could not be put again.
+#[derive(Debug, thiserror::Error)]
+enum Unvouched {
+    #[error("its range in the own segment was written over since")]
+    Overwritten,
+    #[error("its bytes were written into another segment by an engine (no hash)")]
+    NoHash,
+    #[error("no memory replica")]
+    NoMemoryReplica,
+    #[error("its bytes changed where they were written")]
+    Changed,
+    #[error("reading it back: {0}")]
+    Read(StoreError),
+    #[error("putting it again: {0}")]
+    Put(StoreError),
+}
+
+impl Store {
+    /// Follows puts for the failover check: acknowledged ones are kept for `window`, at
+    /// most `limit` of them (`kv.failover_window_ms`, `kv.failover_window_keys`).
+    pub fn with_failover(mut self, window: Duration, limit: usize) -> Store {
+        self.failover = (!window.is_zero() && limit > 0).then(|| Failover::new(window, limit));
+        self
+    }
+
+    /// Whether `key`'s value should be hashed as it passes (its put is followed and
+    /// its memory replica is in another segment).
+    pub(super) fn wants_hash(&self, key: &[u8]) -> bool {
+        self.failover
+            .as_ref()
+            .is_some_and(|f| f.lock().wants_hash(key))
+    }
+
+    /// Records the hash of `key`'s whole value, when it is wanted.
+    pub(super) fn vouch(&self, key: &[u8], value: &[u8]) {
+        if self.wants_hash(key)
+            && let Some(f) = &self.failover
+        {
+            let h = xxhash_rust::xxh3::xxh3_64(value);
+            f.lock().vouch(key, h);
+        }
+    }
+
+    /// Records the hash computed as `key`'s value streamed through.
+    pub(super) fn vouch_hash(&self, key: &[u8], hash: u64) {
+        if let Some(f) = &self.failover {
+            f.lock().vouch(key, hash);
+        }
+    }
+
+    /// Learns from a followed call and its answer; `since` is the own segment's write
+    /// number read before the call was sent.
+    pub(super) fn follow_put(&self, req: &Request, resp: &Response, since: u64) {
+        let Some(f) = &self.failover else {
+            return;
+        };
+        let now = Instant::now();
+        let place = |replicas: &[ReplicaDescriptor]| match memory_replica(replicas) {
+            None => Where::Nowhere,
+            Some(d) if matches!(self.xfer.in_own_segment(d), Ok(Some(_))) => Where::Own(d.clone()),
+            Some(d) => Where::Elsewhere(d.clone(), None),
+        };
+        let ended = |key: &Bytes, w: Option<Where>| {
+            if let Some(Where::Own(d)) = w
+                && let Some((_, mem)) = self.xfer.own_segment()
+                && let Some(off) = mem.offset_of(d.buffer_address, d.size)
+            {
+                mem.fence().held(key, off, d.size as usize, since);
+            }
+        };
+        match (req, resp) {
+            (Request::PutStart(a), Response::PutStart(Ok(r))) => {
+                let w = place(r);
+                f.lock().started(&a.key, w, now);
+            }
+            (Request::BatchPutStart(a), Response::BatchPutStart(v)) => {
+                let places: Vec<_> = v
+                    .iter()
+                    .map(|r| r.as_ref().ok().map(|r| place(r)))
+                    .collect();
+                let mut g = f.lock();
+                for (k, w) in a.keys.iter().zip(places) {
+                    if let Some(w) = w {
+                        g.started(k, w, now);
+                    }
+                }
+            }
+            (Request::PutEnd(a), Response::PutEnd(r)) if a.replica_type == ReplicaType::ALL => {
+                let key = &a.object_meta.key;
+                let w = match r {
+                    Ok(()) => f.lock().ended(key, now),
+                    Err(_) => {
+                        f.lock().revoked(key);
+                        None
+                    }
+                };
+                ended(key, w);
+            }
+            (Request::BatchPutEnd(a), Response::BatchPutEnd(v))
+                if a.replica_type == ReplicaType::ALL =>
+            {
+                let done: Vec<_> = {
+                    let mut g = f.lock();
+                    a.object_metas
+                        .iter()
+                        .zip(v)
+                        .map(|(m, r)| match r {
+                            Ok(()) => g.ended(&m.key, now),
+                            Err(_) => {
+                                g.revoked(&m.key);
+                                None
+                            }
+                        })
+                        .collect()
+                };
+                for (m, w) in a.object_metas.iter().zip(done) {
+                    ended(&m.key, w);
+                }
+            }
+            (Request::PutRevoke(a), _) if a.replica_type == ReplicaType::ALL => {
+                f.lock().revoked(&a.key);
+            }
+            (Request::BatchPutRevoke(a), _) if a.replica_type == ReplicaType::ALL => {
+                let mut g = f.lock();
+                for k in &a.keys {
+                    g.revoked(k);
+                }
+            }
+            (Request::Remove(a), Response::Remove(Ok(()))) => {
+                f.lock().removed(&a.key);
+                if let Some((_, mem)) = self.xfer.own_segment() {
+                    mem.fence().forget_held(&a.key);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Acknowledged puts followed now (a gauge's reading).
+    pub fn failover_followed(&self) -> Option<usize> {
+        self.failover.as_ref().map(|f| f.lock().len())
+    }
+
+    /// The own-segment ranges of every put acknowledged within the window before
+    /// `seen`, held as views are (see [`Pins`]): from here the next leader's puts cannot
+    /// land on bytes that may still be needed.
+    fn pin(&self, seen: Instant, pins: &mut Pins) {
+        let (Some(f), Some((_, mem))) = (&self.failover, self.xfer.own_segment()) else {
+            return;
+        };
+        let entries = {
+            let mut g = f.lock();
+            let from = seen.checked_sub(g.window()).unwrap_or(seen);
+            g.since(from, Instant::now())
+        };
+        let keys: Vec<Bytes> = entries
+            .into_iter()
+            .filter(|(k, e)| matches!(e.bytes, Where::Own(_)) && !pins.held.contains_key(k))
+            .map(|(k, _)| k)
+            .collect();
+        for (k, r) in keys.iter().zip(mem.fence().pin_held(&keys)) {
+            if let Some(r) = r {
+                pins.held.insert(k.clone(), r);
+            }
+        }
+        pins.mem = Some(mem.clone());
+    }
+
+    /// Checks every put acknowledged within the window before `seen` against the
+    /// master in force now and puts the missing ones again where it can (see the
+    /// module); `pins` are released as keys are settled. Per outcome, how many keys.
+    async fn recheck(&self, seen: Instant, pins: &mut Pins, deadline: Instant) -> [u64; 4] {
+        let mut counts = [0u64; 4];
+        let Some(f) = &self.failover else {
+            return counts;
+        };
+        // Puts the old leader acknowledged after the pins were taken.
+        self.pin(seen, pins);
+        let entries = {
+            let mut g = f.lock();
+            let from = seen.checked_sub(g.window()).unwrap_or(seen);
+            g.since(from, Instant::now())
+        };
+        // What the new leader lacks, asked for every key first: the ranges of the keys
+        // it has are free again before any key is put anew.
+        let mut missing: Vec<&(Bytes, Entry)> = Vec::new();
+        for part in entries.chunks(CHECK_CHUNK) {
+            let keys: Vec<Bytes> = part.iter().map(|(k, _)| k.clone()).collect();
+            let present = loop {
+                match self.exists(keys.clone()).await {
+                    Ok(v) => break Some(v),
+                    Err(e) if Instant::now() < deadline => {
+                        tracing::debug!(error = %e, "failover check: the new leader does not answer yet");
+                        tokio::time::sleep(RETRY).await;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, keys = keys.len(),
+                            "failover check: the new leader did not answer; these keys are not checked");
+                        break None;
+                    }
+                }
+            };
+            let Some(present) = present else {
+                keys.iter().for_each(|k| pins.release(k));
+                continue;
+            };
+            for (e, here) in part.iter().zip(present) {
+                if here {
+                    pins.release(&e.0);
+                    counts[Outcome::Present as usize] += 1;
+                } else if self
+                    .heard
+                    .as_ref()
+                    .is_some_and(|h| h.ended_here(&self.tenant, &e.0))
+                {
+                    pins.release(&e.0);
+                    counts[Outcome::EndedHere as usize] += 1;
+                } else {
+                    missing.push(e);
+                }
+            }
+        }
+        // Put again, a batch at a time: own values are copied out of their held ranges
+        // (under the node's byte budget) and their ranges released before any is put,
+        // so the new leader may place them anywhere, their old ranges included.
+        let mut lost: Vec<(Bytes, String)> = Vec::new();
+        for batch in missing.chunks(super::BATCH_CONCURRENCY * 4) {
+            let mut vouched = Vec::with_capacity(batch.len());
+            for (k, e) in batch.iter().map(|e| (&e.0, &e.1)) {
+                match self.vouched(k, e, pins).await {
+                    Ok(v) => vouched.push((k, v)),
+                    Err(why) => lost.push((k.clone(), why.to_string())),
+                }
+            }
+            let jobs: Vec<_> = vouched
+                .iter()
+                .map(|(k, (v, _room))| self.put_again(k, v, deadline))
+                .collect();
+            let done = super::in_order(jobs, super::BATCH_CONCURRENCY).await;
+            for ((k, _), r) in vouched.iter().zip(done) {
+                match r {
+                    Ok(o) => counts[o as usize] += 1,
+                    Err(why) => lost.push(((*k).clone(), why.to_string())),
+                }
+            }
+        }
+        counts[Outcome::Lost as usize] += lost.len() as u64;
+        if !lost.is_empty() {
+            let keys: Vec<Bytes> = lost.iter().map(|(k, _)| k.clone()).collect();
+            if let Some(h) = &self.heard {
+                h.lost(&self.tenant, &keys);
+            }
+            for (k, why) in lost.iter().take(20) {
+                tracing::warn!(key = %String::from_utf8_lossy(k), %why,
+                    "failover check: an acknowledged put the new leader lacks is lost");
+            }
+        }
+        counts
+    }
+
+    /// The bytes of a key the new leader lacks, if moongate can vouch for them, with
+    /// the budget they hold (an own range is released once its bytes are copied out).
+    async fn vouched(
+        &self,
+        key: &Bytes,
+        e: &Entry,
+        pins: &mut Pins,
+    ) -> Result<(Bytes, super::Reserved), Unvouched> {
+        match &e.bytes {
+            Where::Own(d) => {
+                let Some(&(start, len)) = pins.held.get(key) else {
+                    return Err(Unvouched::Overwritten);
+                };
+                let room = self.reserve(d.size).await;
+                let v = match (&pins.mem, &room) {
+                    (Some(m), Ok(_)) if len as u64 == d.size => Some(m.read_vec(start, len)),
+                    _ => None,
+                };
+                pins.release(key);
+                match (v, room) {
+                    (Some(v), Ok(room)) => Ok((Bytes::from(v), room)),
+                    (_, Err(e)) => Err(Unvouched::Read(e)),
+                    (None, _) => Err(Unvouched::Overwritten),
+                }
+            }
+            Where::Elsewhere(d, Some(h)) => {
+                let room = self.reserve(d.size).await.map_err(Unvouched::Read)?;
+                match self.xfer.fetch(d, None).await {
+                    Ok(Value::Whole(v)) if xxhash_rust::xxh3::xxh3_64(&v) == *h => Ok((v, room)),
+                    Ok(_) => Err(Unvouched::Changed),
+                    Err(e) => Err(Unvouched::Read(e)),
+                }
+            }
+            Where::Elsewhere(_, None) => Err(Unvouched::NoHash),
+            Where::Nowhere => Err(Unvouched::NoMemoryReplica),
+        }
+    }
+
+    /// Puts `value` again under `key`. The new leader may not take puts at once (its
+    /// segments come back with their owners' remounts): retried until `deadline`.
+    async fn put_again(
+        &self,
+        key: &Bytes,
+        value: &Bytes,
+        deadline: Instant,
+    ) -> Result<Outcome, Unvouched> {
+        loop {
+            let start = self.put_start(key.clone(), value.len() as u64);
+            match self.put(key.clone(), value.clone(), start).await {
+                Ok(()) => return Ok(Outcome::PutAgain),
+                Err(StoreError::Refused(ErrorCode::OBJECT_ALREADY_EXISTS)) => {
+                    return Ok(Outcome::Present);
+                }
+                Err(e) if Instant::now() < deadline && retryable(&e) => {
+                    tokio::time::sleep(RETRY).await;
+                }
+                Err(e) => return Err(Unvouched::Put(e)),
+            }
+        }
+    }
+}
+
+/// Own-segment ranges held for the failover check (each as one view), released as
+/// their keys are settled, and all at once when dropped.
+#[derive(Default)]
+struct Pins {
+    mem: Option<std::sync::Arc<crate::kv::own::segment::Memory>>,
+    held: std::collections::HashMap<Bytes, (usize, usize)>,
+}
+
+impl Pins {
+    fn release(&mut self, key: &[u8]) {
+        if let (Some(m), Some((s, l))) = (&self.mem, self.held.remove(key)) {
+            m.fence().unview(s, l);
+        }
+    }
+}
+
+impl Drop for Pins {
+    fn drop(&mut self) {
+        if let Some(m) = &self.mem {
+            for (_, (s, l)) in self.held.drain() {
+                m.fence().unview(s, l);
+            }
+        }
+    }
+}
+
+/// Errors of a put that a new leader gives while it is not ready for it.
+fn retryable(e: &StoreError) -> bool {
+    matches!(
+        e,
+        StoreError::Master(_)
+            | StoreError::Rpc(_)
+            | StoreError::NoLeader
+            | StoreError::MasterBusy
+            | StoreError::Busy(_)
+            | StoreError::Fenced(_)
+            | StoreError::Transfer(_)
+            | StoreError::Refused(ErrorCode::NO_AVAILABLE_HANDLE | ErrorCode::SEGMENT_NOT_FOUND)
+    )
+}
+
+/// Follows the master in force and runs the check after each change of leader (a new
+/// address, or a new view version at the same one), until `shutdown`. The own ranges
+/// of the window are held from the moment the old leader is seen gone. Returns at once
+/// when the check is off.
+pub async fn follow(store: &Store, mut upstream: Upstream, shutdown: CancellationToken) {
+    if store.failover.is_none() {
+        return;
+    }
+    let mut last: Option<Leader> = upstream.current();
+    // Since when the leader in `last` is gone, and what is held since.
+    let mut gone: Option<(Instant, Pins)> = None;
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = upstream.changed() => {}
+        }
+        let now = upstream.current();
+        if now == last {
+            // The same leader again (an etcd blip): nothing was forgotten.
+            gone = None;
+            continue;
+        }
+        if last.is_none() {
+            // The first leader this moongate knows: nothing was acknowledged before it.
+            last = now;
+            continue;
+        }
+        let (seen, mut pins) = gone
+            .take()
+            .unwrap_or_else(|| (Instant::now(), Pins::default()));
+        store.pin(seen, &mut pins);
+        if now.is_none() {
+            gone = Some((seen, pins));
+            continue;
+        }
+        last = now.clone();
+        store.metrics.failover_rechecks.inc();
+        let counts = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            c = store.recheck(seen, &mut pins, seen + SETTLE) => c,
+        };
+        drop(pins);
+        for o in Outcome::ALL {
+            store.metrics.failover_keys[o as usize].inc_by(counts[o as usize]);
+        }
+        tracing::info!(leader = ?now.map(|l| l.addr),
+            present = counts[0], put_again = counts[1], ended_here = counts[2], lost = counts[3],
+            "failover check: acknowledged puts checked against the new leader");
+    }
+}
