@@ -121,6 +121,11 @@ pub struct KvConfig {
     /// Connections to the master the kv face opens at most; a call finding them all in
     /// use waits up to `kv.busy_wait_ms`, then is answered 503. Default 32.
     pub master_connections: usize,
+    /// A master connection idle this long is closed (`kv.master_idle_ms`). Default
+    /// 30,000: a burst opens up to `kv.master_connections`, which otherwise stay open
+    /// (one descriptor here and one in the master each) until the next leader change;
+    /// steady traffic reuses its few. 0 = never closed.
+    pub master_idle_ms: u64,
     /// How long a segment descriptor read from the metadata server is reused (it is
     /// also dropped when a transfer with it fails). Default 60000.
     pub metadata_ttl_ms: u64,
@@ -232,6 +237,7 @@ impl Default for KvConfig {
             idle_timeout_ms: 60_000,
             max_key_bytes: 4096,
             master_connections: 32,
+            master_idle_ms: 30_000,
             metadata_ttl_ms: 60_000,
             disk_root: String::new(),
             shm: true,

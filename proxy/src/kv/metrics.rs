@@ -182,6 +182,10 @@ pub struct KvMetrics {
     pub share_refused: Counter,
     /// Master calls refused busy: every one of `kv.master_connections` stayed in use.
     pub master_busy: Counter,
+    /// Master connections idle now, and those closed for being idle past
+    /// `kv.master_idle_ms`.
+    pub master_idle: Gauge,
+    pub master_idle_closed: Counter,
     /// Shared-memory calls `[op - 1][ok, error]` (register, release, get_into,
     /// put_from, batch_get_into), and the rest.
     shm_calls: [[Counter; 2]; SHM_OPS.len()],
@@ -413,6 +417,18 @@ impl KvMetrics {
              (went ahead once the view ended) or rejected (the view outlasted the wait)",
             fenced.clone(),
         );
+        let master_idle = Gauge::default();
+        registry.register(
+            "moongate_kv_master_idle_connections",
+            "The kv face's master connections open and idle now",
+            master_idle.clone(),
+        );
+        let master_idle_closed = Counter::default();
+        registry.register(
+            "moongate_kv_master_idle_closed",
+            "The kv face's master connections closed after kv.master_idle_ms idle",
+            master_idle_closed.clone(),
+        );
         let failover_rechecks = Counter::default();
         registry.register(
             "moongate_kv_failover_rechecks",
@@ -486,6 +502,8 @@ impl KvMetrics {
                 .map(|reason| bodies_shed.get_or_create(&ReasonLabel { reason }).clone()),
             share_refused,
             master_busy,
+            master_idle,
+            master_idle_closed,
             shm_calls: SHM_OPS.map(|op| {
                 ["ok", "error"].map(|result| shm.get_or_create(&ShmLabels { op, result }).clone())
             }),

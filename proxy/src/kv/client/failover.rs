@@ -150,7 +150,7 @@ impl Store {
     }
 
     /// Records the hash of `key`'s whole value, when it is wanted.
-    pub(super) fn vouch(&self, key: &[u8], value: &[u8]) {
+    pub fn vouch(&self, key: &[u8], value: &[u8]) {
         if self.wants_hash(key)
             && let Some(f) = &self.failover
         {

@@ -3,7 +3,9 @@
 //!
 //! At most `kv.master_connections` are open at once; a call that finds every one in
 //! use waits up to `kv.busy_wait_ms`, then is refused busy (503): a burst of kv
-//! requests can not open an unbounded number of master connections.
+//! requests can not open an unbounded number of master connections. Idle ones are
+//! closed after `kv.master_idle_ms` ([`MasterConns::close_idle`]): a burst's
+//! connections do not stay open until the next leader change.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -23,7 +25,9 @@ pub struct MasterConns {
     busy_wait: Duration,
     /// One permit per connection that may be open (idle here or in a call).
     open: Arc<Semaphore>,
-    idle: Mutex<Vec<(String, Conn)>>,
+    /// Idle connections: the leader's address, the connection, when it was last used.
+    /// Taken from the back (the most recently used), aged out from the front.
+    idle: Mutex<Vec<(String, Conn, std::time::Instant)>>,
     metrics: Arc<KvMetrics>,
 }
 
@@ -69,11 +73,11 @@ impl MasterConns {
         };
         let pooled = {
             let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
-            idle.retain(|(a, _)| *a == addr);
+            idle.retain(|(a, _, _)| *a == addr);
             idle.pop()
         };
         let mut c = match pooled {
-            Some((_, c)) => c,
+            Some((_, c, _)) => c,
             None => Conn::connect(&addr, self.call_timeout, self.upstream.release())
                 .await
                 .inspect_err(|_| self.upstream.places_voided())?,
@@ -87,15 +91,62 @@ impl MasterConns {
                 self.upstream.places_voided();
             })?;
         // Back to the pool before the permit is released (the permit counts it).
-        self.idle
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push((addr, c));
+        self.idle.lock().unwrap_or_else(|p| p.into_inner()).push((
+            addr,
+            c,
+            std::time::Instant::now(),
+        ));
         match answers.pop() {
             Some(Ok(r)) => Ok(r),
             Some(Err(code)) => Err(StoreError::Rpc(code)),
             None => Err(StoreError::Unexpected),
         }
+    }
+}
+
+impl MasterConns {
+    /// Closes the idle connections last used more than `older_than` ago; how many.
+    pub fn close_idle(&self, older_than: Duration) -> usize {
+        let closed: Vec<_> = {
+            let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+            let now = std::time::Instant::now();
+            let keep = idle
+                .iter()
+                .position(|(_, _, at)| now.duration_since(*at) < older_than)
+                .unwrap_or(idle.len());
+            idle.drain(..keep).collect()
+        };
+        // Closed outside the lock.
+        let n = closed.len();
+        drop(closed);
+        self.metrics.master_idle_closed.inc_by(n as u64);
+        n
+    }
+
+    /// Idle connections now.
+    pub fn idle(&self) -> usize {
+        self.idle.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+}
+
+/// Closes `conns`' idle connections once they have been idle for `after`, until
+/// `shutdown` (`kv.master_idle_ms`; zero: never).
+pub async fn close_idle_every(
+    conns: &MasterConns,
+    after: Duration,
+    shutdown: tokio_util::sync::CancellationToken,
+) {
+    if after.is_zero() {
+        return;
+    }
+    let every = (after / 4).max(Duration::from_millis(100));
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(every) => {}
+        }
+        conns.close_idle(after);
+        conns.metrics.master_idle.set(conns.idle() as i64);
     }
 }
 
@@ -147,5 +198,94 @@ mod tests {
         assert_eq!((busy, timed_out), (3, 2));
         assert_eq!(accepted.load(Ordering::SeqCst), 2);
         assert_eq!(metrics.master_busy.get(), 3);
+    }
+
+    /// A master that answers every request with transport error 1 (no body) and counts
+    /// the connections open to it.
+    async fn answering_master() -> (String, Arc<AtomicUsize>) {
+        use crate::codec::frame::{REQUEST_HEADER_LEN, ResponseHeader};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let open = Arc::new(AtomicUsize::new(0));
+        let o = open.clone();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = l.accept().await {
+                let o = o.clone();
+                o.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut h = [0u8; REQUEST_HEADER_LEN];
+                    while s.read_exact(&mut h).await.is_ok() {
+                        let seq = u32::from_le_bytes(h[4..8].try_into().unwrap());
+                        let len = u32::from_le_bytes(h[12..16].try_into().unwrap());
+                        let mut body = vec![0u8; len as usize];
+                        if s.read_exact(&mut body).await.is_err() {
+                            break;
+                        }
+                        // Slow enough that concurrent calls each take a connection.
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        let mut out = bytes::BytesMut::new();
+                        ResponseHeader::new(seq, 1, 0).write(&mut out);
+                        if s.write_all(&out).await.is_err() {
+                            break;
+                        }
+                    }
+                    o.fetch_sub(1, Ordering::SeqCst);
+                });
+            }
+        });
+        (addr, open)
+    }
+
+    /// A burst opens several connections; once idle past the bound they are closed
+    /// (the master sees them go), and the next call opens one again.
+    #[tokio::test]
+    async fn idle_connections_are_closed_after_the_idle_time() {
+        let (addr, open) = answering_master().await;
+        let metrics = crate::metrics::Metrics::new().kv.clone();
+        let m = Arc::new(MasterConns::new(
+            Upstream::fixed(&addr),
+            Duration::from_secs(5),
+            8,
+            Duration::from_secs(5),
+            metrics.clone(),
+        ));
+        let calls: Vec<_> = (0..6)
+            .map(|_| {
+                let m = m.clone();
+                tokio::spawn(async move { m.call(Request::ServiceReady(NoArgs)).await })
+            })
+            .collect();
+        for c in calls {
+            assert!(matches!(c.await.unwrap(), Err(StoreError::Rpc(1))));
+        }
+        assert_eq!(m.idle(), 6);
+        assert_eq!(
+            m.close_idle(Duration::from_secs(60)),
+            0,
+            "not idle long enough"
+        );
+        let stop = tokio_util::sync::CancellationToken::new();
+        let task = tokio::spawn({
+            let (m, stop) = (m.clone(), stop.clone());
+            async move { close_idle_every(&m, Duration::from_millis(200), stop).await }
+        });
+        let t0 = std::time::Instant::now();
+        while open.load(Ordering::SeqCst) > 0 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "connections stayed open"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(m.idle(), 0);
+        assert_eq!(metrics.master_idle_closed.get(), 6);
+        assert!(matches!(
+            m.call(Request::ServiceReady(NoArgs)).await,
+            Err(StoreError::Rpc(1))
+        ));
+        assert_eq!(open.load(Ordering::SeqCst), 1);
+        stop.cancel();
+        task.await.unwrap();
     }
 }

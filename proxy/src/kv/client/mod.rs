@@ -321,6 +321,15 @@ impl Store {
         self.master.known_epoch()
     }
 
+    /// Closes master connections idle for `after` until `shutdown` (`kv.master_idle_ms`).
+    pub async fn close_idle_masters(
+        &self,
+        after: Duration,
+        shutdown: tokio_util::sync::CancellationToken,
+    ) {
+        master::close_idle_every(&self.master, after, shutdown).await
+    }
+
     /// The deadline of one master call or transfer (`kv.timeout_ms`).
     pub fn call_timeout(&self) -> Duration {
         self.call_timeout

@@ -214,6 +214,8 @@ impl Engines {
                 let Some(value) = (unsafe { self.written(r) }) else {
                     return Err(StoreError::Unexpected);
                 };
+                // A staged value goes to another segment: hashed for the failover check.
+                state.store.vouch(&r.key, value);
                 state
                     .store
                     .write_replicas_but(&r.replicas, r.written, value)
