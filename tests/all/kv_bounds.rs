@@ -725,3 +725,44 @@ fn hostile_bodies_are_bounded_and_a_well_behaved_client_is_served() {
     served();
     assert!(service_ready(&mg.listen));
 }
+
+/// A burst of concurrent puts opens several master connections; once idle past
+/// `kv.master_idle_ms` moongate closes them (counted), and the next put works.
+#[test]
+fn idle_master_connections_are_closed_after_a_burst() {
+    let master = Master::start();
+    let (mg, kv) = kv_moongate(&master, "master_idle_ms = 1000\nsegment_bytes = 16777216\n");
+    wait_segment_mounted(&mg);
+    let burst: Vec<_> = (0..8)
+        .map(|i| {
+            let kv = kv.clone();
+            std::thread::spawn(move || {
+                for j in 0..20 {
+                    let k = format!("burst/{i}/{j}");
+                    let st = http_bytes(
+                        &kv,
+                        "PUT",
+                        &format!("/v1/kv/{}", enc(&k)),
+                        &value_of(&k, 4096),
+                    );
+                    assert_eq!(st.map(|s| s.0), Some(201), "{k}");
+                }
+            })
+        })
+        .collect();
+    for t in burst {
+        t.join().unwrap();
+    }
+    wait_for(
+        "idle master connections closed",
+        Duration::from_secs(20),
+        &[&mg.proc, &master.proc],
+        || {
+            let m = mg.metrics();
+            metric_value(&m, "moongate_kv_master_idle_closed_total") >= 2.0
+                && metric_value(&m, "moongate_kv_master_idle_connections") == 0.0
+        },
+    );
+    let st = http_bytes(&kv, "PUT", "/v1/kv/after", &value_of("after", 4096));
+    assert_eq!(st.map(|s| s.0), Some(201));
+}

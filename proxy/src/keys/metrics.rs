@@ -11,6 +11,8 @@ use super::history::{WHYS, Why};
 /// Handles of the key table.
 pub struct KeyMetrics {
     pub table_keys: Gauge,
+    /// Keys whose last end the history remembers (at most `eviction.history_keys`).
+    pub history_keys: Gauge,
     misses: Family<MissLabels, Counter>,
     miss_handles: std::sync::Mutex<std::collections::HashMap<String, [Counter; WHYS.len()]>>,
 }
@@ -50,16 +52,25 @@ impl KeyMetrics {
             "Keys in moongate's eviction table",
             table_keys.clone(),
         );
+        let history_keys = Gauge::default();
+        registry.register(
+            "moongate_key_history_keys",
+            "Keys whose last end moongate's key history remembers (at most \
+             eviction.history_keys)",
+            history_keys.clone(),
+        );
         let misses = Family::<MissLabels, Counter>::default();
         registry.register(
             "moongate_lookup_misses",
             "Lookup misses by why, as far as this moongate saw (never_stored, \
-             evicted_by_moongate, removed_by_client, refused_by_policy, evicted_by_master), \
+             evicted_by_moongate, removed_by_client, refused_by_policy, evicted_by_master, \
+             lost_in_failover), \
              and the arm that served the lookup (eviction on: it keeps the key table)",
             misses.clone(),
         );
         KeyMetrics {
             table_keys,
+            history_keys,
             misses,
             miss_handles: Default::default(),
         }

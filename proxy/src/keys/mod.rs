@@ -78,6 +78,7 @@ impl Keys {
     /// Publishes the table's size (after a change of many entries).
     pub fn counted(&self) {
         self.metrics.table_keys.set(self.table.len() as i64);
+        self.metrics.history_keys.set(self.history.len() as i64);
     }
 
     /// Applies one thing seen about keys homed here (`arm`: the arm that served the

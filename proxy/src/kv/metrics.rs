@@ -114,6 +114,11 @@ struct ResultLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TableLabel {
+    table: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct WhereLabel {
     place: &'static str,
 }
@@ -186,6 +191,9 @@ pub struct KvMetrics {
     /// `kv.master_idle_ms`.
     pub master_idle: Gauge,
     pub master_idle_closed: Counter,
+    /// Entries of the kv face's bounded tables: `[known_keys, failover_window,
+    /// failover_held]` (their bounds: `kv.known_keys`, `kv.failover_window_keys` twice).
+    pub table_entries: [Gauge; 3],
     /// Shared-memory calls `[op - 1][ok, error]` (register, release, get_into,
     /// put_from, batch_get_into), and the rest.
     shm_calls: [[Counter; 2]; SHM_OPS.len()],
@@ -429,6 +437,15 @@ impl KvMetrics {
             "The kv face's master connections closed after kv.master_idle_ms idle",
             master_idle_closed.clone(),
         );
+        let tables = Family::<TableLabel, Gauge>::default();
+        registry.register(
+            "moongate_kv_table_entries",
+            "Entries of the kv face's bounded tables, read every 5 s: known_keys (own keys \
+             viewed without the master, at most kv.known_keys), failover_window (puts \
+             acknowledged lately, at most kv.failover_window_keys), failover_held (their \
+             own-segment ranges, as many at most)",
+            tables.clone(),
+        );
         let failover_rechecks = Counter::default();
         registry.register(
             "moongate_kv_failover_rechecks",
@@ -504,6 +521,8 @@ impl KvMetrics {
             master_busy,
             master_idle,
             master_idle_closed,
+            table_entries: ["known_keys", "failover_window", "failover_held"]
+                .map(|table| tables.get_or_create(&TableLabel { table }).clone()),
             shm_calls: SHM_OPS.map(|op| {
                 ["ok", "error"].map(|result| shm.get_or_create(&ShmLabels { op, result }).clone())
             }),

@@ -90,6 +90,9 @@ pub struct Uses {
     pub metrics: Arc<KvMetrics>,
 }
 
+/// How often the kv face closes idle master connections and reads its tables' sizes.
+const HOUSEKEEPING: Duration = Duration::from_secs(5);
+
 /// Builds and serves the kv face on `listener` (bound by the caller, so a bad address
 /// fails start-up with the other listeners): the client core, its transports, the own
 /// segment when `kv.segment_bytes` > 0, the Unix socket and the QUIC API when
@@ -249,6 +252,24 @@ pub async fn start(
         tokio::spawn(
             async move { client::failover::follow(&state.store, upstream, shutdown).await },
         );
+    }
+    {
+        let (state, shutdown) = (state.clone(), shutdown.clone());
+        let idle = Duration::from_millis(cfg.master_idle_ms);
+        // Often enough that an idle connection outlives its bound by a quarter at most.
+        let every = if idle.is_zero() {
+            HOUSEKEEPING
+        } else {
+            (idle / 4).clamp(Duration::from_millis(100), HOUSEKEEPING)
+        };
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(every) => state.store.housekeeping(idle),
+                }
+            }
+        });
     }
     if !cfg.unix_path.is_empty() {
         let path = std::path::PathBuf::from(&cfg.unix_path);

@@ -4,7 +4,8 @@
 //! At most `kv.master_connections` are open at once; a call that finds every one in
 //! use waits up to `kv.busy_wait_ms`, then is refused busy (503): a burst of kv
 //! requests can not open an unbounded number of master connections. Idle ones are
-//! closed after `kv.master_idle_ms` ([`MasterConns::close_idle`]): a burst's
+//! closed after `kv.master_idle_ms` ([`MasterConns::close_idle`], from the kv face's
+//! housekeeping): a burst's
 //! connections do not stay open until the next leader change.
 
 use std::sync::{Arc, Mutex};
@@ -129,27 +130,6 @@ impl MasterConns {
     }
 }
 
-/// Closes `conns`' idle connections once they have been idle for `after`, until
-/// `shutdown` (`kv.master_idle_ms`; zero: never).
-pub async fn close_idle_every(
-    conns: &MasterConns,
-    after: Duration,
-    shutdown: tokio_util::sync::CancellationToken,
-) {
-    if after.is_zero() {
-        return;
-    }
-    let every = (after / 4).max(Duration::from_millis(100));
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(every) => {}
-        }
-        conns.close_idle(after);
-        conns.metrics.master_idle.set(conns.idle() as i64);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -265,17 +245,13 @@ mod tests {
             0,
             "not idle long enough"
         );
-        let stop = tokio_util::sync::CancellationToken::new();
-        let task = tokio::spawn({
-            let (m, stop) = (m.clone(), stop.clone());
-            async move { close_idle_every(&m, Duration::from_millis(200), stop).await }
-        });
         let t0 = std::time::Instant::now();
         while open.load(Ordering::SeqCst) > 0 {
             assert!(
                 t0.elapsed() < Duration::from_secs(10),
                 "connections stayed open"
             );
+            m.close_idle(Duration::from_millis(200));
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         assert_eq!(m.idle(), 0);
@@ -285,7 +261,5 @@ mod tests {
             Err(StoreError::Rpc(1))
         ));
         assert_eq!(open.load(Ordering::SeqCst), 1);
-        stop.cancel();
-        task.await.unwrap();
     }
 }

@@ -321,13 +321,18 @@ impl Store {
         self.master.known_epoch()
     }
 
-    /// Closes master connections idle for `after` until `shutdown` (`kv.master_idle_ms`).
-    pub async fn close_idle_masters(
-        &self,
-        after: Duration,
-        shutdown: tokio_util::sync::CancellationToken,
-    ) {
-        master::close_idle_every(&self.master, after, shutdown).await
+    /// Periodic upkeep: closes master connections idle for `master_idle` (zero: none)
+    /// and reads the bounded tables' sizes into their gauges.
+    pub fn housekeeping(&self, master_idle: Duration) {
+        if !master_idle.is_zero() {
+            self.master.close_idle(master_idle);
+        }
+        let m = &self.metrics;
+        m.master_idle.set(self.master.idle() as i64);
+        let own = self.xfer.own_segment().map(|(_, mem)| mem.fence());
+        m.table_entries[0].set(own.map_or(0, |f| f.known_keys()) as i64);
+        m.table_entries[1].set(self.failover_followed().unwrap_or(0) as i64);
+        m.table_entries[2].set(own.map_or(0, |f| f.held_keys()) as i64);
     }
 
     /// The deadline of one master call or transfer (`kv.timeout_ms`).
