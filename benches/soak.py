@@ -3,10 +3,11 @@
 
 What runs, all real and on loopback: etcd, an HA pair of `mooncake_master` (the pinned
 release, `--enable_oplog` so objects survive a failover), Mooncake's metadata server, an
-owner (a Mooncake client mounting a 256 MiB segment, the pool's memory), and moongate
+owner (a Mooncake client mounting a 1 GiB segment, the pool's memory), and moongate
 in front of the pair (`upstream = "etcd://..."`) with the kv face (TCP, a Unix socket, a
-64 MiB own segment), hints, KV events and eviction on (0.7 / 0.6; the masters' own
-eviction set out of the way at 0.98, so every eviction is moongate's and accounted).
+64 MiB own segment), hints, KV events and eviction on (0.4 / 0.35 of the pool, which
+the traffic's working sets, ~43 %, keep it busy at; the masters' own eviction set out
+of the way at 0.98, so every eviction is moongate's and accounted).
 
 Traffic, each a process of its own, each writing fresh keys whose bytes follow from the
 key, reading back keys it was acknowledged, and checking every byte:
@@ -40,6 +41,23 @@ moongate's RSS, open descriptors and heap (`moongate_heap_bytes`: in use, kept f
 sampled every 5 s; growth is the median of the last tenth of the run over the median of
 the tenth after warm-up (the first 10 %).
 
+Two arms, run side by side on the same host with the same seed, schedule and faults
+(`--arms moongate,control`, the default): `moongate` as above, and `control`, the same
+`mc` traffic and owner with Mooncake's clients talking to the masters directly
+(`etcd://`), no moongate, no kv-face engines (they have no direct equivalent). The
+faults that need moongate (the faulty plugin, the kv-face flood) are skipped there at
+their turn; garbage goes to the leader's RPC port. Both arms' lost puts per fault kind
+go in one table (`arms.md` in --out). `mc` keeps its working set bounded (it removes
+its keys beyond the last 2,500, 160 MiB, which the pool holds) so that in the control
+arm, where no moongate evicts, the masters never evict either: every key read back
+missing there is a lost put.
+
+Memory growth is measured from the moment moongate's bounded tables are full or level
+(the key table, its history, the hint table, the kv face's known keys and failover
+window: their sizes are sampled from the metrics with the others; a table is level from
+the first sample after which it never grows by more than 2 %), to the end
+(`bounds_filled_s`, `rss_growth_pct` and the heap's from there).
+
     bash benches/soak.sh --minutes 30          (builds moongate in release mode first)
 
 Ends by printing one JSON line: requests, wrong_reads, lost_puts, evicted,
@@ -69,6 +87,14 @@ from benchlib import free_port, run, start_etcd, stop_all, wait_http, work_dir  
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VALUE = 64 << 10
+# Each traffic process reads back among its last this many acknowledged keys and
+# removes its keys beyond KEEP (a working set of 2,500 x 64 KiB = 160 MiB each, which the
+# pool holds: the masters never need to evict, so every key read back missing is
+# accounted for by what moongate says of it, or lost).
+READ_WINDOW = 2000
+KEEP = 2500
+# Keys read back missing that each traffic process reads again at its end.
+LOST_RECHECK = 5000
 
 
 def value_of(key, size=VALUE):
@@ -78,6 +104,8 @@ def value_of(key, size=VALUE):
 
 def why_gone(admin, key):
     """What moongate's history says of a key that read back missing."""
+    if not admin:
+        return "no_moongate"
     try:
         url = f"{admin}/keys/{urllib.parse.quote(key, safe='')}"
         with urllib.request.urlopen(url, timeout=5) as r:
@@ -115,8 +143,10 @@ class Traffic:
         if not ok:
             self.counts["errors"][kind] = self.counts["errors"].get(kind, 0) + 1
 
-    def loop(self, put, get, extra=None):
+    def loop(self, put, get, extra=None, remove=None, keep=0):
         i, last = 0, time.time()
+        # Keys to remove (beyond the last `keep`), retried while leased.
+        doomed = []
         while not select.select([sys.stdin], [], [], 0)[0]:
             # The default policy names `PREFIX/blk/N` as block N, so KV events are
             # published for these keys.
@@ -133,8 +163,22 @@ class Traffic:
             if ok:
                 self.acked.append(key)
                 self.put_at[key] = time.time()
+                if remove and len(self.acked) > keep:
+                    old = self.acked.pop(0)
+                    self.put_at.pop(old, None)
+                    doomed.append(old)
+            # A leased key (read lately) cannot be removed yet: tried again later, a few
+            # at a time so that the backlog drains.
+            for _ in range(min(3, len(doomed))):
+                k = doomed.pop(0)
+                try:
+                    gone = remove(k)
+                except Exception:  # noqa: BLE001
+                    gone = False
+                if not gone:
+                    doomed.append(k)
             if self.acked:
-                k = random.choice(self.acked[-2000:])
+                k = random.choice(self.acked[-READ_WINDOW:])
                 self.counts["requests"] += 1
                 try:
                     got = get(k)
@@ -175,6 +219,19 @@ class Traffic:
             if time.time() - last > 5:
                 last = time.time()
                 print("COUNTS " + json.dumps(self.counts), flush=True)
+        # Keys read back missing, read again now that the faults are over: one that
+        # reads back with its bytes was missing for a while (a leader change's
+        # recovery), not lost.
+        found = 0
+        for k, _ in self.lost[:LOST_RECHECK]:
+            try:
+                got = get(k)
+            except Exception:  # noqa: BLE001
+                got = None
+            if got == value_of(k):
+                found += 1
+                print(f"FOUND {k}", flush=True)
+        self.counts["found_at_end"] = found
         self.counts["lost_keys"] = self.lost[:20]
         self.counts["wrong"] = self.wrong[:20]
         print("COUNTS " + json.dumps(self.counts), flush=True)
@@ -199,14 +256,15 @@ def role_mc(a):
             raise RuntimeError("empty read of a key that exists")
         return None
 
-    t.loop(lambda k, v: s.put(k, v) == 0 or "rc", get)
+    t.loop(lambda k, v: s.put(k, v) == 0 or "rc", get,
+           remove=lambda k: s.remove(k) == 0 or s.is_exist(k) == 0, keep=KEEP)
     os._exit(0)  # Mooncake's close() can hang after a failover
 
 
 def role_owner(a):
     from mooncake.store import MooncakeDistributedStore
     s = MooncakeDistributedStore()
-    rc = s.setup("127.0.0.1", a.metadata, 256 << 20, 16 << 20, "tcp", "", a.master)
+    rc = s.setup("127.0.0.1", a.metadata, 1 << 30, 16 << 20, "tcp", "", a.master)
     if rc != 0:
         raise SystemExit(f"owner setup failed: {rc}")
     print("READY", flush=True)
@@ -257,8 +315,12 @@ def role_http(a):
         except Exception:  # noqa: BLE001
             pass
 
+    def remove(k):
+        st, _ = call("DELETE", "/v1/kv/" + urllib.parse.quote(k, safe=""))
+        return st in (200, 204, 404)
+
     print("READY", flush=True)
-    Traffic("http", a.admin).loop(put, get, hints)
+    Traffic("http", a.admin).loop(put, get, hints, remove=remove, keep=KEEP)
 
 
 def role_lib(a):
@@ -285,8 +347,15 @@ def role_lib(a):
         except moongate_kv.NotFound:
             return None
 
+    def remove(k):
+        try:
+            c.remove(k)
+        except moongate_kv.NotFound:
+            pass
+        return True
+
     print("READY", flush=True)
-    t.loop(put, get)
+    t.loop(put, get, remove=remove, keep=KEEP)
 
 
 def role_events(a):
@@ -318,7 +387,8 @@ class Role:
 
     def __init__(self, name, args, work):
         self.name = name
-        self.p = subprocess.Popen([sys.executable, __file__, "--role", name] + args,
+        self.p = subprocess.Popen([sys.executable, __file__, "--role", name,
+                                   "--seed", os.environ.get("SOAK_SEED", "1")] + args,
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                   stderr=open(f"{work}/{name}.log", "w"))
         line = self.p.stdout.readline()
@@ -327,6 +397,8 @@ class Role:
         self.counts, self.changes = {}, []
         # (key, why, put at, read missing at) of each key gone that moongate did not remove.
         self.lost = []
+        # Those of them that read back at the end (missing for a while, not lost).
+        self.found = set()
         threading.Thread(target=self.read, daemon=True).start()
 
     def read(self):
@@ -341,6 +413,8 @@ class Role:
             elif w[0] == "LOST":
                 k, why, put, gone = w[1].split()
                 self.lost.append((k, why, float(put), float(gone)))
+            elif w[0] == "FOUND":
+                self.found.add(w[1].strip())
 
     def recovered(self, since):
         """Seconds from `since` to the first OK after a failure at or after it (0 when it
@@ -357,7 +431,8 @@ class Role:
     def stop(self):
         try:
             self.p.stdin.close()
-            self.p.wait(60)
+            # It reads its missing keys again before it exits.
+            self.p.wait(240)
         except (subprocess.TimeoutExpired, BrokenPipeError, OSError):
             self.p.kill()
 
@@ -390,20 +465,31 @@ def svg_plot(samples, path):
         f.write("\n".join(out))
 
 
-def place_lost(lost, faults, t0):
-    """Each key gone that moongate did not remove, by the first fault between its put and
-    the read that found it missing: per fault kind, how many and how long before the
+def place_lost(lost, faults, t0, why_now=None):
+    """Each key gone that moongate did not remove, by the first fault in progress or
+    begun between its put and the read that found it missing (a fault lasts from its
+    start to 30 s after it ended: puts acknowledged during an etcd outage are lost at
+    its end): per fault kind, how many, what moongate said of them when read missing
+    (`by_why`) and at the end (`by_why_at_end`, with `why_now`), and how long before the
     fault they were put (median and largest, s); `no_fault_between` for those with none
     (the masters' own evictions, or a loss no fault explains)."""
     out = {}
-    for _, why, put, gone in lost:
-        hit = next((f for f in faults if put <= t0 + f["at_s"] <= gone), None)
+    for k, why, put, gone in lost:
+        if why_now is not None and why_now.get(k) == "evicted_by_moongate":
+            # Missing for a while (a leader change), then evicted by moongate: an
+            # eviction, accounted per key, not a loss.
+            continue
+        hit = next((f for f in faults
+                    if put <= t0 + f["over_s"] + 30 and t0 + f["at_s"] <= gone), None)
         kind = hit["kind"] if hit else "no_fault_between"
         o = out.setdefault(kind, {"keys": 0, "by_why": {}, "put_before_s": []})
         o["keys"] += 1
         o["by_why"][why] = o["by_why"].get(why, 0) + 1
+        if why_now is not None:
+            w = why_now.get(k, "not_asked")
+            o.setdefault("by_why_at_end", {})[w] = o.setdefault("by_why_at_end", {}).get(w, 0) + 1
         if hit:
-            o["put_before_s"].append(t0 + hit["at_s"] - put)
+            o["put_before_s"].append(round(t0 + hit["at_s"] - put, 1))
     for o in out.values():
         b = sorted(o.pop("put_before_s"))
         if b:
@@ -411,11 +497,134 @@ def place_lost(lost, faults, t0):
     return out
 
 
-def growth(vals, n):
-    """Median of the last tenth over the median of the tenth after warm-up, in %."""
+# moongate's bounded tables, sampled from its metrics with RSS: memory growth counts
+# from when they are all full or level.
+TABLES = ("moongate_eviction_table_keys", "moongate_key_history_keys", "moongate_hints_entries",
+          'moongate_kv_table_entries{table="known_keys"}',
+          'moongate_kv_table_entries{table="failover_window"}',
+          'moongate_kv_table_entries{table="failover_held"}')
+TABLE_NAMES = ("key_table", "key_history", "hints", "known_keys", "failover_window",
+               "failover_held")
+
+
+def level_from(vals, tol=0.02):
+    """The first index after which the series never exceeds its value there by more
+    than `tol` (a table at its bound, or one whose size stopped growing)."""
+    top = 0.0
+    first = len(vals)
+    for i in range(len(vals) - 1, -1, -1):
+        top = max(top, vals[i])
+        if top <= vals[i] * (1 + tol) + 1:
+            first = i
+    return first
+
+
+def memory(samples, tables):
+    """RSS, heap and descriptor growth from the moment every bounded table is full or
+    level to the end (medians of a tenth of the run there and at the end)."""
+    if not samples:
+        return {}
+    n = len(samples)
+    at = max([level_from([t[k] for t in tables]) for k in TABLES] or [0])
     k = max(1, n // 10)
-    base, end = statistics.median(vals[k:2 * k] or vals), statistics.median(vals[-k:])
-    return 100.0 * (end - base) / base if base else 0.0
+    out = {"bounds_filled_s": round(samples[min(at, n - 1)][0]),
+           "tables_last": {name: tables[-1][t] for name, t in zip(TABLE_NAMES, TABLES)}
+           if tables else {}}
+    if at + 2 * k > n:
+        out["growth_after_bounds"] = "not measured: the tables were still growing in the last fifth"
+        at = n // 10
+    for name, col in (("rss", 1), ("fd", 2), ("heap_in_use", 3)):
+        vals = [s[col] for s in samples]
+        base = statistics.median(vals[at:at + k])
+        end = statistics.median(vals[-k:])
+        out[f"{name}_growth_pct"] = round(100.0 * (end - base) / base, 2) if base else 0.0
+        out[f"{name}_from_bounds_to_end"] = [base, end]
+    return out
+
+
+def flood_fds(samples, faults):
+    """Open descriptors before each flood, at its peak and one minute after it ended."""
+    out = []
+    for f in faults:
+        if f["kind"] != "flood_of_stalled_bodies" or f.get("skipped"):
+            continue
+        before = [s[2] for s in samples if s[0] < f["at_s"]][-1:]
+        during = [s[2] for s in samples if f["at_s"] <= s[0] <= f["over_s"]]
+        after = [s[2] for s in samples if s[0] >= f["over_s"] + 60][:1]
+        out.append({"at_s": f["at_s"], "before": before[0] if before else None,
+                    "peak": max(during) if during else None,
+                    "a_minute_after": after[0] if after else None})
+    return out
+
+
+def arms(a):
+    """Runs each arm of `--arms` as its own driver, side by side, with the same
+    arguments; one table of their lost puts by fault kind (arms.md in --out), one JSON
+    line with both results. Fails when the moongate arm read wrong bytes, lost a kv-face
+    put, or lost more master-face puts than the control arm."""
+    names = [x for x in a.arms.split(",") if x]
+    unknown = set(names) - {"moongate", "control"}
+    if unknown or not names:
+        raise SystemExit(f"--arms: {a.arms!r}: the arms are moongate and control")
+    out = a.out or work_dir("moongate-soak-arms-")
+    os.makedirs(out, exist_ok=True)
+    rest = [x for x in sys.argv[1:] if not x.startswith("--arms") and x != a.arms]
+    if "--out" in rest:
+        i = rest.index("--out")
+        del rest[i:i + 2]
+    procs = {}
+    for name in names:
+        os.makedirs(f"{out}/{name}", exist_ok=True)
+        procs[name] = subprocess.Popen(
+            [sys.executable, __file__, "--arm", name, "--out", f"{out}/{name}"] + rest,
+            stdout=subprocess.PIPE, stderr=open(f"{out}/{name}/driver.log", "w"), text=True)
+    results = {}
+    for name, pr in procs.items():
+        lines = [l for l in pr.communicate()[0].splitlines() if l.startswith("{")]
+        results[name] = json.loads(lines[-1]) if lines else {
+            "error": f"no result (exit {pr.returncode}); see {out}/{name}/driver.log"}
+    kinds = []
+    for r in results.values():
+        for by in r.get("lost_by_fault_by_client", {}).values():
+            kinds += [k for k in by if k not in kinds]
+    cols = [("control", "mc"), ("moongate", "mc"), ("moongate", "http"), ("moongate", "lib")]
+    cols = [c for c in cols if c[0] in results]
+    head = {"mc": "master face (Mooncake client)", "http": "kv face HTTP", "lib": "kv face C library"}
+
+    def cell(arm, role, kind):
+        by = results[arm].get("lost_by_fault_by_client", {}).get(role, {}).get(kind, {})
+        n = by.get("keys", 0)
+        why = by.get("by_why_at_end")
+        if n and why:
+            # What moongate says of them: lost in a failover, or gone otherwise
+            # (evicted_by_master: the masters' own evictions, or gone unseen).
+            return f"{n} ({', '.join(f'{w} {c}' for w, c in sorted(why.items()))})"
+        return str(n)
+
+    lines = ["| fault | " + " | ".join(f"{arm}: {head[role]}" for arm, role in cols) + " |",
+             "|---|" + "---|" * len(cols)]
+    for kind in kinds:
+        lines.append(f"| {kind} | " + " | ".join(cell(arm, role, kind) for arm, role in cols) + " |")
+    lines.append("| **requests** | " + " | ".join(
+        str(results[arm].get("by_client", {}).get(role, {}).get("requests", 0)) for arm, role in cols) + " |")
+    table = "\n".join(lines)
+    with open(f"{out}/arms.md", "w") as f:
+        f.write("Keys read back missing that moongate did not remove and that did not read back "
+                "at the end either, by the first fault in progress or begun between their put "
+                "and the read (owner_declared_dead: the masters drop a dead owner's segment and "
+                "what it held, by Mooncake's rules); in brackets, what moongate's key history "
+                "says of them at the end:\n\n" + table + "\n")
+    print(table, file=sys.stderr)
+    print(json.dumps({"arms": results, "table": f"{out}/arms.md"}), flush=True)
+    mg = results.get("moongate", {})
+    lost = lambda arm, roles: sum(  # noqa: E731
+        v.get("keys", 0) for role in roles
+        for k, v in results.get(arm, {}).get("lost_by_fault_by_client", {}).get(role, {}).items()
+        if k != "owner_declared_dead")
+    ok = "error" not in mg and mg.get("wrong_reads", 1) == 0 and mg.get("lost_in_failover", 1) == 0
+    if "control" in results and "moongate" in results:
+        ok = ok and lost("moongate", ["mc"]) <= lost("control", ["mc"])
+    return 0 if ok else 1
 
 
 def main():
@@ -432,15 +641,24 @@ def main():
                         "(default: all of them)")
     p.add_argument("--rate", type=float, default=100,
                    help="puts per second per traffic process (0: as fast as it goes)")
+    p.add_argument("--arms", default="moongate,control",
+                   help="the arms to run side by side (moongate, control)")
+    p.add_argument("--arm", default="", help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=1)
     a = p.parse_args()
     roles = {"mc": role_mc, "owner": role_owner, "http": role_http, "lib": role_lib,
              "events": role_events}
     if a.role in roles:
+        random.seed(f"{a.seed}/{a.role}")
         return roles[a.role](a)
+    if not a.arm:
+        return arms(a)
+    control = a.arm == "control"
     import mooncake
     master_bin = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
     work = work_dir("moongate-soak-")
     os.environ["SOAK_RATE"] = str(a.rate)
+    os.environ["SOAK_SEED"] = str(a.seed)
     out = a.out or work
     os.makedirs(out, exist_ok=True)
     procs, masters = [], {}
@@ -478,15 +696,15 @@ def main():
              "--enable_metric_reporting=false", "--eviction_high_watermark_ratio=0.98"],
             cwd=work, stdout=open(f"{work}/{name}.log", "a"), stderr=subprocess.STDOUT)
         procs.append(pr)
-        masters[name] = (pr, f"127.0.0.1:{admin}")
+        masters[name] = (pr, f"127.0.0.1:{admin}", rpc)
 
     def leader():
-        for name, (pr, admin) in masters.items():
+        for name, (pr, admin, _) in masters.items():
             if pr.poll() is None and health(admin) == "serving":
                 return name
         return None
 
-    roles_up, faults, samples = [], [], []
+    roles_up, faults, samples, tables = [], [], [], []
     try:
         etcd_state["addr"] = start_etcd(work, procs)
         etcd_proc = procs[-1]
@@ -505,46 +723,64 @@ def main():
         events_port = free_port()
         sock = f"{work}/kv.sock"
         plugins = os.path.join(ROOT, "target", "plugins")
-        with open(f"{work}/moongate.toml", "w") as f:
-            f.write(
-                f'[master_face]\nlisten = "127.0.0.1:{mg_port}"\n'
-                f'upstream = "etcd://{etcd_state["addr"]}"\n'
-                f'[admin]\nlisten = "{mg_admin}"\n'
-                f'[kv]\nlisten = "127.0.0.1:{kv_port}"\nunix_path = "{sock}"\n'
-                f'metadata_url = "{metadata}"\nsegment_bytes = {64 << 20}\n'
-                f'[eviction]\nenabled = true\n'
-                f'master_metrics_url = "http://{masters["m0"][1]}/metrics, '
-                f'http://{masters["m1"][1]}/metrics"\n'
-                f'high_watermark = 0.7\nlow_watermark = 0.6\ninterval_ms = 500\n'
-                f'[events]\nenabled = true\nendpoint = "tcp://127.0.0.1:{events_port}"\n'
-                f'[policy]\nactive = "default"\n'
-                f'[policy.rollback]\nwindow_ms = 30000\nmin_calls = 20\n'
-                f'max_failure_ratio = 0.05\n'
-                f'[[policy.plugins]]\nname = "lru"\npath = "{plugins}/lru.wasm"\n'
-                f'[[policy.plugins]]\nname = "faulty"\npath = "{plugins}/fault.wasm"\n'
-                f"config = 'every-2-trap'\n")
-        mg = subprocess.Popen([a.moongate, "run", "--config", f"{work}/moongate.toml"],
-                              stdout=open(f"{work}/moongate.log", "w"),
-                              stderr=subprocess.STDOUT,
-                              env={**os.environ, "RUST_LOG": os.environ.get("SOAK_RUST_LOG", "warn")})
-        procs.append(mg)
-        wait_http(f"http://{mg_admin}/ready", 60)
-        admin = f"http://{mg_admin}"
-        master = f"127.0.0.1:{mg_port}"
-        owner = Role("owner", ["--master", master, "--metadata", metadata], work)
-        roles_up.append(owner)
-        wait(lambda: os.path.exists(sock), 60, "the kv socket")
-        traffic = [
-            Role("mc", ["--master", master, "--metadata", metadata, "--admin", admin], work),
-            Role("http", ["--kv", f"127.0.0.1:{kv_port}", "--admin", admin], work),
-            Role("lib", ["--sock", sock, "--admin", admin], work),
-        ]
-        roles_up.extend(traffic)
-        events = Role("events", ["--endpoint", f"tcp://127.0.0.1:{events_port}"], work)
-        roles_up.append(events)
-        log(f"up: moongate {master}, kv 127.0.0.1:{kv_port}, admin {admin}, work {work}")
+        if control:
+            # Mooncake's clients on the masters directly: the mc traffic alone.
+            mg, admin, master = None, "", f"etcd://{etcd_state['addr']}"
+            owner = Role("owner", ["--master", master, "--metadata", metadata], work)
+            roles_up.append(owner)
+            traffic = [Role("mc", ["--master", master, "--metadata", metadata, "--admin", ""],
+                            work)]
+            roles_up.extend(traffic)
+            events = None
+            log(f"up (control): clients on {master}, work {work}")
+        else:
+            with open(f"{work}/moongate.toml", "w") as f:
+                f.write(
+                    f'[master_face]\nlisten = "127.0.0.1:{mg_port}"\n'
+                    f'upstream = "etcd://{etcd_state["addr"]}"\n'
+                    f'[admin]\nlisten = "{mg_admin}"\n'
+                    f'[kv]\nlisten = "127.0.0.1:{kv_port}"\nunix_path = "{sock}"\n'
+                    f'metadata_url = "{metadata}"\nsegment_bytes = {64 << 20}\n'
+                    f'known_keys = 262144\nfailover_window_ms = 30000\n'
+                    f'failover_window_keys = 65536\n'
+                    f'[eviction]\nenabled = true\n'
+                    f'master_metrics_url = "http://{masters["m0"][1]}/metrics, '
+                    f'http://{masters["m1"][1]}/metrics"\n'
+                    f'high_watermark = 0.4\nlow_watermark = 0.35\ninterval_ms = 500\n'
+                    # The bounds, written out (the defaults): the tables' growth is
+                    # read against them.
+                    f'max_keys = 1000000\nhistory_keys = 100000\n'
+                    f'[events]\nenabled = true\nendpoint = "tcp://127.0.0.1:{events_port}"\n'
+                    f'[policy]\nactive = "default"\n'
+                    f'[policy.rollback]\nwindow_ms = 30000\nmin_calls = 20\n'
+                    f'max_failure_ratio = 0.05\n'
+                    f'[[policy.plugins]]\nname = "lru"\npath = "{plugins}/lru.wasm"\n'
+                    f'[[policy.plugins]]\nname = "faulty"\npath = "{plugins}/fault.wasm"\n'
+                    f"config = 'every-2-trap'\n")
+            mg = subprocess.Popen([a.moongate, "run", "--config", f"{work}/moongate.toml"],
+                                  stdout=open(f"{work}/moongate.log", "w"),
+                                  stderr=subprocess.STDOUT,
+                                  env={**os.environ, "RUST_LOG": os.environ.get("SOAK_RUST_LOG", "warn")})
+            procs.append(mg)
+            wait_http(f"http://{mg_admin}/ready", 60)
+            admin = f"http://{mg_admin}"
+            master = f"127.0.0.1:{mg_port}"
+            owner = Role("owner", ["--master", master, "--metadata", metadata], work)
+            roles_up.append(owner)
+            wait(lambda: os.path.exists(sock), 60, "the kv socket")
+            traffic = [
+                Role("mc", ["--master", master, "--metadata", metadata, "--admin", admin], work),
+                Role("http", ["--kv", f"127.0.0.1:{kv_port}", "--admin", admin], work),
+                Role("lib", ["--sock", sock, "--admin", admin], work),
+            ]
+            roles_up.extend(traffic)
+            events = Role("events", ["--endpoint", f"tcp://127.0.0.1:{events_port}"], work)
+            roles_up.append(events)
+            log(f"up: moongate {master}, kv 127.0.0.1:{kv_port}, admin {admin}, work {work}")
 
         def admin_post(path, body=b""):
+            if not admin:
+                return 0
             req = urllib.request.Request(admin + path, data=body, method="POST")
             try:
                 with urllib.request.urlopen(req, timeout=10) as r:
@@ -556,6 +792,8 @@ def main():
 
         def series(*names):
             """Every sample of these metrics, by its labels."""
+            if not admin:
+                return {}
             try:
                 with urllib.request.urlopen(admin + "/metrics", timeout=5) as r:
                     text = r.read().decode()
@@ -588,12 +826,16 @@ def main():
             etcd_proc.send_signal(signal.SIGCONT)
 
         def faulty_plugin():
+            if control:
+                return "skipped: no moongate"
             before = metric("moongate_policy_rollbacks_total")
             st = admin_post("/plugins/faulty/activate")
             wait(lambda: metric("moongate_policy_rollbacks_total") > before, 120,
                  f"the faulty plugin rolled back (activate answered {st})")
 
         def flood():
+            if control:
+                return "skipped: no kv face"
             conns = []
             for i in range(300):
                 try:
@@ -609,7 +851,10 @@ def main():
 
         def garbage():
             rnd = random.Random(1)
-            for port in (mg_port, kv_port) * 50:
+            # Without moongate, at the leader's RPC port (the master face's equivalent).
+            ports = (masters[wait(leader, 60, "a leader")][2],) * 100 if control else \
+                (mg_port, kv_port) * 50
+            for port in ports:
                 try:
                     s = socket.create_connection(("127.0.0.1", port), timeout=5)
                     s.sendall(bytes(rnd.getrandbits(8) for _ in range(rnd.randint(1, 4096))))
@@ -634,12 +879,14 @@ def main():
                                  f"{', '.join(k for k, _ in schedule)}")
             schedule = [(k, f) for k, f in schedule if k in want]
         end = t0 + a.minutes * 60
+        # Faults at fixed offsets from the start, so that both arms meet each at the
+        # same time into their runs.
         next_fault, next_swap, next_sample, n = t0 + 60, t0 + 60, t0, 0
         swap_to = ["lru", "default"]
         swaps = 0
         while time.time() < end:
             now = time.time()
-            if now >= next_sample:
+            if now >= next_sample and mg:
                 next_sample += 5
                 try:
                     rss, fds = proc_stat(mg.pid)
@@ -647,9 +894,11 @@ def main():
                     samples.append((now - t0, rss, fds,
                                     int(heap.get('moongate_heap_bytes{state="in_use"}', 0)) >> 10,
                                     int(heap.get('moongate_heap_bytes{state="free"}', 0)) >> 10))
+                    sizes = series(*TABLES)
+                    tables.append({t: sizes.get(t, 0.0) for t in TABLES})
                 except OSError:
                     raise SystemExit(f"moongate is gone; see {work}/moongate.log")
-            if now >= next_swap:
+            if now >= next_swap and mg:
                 next_swap += 60
                 st = admin_post(f"/plugins/{swap_to[swaps % 2]}/activate")
                 swaps += 1
@@ -660,7 +909,7 @@ def main():
                 n += 1
                 at = time.time()
                 log(f"fault: {kind}")
-                fn()
+                skipped = fn()
                 over = time.time()
                 settle = time.time() + 60
                 rec = None
@@ -671,36 +920,27 @@ def main():
                         break
                     time.sleep(0.2)
                 faults.append({"kind": kind, "at_s": round(at - t0, 1),
+                               **({"skipped": skipped} if skipped else {}),
                                "over_s": round(over - t0, 1),
                                "recovered_s": None if rec is None else round(rec, 2),
                                "by_client": {r.name: r.recovered(at) for r in traffic}})
                 log(f"  recovered after {rec} s")
                 # The next fault after the plugin the fault left is back, and a pause.
                 admin_post(f"/plugins/{swap_to[(swaps + 1) % 2]}/activate")
-                next_fault = time.time() + a.fault_every
+                next_fault = max(next_fault + a.fault_every, time.time() + 10)
             time.sleep(0.2)
-        for r in traffic + [events]:
+        for r in traffic + ([events] if events else []):
             r.stop()
         time.sleep(1)
-        # Keys read back missing that moongate did not remove, asked again at the end
-        # through the kv face: one that reads back now (with its bytes) was never gone,
-        # and its miss was a false one.
-        recheck = {"asked": 0, "found": 0, "found_right": 0, "examples": [], "why_now": {}}
-        for k, _, _, _ in [x for r in traffic for x in r.lost][:500]:
-            recheck["asked"] += 1
-            why = why_gone(admin, k)
-            recheck["why_now"][why] = recheck["why_now"].get(why, 0) + 1
-            try:
-                with urllib.request.urlopen(
-                        f"http://127.0.0.1:{kv_port}/v1/kv/{urllib.parse.quote(k, safe='')}",
-                        timeout=10) as resp:
-                    body = resp.read()
-                recheck["found"] += 1
-                recheck["found_right"] += body == value_of(k)
-                if len(recheck["examples"]) < 10:
-                    recheck["examples"].append(k)
-            except (OSError, urllib.error.HTTPError):
-                pass
+        # Keys read back missing that did not read back at the end either (each traffic
+        # process read its own again): what moongate says of them now.
+        for r in traffic:
+            r.lost = [x for x in r.lost if x[0] not in r.found]
+        why_now = {}
+        for k, _, _, _ in [x for r in traffic for x in r.lost][:3000 if mg else 0]:
+            why_now[k] = why_gone(admin, k)
+        recheck = {"found_at_end": {r.name: len(r.found) for r in traffic},
+                   "why_now": {w: list(why_now.values()).count(w) for w in set(why_now.values())}}
         total = {"requests": 0, "wrong_reads": 0, "missing_other": 0, "evicted": 0}
         # The masters' own evictions (their logs' EVICT-RESULT lines): keys a client
         # read back missing that moongate did not remove are accounted against these.
@@ -718,14 +958,21 @@ def main():
                 errors[f"{r.name}:{k}"] = v
             lost_keys += r.counts.get("lost_keys", [])[:7]
         with open(f"{out}/soak_samples.csv", "w") as f:
-            f.write("seconds,rss_kib,open_fds,heap_in_use_kib,heap_free_kib\n")
-            for t, rss, fds, used, free in samples:
-                f.write(f"{t:.0f},{rss},{fds},{used},{free}\n")
-        svg_plot(samples, f"{out}/soak.svg")
-        lost_by_fault = place_lost([x for r in traffic for x in r.lost], faults, t0)
+            f.write("seconds,rss_kib,open_fds,heap_in_use_kib,heap_free_kib,"
+                    + ",".join(TABLE_NAMES) + "\n")
+            for (t, rss, fds, used, free), sizes in zip(samples, tables):
+                f.write(f"{t:.0f},{rss},{fds},{used},{free},"
+                        + ",".join(f"{sizes[k]:.0f}" for k in TABLES) + "\n")
+        if samples:
+            svg_plot(samples, f"{out}/soak.svg")
+        lost_by_fault = place_lost([x for r in traffic for x in r.lost], faults, t0,
+                                   why_now if mg else None)
         # Missing keys moongate did not remove, accounted against the masters' own
         # evictions (by count: the master does not say which keys); the rest are lost.
-        other = total.pop("missing_other")
+        total.pop("missing_other")
+        evicted_later = sum(1 for r in traffic for x in r.lost
+                            if why_now.get(x[0]) == "evicted_by_moongate")
+        other = sum(len(r.lost) for r in traffic) - evicted_later
         with_owner = lost_by_fault.get("owner_declared_dead", {}).get("keys", 0)
         result = {
             **total,
@@ -736,23 +983,26 @@ def main():
             "missing_not_by_moongate": other,
             "master_evicted": master_evicted,
             "lost_by_fault": lost_by_fault,
-            "lost_found_at_the_end": recheck,
+            "missing_rechecked_at_the_end": recheck,
             "by_client": {r.name: {k: r.counts.get(k, 0) for k in
                                   ("requests", "wrong_reads", "missing_other", "evicted")}
                           for r in traffic},
             "minutes": a.minutes,
             "started_epoch": round(t0, 1),
-            "rss_growth_pct": round(growth([s[1] for s in samples], len(samples)), 2),
-            "fd_growth_pct": round(growth([s[2] for s in samples], len(samples)), 2),
-            # RSS apart: the heap's live bytes (tables filling to their bounds) and the
-            # bytes the allocator keeps free (moongate_heap_bytes).
-            "heap_in_use_growth_pct": round(growth([s[3] for s in samples], len(samples)), 2),
-            "heap_kib_first_last": [samples[len(samples) // 10][3:], samples[-1][3:]],
-            "rss_kib_first_last": [samples[len(samples) // 10][1], samples[-1][1]],
-            "fds_first_last": [samples[len(samples) // 10][2], samples[-1][2]],
+            "lost_by_fault_by_client": {r.name: place_lost(r.lost, faults, t0,
+                                                           why_now if mg else None)
+                                        for r in traffic},
+            "lost_in_failover": list(why_now.values()).count("lost_in_failover"),
+            "missing_then_evicted_by_moongate": evicted_later,
+            **memory(samples, tables),
+            "floods": flood_fds(samples, faults),
             "faults": faults,
             "plugin_swaps": swaps,
-            "events_received": events.counts.get("events", 0),
+            "events_received": events.counts.get("events", 0) if events else 0,
+            "failover": series("moongate_kv_failover_keys_total",
+                               "moongate_kv_failover_rechecks_total"),
+            "master_idle": series("moongate_kv_master_idle_connections",
+                                  "moongate_kv_master_idle_closed_total"),
             "moongate_evicted_keys": metric("moongate_eviction_keys_total{result=\"removed\"}"),
             "rollbacks": metric("moongate_policy_rollbacks_total"),
             # What moongate's evictor says of its victims and of rounds cut short: a

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # moongate over time, with faults (benches/soak.py says what runs and what is measured).
 # Not CI: 30 minutes by default.
-#   bash benches/soak.sh [--minutes N] [--fault-every SECONDS] [--out DIR]
-# Ends with one JSON line: requests, wrong_reads, lost_puts, evicted, rss_growth_pct,
-# fd_growth_pct, faults [{kind, at_s, recovered_s}], errors by kind; exits non-zero when
-# a read was wrong or an acknowledged put was lost other than by eviction.
+#   bash benches/soak.sh [--minutes N] [--fault-every SECONDS] [--out DIR] [--arms moongate,control]
+# Runs two arms side by side (moongate, and a control with Mooncake's clients on the
+# masters directly) and ends with one JSON line of both results (requests, wrong_reads,
+# lost keys by fault and client, memory growth from when the bounded tables filled,
+# faults [{kind, at_s, recovered_s}], errors by kind) and a table of both arms' losses
+# (--out DIR/arms.md); exits non-zero when moongate read wrong bytes, lost a kv-face put,
+# or lost more master-face puts than the control arm.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"

@@ -338,21 +338,29 @@ impl Store {
                 }
             }
         }
-        // Put again, a batch at a time: own values are copied out of their held ranges
-        // (under the node's byte budget) and their ranges released before any is put,
-        // so the new leader may place them anywhere, their old ranges included.
+        // Put again in rounds. First every missing key's bytes are read (own ones
+        // copied out of their held ranges, which are then released; others read back
+        // from their segments before the new leader's puts land there), as far as the
+        // node's byte budget goes; then those are put. Released first, so that no put
+        // waits on a range this check still holds.
         let mut lost: Vec<(Bytes, String)> = Vec::new();
-        for batch in missing.chunks(super::BATCH_CONCURRENCY * 4) {
-            let mut vouched = Vec::with_capacity(batch.len());
-            for (k, e) in batch.iter().map(|e| (&e.0, &e.1)) {
+        let mut rest: &[&(Bytes, Entry)] = &missing;
+        while !rest.is_empty() {
+            let mut vouched = Vec::new();
+            let mut taken = 0;
+            for (k, e) in rest.iter().map(|e| (&e.0, &e.1)) {
                 match self.vouched(k, e, pins).await {
                     Ok(v) => vouched.push((k, v)),
+                    // The budget is spent: this round puts what it read, the next reads on.
+                    Err(Unvouched::Read(StoreError::Busy(_))) if !vouched.is_empty() => break,
                     Err(why) => lost.push((k.clone(), why.to_string())),
                 }
+                taken += 1;
             }
+            rest = &rest[taken..];
             let jobs: Vec<_> = vouched
                 .iter()
-                .map(|(k, (v, _room))| self.put_again(k, v, deadline))
+                .map(|(k, (v, _room, seg))| self.put_again(k, v, seg, deadline))
                 .collect();
             let done = super::in_order(jobs, super::BATCH_CONCURRENCY).await;
             for ((k, _), r) in vouched.iter().zip(done) {
@@ -383,28 +391,27 @@ impl Store {
         key: &Bytes,
         e: &Entry,
         pins: &mut Pins,
-    ) -> Result<(Bytes, super::Reserved), Unvouched> {
+    ) -> Result<(Bytes, super::Reserved, Bytes), Unvouched> {
         match &e.bytes {
             Where::Own(d) => {
                 let Some(&(start, len)) = pins.held.get(key) else {
                     return Err(Unvouched::Overwritten);
                 };
-                let room = self.reserve(d.size).await;
-                let v = match (&pins.mem, &room) {
-                    (Some(m), Ok(_)) if len as u64 == d.size => Some(m.read_vec(start, len)),
-                    _ => None,
+                let Some(mem) = pins.mem.clone().filter(|_| len as u64 == d.size) else {
+                    return Err(Unvouched::Overwritten);
                 };
+                // Without budget the range stays held (a later round copies it).
+                let room = self.reserve(d.size).await.map_err(Unvouched::Read)?;
+                let v = mem.read_vec(start, len);
                 pins.release(key);
-                match (v, room) {
-                    (Some(v), Ok(room)) => Ok((Bytes::from(v), room)),
-                    (_, Err(e)) => Err(Unvouched::Read(e)),
-                    (None, _) => Err(Unvouched::Overwritten),
-                }
+                Ok((Bytes::from(v), room, d.transport_endpoint.clone()))
             }
             Where::Elsewhere(d, Some(h)) => {
                 let room = self.reserve(d.size).await.map_err(Unvouched::Read)?;
                 match self.xfer.fetch(d, None).await {
-                    Ok(Value::Whole(v)) if xxhash_rust::xxh3::xxh3_64(&v) == *h => Ok((v, room)),
+                    Ok(Value::Whole(v)) if xxhash_rust::xxh3::xxh3_64(&v) == *h => {
+                        Ok((v, room, d.transport_endpoint.clone()))
+                    }
                     Ok(_) => Err(Unvouched::Changed),
                     Err(e) => Err(Unvouched::Read(e)),
                 }
@@ -414,16 +421,22 @@ impl Store {
         }
     }
 
-    /// Puts `value` again under `key`. The new leader may not take puts at once (its
-    /// segments come back with their owners' remounts): retried until `deadline`.
+    /// Puts `value` again under `key`, in `segment` (where it was) first: a new leader
+    /// that knows few segments yet would otherwise fill those it knows. It may not take
+    /// puts at once (its segments come back with their owners' remounts): retried until
+    /// `deadline`.
     async fn put_again(
         &self,
         key: &Bytes,
         value: &Bytes,
+        segment: &Bytes,
         deadline: Instant,
     ) -> Result<Outcome, Unvouched> {
         loop {
-            let start = self.put_start(key.clone(), value.len() as u64);
+            let mut start = self.put_start(key.clone(), value.len() as u64);
+            if let Request::PutStart(a) = &mut start {
+                a.config.preferred_segments = vec![segment.clone()];
+            }
             match self.put(key.clone(), value.clone(), start).await {
                 Ok(()) => return Ok(Outcome::PutAgain),
                 Err(StoreError::Refused(ErrorCode::OBJECT_ALREADY_EXISTS)) => {
