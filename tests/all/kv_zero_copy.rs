@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use moongate_kv::capi;
 
-use crate::kv_c_abi::{build_library, compile_c, lib_dir};
+use crate::kv_c_abi::{build_library, compile_c};
 use crate::support::*;
 
 /// Builds tests/c/kv_zero_copy.c (static library).
@@ -422,68 +422,51 @@ fn with_zero_copy_off_views_are_refused_and_copies_still_work() {
     assert_eq!(got, 6);
 }
 
-/// The Python package, installed from the repository into a fresh directory, against a
-/// live moongate on CPU buffers (tests/py/kv_python.py).
+/// The wheel (`scripts/wheel.sh`) in a fresh virtualenv, used as a user would: no Rust
+/// on the path, no MOONGATE_KV_LIB, no PYTHONPATH, away from the repository. It finds
+/// its own library, says the workspace's version, carries the C header, imports without
+/// torch, and views, reserves and copies against a live moongate (tests/py/kv_python.py).
 #[test]
-fn the_python_package_installs_and_views_reserves_and_copies() {
+fn the_wheel_alone_in_a_fresh_virtualenv_views_reserves_and_copies() {
     let master = Master::start();
     let dir = tempdir();
     let (mg, _kv, sock) = kv_unix_moongate(&master, dir.path(), 64 << 20, "");
-    build_library();
-    // Installed from a copy: setuptools writes its build files beside the sources.
-    let src = dir.path().join("src");
-    std::fs::create_dir_all(src.join("moongate_kv")).unwrap();
-    for f in [
-        "pyproject.toml",
-        "moongate_kv/__init__.py",
-        "moongate_kv/torch.py",
-        "moongate_kv/copies.py",
-        "moongate_kv/paged.py",
-        "moongate_kv/vllm.py",
-    ] {
-        std::fs::copy(repo_root().join("clients/python").join(f), src.join(f)).unwrap();
-    }
-    let site = dir.path().join("site");
+    let venv = dir.path().join("venv");
     let o = Command::new(python())
-        .args([
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-deps",
-            "--no-build-isolation",
-            "--no-index",
-        ])
-        .arg("--target")
-        .arg(&site)
-        .arg(&src)
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success(),
-        "pip install clients/python:\n{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    let o = Command::new(python())
-        .arg(repo_root().join("tests/py/kv_python.py"))
-        .args(["--address", &format!("unix:{}", sock.display())])
-        .env("PYTHONPATH", &site)
-        .env("MOONGATE_KV_LIB", lib_dir().join("libmoongate_kv.so"))
-        .current_dir(dir.path())
-        .output()
-        .unwrap();
-    all_ok("kv_python.py", &o, &mg);
-    // Importable without torch: the helpers are a module of their own.
-    let o = Command::new(python())
-        .args([
-            "-c",
-            "import sys, moongate_kv; assert 'torch' not in sys.modules",
-        ])
-        .env("PYTHONPATH", &site)
-        .env("MOONGATE_KV_LIB", lib_dir().join("libmoongate_kv.so"))
+        .args(["-m", "venv"])
+        .arg(&venv)
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let py = venv.join("bin/python");
+    install_wheel(&py);
+    let o = installed_python(&py)
+        .arg(repo_root().join("tests/py/kv_python.py"))
+        .args(["--address", &format!("unix:{}", sock.display())])
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    all_ok("kv_python.py from the wheel", &o, &mg);
+    let o = installed_python(&py)
+        .args([
+            "-c",
+            "import os, sys, importlib.metadata as m, moongate_kv as k\n\
+             assert 'torch' not in sys.modules\n\
+             here = os.path.dirname(k.__file__)\n\
+             assert k.library_path().startswith(here), k.library_path()\n\
+             assert os.path.exists(os.path.join(here, 'include', 'moongate_kv.h'))\n\
+             assert k.__version__ == m.version('moongate-kv'), (k.__version__, m.version('moongate-kv'))\n\
+             print(k.__version__)",
+        ])
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout).trim(),
+        workspace_version(),
+        "one version for the wheel, the library and moongate"
+    );
 }
 
 /// Malformed view, release, reserve, commit and hello frames: each gets its error on the

@@ -1023,3 +1023,65 @@ pub fn all_ok(what: &str, o: &std::process::Output, mg: &Moongate) -> String {
     );
     said
 }
+
+/// The moongate_kv wheel as users get it (`scripts/wheel.sh`: the library built by
+/// setuptools-rust into the package, manylinux-tagged), built once per test run so the
+/// tests always meet the wheel of the sources they run with.
+pub fn wheel() -> &'static PathBuf {
+    static WHEEL: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    WHEEL.get_or_init(|| {
+        let o = Command::new("bash")
+            .arg(repo_root().join("scripts/wheel.sh"))
+            .current_dir(repo_root())
+            .output()
+            .expect("bash scripts/wheel.sh");
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            o.status.success(),
+            "scripts/wheel.sh failed:\n{out}\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        PathBuf::from(out.lines().last().expect("the wheel's path").trim())
+    })
+}
+
+/// Installs the wheel into the virtualenv of `python` (no dependencies, no index).
+pub fn install_wheel(python: &Path) {
+    let o = Command::new(python)
+        .args(["-m", "pip", "install", "-q", "--disable-pip-version-check"])
+        .args(["--no-deps", "--no-index", "--force-reinstall"])
+        .arg(wheel())
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "pip install {}:\n{}",
+        wheel().display(),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+/// A command for `python` as a user's would run it: the environment emptied but for a
+/// PATH without Rust's tools (no cargo, no MOONGATE_KV_LIB, no PYTHONPATH), so what it
+/// imports is what is installed in its virtualenv.
+pub fn installed_python(python: &Path) -> Command {
+    let mut cmd = Command::new(python);
+    cmd.env_clear()
+        .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+        .env("HOME", std::env::temp_dir())
+        .env("MC_TCP_BIND_ADDRESS", "127.0.0.1");
+    cmd
+}
+
+/// The workspace's version (Cargo.toml `[workspace.package]`): moongate's, the library's
+/// and the wheel's.
+pub fn workspace_version() -> String {
+    let text = std::fs::read_to_string(repo_root().join("Cargo.toml")).unwrap();
+    let section = text.split("[workspace.package]").nth(1).unwrap();
+    section
+        .lines()
+        .find_map(|l| l.strip_prefix("version = "))
+        .expect("version in [workspace.package]")
+        .trim_matches('"')
+        .to_string()
+}

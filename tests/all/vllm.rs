@@ -16,7 +16,7 @@ use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use crate::kv_c_abi::{build_library, lib_dir};
+use crate::kv_c_abi::lib_dir;
 use crate::support::*;
 
 /// One engine start and one 601-token prompt take 4-35 s here; beside two busy processes
@@ -24,14 +24,32 @@ use crate::support::*;
 const ENGINE_LIMIT: Duration = Duration::from_secs(600);
 const PROMPT_TOKENS: usize = 601;
 
+/// vLLM's Python, with the moongate_kv wheel installed in it (once per test run): the
+/// connector runs from the wheel, as a deployment's would.
 fn vllm_python() -> PathBuf {
-    let p = repo_root().join(".venv-vllm/bin/python");
-    assert!(
-        p.exists(),
-        "{} missing: scripts/vllm_env.sh installs vLLM (scripts/test.sh runs it)",
-        p.display()
-    );
-    p
+    static READY: OnceLock<PathBuf> = OnceLock::new();
+    READY
+        .get_or_init(|| {
+            let p = repo_root().join(".venv-vllm/bin/python");
+            assert!(
+                p.exists(),
+                "{} missing: scripts/vllm_env.sh installs vLLM (scripts/test.sh runs it)",
+                p.display()
+            );
+            install_wheel(&p);
+            p
+        })
+        .clone()
+}
+
+/// A command for vLLM's Python that imports moongate_kv from the installed wheel only:
+/// no PYTHONPATH, no MOONGATE_KV_LIB, no Rust on the path.
+fn vllm_command() -> Command {
+    let mut cmd = Command::new(vllm_python());
+    cmd.env_remove("PYTHONPATH")
+        .env_remove("MOONGATE_KV_LIB")
+        .env("PATH", "/usr/local/bin:/usr/bin:/bin");
+    cmd
 }
 
 /// The tiny model, built once per test binary run (the same seeded weights each time).
@@ -67,16 +85,13 @@ fn run_vllm_env(
     mg: Option<&Moongate>,
     envs: &[(&str, &str)],
 ) -> serde_json::Value {
-    build_library();
     let out = dir.join(format!("{name}.json"));
     let log = dir.join(format!("{name}.log"));
-    let mut cmd = Command::new(vllm_python());
+    let mut cmd = vllm_command();
     cmd.arg(repo_root().join("tests/py/vllm_connector.py"))
         .args(["--model", tiny_model().to_str().unwrap()])
         .args(["--prompt-tokens", &PROMPT_TOKENS.to_string()])
         .args(args)
-        .env("PYTHONPATH", repo_root().join("clients/python"))
-        .env("MOONGATE_KV_LIB", lib_dir().join("libmoongate_kv.so"))
         .env("MC_TCP_BIND_ADDRESS", "127.0.0.1")
         .envs(envs.iter().copied())
         .current_dir(dir)
@@ -322,12 +337,9 @@ fn script_against_moongate(script: &str) {
     let master = Master::start();
     let dir = tempdir();
     let (mg, _kv, sock) = moongate(&master, dir.path());
-    build_library();
-    let o = Command::new(vllm_python())
+    let o = vllm_command()
         .arg(repo_root().join("tests/py").join(script))
         .args(["--address", &format!("unix:{}", sock.display())])
-        .env("PYTHONPATH", repo_root().join("clients/python"))
-        .env("MOONGATE_KV_LIB", lib_dir().join("libmoongate_kv.so"))
         .output()
         .unwrap();
     all_ok(script, &o, &mg);

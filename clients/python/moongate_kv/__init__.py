@@ -11,11 +11,15 @@
 
 GPU tensors: `moongate_kv.torch` (imports torch when used).
 
-The binding is ctypes over the C ABI (clients/rust/include/moongate_kv.h): nothing to
-compile at install time, no dependency, importable without torch, and every call
-releases the GIL while it runs, so threads overlap their calls. The library is found
-at $MOONGATE_KV_LIB, beside this file, on the loader's path, or in the repository's
-target/release (a checkout built with `cargo build --release -p moongate-kv`).
+The binding is ctypes over the C ABI (clients/rust/include/moongate_kv.h): no
+dependency, importable without torch, and every call releases the GIL while it runs, so
+threads overlap their calls. The wheel (`bash scripts/wheel.sh`, then `pip install` it)
+carries the library and its header (`moongate_kv/include/moongate_kv.h`, for C engines
+that take it from the same place). The library is found at $MOONGATE_KV_LIB (an explicit
+choice wins), else the package's own (beside this file), else the repository's
+target/release (a checkout built with `cargo build --release -p moongate-kv`), else on
+the loader's path. `__version__` is the library's: moongate, the library and the
+package are released as one version.
 
 Errors raise `MoongateError` (its `code` is the C library's MG_ERR_*), or one of its
 subclasses for the codes callers branch on: `NotFound`, `Busy`, `Exists`, `NoRoom`,
@@ -23,13 +27,14 @@ subclasses for the codes callers branch on: `NotFound`, `Busy`, `Exists`, `NoRoo
 """
 import ctypes
 import ctypes.util
+import glob
 import os
 import threading
 
 __all__ = [
     "Client", "View", "Views", "Reservation", "MoongateError", "NotFound", "Busy",
     "Exists", "NoRoom", "NoLease", "NotLocal", "IN_PLACE", "STAGED", "library_path",
-    "KeyArray",
+    "KeyArray", "__version__",
 ]
 
 IN_PLACE = 0
@@ -86,16 +91,18 @@ def library_path():
     if env:
         return env
     here = os.path.dirname(os.path.abspath(__file__))
-    beside = os.path.join(here, "libmoongate_kv.so")
-    if os.path.exists(beside):
-        return beside
+    # The wheel's own (the build names it libmoongate_kv.so, with or without an ABI tag).
+    beside = sorted(glob.glob(os.path.join(here, "libmoongate_kv*.so")))
+    if beside:
+        return beside[0]
     repo = os.path.join(here, "..", "..", "..", "target", "release", "libmoongate_kv.so")
     if os.path.exists(repo):
         return os.path.normpath(repo)
     found = ctypes.util.find_library("moongate_kv")
     if found:
         return found
-    raise OSError("libmoongate_kv.so not found: set MOONGATE_KV_LIB, or build it with "
+    raise OSError("libmoongate_kv.so not found: install the wheel (bash scripts/wheel.sh "
+                  "builds it), set MOONGATE_KV_LIB, or build it with "
                   "`cargo build --release -p moongate-kv`")
 
 
@@ -113,6 +120,7 @@ def _load():
             return _lib
         lib = ctypes.CDLL(library_path())
         sig = {
+            "mg_version": (ctypes.c_char_p, []),
             "mg_connect": (_P, [ctypes.c_char_p]),
             "mg_close": (None, [_P]),
             "mg_last_error": (ctypes.c_char_p, [_P]),
@@ -160,6 +168,13 @@ def _load():
                    for name, proto in raw.items()}
         _lib = lib
         return lib
+
+
+def __getattr__(name):
+    # `__version__` asks the library (loaded on first use, not at import).
+    if name == "__version__":
+        return _load().mg_version().decode()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class KeyArray:

