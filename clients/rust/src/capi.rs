@@ -549,8 +549,8 @@ pub unsafe extern "C" fn mg_close(c: *mut mg_client) {
 /// The library's version (`"0.1.0"`): moongate's, the Python package's and the wheel's
 /// are the same number, one release of the whole project. A static string; do not free
 /// it. Which moongate this library can talk to is settled per connection by the
-/// protocols' own handshakes (a moongate of another shared-memory protocol is refused,
-/// `MG_ERR_PROTOCOL`).
+/// protocols' own handshakes: with a moongate whose shared-memory magic differs, shared
+/// memory is not used (the copying calls go over HTTP, versioned by its `/v1/` paths).
 #[unsafe(no_mangle)]
 pub extern "C" fn mg_version() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
