@@ -25,6 +25,7 @@ sends every byte on to its caller on the same cores. `benches/run_kv_face.sh` bu
 import argparse
 import ctypes
 import json
+import resource
 import os
 import statistics
 import subprocess
@@ -325,6 +326,13 @@ def cache_counts(admin):
     return out
 
 
+def proc_cpu(pid):
+    """User and system CPU seconds of a process so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def host_line():
     """The host the figures come from: cores and CPU model."""
     model = "?"
@@ -387,13 +395,25 @@ def main():
         procs.append(subprocess.Popen(
             master_cmd(rpc, http),
             stdout=open(f"{work}/master.log", "w"), stderr=subprocess.STDOUT))
-        procs.append(subprocess.Popen(
+        mg = subprocess.Popen(
             [a.moongate, "run", "--listen", f"127.0.0.1:{free_port()}",
              "--upstream", f"127.0.0.1:{rpc}", "--admin", f"127.0.0.1:{admin}",
              "--kv", f"127.0.0.1:{kv}", "--metadata", metadata,
              "--config", f"{work}/moongate.toml"],
             stdout=open(f"{work}/moongate.log", "w"), stderr=subprocess.STDOUT,
-            env={**os.environ, "RUST_LOG": "warn,moongate::kv=info"}))
+            env={**os.environ, "RUST_LOG": "warn,moongate::kv=info"})
+        procs.append(mg)
+
+        def timed(cmd):
+            """One kv_bench run and the CPU seconds it took: moongate's and the client's
+            (where a remote GET's time goes: moongate's cores, or waiting)."""
+            m0, c0 = proc_cpu(mg.pid), resource.getrusage(resource.RUSAGE_CHILDREN)
+            out = json.loads(_checked_run(cmd, **CHECKED).stdout)
+            c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            out["cpu_s"] = {"moongate": round(proc_cpu(mg.pid) - m0, 3),
+                            "client": round(c1.ru_utime + c1.ru_stime
+                                            - c0.ru_utime - c0.ru_stime, 3)}
+            return out
         wait_http(f"http://127.0.0.1:{admin}/ready")
         # Where the kv API is served over QUIC, and the certificate to pin: its log line.
         quic = None
@@ -423,9 +443,7 @@ def main():
                     r = {}
                     for name, size in SIZES.items():
                         n = value_count(a, size)
-                        out = _checked_run([a.kv_bench, f"127.0.0.1:{kv}", f"kv%2F{name}", str(n)],
-                                             **CHECKED).stdout
-                        r[name] = json.loads(out)
+                        r[name] = timed([a.kv_bench, f"127.0.0.1:{kv}", f"kv%2F{name}", str(n)])
                     before = cache_counts(admin)
                     out = _checked_run([a.kv_bench, f"127.0.0.1:{kv}", f"each:kv%2Ff%2F:{FIRST_N}",
                                           str(first_count(a))],
@@ -434,13 +452,10 @@ def main():
                     after = cache_counts(admin)
                     r["4kfirst"]["cache"] = {k: after[k] - before.get(k, 0) for k in after}
                     n = max(20, a.count // 20)
-                    out = _checked_run([a.kv_bench, f"127.0.0.1:{kv}", f"batch:kv/b/:{BATCH_N}",
-                                          str(n)], **CHECKED).stdout
-                    r[BATCH] = json.loads(out)
-                    out = _checked_run([a.kv_bench, f"127.0.0.1:{kv}", f"put:mg%2Fput%2F:{16 * MiB}",
-                                          str(max(8, a.count // 100))],
-                                         **CHECKED).stdout
-                    r["put16m"] = json.loads(out)
+                    r[BATCH] = timed([a.kv_bench, f"127.0.0.1:{kv}", f"batch:kv/b/:{BATCH_N}",
+                                      str(n)])
+                    r["put16m"] = timed([a.kv_bench, f"127.0.0.1:{kv}",
+                                         f"put:mg%2Fput%2F:{16 * MiB}", str(max(8, a.count // 100))])
                     res[side].append(r)
                 print(f"round {i + 1}/{a.rounds} {side} done", file=sys.stderr, flush=True)
         mixed = None
@@ -479,6 +494,21 @@ def main():
             print(f"{name + op + metric:<28}{med('mooncake', name, metric):>18.2f}"
                   f"{med('moongate', name, metric):>18.2f}{med('shm', name, metric):>14.2f}"
                   f"{med('quic', name, metric):>15.2f}{raw}{cache_note}")
+        # Where the HTTP side's time goes: CPU seconds per op (moongate, kv_bench) against
+        # the wall time per op (from the rate): near 1.0 of a core means CPU-bound.
+        # Where the HTTP side's time goes: CPU milliseconds per call (moongate's, and the
+        # client's, kv_bench) against the wall time per call (its bytes at its rate): a
+        # CPU time near the wall time is a core kept busy.
+        print("\nHTTP side, per call (medians): wall ms | moongate CPU ms | client CPU ms")
+        for name in ("16m", BATCH, "put16m"):
+            rows = [r[name] for r in res["moongate"] if "cpu_s" in r[name] and r[name].get("calls")]
+            if not rows:
+                continue
+            per = lambda f: statistics.median(f(r) for r in rows)  # noqa: E731
+            wall = per(lambda r: r["bytes"] / (r["GBps"] * 1e6))
+            mgc = per(lambda r: r["cpu_s"]["moongate"] * 1e3 / r["calls"])
+            cl = per(lambda r: r["cpu_s"]["client"] * 1e3 / r["calls"])
+            print(f"  {name:<14}{wall:>8.2f} |{mgc:>8.2f} |{cl:>8.2f}")
     if mixed:
         n = len(mixed["mooncake"])
         print(f"\n4 KiB remote get of one key, interleaved (moongate's: replica-cache hits): {n} rounds of {MIX_BLOCK} calls per client "

@@ -118,12 +118,13 @@ fn puts(
     report(size, lat, (size * count) as f64 / busy / 1e9);
 }
 
-/// Prints the JSON line: bytes a call, p50 and p99 of `lat` (us), GB/s.
+/// Prints the JSON line: bytes a call, calls timed, p50 and p99 of `lat` (us), GB/s.
 fn report(bytes: usize, mut lat: Vec<f64>, gbps: f64) {
     lat.sort_by(f64::total_cmp);
     let p = |q: f64| lat[((lat.len() as f64 * q) as usize).min(lat.len() - 1)];
     println!(
-        "{{\"bytes\": {bytes}, \"p50_us\": {:.1}, \"p99_us\": {:.1}, \"GBps\": {gbps:.3}}}",
+        "{{\"bytes\": {bytes}, \"calls\": {}, \"p50_us\": {:.1}, \"p99_us\": {:.1}, \"GBps\": {gbps:.3}}}",
+        lat.len(),
         p(0.5),
         p(0.99),
     );
