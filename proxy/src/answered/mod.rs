@@ -471,6 +471,43 @@ mod tests {
         );
     }
 
+    /// A key a lookup found gone at the master is gone before any later instant and not
+    /// before an earlier one; removed through moongate, it ended here instead; stored
+    /// again, neither.
+    #[test]
+    fn gone_before_a_leader_change_is_what_a_lookup_found_gone_earlier() {
+        let metrics = crate::metrics::Metrics::new();
+        let ev = sink(&metrics, None);
+        let keys = ev.keys().expect("a key table");
+        let tenant = Bytes::from_static(b"default");
+        stored(&ev, &["g", "r"]);
+        let earlier = std::time::Instant::now();
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        tell(
+            &ev,
+            &tracked(Track::Lookup(vec![k("g")].into())),
+            &Response::BatchExistKey(vec![Ok(false)]),
+            0,
+            "a",
+        );
+        tell(
+            &ev,
+            &tracked(Track::Remove(k("r"))),
+            &Response::Remove(Ok(())),
+            0,
+            "a",
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        let later = std::time::Instant::now();
+        assert!(keys.gone_before(&tenant, &k("g"), later));
+        assert!(!keys.gone_before(&tenant, &k("g"), earlier));
+        assert!(!keys.ended_here(&tenant, &k("g")));
+        assert!(keys.ended_here(&tenant, &k("r")));
+        assert!(!keys.gone_before(&tenant, &k("r"), later));
+        stored(&ev, &["g"]);
+        assert!(!keys.gone_before(&tenant, &k("g"), later));
+    }
+
     /// A lookup that finds a key gone between moongate's `Remove` and the evictor
     /// reading its answer: moongate's eviction (a soak counted such keys as lost, the
     /// master having evicted nothing), announced once, not again at the departure.

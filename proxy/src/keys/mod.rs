@@ -253,6 +253,19 @@ impl Keys {
         self.counted();
     }
 
+    /// Whether a lookup through moongate found `key` gone at the master before
+    /// `before` (evicted there, or removed by a client not through moongate) and it was
+    /// not stored again since: a leader that took over after `before` and lacks it has
+    /// not lost it.
+    pub fn gone_before(&self, tenant: &Bytes, key: &Bytes, before: Instant) -> bool {
+        let before_ms = before.saturating_duration_since(self.clock).as_millis() as u64;
+        self.table.get(tenant, key).is_none()
+            && self
+                .history
+                .last(tenant, key)
+                .is_some_and(|e| e.why == Why::evicted_by_master && e.at_ms < before_ms)
+    }
+
     /// Puts of `keys` a new leader lost and moongate could not put again: gone from the
     /// table, and a lookup miss of one is explained as `lost_in_failover`.
     pub fn lost_in_failover(&self, tenant: &Bytes, keys: &[Bytes]) {

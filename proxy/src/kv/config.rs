@@ -181,15 +181,19 @@ pub struct KvConfig {
     /// After a leader change of HA masters, the puts moongate acknowledged within this
     /// many milliseconds before it are checked against the new leader, and the ones it
     /// lacks put again from bytes moongate can vouch for (`kv.failover_window_ms`,
-    /// docs/kv-api.md "Puts that survive a failover"). Default 30,000: an old leader's
-    /// oplog reaches the standby within seconds, but while etcd is down (Mooncake's
-    /// leader keeps serving up to its 5 s lease) nothing does; 30 s covers an etcd
-    /// outage of ~20 s. 0 turns it off. Only with an `etcd://` upstream.
+    /// docs/kv-api.md "Puts that survive a failover"). Default 300,000: a leader that
+    /// takes over with its oplog in order lacks only the last seconds (and, while etcd
+    /// is down, everything acknowledged until the old leader's 5 s lease ran out); one
+    /// whose restore fails (Mooncake 0.3.13 logs `Standby restore failed` and serves
+    /// with no objects: observed after an etcd outage followed by a kill) lacks
+    /// everything, and then the whole window is put again. 0 turns it off. Only with an
+    /// `etcd://` upstream. At most 3,600,000.
     pub failover_window_ms: u64,
     /// At most this many acknowledged puts are kept for that check (the oldest make
     /// room; `moongate_kv_failover_keys_total` shows what was checked). Default 65,536:
     /// 30 s of ~2,000 puts a second, ~13 MB of table at most with 100-byte keys (an
-    /// estimate). At most 16,777,216.
+    /// estimate); keys removed or evicted through moongate leave it at once. At most
+    /// 16,777,216.
     pub failover_window_keys: usize,
     /// Makes and maps the own segment's pages at start, on a thread of its own
     /// (`kv.prefault`, default true): moongate's own first writes into a range then run
@@ -251,7 +255,7 @@ impl Default for KvConfig {
             staging_bytes: 256 << 20,
             copy_threads: 0,
             known_keys: 262_144,
-            failover_window_ms: 30_000,
+            failover_window_ms: 300_000,
             failover_window_keys: 65_536,
             prefault: true,
         }
@@ -339,8 +343,8 @@ impl KvConfig {
             if kv.failover_window_keys > 16 << 20 {
                 errs.push("kv.failover_window_keys: at most 16777216".into());
             }
-            if kv.failover_window_ms > 600_000 {
-                errs.push("kv.failover_window_ms: at most 600000 (10 minutes)".into());
+            if kv.failover_window_ms > 3_600_000 {
+                errs.push("kv.failover_window_ms: at most 3600000 (an hour)".into());
             }
             if !kv.disk_root.is_empty() && !std::path::Path::new(&kv.disk_root).is_absolute() {
                 errs.push(format!(

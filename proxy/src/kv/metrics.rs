@@ -216,9 +216,11 @@ pub struct KvMetrics {
     /// Writes into the own segment that met a view: `[waited, rejected]`.
     pub fenced_writes: [Counter; 2],
     /// Checks of acknowledged puts after a leader change, and their keys by outcome
-    /// (`[present, put_again, ended_here, lost]`, `kv.failover_window_ms`).
+    /// (`[present, put_again, ended_here, lost, gone_before]`, `kv.failover_window_ms`).
     pub failover_rechecks: Counter,
-    pub failover_keys: [Counter; 4],
+    /// Values in other segments read back while no leader served (`[found, changed]`).
+    pub failover_read_ahead: [Counter; 2],
+    pub failover_keys: [Counter; crate::kv::client::failover::Outcome::ALL.len()],
 }
 
 /// Shared-memory ops in label order (op `i + 1` is `SHM_OPS[i]`; the last is any other).
@@ -446,6 +448,15 @@ impl KvMetrics {
              own-segment ranges, as many at most)",
             tables.clone(),
         );
+        let read_ahead = Family::<ResultLabel, Counter>::default();
+        registry.register(
+            "moongate_kv_failover_read_ahead_keys",
+            "Values of acknowledged puts in other segments read back while no leader served \
+             (between the old leader's end and the next one's start, when no put can land on \
+             them), by result: found (as they passed through moongate), changed (the old \
+             leader had handed their range to another put)",
+            read_ahead.clone(),
+        );
         let failover_rechecks = Counter::default();
         registry.register(
             "moongate_kv_failover_rechecks",
@@ -460,7 +471,8 @@ impl KvMetrics {
              leader has it), put_again (it lacked it; moongate vouched for the bytes and put \
              them again), ended_here (removed or evicted through moongate meanwhile), lost \
              (it lacked it and the bytes could not be vouched for: /keys/KEY says \
-             lost_in_failover)",
+             lost_in_failover), gone_before (the old leader had let it go before the change: \
+             its range was handed to another put, or a lookup found it gone)",
             failover.clone(),
         );
         let x = |f: &Family<KvXferLabels, Counter>| {
@@ -540,6 +552,8 @@ impl KvMetrics {
             fenced_writes: ["waited", "rejected"]
                 .map(|result| fenced.get_or_create(&ResultLabel { result }).clone()),
             failover_rechecks,
+            failover_read_ahead: ["found", "changed"]
+                .map(|result| read_ahead.get_or_create(&ResultLabel { result }).clone()),
             failover_keys: crate::kv::client::failover::Outcome::ALL.map(|o| {
                 failover
                     .get_or_create(&ResultLabel { result: o.label() })

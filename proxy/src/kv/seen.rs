@@ -72,4 +72,10 @@ impl Heard for Observer {
             .keys()
             .is_some_and(|k| k.ended_here(tenant, key))
     }
+
+    fn gone_before(&self, tenant: &Bytes, key: &Bytes, before: std::time::Instant) -> bool {
+        self.answered
+            .keys()
+            .is_some_and(|k| k.gone_before(tenant, key, before))
+    }
 }

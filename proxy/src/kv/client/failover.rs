@@ -61,14 +61,20 @@ pub enum Outcome {
     EndedHere,
     /// Missing, and its bytes could not be vouched for.
     Lost,
+    /// Missing, and the old leader had already let it go before the change (it
+    /// evicted it, or someone removed it not through moongate): its own-segment range
+    /// was handed to another put before the change, or a lookup through moongate found
+    /// it gone then. Left gone: it was not the change that lost it.
+    GoneBefore,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 4] = [
+    pub const ALL: [Outcome; 5] = [
         Outcome::Present,
         Outcome::PutAgain,
         Outcome::EndedHere,
         Outcome::Lost,
+        Outcome::GoneBefore,
     ];
 
     pub fn label(self) -> &'static str {
@@ -77,6 +83,7 @@ impl Outcome {
             Outcome::PutAgain => "put_again",
             Outcome::EndedHere => "ended_here",
             Outcome::Lost => "lost",
+            Outcome::GoneBefore => "gone_before",
         }
     }
 }
@@ -119,7 +126,10 @@ fn memory_replica(
 /// The reason a key missing after a change could not be put again.
 #[derive(Debug, thiserror::Error)]
 enum Unvouched {
-    #[error("its range in the own segment was written over since")]
+    /// Writes begin only on ranges a leader handed out as free, and the ranges are held
+    /// from the moment the old leader is seen gone, before any new one serves: one
+    /// written over was freed by the old leader (the key evicted or removed there).
+    #[error("its range in the own segment was handed to another put before the change")]
     Overwritten,
     #[error("its bytes were written into another segment by an engine (no hash)")]
     NoHash,
@@ -127,6 +137,9 @@ enum Unvouched {
     NoMemoryReplica,
     #[error("its bytes changed where they were written")]
     Changed,
+    /// Read while no leader served: only the old leader can have handed the range out.
+    #[error("its bytes ({0} B) had changed where they were written before the change")]
+    ChangedBefore(u64),
     #[error("reading it back: {0}")]
     Read(StoreError),
     #[error("putting it again: {0}")]
@@ -284,11 +297,57 @@ impl Store {
         pins.mem = Some(mem.clone());
     }
 
+    /// Reads back, newest first, the window's values in other segments that moongate
+    /// hashed as they passed, while no leader serves (see [`follow`]); as far as the
+    /// node's byte budget goes (the rest are read once the new leader is in force).
+    /// Returns when all are read, or the budget is spent.
+    async fn read_ahead(&self, seen: Instant, pins: &mut Pins) {
+        let Some(f) = &self.failover else {
+            return;
+        };
+        let mut entries = {
+            let mut g = f.lock();
+            let from = seen.checked_sub(g.window()).unwrap_or(seen);
+            g.since(from, Instant::now())
+        };
+        entries.retain(|(k, e)| {
+            matches!(e.bytes, Where::Elsewhere(_, Some(_)))
+                && !pins.read.contains_key(k)
+                && !pins.changed.contains(k)
+        });
+        entries.sort_by_key(|(_, e)| std::cmp::Reverse(e.at));
+        for (k, e) in entries {
+            let Where::Elsewhere(d, Some(h)) = &e.bytes else {
+                continue;
+            };
+            let Ok(room) = self.reserve(d.size).await else {
+                return;
+            };
+            match self.xfer.fetch(d, None).await {
+                Ok(Value::Whole(v)) if xxhash_rust::xxh3::xxh3_64(&v) == *h => {
+                    self.metrics.failover_read_ahead[0].inc();
+                    pins.read.insert(k, (v, room));
+                }
+                Ok(_) => {
+                    self.metrics.failover_read_ahead[1].inc();
+                    pins.changed.insert(k);
+                }
+                // Its owner may be back later: read again at the check.
+                Err(_) => {}
+            }
+        }
+    }
+
     /// Checks every put acknowledged within the window before `seen` against the
     /// master in force now and puts the missing ones again where it can (see the
     /// module); `pins` are released as keys are settled. Per outcome, how many keys.
-    async fn recheck(&self, seen: Instant, pins: &mut Pins, deadline: Instant) -> [u64; 4] {
-        let mut counts = [0u64; 4];
+    async fn recheck(
+        &self,
+        seen: Instant,
+        pins: &mut Pins,
+        deadline: Instant,
+    ) -> [u64; Outcome::ALL.len()] {
+        let mut counts = [0u64; Outcome::ALL.len()];
         let Some(f) = &self.failover else {
             return counts;
         };
@@ -326,13 +385,17 @@ impl Store {
                 if here {
                     pins.release(&e.0);
                     counts[Outcome::Present as usize] += 1;
-                } else if self
-                    .heard
-                    .as_ref()
-                    .is_some_and(|h| h.ended_here(&self.tenant, &e.0))
-                {
+                } else if let Some(o) = self.heard.as_ref().and_then(|h| {
+                    if h.ended_here(&self.tenant, &e.0) {
+                        Some(Outcome::EndedHere)
+                    } else if h.gone_before(&self.tenant, &e.0, seen) {
+                        Some(Outcome::GoneBefore)
+                    } else {
+                        None
+                    }
+                }) {
                     pins.release(&e.0);
-                    counts[Outcome::EndedHere as usize] += 1;
+                    counts[o as usize] += 1;
                 } else {
                     missing.push(e);
                 }
@@ -353,6 +416,9 @@ impl Store {
                     Ok(v) => vouched.push((k, v)),
                     // The budget is spent: this round puts what it read, the next reads on.
                     Err(Unvouched::Read(StoreError::Busy(_))) if !vouched.is_empty() => break,
+                    Err(Unvouched::Overwritten | Unvouched::ChangedBefore(_)) => {
+                        counts[Outcome::GoneBefore as usize] += 1
+                    }
                     Err(why) => lost.push((k.clone(), why.to_string())),
                 }
                 taken += 1;
@@ -406,6 +472,13 @@ impl Store {
                 pins.release(key);
                 Ok((Bytes::from(v), room, d.transport_endpoint.clone()))
             }
+            Where::Elsewhere(d, Some(_)) if pins.changed.contains(key) => {
+                Err(Unvouched::ChangedBefore(d.size))
+            }
+            Where::Elsewhere(d, Some(_)) if pins.read.contains_key(key) => {
+                let (v, room) = pins.read.remove(key).expect("checked above");
+                Ok((v, room, d.transport_endpoint.clone()))
+            }
             Where::Elsewhere(d, Some(h)) => {
                 let room = self.reserve(d.size).await.map_err(Unvouched::Read)?;
                 match self.xfer.fetch(d, None).await {
@@ -451,12 +524,19 @@ impl Store {
     }
 }
 
-/// Own-segment ranges held for the failover check (each as one view), released as
-/// their keys are settled, and all at once when dropped.
+/// What the failover check holds between the old leader's end and each key's
+/// settling: own-segment ranges (each as one view), and values in other segments read
+/// back while no leader served (each with the byte budget it takes). Released as their
+/// keys are settled, and all at once when dropped.
 #[derive(Default)]
 struct Pins {
     mem: Option<std::sync::Arc<crate::kv::own::segment::Memory>>,
     held: std::collections::HashMap<Bytes, (usize, usize)>,
+    /// Read back and found as they passed through moongate.
+    read: std::collections::HashMap<Bytes, (Bytes, super::Reserved)>,
+    /// Read back and found changed: the old leader had handed their ranges to other
+    /// puts (no leader served since), so it had let them go.
+    changed: std::collections::HashSet<Bytes>,
 }
 
 impl Pins {
@@ -464,6 +544,7 @@ impl Pins {
         if let (Some(m), Some((s, l))) = (&self.mem, self.held.remove(key)) {
             m.fence().unview(s, l);
         }
+        self.read.remove(key);
     }
 }
 
@@ -503,11 +584,16 @@ pub async fn follow(store: &Store, mut upstream: Upstream, shutdown: Cancellatio
     let mut last: Option<Leader> = upstream.current();
     // Since when the leader in `last` is gone, and what is held since.
     let mut gone: Option<(Instant, Pins)> = None;
+    // Whether to wait for a change (not when one came while reading ahead).
+    let mut wait = true;
     loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = upstream.changed() => {}
+        if wait {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = upstream.changed() => {}
+            }
         }
+        wait = true;
         let now = upstream.current();
         if now == last {
             // The same leader again (an etcd blip): nothing was forgotten.
@@ -524,7 +610,18 @@ pub async fn follow(store: &Store, mut upstream: Upstream, shutdown: Cancellatio
             .unwrap_or_else(|| (Instant::now(), Pins::default()));
         store.pin(seen, &mut pins);
         if now.is_none() {
+            // No leader serves: values in other segments cannot be handed to new puts
+            // yet, so they are read back now, before the next leader can (a leader
+            // whose restore fails sees every range as free).
+            let woke = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = upstream.changed() => true,
+                _ = store.read_ahead(seen, &mut pins) => false,
+            };
             gone = Some((seen, pins));
+            if woke {
+                wait = false;
+            }
             continue;
         }
         last = now.clone();
@@ -539,6 +636,7 @@ pub async fn follow(store: &Store, mut upstream: Upstream, shutdown: Cancellatio
         }
         tracing::info!(leader = ?now.map(|l| l.addr),
             present = counts[0], put_again = counts[1], ended_here = counts[2], lost = counts[3],
+            gone_before = counts[4],
             "failover check: acknowledged puts checked against the new leader");
     }
 }

@@ -105,6 +105,11 @@ pub trait Heard: Send + Sync {
     fn ended_here(&self, _tenant: &Bytes, _key: &Bytes) -> bool {
         false
     }
+    /// Whether a lookup found `key` gone at the master before `before` (the leader
+    /// then had already let it go): a later leader that lacks it has not lost it.
+    fn gone_before(&self, _tenant: &Bytes, _key: &Bytes, _before: std::time::Instant) -> bool {
+        false
+    }
 }
 
 /// moongate as one Mooncake client (one client id, one tenant).
