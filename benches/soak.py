@@ -607,6 +607,9 @@ def arms(a):
              "|---|" + "---|" * len(cols)]
     for kind in kinds:
         lines.append(f"| {kind} | " + " | ".join(cell(arm, role, kind) for arm, role in cols) + " |")
+    lines.append("| new leaders restored / whose restore failed (no objects) | " + " | ".join(
+        "{restored} / {failed}".format(**results[arm].get("leader_restores", {"restored": 0, "failed": 0}))
+        for arm, role in cols) + " |")
     lines.append("| **requests** | " + " | ".join(
         str(results[arm].get("by_client", {}).get(role, {}).get("requests", 0)) for arm, role in cols) + " |")
     table = "\n".join(lines)
@@ -743,7 +746,7 @@ def main():
                     f'[admin]\nlisten = "{mg_admin}"\n'
                     f'[kv]\nlisten = "127.0.0.1:{kv_port}"\nunix_path = "{sock}"\n'
                     f'metadata_url = "{metadata}"\nsegment_bytes = {64 << 20}\n'
-                    f'known_keys = 262144\nfailover_window_ms = 30000\n'
+                    f'known_keys = 262144\nfailover_window_ms = 300000\n'
                     f'failover_window_keys = 65536\n'
                     f'[eviction]\nenabled = true\n'
                     f'master_metrics_url = "http://{masters["m0"][1]}/metrics, '
@@ -951,11 +954,19 @@ def main():
         # The masters' own evictions (their logs' EVICT-RESULT lines): keys a client
         # read back missing that moongate did not remove are accounted against these.
         master_evicted = 0
+        # How each new leader took over: restored from its standby state, or (the
+        # restore refused, e.g. "overlapping memory descriptors") serving with no
+        # objects at all, which loses every key the masters held.
+        restores = {"restored": 0, "failed": 0}
         for name in masters:
             with open(f"{work}/{name}.log", errors="replace") as f:
                 for line in f:
                     if "[EVICT-RESULT]" in line and "evicted_count=" in line:
                         master_evicted += int(line.split("evicted_count=")[1].split(",")[0])
+                    elif "Restored from standby:" in line:
+                        restores["restored"] += 1
+                    elif "Standby restore failed" in line:
+                        restores["failed"] += 1
         errors, lost_keys = {}, []
         for r in traffic:
             for k in total:
@@ -971,6 +982,14 @@ def main():
                         + ",".join(f"{sizes[k]:.0f}" for k in TABLES) + "\n")
         if samples:
             svg_plot(samples, f"{out}/soak.svg")
+        # Every key read back missing that moongate did not remove, for a look at any
+        # one of them in moongate's log (seconds from the start).
+        with open(f"{out}/missing.tsv", "w") as f:
+            f.write("client\tkey\twhy_when_read\twhy_at_end\tput_s\tread_missing_s\n")
+            for r in traffic:
+                for k, why, put, gone in r.lost:
+                    f.write(f"{r.name}\t{k}\t{why}\t{why_now.get(k, '')}\t"
+                            f"{put - t0:.1f}\t{gone - t0:.1f}\n")
         lost_by_fault = place_lost([x for r in traffic for x in r.lost], faults, t0,
                                    why_now if mg else None)
         # Missing keys moongate did not remove, accounted against the masters' own
@@ -988,6 +1007,7 @@ def main():
             "evicted_by_moongate_read_missing": total["evicted"],
             "missing_not_by_moongate": other,
             "master_evicted": master_evicted,
+            "leader_restores": restores,
             "lost_by_fault": lost_by_fault,
             "missing_rechecked_at_the_end": recheck,
             "by_client": {r.name: {k: r.counts.get(k, 0) for k in
@@ -1018,6 +1038,7 @@ def main():
             "lost_keys": lost_keys[:20],
             "wrong": [w for r in traffic for w in r.counts.get("wrong", [])][:20],
             "samples": f"{out}/soak_samples.csv",
+            "missing": f"{out}/missing.tsv",
             "plot": f"{out}/soak.svg",
         }
         print(json.dumps(result), flush=True)
