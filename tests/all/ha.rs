@@ -326,11 +326,7 @@ fn the_kv_face_and_its_segment_follow_the_leader() {
     let serving = |m: &HaMaster| m.state() == "serving";
     let (old, new) = if serving(&a) { (&a, &b) } else { (&b, &a) };
     let kv = format!("127.0.0.1:{}", free_port());
-    let mg = Moongate::start_config(&format!(
-        "[master_face]\nupstream = \"etcd://{}\"\n[kv]\nlisten = \"{kv}\"\n\
-         metadata_url = \"{metadata}\"\nsegment_bytes = 16777216\n",
-        etcd.endpoint
-    ));
+    let mg = kv_on_ha(&etcd, &kv, &metadata, 16 << 20, "");
     let logs = [&etcd.proc, &a.proc, &b.proc, &mg.proc, &md_proc];
     wait_segment_mounted(&mg);
     let put = |k: &str| {
@@ -374,6 +370,16 @@ fn serving_first<'a>(a: &'a HaMaster, b: &'a HaMaster) -> (&'a HaMaster, &'a HaM
     }
 }
 
+/// moongate on the HA masters behind `etcd`, its kv face on `kv` with an own segment
+/// of `segment_bytes` (0: none); `extra` is more config.
+fn kv_on_ha(etcd: &Etcd, kv: &str, metadata: &str, segment_bytes: u64, extra: &str) -> Moongate {
+    Moongate::start_config(&format!(
+        "[master_face]\nupstream = \"etcd://{}\"\n[kv]\nlisten = \"{kv}\"\n\
+         metadata_url = \"{metadata}\"\nsegment_bytes = {segment_bytes}\n{extra}",
+        etcd.endpoint
+    ))
+}
+
 /// Kills the serving one of `old` and waits until `new` serves.
 fn kill_leader(old: &HaMaster, new: &HaMaster, logs: &[&Proc]) {
     old.proc.signal(libc::SIGKILL);
@@ -410,11 +416,7 @@ fn puts_acknowledged_before_a_failover_are_put_again_from_the_own_segment() {
     let (etcd, md_proc, metadata, _md_dir, a, b) = cluster();
     let (old, new) = serving_first(&a, &b);
     let kv = format!("127.0.0.1:{}", free_port());
-    let mg = Moongate::start_config(&format!(
-        "[master_face]\nupstream = \"etcd://{}\"\n[kv]\nlisten = \"{kv}\"\n\
-         metadata_url = \"{metadata}\"\nsegment_bytes = 16777216\n",
-        etcd.endpoint
-    ));
+    let mg = kv_on_ha(&etcd, &kv, &metadata, 16 << 20, "");
     let logs = [&etcd.proc, &a.proc, &b.proc, &mg.proc, &md_proc];
     wait_segment_mounted(&mg);
     let keys: Vec<String> = (0..20).map(|i| format!("acked/{i}")).collect();
@@ -449,11 +451,7 @@ fn a_key_the_old_leader_let_go_is_not_counted_lost_after_a_failover() {
     let (etcd, md_proc, metadata, _md_dir, a, b) = cluster();
     let (old, new) = serving_first(&a, &b);
     let kv = format!("127.0.0.1:{}", free_port());
-    let mg = Moongate::start_config(&format!(
-        "[master_face]\nupstream = \"etcd://{}\"\n[kv]\nlisten = \"{kv}\"\n\
-         metadata_url = \"{metadata}\"\nsegment_bytes = 16777216\n",
-        etcd.endpoint
-    ));
+    let mg = kv_on_ha(&etcd, &kv, &metadata, 16 << 20, "");
     let logs = [&etcd.proc, &a.proc, &b.proc, &mg.proc, &md_proc];
     wait_segment_mounted(&mg);
     let size = 40_000;
@@ -503,12 +501,13 @@ fn puts_in_another_segment_come_back_or_are_reported_lost_in_failover() {
     let (etcd, md_proc, metadata, _md_dir, a, b) = cluster();
     let kv = format!("127.0.0.1:{}", free_port());
     // No own segment: every value lands in the owner's.
-    let mg = Moongate::start_config(&format!(
-        "[master_face]\nupstream = \"etcd://{}\"\n[kv]\nlisten = \"{kv}\"\n\
-         metadata_url = \"{metadata}\"\nsegment_bytes = 0\n\
-         [eviction]\nenabled = true\non_put_denials = true\n",
-        etcd.endpoint
-    ));
+    let mg = kv_on_ha(
+        &etcd,
+        &kv,
+        &metadata,
+        0,
+        "[eviction]\nenabled = true\non_put_denials = true\n",
+    );
     let logs = [&etcd.proc, &a.proc, &b.proc, &mg.proc, &md_proc];
     wait_for(
         "a leader through moongate",

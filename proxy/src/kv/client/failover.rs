@@ -272,22 +272,27 @@ impl Store {
         self.failover.as_ref().map(|f| f.lock().len())
     }
 
-    /// The own-segment ranges of every put acknowledged within the window before
-    /// `seen`, held as views are (see [`Pins`]): from here the next leader's puts cannot
-    /// land on bytes that may still be needed.
-    fn pin(&self, seen: Instant, pins: &mut Pins) {
-        let (Some(f), Some((_, mem))) = (&self.failover, self.xfer.own_segment()) else {
+    /// The puts acknowledged within the window before `seen` (and since).
+    fn window(&self, seen: Instant) -> Vec<(Bytes, Entry)> {
+        let Some(f) = &self.failover else {
+            return Vec::new();
+        };
+        let mut g = f.lock();
+        let from = seen.checked_sub(g.window()).unwrap_or(seen);
+        g.since(from, Instant::now())
+    }
+
+    /// The own-segment ranges of `entries` (the window's puts), held as views are (see
+    /// [`Pins`]): from here the next leader's puts cannot land on bytes that may still
+    /// be needed.
+    fn pin(&self, entries: &[(Bytes, Entry)], pins: &mut Pins) {
+        let Some((_, mem)) = self.xfer.own_segment() else {
             return;
         };
-        let entries = {
-            let mut g = f.lock();
-            let from = seen.checked_sub(g.window()).unwrap_or(seen);
-            g.since(from, Instant::now())
-        };
         let keys: Vec<Bytes> = entries
-            .into_iter()
+            .iter()
             .filter(|(k, e)| matches!(e.bytes, Where::Own(_)) && !pins.held.contains_key(k))
-            .map(|(k, _)| k)
+            .map(|(k, _)| k.clone())
             .collect();
         for (k, r) in keys.iter().zip(mem.fence().pin_held(&keys)) {
             if let Some(r) = r {
@@ -302,14 +307,7 @@ impl Store {
     /// node's byte budget goes (the rest are read once the new leader is in force).
     /// Returns when all are read, or the budget is spent.
     async fn read_ahead(&self, seen: Instant, pins: &mut Pins) {
-        let Some(f) = &self.failover else {
-            return;
-        };
-        let mut entries = {
-            let mut g = f.lock();
-            let from = seen.checked_sub(g.window()).unwrap_or(seen);
-            g.since(from, Instant::now())
-        };
+        let mut entries = self.window(seen);
         entries.retain(|(k, e)| {
             matches!(e.bytes, Where::Elsewhere(_, Some(_)))
                 && !pins.read.contains_key(k)
@@ -348,16 +346,9 @@ impl Store {
         deadline: Instant,
     ) -> [u64; Outcome::ALL.len()] {
         let mut counts = [0u64; Outcome::ALL.len()];
-        let Some(f) = &self.failover else {
-            return counts;
-        };
+        let entries = self.window(seen);
         // Puts the old leader acknowledged after the pins were taken.
-        self.pin(seen, pins);
-        let entries = {
-            let mut g = f.lock();
-            let from = seen.checked_sub(g.window()).unwrap_or(seen);
-            g.since(from, Instant::now())
-        };
+        self.pin(&entries, pins);
         // What the new leader lacks, asked for every key first: the ranges of the keys
         // it has are free again before any key is put anew.
         let mut missing: Vec<&(Bytes, Entry)> = Vec::new();
@@ -405,7 +396,9 @@ impl Store {
         // copied out of their held ranges, which are then released; others read back
         // from their segments before the new leader's puts land there), as far as the
         // node's byte budget goes; then those are put. Released first, so that no put
-        // waits on a range this check still holds.
+        // waits on a range this check still holds. Values read ahead come first: they
+        // hold budget already, and the first round's puts give it back.
+        missing.sort_by_key(|e| !pins.read.contains_key(&e.0));
         let mut lost: Vec<(Bytes, String)> = Vec::new();
         let mut rest: &[&(Bytes, Entry)] = &missing;
         while !rest.is_empty() {
@@ -608,7 +601,7 @@ pub async fn follow(store: &Store, mut upstream: Upstream, shutdown: Cancellatio
         let (seen, mut pins) = gone
             .take()
             .unwrap_or_else(|| (Instant::now(), Pins::default()));
-        store.pin(seen, &mut pins);
+        store.pin(&store.window(seen), &mut pins);
         if now.is_none() {
             // No leader serves: values in other segments cannot be handed to new puts
             // yet, so they are read back now, before the next leader can (a leader
