@@ -103,6 +103,25 @@ impl Inner {
         None
     }
 
+    /// Holds, as a view, the range `table` (the known keys or the acknowledged puts)
+    /// has for `key` in places epoch `epoch`, unless a write over it is in progress
+    /// (which has voided it already; checked anyway, and forgotten).
+    fn hold_kept(
+        &mut self,
+        table: fn(&mut Inner) -> &mut Known,
+        key: &[u8],
+        epoch: u64,
+    ) -> Option<(usize, usize)> {
+        let (start, len) = table(self).get(key, epoch)?;
+        let r = (start, start + len);
+        if self.writing.values().any(|&w| overlaps(w, r)) {
+            table(self).forget(key);
+            return None;
+        }
+        self.hold_view(r);
+        Some((start, len))
+    }
+
     fn hold_view(&mut self, r: (usize, usize)) {
         *self.views.entry(r).or_insert(0) += 1;
         self.longest = self.longest.max(r.1 - r.0);
@@ -184,16 +203,7 @@ impl Fence {
     /// epoch `epoch`: its range, held as [`Fence::view`] holds one (end it with
     /// [`Fence::unview`]); `None` when unknown (ask the master).
     pub fn view_known(&self, key: &[u8], epoch: u64) -> Option<(usize, usize)> {
-        let mut i = self.lock();
-        let (start, len) = i.known.get(key, epoch)?;
-        let r = (start, start + len);
-        // A write in progress over a known range has already voided it; checked anyway.
-        if i.writing.values().any(|&w| overlaps(w, r)) {
-            i.known.forget(key);
-            return None;
-        }
-        i.hold_view(r);
-        Some((start, len))
+        self.lock().hold_kept(|i| &mut i.known, key, epoch)
     }
 
     /// Says that `[start, start + len)` holds `key`'s bytes, as of when the next write's
@@ -252,16 +262,7 @@ impl Fence {
     pub fn pin_held(&self, keys: &[Bytes]) -> Vec<Option<(usize, usize)>> {
         let mut i = self.lock();
         keys.iter()
-            .map(|k| {
-                let (start, len) = i.held.get(k, HELD)?;
-                let r = (start, start + len);
-                if i.writing.values().any(|&w| overlaps(w, r)) {
-                    i.held.forget(k);
-                    return None;
-                }
-                i.hold_view(r);
-                Some((start, len))
-            })
+            .map(|k| i.hold_kept(|i| &mut i.held, k, HELD))
             .collect()
     }
 
