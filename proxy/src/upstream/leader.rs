@@ -97,6 +97,10 @@ pub struct Upstream {
     /// Removals of any kind the master face relayed (unforced ones too): they end the
     /// own segment's known keys ([`Upstream::known_epoch`]).
     any_removals: Arc<AtomicU64>,
+    /// Whether the master in force failed to answer moongate's last call to it
+    /// (connection refused, reset or timed out): Mooncake's leader stops serving when
+    /// it cannot renew its etcd lease, and while etcd is down nothing says so.
+    silent: Arc<watch::Sender<bool>>,
     /// A fixed address: never a leader change.
     fixed: bool,
 }
@@ -127,8 +131,22 @@ impl Upstream {
             places: Arc::default(),
             removals: Arc::new(watch::Sender::new(0)),
             any_removals: Arc::default(),
+            silent: Arc::new(watch::Sender::new(false)),
             fixed: false,
         }
+    }
+
+    /// Says whether the master in force answered a call (`false`: it did not). Cheap
+    /// when nothing changes (a read of the flag).
+    pub fn answered(&self, yes: bool) {
+        if *self.silent.borrow() == yes {
+            self.silent.send_replace(!yes);
+        }
+    }
+
+    /// Follows [`Upstream::answered`]: `true` while the master in force does not answer.
+    pub fn silence(&self) -> watch::Receiver<bool> {
+        self.silent.subscribe()
     }
 
     /// Whether the master in force can change (an elected leader, followed): what the

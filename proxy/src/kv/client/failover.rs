@@ -568,14 +568,16 @@ fn retryable(e: &StoreError) -> bool {
 
 /// Follows the master in force and runs the check after each change of leader (a new
 /// address, or a new view version at the same one), until `shutdown`. The own ranges
-/// of the window are held from the moment the old leader is seen gone. Returns at once
-/// when the check is off.
+/// of the window are held from the moment the old leader is seen gone; values in
+/// other segments are read back from the moment it stops answering (or is seen gone).
+/// Returns at once when the check is off.
 pub async fn follow(store: &Store, mut upstream: Upstream, shutdown: CancellationToken) {
     if store.failover.is_none() {
         return;
     }
+    let mut silence = upstream.silence();
     let mut last: Option<Leader> = upstream.current();
-    // Since when the leader in `last` is gone, and what is held since.
+    // Since when the leader in `last` is gone (or silent), and what is held since.
     let mut gone: Option<(Instant, Pins)> = None;
     // Whether to wait for a change (not when one came while reading ahead).
     let mut wait = true;
@@ -584,13 +586,32 @@ pub async fn follow(store: &Store, mut upstream: Upstream, shutdown: Cancellatio
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = upstream.changed() => {}
+                r = silence.changed() => if r.is_err() { std::future::pending::<()>().await },
             }
         }
         wait = true;
         let now = upstream.current();
         if now == last {
-            // The same leader again (an etcd blip): nothing was forgotten.
-            gone = None;
+            if last.is_none() || !*silence.borrow_and_update() {
+                // The same leader, answering (an etcd blip): nothing was forgotten.
+                gone = None;
+                continue;
+            }
+            // The leader in force does not answer: Mooncake's stops serving when it
+            // cannot renew its lease, and while etcd is down nothing says it is gone.
+            // Values in other segments are read back now, as when it is gone (no own
+            // range is held yet: this leader may still hand out only free ranges).
+            let (seen, mut pins) = gone
+                .take()
+                .unwrap_or_else(|| (Instant::now(), Pins::default()));
+            let woke = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = upstream.changed() => true,
+                _ = silence.changed() => true,
+                _ = store.read_ahead(seen, &mut pins) => false,
+            };
+            gone = Some((seen, pins));
+            wait = !woke;
             continue;
         }
         if last.is_none() {
@@ -609,12 +630,11 @@ pub async fn follow(store: &Store, mut upstream: Upstream, shutdown: Cancellatio
             let woke = tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = upstream.changed() => true,
+                _ = silence.changed() => true,
                 _ = store.read_ahead(seen, &mut pins) => false,
             };
             gone = Some((seen, pins));
-            if woke {
-                wait = false;
-            }
+            wait = !woke;
             continue;
         }
         last = now.clone();

@@ -81,7 +81,10 @@ impl MasterConns {
             Some((_, c, _)) => c,
             None => Conn::connect(&addr, self.call_timeout, self.upstream.release())
                 .await
-                .inspect_err(|_| self.upstream.places_voided())?,
+                .inspect_err(|_| {
+                    self.upstream.places_voided();
+                    self.upstream.answered(false);
+                })?,
         };
         let mut answers = c
             .call_all(std::slice::from_ref(&req), self.call_timeout)
@@ -90,7 +93,9 @@ impl MasterConns {
                 // A master that does not answer may be restarting: what it said of
                 // places does not outlive it.
                 self.upstream.places_voided();
+                self.upstream.answered(false);
             })?;
+        self.upstream.answered(true);
         // Back to the pool before the permit is released (the permit counts it).
         self.idle.lock().unwrap_or_else(|p| p.into_inner()).push((
             addr,

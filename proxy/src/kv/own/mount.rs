@@ -118,13 +118,22 @@ impl Registration {
             .upstream
             .addr()
             .ok_or_else(|| MountError::Master("no master leader".into()))?;
+        // The heartbeat's calls (every second) tell the failover check whether the
+        // leader still answers even when no engine calls.
         let mut c = Conn::connect(&addr, self.timeout, self.upstream.release())
             .await
-            .map_err(|e| MountError::Master(e.to_string()))?;
+            .map_err(|e| {
+                self.upstream.answered(false);
+                MountError::Master(e.to_string())
+            })?;
         let mut a = c
             .call_all(std::slice::from_ref(&req), self.timeout)
             .await
-            .map_err(|e| MountError::Master(e.to_string()))?;
+            .map_err(|e| {
+                self.upstream.answered(false);
+                MountError::Master(e.to_string())
+            })?;
+        self.upstream.answered(true);
         match a.pop() {
             Some(Ok(r)) => Ok(r),
             Some(Err(code)) => Err(MountError::Master(format!("transport error {code}"))),
