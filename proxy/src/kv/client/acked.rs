@@ -157,6 +157,22 @@ impl Acked {
         self.started.remove(key);
     }
 
+    /// Every key kept now, with when it was acknowledged (for [`Acked::forget_if`]).
+    pub fn keys(&self) -> Vec<(Bytes, Instant)> {
+        self.by_key.iter().map(|(k, e)| (k.clone(), e.at)).collect()
+    }
+
+    /// Drops `key` if it is still the put acknowledged at `at` (not acknowledged again
+    /// since); whether it was.
+    pub fn forget_if(&mut self, key: &[u8], at: Instant) -> bool {
+        if self.by_key.get(key).is_some_and(|e| e.at == at) {
+            self.by_key.remove(key);
+            true
+        } else {
+            false
+        }
+    }
+
     /// Drops what was acknowledged before `now - window`.
     fn expire(&mut self, now: Instant) {
         while let Some((at, _)) = self.order.front() {
@@ -245,6 +261,24 @@ mod tests {
         // Past the window: gone.
         assert!(a.since(t, t + 33 * s).is_empty());
         assert!(a.is_empty());
+    }
+
+    #[test]
+    fn a_key_is_forgotten_only_as_the_put_it_was() {
+        let mut a = Acked::new(Duration::from_secs(30), 10);
+        let t0 = Instant::now();
+        a.started(b"k", Where::Nowhere, t0);
+        a.ended(b"k", t0);
+        let (k, at) = a.keys().pop().unwrap();
+        // Acknowledged again since: the older listing does not drop it.
+        let t1 = t0 + Duration::from_millis(1);
+        a.started(b"k", Where::Nowhere, t1);
+        a.ended(b"k", t1);
+        assert!(!a.forget_if(&k, at));
+        assert_eq!(a.len(), 1);
+        assert!(a.forget_if(&k, t1));
+        assert!(a.is_empty());
+        assert!(a.since(t0, t1).is_empty());
     }
 
     #[test]

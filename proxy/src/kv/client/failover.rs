@@ -267,6 +267,38 @@ impl Store {
         }
     }
 
+    /// Drops from the window the keys moongate removed or evicted since their put (its
+    /// evictor removes through its own master connections, which the window does not
+    /// follow): they would never be put again, and would take room from live ones.
+    /// Run by the kv face's housekeeping; the lookups happen outside the table's lock.
+    pub fn prune_failover(&self) -> usize {
+        let (Some(f), Some(h)) = (&self.failover, &self.heard) else {
+            return 0;
+        };
+        let keys = f.lock().keys();
+        let ended: Vec<_> = keys
+            .into_iter()
+            .filter(|(k, _)| h.ended_here(&self.tenant, k))
+            .collect();
+        if ended.is_empty() {
+            return 0;
+        }
+        let gone: Vec<&Bytes> = {
+            let mut g = f.lock();
+            ended
+                .iter()
+                .filter(|(k, at)| g.forget_if(k, *at))
+                .map(|(k, _)| k)
+                .collect()
+        };
+        if let Some((_, mem)) = self.xfer.own_segment() {
+            for k in &gone {
+                mem.fence().forget_held(k);
+            }
+        }
+        gone.len()
+    }
+
     /// Acknowledged puts followed now (a gauge's reading).
     pub fn failover_followed(&self) -> Option<usize> {
         self.failover.as_ref().map(|f| f.lock().len())
@@ -282,16 +314,34 @@ impl Store {
         g.since(from, Instant::now())
     }
 
+    /// How a key the new leader lacks ended before the change, if moongate knows: it
+    /// removed or evicted it, or a lookup found it gone before `seen`.
+    fn settled(&self, key: &Bytes, seen: Instant) -> Option<Outcome> {
+        let h = self.heard.as_ref()?;
+        if h.ended_here(&self.tenant, key) {
+            Some(Outcome::EndedHere)
+        } else if h.gone_before(&self.tenant, key, seen) {
+            Some(Outcome::GoneBefore)
+        } else {
+            None
+        }
+    }
+
     /// The own-segment ranges of `entries` (the window's puts), held as views are (see
     /// [`Pins`]): from here the next leader's puts cannot land on bytes that may still
     /// be needed.
-    fn pin(&self, entries: &[(Bytes, Entry)], pins: &mut Pins) {
+    fn pin(&self, entries: &[(Bytes, Entry)], seen: Instant, pins: &mut Pins) {
         let Some((_, mem)) = self.xfer.own_segment() else {
             return;
         };
+        // Not the ones known to have ended before: their ranges are free for good.
         let keys: Vec<Bytes> = entries
             .iter()
-            .filter(|(k, e)| matches!(e.bytes, Where::Own(_)) && !pins.held.contains_key(k))
+            .filter(|(k, e)| {
+                matches!(e.bytes, Where::Own(_))
+                    && !pins.held.contains_key(k)
+                    && self.settled(k, seen).is_none()
+            })
             .map(|(k, _)| k.clone())
             .collect();
         for (k, r) in keys.iter().zip(mem.fence().pin_held(&keys)) {
@@ -308,10 +358,13 @@ impl Store {
     /// Returns when all are read, or the budget is spent.
     async fn read_ahead(&self, seen: Instant, pins: &mut Pins) {
         let mut entries = self.window(seen);
+        // Not the ones known to have ended before (moongate's evictor removes keys
+        // through its own master connections, which this table does not follow).
         entries.retain(|(k, e)| {
             matches!(e.bytes, Where::Elsewhere(_, Some(_)))
                 && !pins.read.contains_key(k)
                 && !pins.changed.contains(k)
+                && self.settled(k, seen).is_none()
         });
         entries.sort_by_key(|(_, e)| std::cmp::Reverse(e.at));
         for (k, e) in entries {
@@ -348,7 +401,7 @@ impl Store {
         let mut counts = [0u64; Outcome::ALL.len()];
         let entries = self.window(seen);
         // Puts the old leader acknowledged after the pins were taken.
-        self.pin(&entries, pins);
+        self.pin(&entries, seen, pins);
         // What the new leader lacks, asked for every key first: the ranges of the keys
         // it has are free again before any key is put anew.
         let mut missing: Vec<&(Bytes, Entry)> = Vec::new();
@@ -376,15 +429,7 @@ impl Store {
                 if here {
                     pins.release(&e.0);
                     counts[Outcome::Present as usize] += 1;
-                } else if let Some(o) = self.heard.as_ref().and_then(|h| {
-                    if h.ended_here(&self.tenant, &e.0) {
-                        Some(Outcome::EndedHere)
-                    } else if h.gone_before(&self.tenant, &e.0, seen) {
-                        Some(Outcome::GoneBefore)
-                    } else {
-                        None
-                    }
-                }) {
+                } else if let Some(o) = self.settled(&e.0, seen) {
                     pins.release(&e.0);
                     counts[o as usize] += 1;
                 } else {
@@ -622,7 +667,7 @@ pub async fn follow(store: &Store, mut upstream: Upstream, shutdown: Cancellatio
         let (seen, mut pins) = gone
             .take()
             .unwrap_or_else(|| (Instant::now(), Pins::default()));
-        store.pin(&store.window(seen), &mut pins);
+        store.pin(&store.window(seen), seen, &mut pins);
         if now.is_none() {
             // No leader serves: values in other segments cannot be handed to new puts
             // yet, so they are read back now, before the next leader can (a leader

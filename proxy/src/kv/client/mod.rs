@@ -332,6 +332,7 @@ impl Store {
         if !master_idle.is_zero() {
             self.master.close_idle(master_idle);
         }
+        self.prune_failover();
         let m = &self.metrics;
         m.master_idle.set(self.master.idle() as i64);
         let own = self.xfer.own_segment().map(|(_, mem)| mem.fence());
