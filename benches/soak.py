@@ -101,7 +101,7 @@ LOST_RECHECK = 5000
 # 404 until their owner remounts, lost ones until moongate puts them again), not lost.
 # Found, it is tracked again (read and removed in turn), so that a later fault that
 # loses it counts it then.
-MISSING_RECHECK_S = 60
+MISSING_RECHECK_S = 20
 
 
 def value_of(key, size=VALUE):
@@ -230,6 +230,10 @@ class Traffic:
                     print(f"FOUND {k} {time.time():.3f}", flush=True)
                     self.acked.append(k)
                     self.put_at[k] = time.time()
+                elif why_gone(self.admin, k) == "evicted_by_moongate":
+                    # Back for a while (put again after a leader change), then evicted
+                    # by moongate: not lost.
+                    print(f"FOUND {k} {time.time():.3f} evicted_by_moongate", flush=True)
             if extra:
                 extra(i)
             if not ok:
@@ -435,7 +439,7 @@ class Role:
                 k, why, put, gone = w[1].split()
                 self.lost.append((k, why, float(put), float(gone)))
             elif w[0] == "FOUND":
-                k, at = w[1].split()
+                k, at = w[1].split()[:2]
                 self.found.setdefault(k, []).append(float(at))
 
     def recovered(self, since):
