@@ -636,27 +636,12 @@ pub async fn follow(store: &Store, mut upstream: Upstream, shutdown: Cancellatio
         }
         wait = true;
         let now = upstream.current();
-        if now == last {
-            if last.is_none() || !*silence.borrow_and_update() {
-                // The same leader, answering (an etcd blip): nothing was forgotten.
-                gone = None;
-                continue;
-            }
-            // The leader in force does not answer: Mooncake's stops serving when it
-            // cannot renew its lease, and while etcd is down nothing says it is gone.
-            // Values in other segments are read back now, as when it is gone (no own
-            // range is held yet: this leader may still hand out only free ranges).
-            let (seen, mut pins) = gone
-                .take()
-                .unwrap_or_else(|| (Instant::now(), Pins::default()));
-            let woke = tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = upstream.changed() => true,
-                _ = silence.changed() => true,
-                _ = store.read_ahead(seen, &mut pins) => false,
-            };
-            gone = Some((seen, pins));
-            wait = !woke;
+        // The leader in force does not answer: Mooncake's stops serving when it cannot
+        // renew its lease, and while etcd is down nothing says it is gone.
+        let silent = now == last && last.is_some() && *silence.borrow_and_update();
+        if now == last && !silent {
+            // The same leader, answering (an etcd blip): nothing was forgotten.
+            gone = None;
             continue;
         }
         if last.is_none() {
@@ -667,11 +652,15 @@ pub async fn follow(store: &Store, mut upstream: Upstream, shutdown: Cancellatio
         let (seen, mut pins) = gone
             .take()
             .unwrap_or_else(|| (Instant::now(), Pins::default()));
-        store.pin(&store.window(seen), seen, &mut pins);
-        if now.is_none() {
-            // No leader serves: values in other segments cannot be handed to new puts
-            // yet, so they are read back now, before the next leader can (a leader
-            // whose restore fails sees every range as free).
+        if !silent {
+            // Gone: from here the own ranges are held. (A silent leader may still hand
+            // out free ranges only, so nothing is held for it yet.)
+            store.pin(&store.window(seen), seen, &mut pins);
+        }
+        if silent || now.is_none() {
+            // No leader can hand the ranges of values in other segments to new puts
+            // yet: they are read back now, before the next one can (a leader whose
+            // restore fails sees every range as free).
             let woke = tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = upstream.changed() => true,
