@@ -4,6 +4,8 @@
 //! a separate metadata server (an HA master's embedded one dies with it).
 
 use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -411,8 +413,9 @@ fn reads_back(kv: &str, key: &str, size: usize, limit: Duration, logs: &[&Proc])
 /// HA masters without an oplog: a new leader knows no key. Values put through the kv
 /// face into moongate's own segment just before the leader is killed read back through
 /// the new leader, byte-exact: moongate held their ranges from the moment the leader
-/// was gone and put them again. (`kv.failover_window_ms = 0` turns this off: they stay
-/// missing, as in `the_kv_face_and_its_segment_follow_the_leader`.)
+/// was gone and put them again; a read in between waits for that instead of answering
+/// a miss. (`kv.failover_window_ms = 0` turns this off: they stay missing, as in
+/// `the_kv_face_and_its_segment_follow_the_leader`.)
 #[test]
 fn puts_acknowledged_before_a_failover_are_put_again_from_the_own_segment() {
     let (etcd, md_proc, metadata, _md_dir, a, b) = cluster();
@@ -426,10 +429,41 @@ fn puts_acknowledged_before_a_failover_are_put_again_from_the_own_segment() {
         let st = http_bytes(&kv, "PUT", &format!("/v1/kv/{k}"), &value_of(k, 30_000 + i));
         assert_eq!(st.map(|s| s.0), Some(201), "{k}");
     }
+    // A reader from before the kill on: until the check has put a key again the new
+    // leader lacks it, and a read then waits for the check instead of answering a miss.
+    let stop = Arc::new(AtomicBool::new(false));
+    let reader = {
+        let (kv, key, stop) = (kv.clone(), keys[0].clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut said: Vec<u16> = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                let st = match http_bytes(&kv, "GET", &format!("/v1/kv/{key}"), &[]) {
+                    Some((200, v)) => {
+                        assert_eq!(v, value_of(&key, 30_000), "never a wrong value");
+                        200
+                    }
+                    Some((s, _)) => s,
+                    None => 0,
+                };
+                if said.last() != Some(&st) {
+                    said.push(st);
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            said
+        })
+    };
     kill_leader(old, new, &logs);
     for (i, k) in keys.iter().enumerate() {
         reads_back(&kv, k, 30_000 + i, Duration::from_secs(60), &logs);
     }
+    stop.store(true, Ordering::Relaxed);
+    let said = reader.join().expect("the reader");
+    assert!(
+        !said.contains(&404) && said.last() == Some(&200),
+        "what the reader was answered, in order (0: no answer): {said:?}\n{}",
+        mg.proc.log_text()
+    );
     let m = mg.metrics();
     assert_eq!(
         metric_value(&m, "moongate_kv_failover_keys_total{result=\"put_again\"}"),

@@ -221,6 +221,9 @@ pub struct KvMetrics {
     /// Values in other segments read back while no leader served (`[found, changed]`).
     pub failover_read_ahead: [Counter; 2],
     pub failover_keys: [Counter; crate::kv::client::failover::Outcome::ALL.len()],
+    /// Reads that met a key of the window missing while a new leader's check ran and
+    /// waited for it: `[found, absent]` after it.
+    pub failover_waited_reads: [Counter; 2],
 }
 
 /// Shared-memory ops in label order (op `i + 1` is `SHM_OPS[i]`; the last is any other).
@@ -475,6 +478,14 @@ impl KvMetrics {
              its range was handed to another put, or a lookup found it gone)",
             failover.clone(),
         );
+        let waited = Family::<ResultLabel, Counter>::default();
+        registry.register(
+            "moongate_kv_failover_waited_reads",
+            "Reads of a key acknowledged within kv.failover_window_ms that a new leader lacked \
+             while its failover check ran: each waited for the check (at most kv.timeout_ms) \
+             and asked again, by result: found (the check had put it again), absent",
+            waited.clone(),
+        );
         let x = |f: &Family<KvXferLabels, Counter>| {
             Transport::ALL.map(|t| t.label()).map(|transport| {
                 ["read", "write"].map(|direction| {
@@ -559,6 +570,8 @@ impl KvMetrics {
                     .get_or_create(&ResultLabel { result: o.label() })
                     .clone()
             }),
+            failover_waited_reads: ["found", "absent"]
+                .map(|result| waited.get_or_create(&ResultLabel { result }).clone()),
         }
     }
 

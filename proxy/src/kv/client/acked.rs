@@ -157,6 +157,13 @@ impl Acked {
         self.started.remove(key);
     }
 
+    /// Whether `key`'s put was acknowledged within the window of `now`.
+    pub fn kept(&self, key: &[u8], now: Instant) -> bool {
+        self.by_key
+            .get(key)
+            .is_some_and(|e| now.duration_since(e.at) < self.window)
+    }
+
     /// Every key kept now, with when it was acknowledged (for [`Acked::forget_if`]).
     pub fn keys(&self) -> Vec<(Bytes, Instant)> {
         self.by_key.iter().map(|(k, e)| (k.clone(), e.at)).collect()
@@ -261,6 +268,18 @@ mod tests {
         // Past the window: gone.
         assert!(a.since(t, t + 33 * s).is_empty());
         assert!(a.is_empty());
+    }
+
+    #[test]
+    fn a_key_is_kept_for_the_window_after_its_acknowledgement_only() {
+        let t = Instant::now();
+        let s = Duration::from_secs(1);
+        let mut a = Acked::new(Duration::from_secs(30), 16);
+        a.started(b"k", Where::Nowhere, t);
+        assert!(!a.kept(b"k", t), "started, not acknowledged");
+        a.ended(b"k", t + s);
+        assert!(a.kept(b"k", t + 2 * s) && !a.kept(b"other", t + 2 * s));
+        assert!(!a.kept(b"k", t + 31 * s), "the window ended");
     }
 
     #[test]

@@ -16,8 +16,10 @@
 //! written over, an owner gone) is reported lost: counted, logged by key and noted in
 //! the key history (`/keys/KEY` says `lost_in_failover`). A key moongate's evictor or a
 //! client removed meanwhile is not put back. Reads never answer wrong bytes either way:
-//! until a key is put again the new leader does not list it (a miss), and what is put
-//! again was checked first.
+//! until a key is put again the new leader does not list it, and what is put again was
+//! checked first. A read of a key of the window that the new leader lacks while the
+//! check runs waits for the check (at most `kv.timeout_ms`) and asks again, so it
+//! does not answer a miss for a put about to be restored ([`Store::await_check`]).
 //!
 //! On only with an HA upstream (a fixed master has no leader change to survive): the
 //! cost is one table entry per put, the hash of values placed in other segments, and
@@ -28,6 +30,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::acked::{Acked, Entry, Where};
@@ -44,9 +47,14 @@ const SETTLE: Duration = Duration::from_secs(60);
 /// Between tries while the new leader is not ready.
 const RETRY: Duration = Duration::from_millis(250);
 
-/// What the failover check keeps: the acknowledged puts, under their own lock.
+/// What the failover check keeps: the acknowledged puts, under their own lock, and the
+/// leader the last check was done against.
 pub struct Failover {
     acked: Mutex<Acked>,
+    /// The leader whose check has ended (the first one followed needs none); `None`
+    /// until [`follow`] runs. While the master in force differs, its check is pending:
+    /// a key of the window it lacks may be about to be put again.
+    checked: watch::Sender<Option<Leader>>,
 }
 
 /// How one key of the window came out of a check (the `result` label of
@@ -92,6 +100,7 @@ impl Failover {
     pub fn new(window: Duration, limit: usize) -> Failover {
         Failover {
             acked: Mutex::new(Acked::new(window, limit)),
+            checked: watch::Sender::new(None),
         }
     }
 
@@ -299,6 +308,44 @@ impl Store {
         gone.len()
     }
 
+    /// A lookup found `keys` absent at the master in force. One of them in the window
+    /// may be missing only because that master is a new leader whose check has not put
+    /// it again yet: then this waits for the check (at most `kv.timeout_ms`) and says to
+    /// ask again (`true`). Otherwise, or when the check did not end in time, the answer
+    /// stands. So a reader does not see a miss for a put the check is about to restore.
+    pub(super) async fn await_check<'a>(&self, keys: impl IntoIterator<Item = &'a Bytes>) -> bool {
+        let Some(f) = self.failover.as_ref().filter(|_| self.check_pending()) else {
+            return false;
+        };
+        let now = Instant::now();
+        let kept = {
+            let g = f.lock();
+            keys.into_iter().any(|k| g.kept(k, now))
+        };
+        if !kept {
+            return false;
+        }
+        let mut checked = f.checked.subscribe();
+        let ended = checked.wait_for(|c| !due(c, &self.master.leader()));
+        matches!(
+            tokio::time::timeout(self.call_timeout, ended).await,
+            Ok(Ok(_))
+        )
+    }
+
+    /// Whether the master in force is a leader whose failover check has not ended.
+    pub(super) fn check_pending(&self) -> bool {
+        self.failover
+            .as_ref()
+            .is_some_and(|f| due(&f.checked.borrow(), &self.master.leader()))
+    }
+
+    /// Counts a read that waited for a check ([`Store::await_check`]) and then found
+    /// its key (`true`) or not.
+    pub(super) fn waited_for_check(&self, found: bool) {
+        self.metrics.failover_waited_reads[usize::from(!found)].inc();
+    }
+
     /// Acknowledged puts followed now (a gauge's reading).
     pub fn failover_followed(&self) -> Option<usize> {
         self.failover.as_ref().map(|f| f.lock().len())
@@ -408,7 +455,7 @@ impl Store {
         for part in entries.chunks(CHECK_CHUNK) {
             let keys: Vec<Bytes> = part.iter().map(|(k, _)| k.clone()).collect();
             let present = loop {
-                match self.exists(keys.clone()).await {
+                match self.exists_at_master(keys.clone()).await {
                     Ok(v) => break Some(v),
                     Err(e) if Instant::now() < deadline => {
                         tracing::debug!(error = %e, "failover check: the new leader does not answer yet");
@@ -596,6 +643,12 @@ impl Drop for Pins {
     }
 }
 
+/// Whether a check is due for the master in force `now`, the last one checked being
+/// `checked` (`None`: none followed yet, nothing to check).
+fn due(checked: &Option<Leader>, now: &Option<Leader>) -> bool {
+    checked.is_some() && checked != now
+}
+
 /// Errors of a put that a new leader gives while it is not ready for it.
 fn retryable(e: &StoreError) -> bool {
     matches!(
@@ -617,11 +670,13 @@ fn retryable(e: &StoreError) -> bool {
 /// other segments are read back from the moment it stops answering (or is seen gone).
 /// Returns at once when the check is off.
 pub async fn follow(store: &Store, mut upstream: Upstream, shutdown: CancellationToken) {
-    if store.failover.is_none() {
+    let Some(f) = &store.failover else {
         return;
-    }
+    };
     let mut silence = upstream.silence();
     let mut last: Option<Leader> = upstream.current();
+    // Nothing was acknowledged before the first leader this moongate knows.
+    f.checked.send_replace(last.clone());
     // Since when the leader in `last` is gone (or silent), and what is held since.
     let mut gone: Option<(Instant, Pins)> = None;
     // Whether to wait for a change (not when one came while reading ahead).
@@ -647,6 +702,7 @@ pub async fn follow(store: &Store, mut upstream: Upstream, shutdown: Cancellatio
         if last.is_none() {
             // The first leader this moongate knows: nothing was acknowledged before it.
             last = now;
+            f.checked.send_replace(last.clone());
             continue;
         }
         let (seen, mut pins) = gone
@@ -678,6 +734,7 @@ pub async fn follow(store: &Store, mut upstream: Upstream, shutdown: Cancellatio
             c = store.recheck(seen, &mut pins, seen + SETTLE) => c,
         };
         drop(pins);
+        f.checked.send_replace(last.clone());
         for o in Outcome::ALL {
             store.metrics.failover_keys[o as usize].inc_by(counts[o as usize]);
         }

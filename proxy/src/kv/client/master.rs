@@ -50,6 +50,11 @@ impl MasterConns {
         }
     }
 
+    /// The master in force, if any.
+    pub fn leader(&self) -> Option<crate::upstream::Leader> {
+        self.upstream.current()
+    }
+
     /// The upstream's places epoch ([`Upstream::places_epoch`]).
     pub fn places_epoch(&self) -> u64 {
         self.upstream.places_epoch()

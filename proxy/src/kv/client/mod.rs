@@ -365,7 +365,26 @@ impl Store {
         Ok(resp)
     }
 
+    /// Whether each of `keys` is stored. A key of the failover window that a new leader
+    /// lacks while its check runs is asked again after the check ([`Store::await_check`]).
     pub async fn exists(&self, keys: Vec<Bytes>) -> Result<Vec<bool>, StoreError> {
+        if !self.check_pending() {
+            return self.exists_at_master(keys).await;
+        }
+        let mut found = self.exists_at_master(keys.clone()).await?;
+        let absent: Vec<usize> = (0..found.len()).filter(|&i| !found[i]).collect();
+        if !absent.is_empty() && self.await_check(absent.iter().map(|&i| &keys[i])).await {
+            let ask = absent.iter().map(|&i| keys[i].clone()).collect();
+            for (&i, here) in absent.iter().zip(self.exists_at_master(ask).await?) {
+                found[i] = here;
+                self.waited_for_check(here);
+            }
+        }
+        Ok(found)
+    }
+
+    /// Whether each of `keys` is stored, as the master in force answers now.
+    pub(super) async fn exists_at_master(&self, keys: Vec<Bytes>) -> Result<Vec<bool>, StoreError> {
         let n = keys.len();
         let resp = self
             .call(Request::BatchExistKey(KeysArgs {
@@ -464,6 +483,16 @@ impl Store {
     /// The replica to read for `key` by the master's `GetReplicaList`, with the read
     /// lease it granted; `None` when the key is absent.
     async fn locate(&self, key: &Bytes) -> Result<Option<(Source, u64)>, StoreError> {
+        let found = self.locate_once(key).await?;
+        if found.is_some() || !self.await_check([key]).await {
+            return Ok(found);
+        }
+        let again = self.locate_once(key).await?;
+        self.waited_for_check(again.is_some());
+        Ok(again)
+    }
+
+    async fn locate_once(&self, key: &Bytes) -> Result<Option<(Source, u64)>, StoreError> {
         let resp = self
             .call(Request::GetReplicaList(KeyArgs {
                 key: key.clone(),
@@ -532,43 +561,70 @@ impl Store {
                 ask.push(k.clone());
             }
         }
-        if !ask.is_empty() {
-            let n = ask.len();
-            let resp = self
-                .call(Request::BatchGetReplicaList(KeysArgs {
-                    keys: ask.clone().into(),
-                    tenant_id: self.tenant.clone(),
-                }))
-                .await?;
-            let Response::BatchGetReplicaList(v) = resp else {
-                return Err(StoreError::Unexpected);
-            };
-            let mut answers = per_key(v, n)?.into_iter().zip(ask);
-            for slot in found.iter_mut().filter(|s| s.is_none()) {
-                let Some((r, key)) = answers.next() else {
-                    return Err(StoreError::Unexpected);
-                };
-                *slot = Some(match r {
-                    Ok(list) => readable(&list).map(|src| {
-                        if let (Some(cache), Source::Memory(d)) = (&self.replicas, &src) {
-                            cache.put(key, d, list.lease_ttl_ms, epoch, seq);
-                        }
-                        Some(Located {
-                            src,
-                            cached: None,
-                            seq,
-                            lease_ms: list.lease_ttl_ms,
-                        })
-                    }),
-                    Err(e) if absent(e) => Ok(None),
-                    Err(e) => Err(StoreError::Refused(e)),
-                });
+        self.ask_many(&mut found, ask, epoch, seq).await?;
+        // Keys a new leader lacks while its failover check runs: asked again after it.
+        let absent: Vec<usize> = (0..found.len())
+            .filter(|&i| matches!(found[i], Some(Ok(None))))
+            .collect();
+        if !absent.is_empty() && self.await_check(absent.iter().map(|&i| &keys[i])).await {
+            let ask = absent.iter().map(|&i| keys[i].clone()).collect();
+            absent.iter().for_each(|&i| found[i] = None);
+            let (epoch, seq) = (self.master.places_epoch(), self.write_seq());
+            self.ask_many(&mut found, ask, epoch, seq).await?;
+            for &i in &absent {
+                self.waited_for_check(matches!(found[i], Some(Ok(Some(_)))));
             }
         }
         Ok(found
             .into_iter()
             .map(|s| s.unwrap_or(Err(StoreError::Unexpected)))
             .collect())
+    }
+
+    /// Asks the master where `ask` are (the keys of `found`'s empty slots, in order) in
+    /// one `BatchGetReplicaList` and fills those slots; the lists are cached.
+    async fn ask_many(
+        &self,
+        found: &mut [Option<Result<Option<Located>, StoreError>>],
+        ask: Vec<Bytes>,
+        epoch: u64,
+        seq: u64,
+    ) -> Result<(), StoreError> {
+        if ask.is_empty() {
+            return Ok(());
+        }
+        let n = ask.len();
+        let resp = self
+            .call(Request::BatchGetReplicaList(KeysArgs {
+                keys: ask.clone().into(),
+                tenant_id: self.tenant.clone(),
+            }))
+            .await?;
+        let Response::BatchGetReplicaList(v) = resp else {
+            return Err(StoreError::Unexpected);
+        };
+        let mut answers = per_key(v, n)?.into_iter().zip(ask);
+        for slot in found.iter_mut().filter(|s| s.is_none()) {
+            let Some((r, key)) = answers.next() else {
+                return Err(StoreError::Unexpected);
+            };
+            *slot = Some(match r {
+                Ok(list) => readable(&list).map(|src| {
+                    if let (Some(cache), Source::Memory(d)) = (&self.replicas, &src) {
+                        cache.put(key, d, list.lease_ttl_ms, epoch, seq);
+                    }
+                    Some(Located {
+                        src,
+                        cached: None,
+                        seq,
+                        lease_ms: list.lease_ttl_ms,
+                    })
+                }),
+                Err(e) if absent(e) => Ok(None),
+                Err(e) => Err(StoreError::Refused(e)),
+            });
+        }
+        Ok(())
     }
 
     /// Reads a located replica whole; the caller holds budget for `loc`'s size. A
