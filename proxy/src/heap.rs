@@ -42,6 +42,18 @@ impl HeapMetrics {
     }
 }
 
+/// Hands the heap's free memory back to the system (glibc `malloc_trim`; nothing
+/// elsewhere). For after a rare burst (a failover check reads and frees up to the byte
+/// budget at once): glibc keeps what a burst freed in its arenas, and RSS would stay at
+/// the burst's height. Walks the arenas: never on a request path.
+pub fn give_back() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim takes a size and touches only the allocator's own state.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 fn clamp(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }

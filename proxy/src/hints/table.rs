@@ -114,6 +114,9 @@ pub struct Table {
     /// replaced since leaves a stale item here, skipped (and compacted away).
     order: VecDeque<(u64, Name)>,
     next: u64,
+    /// Whether the room for a full table was reserved
+    /// ([`crate::keys::history::room_when_full`]).
+    sized: bool,
 }
 
 /// What an insert did besides inserting.
@@ -134,6 +137,7 @@ impl Table {
             entries: HashMap::new(),
             order: VecDeque::new(),
             next: 0,
+            sized: false,
         }
     }
 
@@ -207,7 +211,17 @@ impl Table {
         }
         let replacing = self.entries.contains_key(&name);
         let cost = entry_bytes(&name);
-        while !replacing && (self.entries.len() >= self.cap || self.bytes + cost > self.max_bytes) {
+        let full = |t: &Table| t.entries.len() >= t.cap || t.bytes + cost > t.max_bytes;
+        if !replacing && !self.sized && full(self) {
+            // Full by count or by bytes: from here on entries are pushed out and inserted.
+            self.sized = true;
+            crate::keys::history::room_when_full(
+                &mut self.entries,
+                &mut self.order,
+                2 * self.cap + 1,
+            );
+        }
+        while !replacing && full(self) {
             let Some((seq, front)) = self.order.pop_front() else {
                 break;
             };
@@ -289,6 +303,29 @@ mod tests {
         // Any other kind replaces it at once.
         t.insert(key("a"), hint(Kind::Done, 70, 100), 70);
         assert_eq!(t.get(&key("a"), 70, None).map(|h| h.kind), Some(Kind::Done));
+    }
+
+    #[test]
+    fn a_full_table_under_churn_keeps_the_room_it_took_when_it_filled() {
+        let mut t = Table::new(1000, usize::MAX);
+        let room = |t: &Table| (t.entries.capacity(), t.order.capacity());
+        for i in 0..1001u64 {
+            t.insert(key(&format!("a{i}")), hint(Kind::Done, i, u64::MAX / 2), i);
+        }
+        let full = room(&t);
+        for i in 0..50_000u64 {
+            // New names push out the oldest; names hinted again leave stale queue items.
+            t.insert(key(&format!("b{i}")), hint(Kind::Done, i, u64::MAX / 2), i);
+            t.insert(
+                key(&format!("b{}", i / 2)),
+                hint(Kind::Done, i, u64::MAX / 2),
+                i,
+            );
+        }
+        assert_eq!(t.len(), 1000);
+        let now = room(&t);
+        // (The map's capacity counts deleted slots out: it reads less, never more.)
+        assert!(now.0 <= full.0 && now.1 == full.1, "{full:?} -> {now:?}");
     }
 
     #[test]

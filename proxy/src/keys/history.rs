@@ -49,6 +49,27 @@ pub struct Event {
 
 type Owned = (Bytes, Bytes);
 
+/// Keys one note may add to the queue past twice the bound before it is compacted.
+const QUEUE_SLACK: usize = 4096;
+
+/// Room for a table kept full: with keys removed and inserted all the time, a hash map
+/// at its bound settles at buckets for twice its entries (hashbrown reclaims deleted
+/// slots in place only below half full, else it doubles), and a queue with stale items
+/// at twice its bound. Reserved the first time the table is full, its memory is flat
+/// from then on rather than doubling once, minutes later; a table never filled never
+/// takes it. (The hint table does the same.)
+pub(crate) fn room_when_full<K, V, S, Q>(
+    map: &mut HashMap<K, V, S>,
+    queue: &mut VecDeque<Q>,
+    queue_max: usize,
+) where
+    K: Eq + std::hash::Hash,
+    S: std::hash::BuildHasher,
+{
+    map.reserve(map.len());
+    queue.reserve(queue_max.saturating_sub(queue.len()));
+}
+
 /// At most `max` keys' last event, the oldest forgotten first.
 pub struct History {
     max: usize,
@@ -60,6 +81,8 @@ struct Inner {
     last: HashMap<Owned, (u64, Event), foldhash::fast::RandomState>,
     order: VecDeque<(u64, Owned)>,
     seq: u64,
+    /// Whether the room for a full table was reserved ([`room_when_full`]).
+    sized: bool,
 }
 
 impl History {
@@ -102,6 +125,11 @@ impl History {
             if g.last.get(&owned).is_some_and(|(s, _)| *s == seq) {
                 g.last.remove(&owned);
             }
+        }
+        if !g.sized && g.last.len() >= self.max {
+            g.sized = true;
+            let Inner { last, order, .. } = &mut *g;
+            room_when_full(last, order, 2 * self.max + QUEUE_SLACK);
         }
         // Stale queue entries (keys noted again) would let `order` grow without bound.
         if g.order.len() > 2 * self.max {
@@ -168,5 +196,33 @@ mod tests {
             h.note(&t, [k("same")].iter(), Why::evicted_by_master, 0, i);
         }
         assert!(h.lock().order.len() <= 6 + 1);
+    }
+
+    #[test]
+    fn a_full_history_under_churn_keeps_the_room_it_took_when_it_filled() {
+        let h = History::new(1000);
+        let t = k("t");
+        let room = |h: &History| {
+            let g = h.lock();
+            (g.last.capacity(), g.order.capacity())
+        };
+        let note = |from: u64, to: u64| {
+            for i in from..to {
+                let again = k(&format!("k{}", i / 2));
+                let keys = [k(&format!("n{i}")), again];
+                h.note(&t, keys.iter(), Why::evicted_by_master, 0, i);
+            }
+        };
+        // Just full (1,000 keys: n0..n666 and k0..k333).
+        note(0, 667);
+        assert_eq!(h.len(), 1000);
+        let full = room(&h);
+        // Keys forgotten and noted, and keys noted again (stale queue items), long past
+        // the point where deleted slots would have made the map double.
+        note(667, 50_000);
+        assert_eq!(h.len(), 1000);
+        // (The map's capacity counts deleted slots out: it reads less, never more.)
+        let now = room(&h);
+        assert!(now.0 <= full.0 && now.1 == full.1, "{full:?} -> {now:?}");
     }
 }

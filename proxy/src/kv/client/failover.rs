@@ -735,6 +735,8 @@ pub async fn follow(store: &Store, mut upstream: Upstream, shutdown: Cancellatio
         };
         drop(pins);
         f.checked.send_replace(last.clone());
+        // What the check read and put (up to the byte budget at once) is freed now.
+        crate::heap::give_back();
         for o in Outcome::ALL {
             store.metrics.failover_keys[o as usize].inc_by(counts[o as usize]);
         }
