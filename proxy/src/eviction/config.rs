@@ -40,7 +40,8 @@ pub struct EvictionConfig {
     pub call_timeout_ms: u64,
     /// Keys whose end (evicted, removed, refused) moongate remembers to explain lookup
     /// misses; the oldest are forgotten first. Measured (`cargo run --release --example
-    /// key_memory`): 400 bytes per key of 100 bytes, so 100,000 keys are about 40 MB.
+    /// key_memory`): 400 bytes per key of 100 bytes, so 100,000 keys are about 40 MB;
+    /// once full, the room churn takes (~11 MB more at 100,000) is reserved at once.
     pub history_keys: usize,
 }
 
