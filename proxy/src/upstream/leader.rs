@@ -171,6 +171,11 @@ impl Upstream {
         self.rx.borrow().clone()
     }
 
+    /// Whether the master in force is `l` (no copy taken).
+    pub fn is(&self, l: &Option<Leader>) -> bool {
+        *self.rx.borrow() == *l
+    }
+
     /// Its address, if any.
     pub fn addr(&self) -> Option<String> {
         self.rx.borrow().as_ref().map(|l| l.addr.clone())

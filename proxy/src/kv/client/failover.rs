@@ -326,7 +326,7 @@ impl Store {
             return false;
         }
         let mut checked = f.checked.subscribe();
-        let ended = checked.wait_for(|c| !due(c, &self.master.leader()));
+        let ended = checked.wait_for(|c| !self.due(c));
         matches!(
             tokio::time::timeout(self.call_timeout, ended).await,
             Ok(Ok(_))
@@ -337,7 +337,14 @@ impl Store {
     pub(super) fn check_pending(&self) -> bool {
         self.failover
             .as_ref()
-            .is_some_and(|f| due(&f.checked.borrow(), &self.master.leader()))
+            .is_some_and(|f| self.due(&f.checked.borrow()))
+    }
+
+    /// Whether a check is due for the master in force, the last one checked being
+    /// `checked` (`None`: none followed yet, nothing to check). Per lookup that misses:
+    /// compared in place, nothing copied.
+    fn due(&self, checked: &Option<Leader>) -> bool {
+        checked.is_some() && !self.master.leader_is(checked)
     }
 
     /// Counts a read that waited for a check ([`Store::await_check`]) and then found
@@ -641,12 +648,6 @@ impl Drop for Pins {
             }
         }
     }
-}
-
-/// Whether a check is due for the master in force `now`, the last one checked being
-/// `checked` (`None`: none followed yet, nothing to check).
-fn due(checked: &Option<Leader>, now: &Option<Leader>) -> bool {
-    checked.is_some() && checked != now
 }
 
 /// Errors of a put that a new leader gives while it is not ready for it.

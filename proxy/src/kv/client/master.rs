@@ -50,9 +50,9 @@ impl MasterConns {
         }
     }
 
-    /// The master in force, if any.
-    pub fn leader(&self) -> Option<crate::upstream::Leader> {
-        self.upstream.current()
+    /// Whether the master in force is `l` (no copy taken).
+    pub fn leader_is(&self, l: &Option<crate::upstream::Leader>) -> bool {
+        self.upstream.is(l)
     }
 
     /// The upstream's places epoch ([`Upstream::places_epoch`]).
