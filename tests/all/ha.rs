@@ -610,16 +610,22 @@ fn puts_in_another_segment_come_back_or_are_reported_lost_in_failover() {
     assert_eq!(put("far/kept").map(|s| s.0), Some(201));
     let (old, new) = serving_first(&a, &b);
     kill_leader(old, new, &logs);
-    // The value was read back from the owner while no leader served (none could hand
-    // its range to another put then), checked, and put again once the new one did.
+    // The value was read back from the owner, checked, and put again once the new
+    // leader served: read ahead while no leader served (none could hand its range to
+    // another put then), or by the check itself where moongate saw the new leader
+    // before it saw none (on a busy machine the gap can pass between two looks; the
+    // read-ahead alone is tested with etcd down, above).
     reads_back(&kv, "far/kept", 50_000, Duration::from_secs(60), &logs);
     assert_eq!(
         mg.metric("moongate_kv_failover_keys_total{result=\"put_again\"}"),
-        1.0
+        1.0,
+        "{}",
+        mg.proc.log_text()
     );
+    assert!(mg.metric("moongate_kv_failover_read_ahead_keys_total{result=\"found\"}") <= 1.0);
     assert_eq!(
-        mg.metric("moongate_kv_failover_read_ahead_keys_total{result=\"found\"}"),
-        1.0
+        mg.metric("moongate_kv_failover_read_ahead_keys_total{result=\"changed\"}"),
+        0.0
     );
 
     // Second failover: the old leader back as the standby, then the owner and the new
