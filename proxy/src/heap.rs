@@ -5,15 +5,35 @@
 //! after the data is gone (glibc's arenas keep freed chunks for reuse); the two gauges
 //! can. On glibc they come from `mallinfo2` (which walks the free lists, so only at a
 //! scrape, never on a request path); elsewhere they stay 0.
+//!
+//! [`settle`] hands freed memory back once enough of it sits resident: after a burst
+//! (a flood of connections, a failover check's reads) glibc keeps the freed chunks in
+//! its arenas, and RSS would stay at the burst's height until the next one reused them.
 
+use std::time::Duration;
+
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
+use tokio_util::sync::CancellationToken;
 
-/// The heap gauges (`moongate_heap_bytes{state}`).
+/// How often [`settle`] looks. Reading costs a `/proc` read and one `mallinfo2` (a walk
+/// of the free lists under each arena's lock, tens of microseconds here): every 5 s is
+/// nothing beside the traffic, and a burst's memory is back within seconds of its end.
+const SETTLE_EVERY: Duration = Duration::from_secs(5);
+
+/// Resident memory the heap does not use that may gather above the lowest seen before
+/// [`settle`] trims. 16 MiB: above the churn of steady traffic (a few MiB between two
+/// looks in the soak), below what one burst leaves (30-40 MiB in the soak), and 5-8 %
+/// of a sidecar's ~200-250 MB RSS there.
+const SETTLE_SLACK: u64 = 16 << 20;
+
+/// The heap gauges (`moongate_heap_bytes{state}`) and the trims [`settle`] made.
 pub struct HeapMetrics {
     in_use: Gauge,
     free: Gauge,
+    trims: Counter,
 }
 
 impl HeapMetrics {
@@ -30,7 +50,23 @@ impl HeapMetrics {
         // ends, and creating the second child takes the write lock.
         let in_use = f.get_or_create(&[("state", "in_use")]).clone();
         let free = f.get_or_create(&[("state", "free")]).clone();
-        HeapMetrics { in_use, free }
+        let trims = Counter::default();
+        registry.register(
+            "moongate_heap_trims",
+            "Times freed heap memory was handed back to the system because more than \
+             16 MiB of it had gathered resident (after a burst)",
+            trims.clone(),
+        );
+        HeapMetrics {
+            in_use,
+            free,
+            trims,
+        }
+    }
+
+    /// The trims' counter, for [`settle`].
+    pub fn trims(&self) -> Counter {
+        self.trims.clone()
     }
 
     /// Reads the allocator's figures into the gauges.
@@ -52,6 +88,68 @@ pub fn give_back() {
     unsafe {
         libc::malloc_trim(0);
     }
+}
+
+/// Every [`SETTLE_EVERY`], reads the resident memory the heap does not use (anonymous
+/// RSS less the heap in use) and trims ([`give_back`]) once it is more than
+/// [`SETTLE_SLACK`] above the lowest reading since the last trim; counts each trim in
+/// `trims`. Returns at `shutdown`, or at once where the figures cannot be read (not
+/// Linux with glibc: nothing to trim there either).
+pub async fn settle(trims: Counter, shutdown: CancellationToken) {
+    let mut floor: Option<u64> = None;
+    let mut tick = tokio::time::interval(SETTLE_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let Some(unused) = unused_resident() else {
+            return;
+        };
+        if !over(&mut floor, unused) {
+            continue;
+        }
+        // malloc_trim walks every arena and madvises its free pages: off the runtime's
+        // workers.
+        if tokio::task::spawn_blocking(give_back).await.is_err() {
+            return;
+        }
+        trims.inc();
+        floor = unused_resident();
+    }
+}
+
+/// Whether `unused` is more than the slack above `floor`, which follows the lowest
+/// reading (the first reading sets it).
+fn over(floor: &mut Option<u64>, unused: u64) -> bool {
+    match floor {
+        Some(f) if unused > f.saturating_add(SETTLE_SLACK) => true,
+        Some(f) => {
+            *f = (*f).min(unused);
+            false
+        }
+        None => {
+            *floor = Some(unused);
+            false
+        }
+    }
+}
+
+/// Anonymous resident bytes less the heap's bytes in use: what the allocator keeps
+/// resident free, plus stacks and other anonymous mappings (which move little).
+fn unused_resident() -> Option<u64> {
+    let (in_use, _) = read()?;
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("RssAnon:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some((kb << 10).saturating_sub(in_use))
 }
 
 fn clamp(v: u64) -> i64 {
@@ -90,6 +188,55 @@ mod tests {
         assert!(
             during - before >= 60 << 20,
             "64 MiB allocated: in use {before} -> {during}"
+        );
+    }
+
+    #[test]
+    fn a_trim_comes_only_past_the_slack_above_the_lowest_reading() {
+        let mut floor = None;
+        let mib = 1u64 << 20;
+        assert!(
+            !over(&mut floor, 40 * mib),
+            "the first reading sets the floor"
+        );
+        assert!(!over(&mut floor, 30 * mib));
+        assert_eq!(floor, Some(30 * mib), "the floor follows the lowest");
+        assert!(
+            !over(&mut floor, 46 * mib),
+            "16 MiB above: within the slack"
+        );
+        assert!(over(&mut floor, 47 * mib));
+        assert_eq!(
+            floor,
+            Some(30 * mib),
+            "a trim's caller reads the floor anew"
+        );
+    }
+
+    /// What a burst leaves resident is seen, and a trim gives it back.
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    #[test]
+    fn a_burst_freed_is_seen_resident_and_a_trim_gives_it_back() {
+        // Small chunks (below the mmap threshold) come from the arenas; every page
+        // written (a zero fill could come untouched from calloc).
+        let mut chunks: Vec<Vec<u8>> = (0..16_384)
+            .map(|i| vec![(i % 255 + 1) as u8; 4096])
+            .collect();
+        let before = unused_resident().unwrap();
+        // Every 16th kept: the rest freed around them, in holes the top chunk cannot
+        // take back on its own (as a burst's memory is, among what stays).
+        let mut i = 0;
+        chunks.retain(|_| {
+            i += 1;
+            i % 16 == 0
+        });
+        let freed = unused_resident().unwrap();
+        give_back();
+        let after = unused_resident().unwrap();
+        drop(chunks);
+        assert!(
+            freed >= before + (40 << 20) && after + (32 << 20) <= freed,
+            "60 MiB freed: unused resident {before} -> {freed}, after the trim {after}"
         );
     }
 }

@@ -109,6 +109,7 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
         answered: answered.clone(),
         topology: topology.clone(),
     });
+    tokio::spawn(crate::heap::settle(metrics.heap.trims(), shutdown.clone()));
     tokio::spawn(admin::ready_probe(
         state.clone(),
         upstream.clone(),
