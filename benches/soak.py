@@ -36,6 +36,11 @@ failed after it succeeded again (0 when none failed).
 Each key read back missing that moongate did not remove is placed by the first fault
 between its put and that read (`lost_by_fault`: per fault kind, how many, moongate's
 reason, and how long before the fault they were put; `no_fault_between` for the rest).
+A key put after the new leader that followed a master kill or etcd stop began serving
+was acknowledged by that leader: gone later, it is `put_to_a_new_leader_then_dropped_by_it`
+(that leader's own evictions: the masters' logs give each new leader's evictions in
+its first 30 s; a restored leader has evicted the freshest puts of every client at
+once), not a loss to the change.
 
 moongate's RSS, open descriptors and heap (`moongate_heap_bytes`: in use, kept free) are
 sampled every 5 s; growth is the median of the last tenth of the run over the median of
@@ -506,12 +511,32 @@ def glog_epoch(line):
 
 def fault_of(x, faults, t0, why_now=None):
     """The index of the fault a missing key is placed against (as `place_lost` does),
-    or None (none between its put and its miss, or evicted by moongate)."""
+    or None (none between its put and its miss, or evicted by moongate). A key put after
+    the new leader that followed a master kill or etcd stop began serving
+    (`new_leader_s`) was acknowledged by that leader, not lost to the change: it is
+    placed against the next fault, if any."""
     k, _, put, gone = x
     if why_now is not None and why_now.get(k) == "evicted_by_moongate":
         return None
     return next((i for i, f in enumerate(faults)
-                 if put <= t0 + f["over_s"] + 30 and t0 + f["at_s"] <= gone), None)
+                 if put <= t0 + f["over_s"] + 30 and t0 + f["at_s"] <= gone
+                 and not after_new_leader(put, f, t0)), None)
+
+
+def after_new_leader(put, f, t0):
+    """Whether a put at `put` came after the new leader that followed fault `f` began
+    serving (so that leader acknowledged it)."""
+    return f.get("new_leader_s") is not None and put >= t0 + f["new_leader_s"]
+
+
+def new_leader_dropped(x, faults, t0):
+    """The index of the leader change whose new leader acknowledged a missing key
+    (put after it began serving, within the fault's window, and missing after), or
+    None: a key that leader let go (its own evictions), not one lost to the change."""
+    _, _, put, gone = x
+    return next((i for i, f in enumerate(faults)
+                 if after_new_leader(put, f, t0) and put <= t0 + f["over_s"] + 30
+                 and t0 + f["at_s"] <= gone), None)
 
 
 def place_lost(lost, faults, t0, why_now=None):
@@ -531,6 +556,8 @@ def place_lost(lost, faults, t0, why_now=None):
         i = fault_of((k, why, put, gone), faults, t0)
         hit = None if i is None else faults[i]
         kind = hit["kind"] if hit else "no_fault_between"
+        if hit is None and new_leader_dropped((k, why, put, gone), faults, t0) is not None:
+            kind = "put_to_a_new_leader_then_dropped_by_it"
         o = out.setdefault(kind, {"keys": 0, "by_why": {}, "put_before_s": []})
         o["keys"] += 1
         o["by_why"][why] = o["by_why"].get(why, 0) + 1
@@ -673,6 +700,10 @@ def arms(a):
             ", ".join(f"{x['kind'].split('_')[0]}:{x.get('new_leader')}"
                       for x in results[arm].get("faults", []) if "new_leader" in x)
             if role == "mc" else "" for arm, role in cols) + " |")
+        lines.append("| evicted by each new leader in its first 30 s (the masters' logs), in order | " + " | ".join(
+            ", ".join(str(x.get("new_leader_evicted_30s", 0))
+                      for x in results[arm].get("faults", []) if "new_leader" in x)
+            if role == "mc" else "" for arm, role in cols) + " |")
         lines.append(f"| master face lost at the {len(alike)} leader changes that went alike | " + " | ".join(
             str(results[arm]["master_face_lost_at_alike_leader_changes"]) if role == "mc" else ""
             for arm, role in cols) + " |")
@@ -683,7 +714,10 @@ def arms(a):
         f.write("Keys read back missing that moongate did not remove and that did not read back "
                 "a minute later or at the end either, by the first fault in progress or begun between their put "
                 "and the read (owner_declared_dead: the masters drop a dead owner's segment and "
-                "what it held, by Mooncake's rules); in brackets, what moongate's key history "
+                "what it held, by Mooncake's rules; put_to_a_new_leader_then_dropped_by_it: put "
+                "after the new leader that followed a kill or etcd stop began serving, so "
+                "acknowledged by it, and gone after: that leader's own evictions, not the change's); "
+                "in brackets, what moongate's key history "
                 "said of them when they were read missing:\n\n" + table + "\n")
     print(table, file=sys.stderr)
     print(json.dumps({"arms": results, "table": f"{out}/arms.md"}), flush=True)
@@ -1025,11 +1059,16 @@ def main():
         # objects at all, which loses every key the masters held.
         restores = {"restored": 0, "failed": 0}
         took_over = []
+        # The masters' evictions, when (a new leader may evict at once: a restored one
+        # reads its pool near full until the owners remount).
+        evictions = []
         for name in masters:
             with open(f"{work}/{name}.log", errors="replace") as f:
                 for line in f:
                     if "[EVICT-RESULT]" in line and "evicted_count=" in line:
-                        master_evicted += int(line.split("evicted_count=")[1].split(",")[0])
+                        n = int(line.split("evicted_count=")[1].split(",")[0])
+                        master_evicted += n
+                        evictions.append((glog_epoch(line), n))
                     elif "Restored from standby:" in line:
                         restores["restored"] += 1
                         took_over.append((glog_epoch(line), "restored"))
@@ -1038,11 +1077,18 @@ def main():
                         took_over.append((glog_epoch(line), "failed"))
         # Which leader change followed each master kill and etcd stop, and what each
         # client lost at it: arms compare alike only where their new leaders did alike.
-        for i, f in enumerate(faults):
+        for f in faults:
             if f["kind"] in ("kill_leading_master", "etcd_stopped"):
-                f["new_leader"] = next((o for t, o in sorted(took_over)
-                                        if t is not None
-                                        and t0 + f["at_s"] <= t <= t0 + f["over_s"] + 60), None)
+                t, f["new_leader"] = next(((t, o) for t, o in sorted(took_over)
+                                           if t is not None
+                                           and t0 + f["at_s"] <= t <= t0 + f["over_s"] + 60),
+                                          (None, None))
+                if t is not None:
+                    f["new_leader_s"] = round(t - t0, 2)
+                    # What that leader evicted in its first 30 s.
+                    f["new_leader_evicted_30s"] = sum(n for e, n in evictions
+                                                      if e is not None and t <= e <= t + 30)
+        for i, f in enumerate(faults):
             f["lost_by_client"] = {r.name: sum(1 for x in r.lost if fault_of(x, faults, t0,
                                                                             why_now if mg else None) == i)
                                    for r in traffic}

@@ -363,6 +363,79 @@ fn the_kv_face_and_its_segment_follow_the_leader() {
     }
 }
 
+/// A client's keep-alive that connects while no leader serves (the old one killed, the
+/// standby not yet serving) is held, not closed, and answered by the new leader once
+/// that serves: Mooncake's clients (an owner's ping) reach it then, not at their next
+/// retry a second later, and their segments are back before puts fill the others. A
+/// data call in the same gap is not held: closed, as the master directly would fail it.
+#[test]
+fn a_ping_that_connects_during_a_failover_is_held_for_the_new_leader() {
+    let (etcd, md_proc, _metadata, _md_dir, a, b) = cluster();
+    let (old, new) = serving_first(&a, &b);
+    // Held for the whole failover here (~10 s: the lease runs out, then the warmup).
+    let mg = Moongate::start_config(&format!(
+        "[master_face]\nupstream = \"etcd://{}\"\nfailover_hold_ms = 60000\n",
+        etcd.endpoint
+    ));
+    let logs = [&etcd.proc, &a.proc, &b.proc, &mg.proc, &md_proc];
+    let log = || {
+        logs.iter()
+            .map(|p| p.log_text())
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    wait_for("moongate ready", Duration::from_secs(20), &logs, || {
+        http_get(&mg.admin, "/ready").is_some_and(|(s, _)| s == 200)
+    });
+    old.proc.signal(libc::SIGKILL);
+    wait_for(
+        "the old leader gone",
+        Duration::from_secs(10),
+        &logs,
+        || std::net::TcpStream::connect(&old.rpc).is_err(),
+    );
+    // In the gap: moongate still names the dead leader (refused), then none, then the
+    // new one warming up (refused).
+    let call = |seq: u32, req: &moongate::codec::Request| {
+        let mut body = bytes::BytesMut::new();
+        req.encode_body(moongate::codec::BodyStyle::MOONCAKE, &mut body);
+        let mut out = bytes::BytesMut::new();
+        moongate::codec::RequestHeader::new(seq, req.method().function_id(), body.len() as u32)
+            .write(&mut out);
+        out.extend_from_slice(&body);
+        let mut c = std::net::TcpStream::connect(&mg.listen).unwrap();
+        std::io::Write::write_all(&mut c, &out).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let mut h = [0u8; 16];
+        std::io::Read::read_exact(&mut c, &mut h)
+            .map(|()| (h[2], u32::from_le_bytes(h[4..8].try_into().unwrap())))
+    };
+    let exist = moongate::codec::Request::ExistKey(moongate::codec::message::KeyArgs {
+        key: bytes::Bytes::from_static(b"k"),
+        tenant_id: bytes::Bytes::from_static(b"default"),
+    });
+    let data = call(3, &exist);
+    assert!(data.is_err(), "a data call was held: {data:?}\n{}", log());
+    let ping = moongate::codec::Request::Ping(moongate::codec::types::Uuid {
+        first: 1,
+        second: 2,
+    });
+    let answered = call(7, &ping);
+    assert!(
+        answered.is_ok(),
+        "the held ping was closed: {answered:?}\n{}",
+        log()
+    );
+    assert_eq!(answered.unwrap(), (0, 7));
+    assert_eq!(new.state(), "serving", "answered by the new leader");
+    assert_eq!(
+        mg.metric("moongate_master_connections_held_total{result=\"connected\"}"),
+        1.0,
+        "{}",
+        log()
+    );
+}
+
 /// The leader that is serving in `a` and `b` (old) and the other (new).
 fn serving_first<'a>(a: &'a HaMaster, b: &'a HaMaster) -> (&'a HaMaster, &'a HaMaster) {
     if a.state() == "serving" {

@@ -29,6 +29,18 @@ pub struct MasterFaceConfig {
     pub max_inflight_per_connection: usize,
     /// Time allowed to open the upstream connection for a new client connection.
     pub connect_timeout_ms: u64,
+    /// With HA masters (`upstream = "etcd://..."`): a client connection that arrives
+    /// while no leader serves (none named, or the one named refusing connections) is
+    /// held, its upstream connect tried again every 50 ms and at each change of
+    /// leader, for up to this long before it is closed; 0 = closed at once. Default
+    /// 5 s: a new leader warms up ~5 s with its address already in etcd, and
+    /// Mooncake's clients retry once a second, so without the hold each reaches the
+    /// new leader up to a second after it serves. An owner's segment then remounts
+    /// that much later, and a new leader that restored its objects evicts the puts
+    /// that land meanwhile in the segments already back (the soak lost every client's
+    /// puts of that second so). Held far below the clients' own 30 s RPC timeout
+    /// (`MC_RPC_TIMEOUT_MS`). A fixed master is never waited for.
+    pub failover_hold_ms: u64,
     /// Close a connection after this long without a byte in either direction; 0 = never.
     /// Checked every quarter of it (the request path sets a flag, reads no clock), so an
     /// idle connection closes within 1.25 x this.
@@ -89,6 +101,7 @@ impl Default for MasterFaceConfig {
             max_frame_bytes: 64 << 20,
             max_inflight_per_connection: 1024,
             connect_timeout_ms: 3_000,
+            failover_hold_ms: 5_000,
             idle_timeout_ms: 300_000,
             answer_timeout_ms: 10_000,
             reencode: Reencode::OnChange,
@@ -176,6 +189,9 @@ impl MasterFaceConfig {
 
     pub fn connect_timeout(&self) -> Duration {
         Duration::from_millis(self.connect_timeout_ms)
+    }
+    pub fn failover_hold(&self) -> Option<Duration> {
+        (self.failover_hold_ms > 0).then(|| Duration::from_millis(self.failover_hold_ms))
     }
     pub fn answer_timeout(&self) -> Option<Duration> {
         (self.answer_timeout_ms > 0).then(|| Duration::from_millis(self.answer_timeout_ms))

@@ -210,42 +210,126 @@ async fn probe_release(
     }
 }
 
+/// How often a held client connection tries the master again (see
+/// [`connect_upstream`]): a connect refused on loopback costs microseconds, and a new
+/// leader is reached within this of when it opens its port.
+const HOLD_RETRY: Duration = Duration::from_millis(50);
+
+/// How long a client connection that found no leader is given to show its first call
+/// (a client writes it as soon as it connects) before it is closed as before.
+const FIRST_CALL_WITHIN: Duration = Duration::from_millis(200);
+
+/// Opens the upstream connection for a new client connection, to the master in force.
+/// With HA masters (a leader followed) while none serves (none named, or the one named
+/// refusing: a new leader warms up with its address already published), a connection
+/// whose first call brings a client's segments back (`Ping`, a mount or remount) is
+/// held, and the connect tried again every [`HOLD_RETRY`] and at each change of
+/// leader, for up to `master_face.failover_hold_ms`: the client (an owner's ping, once
+/// a second) reaches the new leader as it starts serving, and remounts then rather
+/// than up to a second later. Other calls are not held: they fail at once, as with
+/// the master directly, and the engine decides (a load recomputed, a put retried).
+/// `None` (after logging why): the client is closed.
+async fn connect_upstream(
+    client: &TcpStream,
+    leader: &mut crate::upstream::Upstream,
+    peer: std::net::SocketAddr,
+    shared: &Shared,
+) -> Option<(TcpStream, String)> {
+    let cfg = &shared.cfg;
+    let mut until: Option<Instant> = None;
+    let why = loop {
+        let why = match leader.addr() {
+            None => "no master leader".to_string(),
+            Some(addr) => {
+                match tokio::time::timeout(cfg.connect_timeout(), TcpStream::connect(addr.as_str()))
+                    .await
+                {
+                    Ok(Ok(s)) => {
+                        if until.is_some() {
+                            shared.metrics.held(true);
+                            tracing::info!(%peer, upstream = %addr,
+                                "client connection held for a leader reached it");
+                        }
+                        return Some((s, addr));
+                    }
+                    Ok(Err(e)) => format!("upstream master {addr} unreachable: {e}"),
+                    Err(_) => format!(
+                        "upstream master {addr} connect timed out after {} ms",
+                        cfg.connect_timeout_ms
+                    ),
+                }
+            }
+        };
+        let t = match until {
+            Some(t) => t,
+            None => match cfg.failover_hold().filter(|_| leader.follows_a_leader()) {
+                Some(hold) if brings_segments_back(client).await => {
+                    let t = Instant::now() + hold;
+                    until = Some(t);
+                    t
+                }
+                _ => break why,
+            },
+        };
+        if Instant::now() >= t {
+            shared.metrics.held(false);
+            break why;
+        }
+        let pause = HOLD_RETRY.min(t.saturating_duration_since(Instant::now()));
+        tokio::select! {
+            _ = leader.changed() => {}
+            _ = tokio::time::sleep(pause) => {}
+            _ = shared.shutdown.cancelled() => break why,
+        }
+    };
+    tracing::warn!(%peer, held = until.is_some(), error = %why,
+        "upstream master unreachable; closing client connection");
+    None
+}
+
+/// Whether the client's first call (peeked, left in the socket for the relay) is one
+/// that brings its segments back at a new leader: its keep-alive `Ping` (answered
+/// `NEED_REMOUNT` there) or a mount or remount.
+async fn brings_segments_back(client: &TcpStream) -> bool {
+    let mut h = [0u8; crate::codec::frame::REQUEST_HEADER_LEN];
+    let peeked = tokio::time::timeout(FIRST_CALL_WITHIN, async {
+        // A peek returns what has arrived; the header may come in pieces.
+        loop {
+            match client.peek(&mut h).await {
+                Ok(n) if n >= h.len() => return true,
+                Ok(0) | Err(_) => return false,
+                Ok(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+            }
+        }
+    })
+    .await;
+    if peeked != Ok(true) {
+        return false;
+    }
+    use crate::codec::Method as M;
+    matches!(
+        M::from_function_id(crate::codec::RequestHeader::parse(&h).function_id),
+        Some(
+            M::Ping
+                | M::MountSegment
+                | M::ReMountSegment
+                | M::MountNoFSegment
+                | M::ReMountNoFSegment
+                | M::MountLocalDiskSegment
+        )
+    )
+}
+
 /// Serves one accepted client connection until either side closes, it idles out, or
 /// shutdown drains it.
 pub async fn serve(client: TcpStream, peer: std::net::SocketAddr, shared: Arc<Shared>) {
     let cfg = &shared.cfg;
     let mut leader = shared.upstream.clone();
-    let Some(addr) = leader.addr() else {
-        // HA masters without a leader (failover in progress): the client retries.
+    let Some((upstream, addr)) = connect_upstream(&client, &mut leader, peer, &shared).await else {
         shared
             .metrics
             .connection(super::metrics::ConnOutcome::upstream_failed);
-        tracing::warn!(%peer, "no master leader; closing client connection");
         return;
-    };
-    let upstream = match tokio::time::timeout(
-        cfg.connect_timeout(),
-        TcpStream::connect(addr.as_str()),
-    )
-    .await
-    {
-        Ok(Ok(s)) => s,
-        Ok(Err(e)) => {
-            shared
-                .metrics
-                .connection(super::metrics::ConnOutcome::upstream_failed);
-            tracing::warn!(%peer, upstream = %addr, error = %e,
-                "upstream master unreachable; closing client connection");
-            return;
-        }
-        Err(_) => {
-            shared
-                .metrics
-                .connection(super::metrics::ConnOutcome::upstream_failed);
-            tracing::warn!(%peer, upstream = %addr, timeout_ms = cfg.connect_timeout_ms,
-                "upstream master connect timed out; closing client connection");
-            return;
-        }
     };
     shared
         .metrics

@@ -126,6 +126,9 @@ pub struct MasterFaceMetrics {
     pub connections_open: Gauge,
     pub upstream_connections_open: Gauge,
     conn_outcomes: [Counter; 3],
+    /// Client connections held for a leader (`master_face.failover_hold_ms`):
+    /// `[connected, closed]`.
+    held: [Counter; 2],
     closes: [Counter; CLOSE_REASONS.len()],
     frame_errors: Family<FrameErrorLabels, Counter>,
     pub bytes_to_master: Counter,
@@ -249,6 +252,16 @@ impl MasterFaceMetrics {
             "moongate_master_connections",
             "Client connections by outcome",
             outcomes,
+        );
+        let held_family = Family::<[(&'static str, &'static str); 1], Counter>::default();
+        let held =
+            ["connected", "closed"].map(|r| held_family.get_or_create(&[("result", r)]).clone());
+        registry.register(
+            "moongate_master_connections_held",
+            "Client connections that arrived while no HA leader served and were held \
+             for one (master_face.failover_hold_ms): connected, reached a leader; closed, \
+             none served within the hold",
+            held_family,
         );
         let close_family = Family::<CloseLabel, Counter>::default();
         let closes =
@@ -442,6 +455,7 @@ impl MasterFaceMetrics {
             connections_open,
             upstream_connections_open,
             conn_outcomes,
+            held,
             closes,
             frame_errors,
             bytes_to_master,
@@ -564,6 +578,12 @@ impl MasterFaceMetrics {
 
     pub fn connection(&self, outcome: ConnOutcome) {
         self.conn_outcomes[outcome as usize].inc();
+    }
+
+    /// Counts a client connection that was held for a leader: it reached one
+    /// (`true`) or was closed.
+    pub fn held(&self, connected: bool) {
+        self.held[usize::from(!connected)].inc();
     }
 
     /// Counts a served connection's end.
