@@ -21,6 +21,11 @@ use crate::codec::types::{ClientStatus, Segment, Uuid};
 use crate::kv::client::metadata::escape;
 use crate::upstream::{Conn, HttpUrl, http_request};
 
+/// How soon the heartbeat asks again while the master does not answer. A refused
+/// connect (a leader gone, or a new one still warming up) costs microseconds; a master
+/// that does not answer at all takes the call's timeout per try anyway.
+const RETRY_UNANSWERED: Duration = Duration::from_millis(100);
+
 #[derive(Debug, Error)]
 pub enum MountError {
     #[error("metadata server: {0}")]
@@ -216,9 +221,18 @@ impl Registration {
     async fn heartbeat(&self, mem: Arc<Memory>, shutdown: CancellationToken) {
         let mut warned = false;
         loop {
+            // Once a second, as Mooncake's clients ping; every RETRY_UNANSWERED while the
+            // master does not answer, so the segment remounts as a new leader starts
+            // serving: until then the values a restored leader knows here answer
+            // REPLICA_IS_NOT_READY, and puts can only land in the segments already back.
+            let every = if warned {
+                RETRY_UNANSWERED
+            } else {
+                Duration::from_secs(1)
+            };
             tokio::select! {
                 _ = shutdown.cancelled() => break,
-                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                _ = tokio::time::sleep(every) => {}
             }
             match self.call(Request::Ping(self.client_id)).await {
                 Ok(Response::Ping(Ok(p))) => {
@@ -238,7 +252,8 @@ impl Registration {
                 }
                 other => {
                     if !warned {
-                        tracing::warn!(answer = ?other.err(), "segment heartbeat failed; retrying every second");
+                        tracing::warn!(answer = ?other.err(),
+                            "segment heartbeat failed; retrying every 100 ms until the master answers");
                         warned = true;
                     }
                 }
