@@ -8,6 +8,9 @@ discovery) or through moongate (`master_server_address` = moongate). For each ki
 leader gets SIGKILL; measured: the time until the standby serves (its admin `/health`
 says `serving`) and until the client's first good put after the kill. The killed master
 is started again (it stands by) before the next kill. Sides alternate, --kills each.
+`--sides direct,moongate,moongate-no-hold` adds a second moongate with
+`master_face.failover_hold_ms = 0` (its client's ping not held for the new leader: it
+remounts at its next once-a-second retry), for the hold's A/B in one run.
 
   benches/run_failover.sh --kills 5      (builds moongate in release mode first)
 
@@ -69,6 +72,8 @@ def main():
     p.add_argument("--kills", type=int, default=5)
     p.add_argument("--moongate", default="target/release/moongate")
     p.add_argument("--json")
+    p.add_argument("--sides", default="direct,moongate",
+                   help="direct, moongate, moongate-no-hold (comma-separated, in turn)")
     a = p.parse_args()
     if a.role == "putter":
         return role_putter(a)
@@ -103,7 +108,10 @@ def main():
             time.sleep(0.02)
         raise SystemExit(f"timed out waiting for {what}; see {work}")
 
-    res = {"direct": [], "moongate": []}
+    sides = [x for x in a.sides.split(",") if x]
+    if not sides or set(sides) - {"direct", "moongate", "moongate-no-hold"}:
+        raise SystemExit(f"--sides: {a.sides!r}")
+    res = {x: [] for x in sides}
     try:
         etcd = start_etcd(work, procs)
         mdport = free_port()
@@ -117,18 +125,23 @@ def main():
         start_master("m0")
         start_master("m1")
         wait(leader, 30, "a leader")
-        mg_port, mg_admin = free_port(), f"127.0.0.1:{free_port()}"
-        with open(f"{work}/moongate.toml", "w") as f:
-            f.write(f'[master_face]\nlisten = "127.0.0.1:{mg_port}"\nupstream = "etcd://{etcd}"\n'
-                    f'[admin]\nlisten = "{mg_admin}"\n')
-        procs.append(subprocess.Popen(
-            [a.moongate, "run", "--config", f"{work}/moongate.toml"],
-            stdout=open(f"{work}/moongate.log", "w"), stderr=subprocess.STDOUT,
-            env={**os.environ, "RUST_LOG": "info"}))
-        wait_http(f"http://{mg_admin}/ready")
-        for k in range(2 * a.kills):
-            side = ("direct", "moongate")[k % 2]
-            master = f"etcd://{etcd}" if side == "direct" else f"127.0.0.1:{mg_port}"
+        # One moongate a moongate side (the second with the hold off).
+        mg_ports = {}
+        for side in [x for x in sides if x != "direct"]:
+            mg_port, mg_admin = free_port(), f"127.0.0.1:{free_port()}"
+            hold = "failover_hold_ms = 0\n" if side == "moongate-no-hold" else ""
+            with open(f"{work}/{side}.toml", "w") as f:
+                f.write(f'[master_face]\nlisten = "127.0.0.1:{mg_port}"\nupstream = "etcd://{etcd}"\n'
+                        f'{hold}[admin]\nlisten = "{mg_admin}"\n')
+            procs.append(subprocess.Popen(
+                [a.moongate, "run", "--config", f"{work}/{side}.toml"],
+                stdout=open(f"{work}/{side}.log", "w"), stderr=subprocess.STDOUT,
+                env={**os.environ, "RUST_LOG": "info"}))
+            wait_http(f"http://{mg_admin}/ready")
+            mg_ports[side] = mg_port
+        for k in range(len(sides) * a.kills):
+            side = sides[k % len(sides)]
+            master = f"etcd://{etcd}" if side == "direct" else f"127.0.0.1:{mg_ports[side]}"
             putter = subprocess.Popen(
                 [sys.executable, __file__, "--role", "putter", "--master", master,
                  "--metadata", metadata],
@@ -159,7 +172,7 @@ def main():
                 putter.wait(5)
             res[side].append({"serving_s": serving - killed, "first_put_s": good - killed,
                               "after_serving_s": good - serving})
-            print(f"kill {k + 1}/{2 * a.kills} ({side}): standby serving after "
+            print(f"kill {k + 1}/{len(sides) * a.kills} ({side}): standby serving after "
                   f"{serving - killed:.2f} s, first good put after {good - killed:.2f} s",
                   file=sys.stderr, flush=True)
             masters[old][0].wait(10)
@@ -169,12 +182,17 @@ def main():
         stop_all(procs)
     med = lambda s, m: statistics.median(r[m] for r in res[s])
     print(f"\nmedians over {a.kills} kills per side (SIGKILL of the leader)")
-    print(f"{'':<34}{'direct':>10}{'moongate':>10}{'ratio':>8}")
+    print(f"{'':<34}" + "".join(f"{x:>18}" for x in sides))
     for m, label in (("serving_s", "standby serving after kill (s)"),
                      ("first_put_s", "first good put after kill (s)"),
                      ("after_serving_s", "first good put after serving (s)")):
-        d, g = med("direct", m), med("moongate", m)
-        print(f"{label:<34}{d:>10.2f}{g:>10.2f}{g / d if d else float('nan'):>8.2f}")
+        d = med("direct", m) if "direct" in res else None
+        cells = []
+        for x in sides:
+            v = med(x, m)
+            ratio = f" ({v / d:.2f}x)" if d and x != "direct" else ""
+            cells.append(f"{v:.2f}{ratio}")
+        print(f"{label:<34}" + "".join(f"{c:>18}" for c in cells))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -23,10 +23,12 @@ use tokio_util::sync::CancellationToken;
 /// nothing beside the traffic, and a burst's memory is back within seconds of its end.
 const SETTLE_EVERY: Duration = Duration::from_secs(5);
 
-/// Resident memory the heap does not use that may gather above the lowest seen before
-/// [`settle`] trims. 16 MiB: above the churn of steady traffic (a few MiB between two
-/// looks in the soak), below what one burst leaves (30-40 MiB in the soak), and 5-8 %
-/// of a sidecar's ~200-250 MB RSS there.
+/// How far anonymous RSS may rise above the lowest reading since the last trim before
+/// [`settle`] trims (when the heap holds at least as much free). 16 MiB: above the
+/// churn of steady traffic (a few MiB between two looks in the soak), below what one
+/// burst leaves (30-40 MiB in the soak), and 5-8 % of a sidecar's ~200-250 MB RSS
+/// there. While bounded tables fill, RSS rises with data and a trim comes each 16 MiB
+/// (giving back little): a few dozen until the bounds are reached.
 const SETTLE_SLACK: u64 = 16 << 20;
 
 /// The heap gauges (`moongate_heap_bytes{state}`) and the trims [`settle`] made.
@@ -53,8 +55,9 @@ impl HeapMetrics {
         let trims = Counter::default();
         registry.register(
             "moongate_heap_trims",
-            "Times freed heap memory was handed back to the system because more than \
-             16 MiB of it had gathered resident (after a burst)",
+            "Times freed heap memory was handed back to the system: anonymous RSS had \
+             risen 16 MiB above its lowest since the last trim, with as much free in the \
+             heap (after a burst)",
             trims.clone(),
         );
         HeapMetrics {
@@ -90,11 +93,13 @@ pub fn give_back() {
     }
 }
 
-/// Every [`SETTLE_EVERY`], reads the resident memory the heap does not use (anonymous
-/// RSS less the heap in use) and trims ([`give_back`]) once it is more than
-/// [`SETTLE_SLACK`] above the lowest reading since the last trim; counts each trim in
-/// `trims`. Returns at `shutdown`, or at once where the figures cannot be read (not
-/// Linux with glibc: nothing to trim there either).
+/// Every [`SETTLE_EVERY`], reads anonymous RSS and the heap's free bytes, and trims
+/// ([`give_back`]) once RSS is more than [`SETTLE_SLACK`] above the lowest reading since
+/// the last trim and the heap holds at least that much free; counts each trim in
+/// `trims`. (Not RSS less the heap in use: reserved room never written, a hash map's
+/// spare buckets, counts as in use and is not resident, so that difference reads 0.)
+/// Returns at `shutdown`, or at once where the figures cannot be read (not Linux with
+/// glibc: nothing to trim there either).
 pub async fn settle(trims: Counter, shutdown: CancellationToken) {
     let mut floor: Option<u64> = None;
     let mut tick = tokio::time::interval(SETTLE_EVERY);
@@ -104,10 +109,10 @@ pub async fn settle(trims: Counter, shutdown: CancellationToken) {
             _ = shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let Some(unused) = unused_resident() else {
+        let (Some(rss), Some((_, free))) = (resident_anon(), read()) else {
             return;
         };
-        if !over(&mut floor, unused) {
+        if !over(&mut floor, rss, free) {
             continue;
         }
         // malloc_trim walks every arena and madvises its free pages: off the runtime's
@@ -116,30 +121,29 @@ pub async fn settle(trims: Counter, shutdown: CancellationToken) {
             return;
         }
         trims.inc();
-        floor = unused_resident();
+        floor = resident_anon();
     }
 }
 
-/// Whether `unused` is more than the slack above `floor`, which follows the lowest
-/// reading (the first reading sets it).
-fn over(floor: &mut Option<u64>, unused: u64) -> bool {
+/// Whether anonymous RSS `rss` is more than the slack above `floor` (which follows the
+/// lowest reading; the first sets it) with at least the slack `free` in the heap.
+fn over(floor: &mut Option<u64>, rss: u64, free: u64) -> bool {
     match floor {
-        Some(f) if unused > f.saturating_add(SETTLE_SLACK) => true,
+        Some(f) if rss > f.saturating_add(SETTLE_SLACK) && free >= SETTLE_SLACK => true,
         Some(f) => {
-            *f = (*f).min(unused);
+            *f = (*f).min(rss);
             false
         }
         None => {
-            *floor = Some(unused);
+            *floor = Some(rss);
             false
         }
     }
 }
 
-/// Anonymous resident bytes less the heap's bytes in use: what the allocator keeps
-/// resident free, plus stacks and other anonymous mappings (which move little).
-fn unused_resident() -> Option<u64> {
-    let (in_use, _) = read()?;
+/// Anonymous resident bytes (`RssAnon`: the heap and other private mappings; not the
+/// shared-memory segment, which is the store's data).
+fn resident_anon() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let kb: u64 = status
         .lines()
@@ -149,7 +153,7 @@ fn unused_resident() -> Option<u64> {
         .trim()
         .parse()
         .ok()?;
-    Some((kb << 10).saturating_sub(in_use))
+    Some(kb << 10)
 }
 
 fn clamp(v: u64) -> i64 {
@@ -195,17 +199,22 @@ mod tests {
     fn a_trim_comes_only_past_the_slack_above_the_lowest_reading() {
         let mut floor = None;
         let mib = 1u64 << 20;
+        let free = 64 * mib;
         assert!(
-            !over(&mut floor, 40 * mib),
+            !over(&mut floor, 40 * mib, free),
             "the first reading sets the floor"
         );
-        assert!(!over(&mut floor, 30 * mib));
+        assert!(!over(&mut floor, 30 * mib, free));
         assert_eq!(floor, Some(30 * mib), "the floor follows the lowest");
         assert!(
-            !over(&mut floor, 46 * mib),
+            !over(&mut floor, 46 * mib, free),
             "16 MiB above: within the slack"
         );
-        assert!(over(&mut floor, 47 * mib));
+        assert!(
+            !over(&mut floor, 47 * mib, 8 * mib),
+            "RSS up with little free in the heap: data, nothing to give back"
+        );
+        assert!(over(&mut floor, 47 * mib, free));
         assert_eq!(
             floor,
             Some(30 * mib),
@@ -213,16 +222,15 @@ mod tests {
         );
     }
 
-    /// What a burst leaves resident is seen, and a trim gives it back.
+    /// What a burst leaves resident stays in RSS once freed, and a trim gives it back.
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     #[test]
-    fn a_burst_freed_is_seen_resident_and_a_trim_gives_it_back() {
+    fn a_burst_freed_stays_resident_until_a_trim_gives_it_back() {
         // Small chunks (below the mmap threshold) come from the arenas; every page
         // written (a zero fill could come untouched from calloc).
         let mut chunks: Vec<Vec<u8>> = (0..16_384)
             .map(|i| vec![(i % 255 + 1) as u8; 4096])
             .collect();
-        let before = unused_resident().unwrap();
         // Every 16th kept: the rest freed around them, in holes the top chunk cannot
         // take back on its own (as a burst's memory is, among what stays).
         let mut i = 0;
@@ -230,13 +238,14 @@ mod tests {
             i += 1;
             i % 16 == 0
         });
-        let freed = unused_resident().unwrap();
+        let freed = resident_anon().unwrap();
+        let (_, free) = read().unwrap();
         give_back();
-        let after = unused_resident().unwrap();
+        let after = resident_anon().unwrap();
         drop(chunks);
         assert!(
-            freed >= before + (40 << 20) && after + (32 << 20) <= freed,
-            "60 MiB freed: unused resident {before} -> {freed}, after the trim {after}"
+            free >= 48 << 20 && after + (32 << 20) <= freed,
+            "60 MiB freed ({free} free in the heap): RSS {freed}, after the trim {after}"
         );
     }
 }
