@@ -122,6 +122,14 @@ pub async fn settle(trims: Counter, shutdown: CancellationToken) {
         }
         trims.inc();
         floor = resident_anon();
+        // What a trim gave back says whether RSS above the floor was the allocator's
+        // (given back) or data and mappings (kept).
+        tracing::debug!(
+            rss_before = rss,
+            rss_after = floor.unwrap_or(0),
+            heap_free = free,
+            "heap trimmed"
+        );
     }
 }
 
