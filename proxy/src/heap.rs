@@ -18,16 +18,17 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
-/// How often [`settle`] looks. Reading costs a `/proc` read and one `mallinfo2` (a walk
-/// of the free lists under each arena's lock, tens of microseconds here): every 5 s is
-/// nothing beside the traffic, and a burst's memory is back within seconds of its end.
+/// How often [`settle`] looks. Each look is a `/proc` read and one `mallinfo2` (a walk
+/// of the free lists under each arena's lock, as a metrics scrape does; not timed
+/// alone): every 5 s keeps that off the traffic's way, and a burst's memory is back
+/// within seconds of its end.
 const SETTLE_EVERY: Duration = Duration::from_secs(5);
 
 /// How far anonymous RSS may rise above the lowest reading since the last trim before
 /// [`settle`] trims (when the heap holds at least as much free). 16 MiB: above the
-/// churn of steady traffic (a few MiB between two looks in the soak), below what one
-/// burst leaves (30-40 MiB in the soak), and 5-8 % of a sidecar's ~200-250 MB RSS
-/// there. While bounded tables fill, RSS rises with data and a trim comes each 16 MiB
+/// churn of steady traffic (RSS within 203-212 MB over nine minutes of run G's soak),
+/// below what one burst leaves (25-53 MB in runs F and G), and 6-8 % of a sidecar's
+/// ~200-250 MB RSS there. While bounded tables fill, RSS rises with data and a trim comes each 16 MiB
 /// (giving back little): a few dozen until the bounds are reached.
 const SETTLE_SLACK: u64 = 16 << 20;
 
