@@ -24,12 +24,11 @@ use tokio_util::sync::CancellationToken;
 /// within seconds of its end.
 const SETTLE_EVERY: Duration = Duration::from_secs(5);
 
-/// How far anonymous RSS may rise above the lowest reading since the last trim before
-/// [`settle`] trims (when the heap holds at least as much free). 16 MiB: above the
-/// churn of steady traffic (RSS within 203-212 MB over nine minutes of run G's soak),
-/// below what one burst leaves (25-53 MB in runs F and G), and 6-8 % of a sidecar's
-/// ~200-250 MB RSS there. While bounded tables fill, RSS rises with data and a trim comes each 16 MiB
-/// (giving back little): a few dozen until the bounds are reached.
+/// How many bytes must come back free to the heap (its free bytes above their lowest
+/// since the last trim) before [`settle`] trims. 16 MiB: above the churn of steady
+/// traffic (RSS within 203-212 MB over nine minutes of one soak), below what one burst
+/// leaves (a flood of 300 stalled uploads 22-30 MB, a failover check's reads more), and
+/// 6-8 % of a sidecar's ~200-250 MB RSS there.
 const SETTLE_SLACK: u64 = 16 << 20;
 
 /// The heap gauges (`moongate_heap_bytes{state}`) and the trims [`settle`] made.
@@ -56,9 +55,8 @@ impl HeapMetrics {
         let trims = Counter::default();
         registry.register(
             "moongate_heap_trims",
-            "Times freed heap memory was handed back to the system: anonymous RSS had \
-             risen 16 MiB above its lowest since the last trim, with as much free in the \
-             heap (after a burst)",
+            "Times freed heap memory was handed back to the system: 16 MiB or more had \
+             been freed to the heap since its free bytes were lowest (a burst ended)",
             trims.clone(),
         );
         HeapMetrics {
@@ -94,15 +92,20 @@ pub fn give_back() {
     }
 }
 
-/// Every [`SETTLE_EVERY`], reads anonymous RSS and the heap's free bytes, and trims
-/// ([`give_back`]) once RSS is more than [`SETTLE_SLACK`] above the lowest reading since
-/// the last trim and the heap holds at least that much free; counts each trim in
-/// `trims`. (Not RSS less the heap in use: reserved room never written, a hash map's
-/// spare buckets, counts as in use and is not resident, so that difference reads 0.)
-/// Returns at `shutdown`, or at once where the figures cannot be read (not Linux with
-/// glibc: nothing to trim there either).
+/// Every [`SETTLE_EVERY`], reads the heap's free bytes, and trims ([`give_back`]) once
+/// they are more than [`SETTLE_SLACK`] above the lowest reading since the last trim:
+/// that much was freed back to the allocator since, which glibc keeps resident; counts
+/// each trim in `trims`. Returns at `shutdown`, or at once where the figures cannot be
+/// read (not Linux with glibc: nothing to trim there either).
+///
+/// Not on RSS rising: RSS rises while a burst is live (a flood's buffers, a check's
+/// reads), when a trim gives nothing back, and does not rise when the burst ends and
+/// frees; a rule on RSS trimmed during a flood and then never again, and left the
+/// flood's 22-30 MB resident to the end of a soak. Nor on RSS less the heap in use:
+/// reserved room never written, a hash map's spare buckets, counts as in use and is not
+/// resident, so that difference reads 0.
 pub async fn settle(trims: Counter, shutdown: CancellationToken) {
-    let mut floor: Option<u64> = None;
+    let mut low: Option<u64> = None;
     let mut tick = tokio::time::interval(SETTLE_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -110,41 +113,43 @@ pub async fn settle(trims: Counter, shutdown: CancellationToken) {
             _ = shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let (Some(rss), Some((_, free))) = (resident_anon(), read()) else {
+        let Some((_, free)) = read() else {
             return;
         };
-        if !over(&mut floor, rss, free) {
+        if !freed(&mut low, free) {
             continue;
         }
+        let rss = resident_anon().unwrap_or(0);
         // malloc_trim walks every arena and madvises its free pages: off the runtime's
         // workers.
         if tokio::task::spawn_blocking(give_back).await.is_err() {
             return;
         }
         trims.inc();
-        floor = resident_anon();
-        // What a trim gave back says whether RSS above the floor was the allocator's
-        // (given back) or data and mappings (kept).
+        // Free bytes stay counted once trimmed (only their pages go): the next trim
+        // waits for as much freed again.
+        low = read().map(|(_, f)| f);
+        // What a trim gave back says whether what was freed was resident.
         tracing::debug!(
             rss_before = rss,
-            rss_after = floor.unwrap_or(0),
+            rss_after = resident_anon().unwrap_or(0),
             heap_free = free,
             "heap trimmed"
         );
     }
 }
 
-/// Whether anonymous RSS `rss` is more than the slack above `floor` (which follows the
-/// lowest reading; the first sets it) with at least the slack `free` in the heap.
-fn over(floor: &mut Option<u64>, rss: u64, free: u64) -> bool {
-    match floor {
-        Some(f) if rss > f.saturating_add(SETTLE_SLACK) && free >= SETTLE_SLACK => true,
-        Some(f) => {
-            *f = (*f).min(rss);
+/// Whether the heap's free bytes `free` are more than the slack above `low` (which
+/// follows the lowest reading; the first sets it).
+fn freed(low: &mut Option<u64>, free: u64) -> bool {
+    match low {
+        Some(l) if free > l.saturating_add(SETTLE_SLACK) => true,
+        Some(l) => {
+            *l = (*l).min(free);
             false
         }
         None => {
-            *floor = Some(rss);
+            *low = Some(free);
             false
         }
     }
@@ -205,30 +210,17 @@ mod tests {
     }
 
     #[test]
-    fn a_trim_comes_only_past_the_slack_above_the_lowest_reading() {
-        let mut floor = None;
+    fn a_trim_comes_only_once_the_slack_is_freed_above_the_lowest_reading() {
+        let mut low = None;
         let mib = 1u64 << 20;
-        let free = 64 * mib;
-        assert!(
-            !over(&mut floor, 40 * mib, free),
-            "the first reading sets the floor"
-        );
-        assert!(!over(&mut floor, 30 * mib, free));
-        assert_eq!(floor, Some(30 * mib), "the floor follows the lowest");
-        assert!(
-            !over(&mut floor, 46 * mib, free),
-            "16 MiB above: within the slack"
-        );
-        assert!(
-            !over(&mut floor, 47 * mib, 8 * mib),
-            "RSS up with little free in the heap: data, nothing to give back"
-        );
-        assert!(over(&mut floor, 47 * mib, free));
-        assert_eq!(
-            floor,
-            Some(30 * mib),
-            "a trim's caller reads the floor anew"
-        );
+        assert!(!freed(&mut low, 40 * mib), "the first reading sets the low");
+        // A burst takes free memory (and RSS rises): no trim while it is live.
+        assert!(!freed(&mut low, 10 * mib));
+        assert_eq!(low, Some(10 * mib), "the low follows the lowest");
+        assert!(!freed(&mut low, 26 * mib), "16 MiB freed: within the slack");
+        // The burst ends and frees.
+        assert!(freed(&mut low, 27 * mib));
+        assert_eq!(low, Some(10 * mib), "a trim's caller reads the low anew");
     }
 
     /// What a burst leaves resident stays in RSS once freed, and a trim gives it back.
