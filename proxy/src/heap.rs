@@ -6,9 +6,10 @@
 //! can. On glibc they come from `mallinfo2` (which walks the free lists, so only at a
 //! scrape, never on a request path); elsewhere they stay 0.
 //!
-//! [`settle`] hands freed memory back once enough of it sits resident: after a burst
-//! (a flood of connections, a failover check's reads) glibc keeps the freed chunks in
-//! its arenas, and RSS would stay at the burst's height until the next one reused them.
+//! [`settle`] hands freed memory back once enough has been freed since the last trim:
+//! after a burst (a flood of connections, a failover check's reads) glibc keeps the
+//! freed chunks in its arenas, and RSS would stay at the burst's height until the next
+//! one reused them.
 
 use std::time::Duration;
 
